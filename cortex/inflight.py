@@ -1,0 +1,83 @@
+"""In-flight request counts shared by all extproc processes, without locks.
+
+Each extproc process owns one small file (`inflight/<index>.bin`, int64 per worker slot) and is its only
+writer; a reader sums every process's row. A restarted process starts its row from zero: the requests it
+was counting ended with it (their ext_proc streams were torn down).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+class InflightBoard:
+    def __init__(self, directory: str | os.PathLike[str], index: int, processes: int, max_workers: int) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.index = index
+        self.processes = processes
+        self.max_workers = max_workers
+        self._size = max_workers * 8
+        self._maps: dict[int, mmap.mmap] = {}
+        self._rows: dict[int, np.ndarray] = {}
+        path = self._path(index)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(b"\x00" * self._size)
+        os.replace(tmp, path)
+        self.own = self._map(index)
+        assert self.own is not None
+
+    def _path(self, index: int) -> Path:
+        return self.dir / f"{index}.bin"
+
+    def _map(self, index: int) -> np.ndarray | None:
+        row = self._rows.get(index)
+        if row is not None:
+            return row
+        try:
+            fd = os.open(self._path(index), os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_size < self._size:
+                return None
+            mm = mmap.mmap(fd, self._size)
+        finally:
+            os.close(fd)
+        self._maps[index] = mm
+        row = np.ndarray((self.max_workers,), dtype=np.int64, buffer=mm)
+        self._rows[index] = row
+        return row
+
+    def inc(self, slot: int) -> None:
+        self.own[slot] += 1
+
+    def dec(self, slot: int) -> None:
+        if self.own[slot] > 0:
+            self.own[slot] -= 1
+
+    def totals(self) -> np.ndarray:
+        total = self.own.copy()
+        for i in range(self.processes):
+            if i != self.index:
+                row = self._map(i)
+                if row is not None:
+                    total += row
+        return total
+
+    def refresh(self) -> None:
+        """Re-map peers' rows (a restarted peer replaced its file). Called off the hot path."""
+        for i in list(self._rows):
+            if i == self.index:
+                continue
+            try:
+                same = os.stat(self._path(i)).st_ino == os.fstat(self._maps[i].fileno()).st_ino
+            except (OSError, ValueError):
+                same = False
+            if not same:
+                self._rows.pop(i)
+                self._maps.pop(i).close()

@@ -1,0 +1,29 @@
+"""extproc's Prometheus series. With PROMETHEUS_MULTIPROC_DIR set (cortex run sets it), every extproc process
+writes its samples to files there and ingest's /metrics serves the sum: one scrape target per gateway."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from extproc.router import RouteResult
+
+DECISIONS = Counter("cortex_route_decisions", "routing decisions by match mode and reason", ["mode", "reason"])
+CLIENT_ERRORS = Counter("cortex_client_errors", "requests refused by Cortex with a 4xx/5xx", ["status"])
+INTERNAL_ERRORS = Counter("cortex_extproc_internal_errors",
+                          "requests sent to the fallback route because routing raised")
+HIT_TOKENS = Counter("cortex_claimed_cache_hit_tokens", "prompt tokens Cortex claimed as cached on the chosen worker")
+PROMPT_TOKENS = Counter("cortex_routed_prompt_tokens", "prompt tokens of routed requests")
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+DECISION_SECONDS = Histogram("cortex_route_decision_seconds", "time to route one request inside extproc",
+                             buckets=_BUCKETS)
+STAGE_SECONDS = Histogram("cortex_route_stage_seconds", "time per routing stage", ["stage"], buckets=_BUCKETS)
+
+
+def observe_decision(result: RouteResult, total_s: float) -> None:
+    d = result.decision
+    DECISIONS.labels(d.mode, d.reason).inc()
+    HIT_TOKENS.inc(d.hit_tokens)
+    PROMPT_TOKENS.inc(result.prompt_tokens)
+    DECISION_SECONDS.observe(total_s)
+    for stage in ("tokenize", "hash", "lookup", "score"):
+        STAGE_SECONDS.labels(stage).observe(getattr(result.timings, f"{stage}_s"))

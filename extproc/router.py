@@ -1,0 +1,113 @@
+"""One routing decision: request -> tokens -> block keys -> ledger lookup -> candidates -> scheduler.
+
+The same function serves real traffic and POST /cortex/v1/route, so the explain endpoint can never
+disagree with what the gateway does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from cortex.blockkeys import chain_keys, root_key
+from cortex.bundle import ModelBundle, TemplateError
+from cortex.config import CortexConfig
+from cortex.errors import ClientError
+from extproc.cluster_view import ClusterView
+from extproc.request import ParsedRequest
+from extproc.scheduler import Candidate, Decision, decide, round_robin
+
+
+@dataclass(slots=True)
+class Timings:
+    tokenize_s: float = 0.0
+    hash_s: float = 0.0
+    lookup_s: float = 0.0
+    score_s: float = 0.0
+
+
+@dataclass(slots=True)
+class RouteResult:
+    decision: Decision
+    prompt_tokens: int
+    token_ids: list[int] | None
+    timings: Timings = field(default_factory=Timings)
+
+
+class Router:
+    def __init__(self, cfg: CortexConfig, cluster: ClusterView, bundles: dict[str, ModelBundle]) -> None:
+        self.cfg = cfg
+        self.cluster = cluster
+        self.bundles = bundles
+        self._turn = itertools.count()
+
+    def tokens(self, req: ParsedRequest, bundle: ModelBundle) -> list[int]:
+        if req.prompt_ids is not None:
+            return req.prompt_ids
+        try:
+            if req.kind == "chat":
+                assert req.messages is not None
+                return bundle.encode_chat(req.messages, tools=req.tools,
+                                          add_generation_prompt=req.add_generation_prompt,
+                                          continue_final_message=req.continue_final_message,
+                                          chat_template_kwargs=req.chat_template_kwargs)
+            assert req.prompt_text is not None
+            return bundle.encode(req.prompt_text, add_special_tokens=True)
+        except TemplateError as exc:
+            raise ClientError(400, str(exc), "messages") from None
+
+    def route(self, req: ParsedRequest) -> RouteResult:
+        bundle = self.bundles.get(req.model)
+        if bundle is None:
+            raise ClientError(404, f"The model `{req.model}` does not exist.", "model")
+        workers = self.cluster.candidates(req.model)
+        if not workers:
+            raise ClientError(503, f"no healthy worker serves model `{req.model}`", "model")
+        timings = Timings()
+        t0 = time.perf_counter()
+        ids = self.tokens(req, bundle)
+        t1 = time.perf_counter()
+        timings.tokenize_s = t1 - t0
+        bs = self.cluster.block_size
+        # An engine always computes at least the last prompt token, so a hit never covers it.
+        usable_blocks = max(0, (len(ids) - 1) // bs)
+        why = "no_cached_prefix"
+        matches = None
+        if req.unroutable:
+            why = req.unroutable
+        elif not self.cluster.alive:
+            why = "ledger_unavailable"
+        elif usable_blocks == 0:
+            why = "prompt_shorter_than_a_block"
+        else:
+            keys = chain_keys(ids, bs, root_key(None, req.cache_salt), max_blocks=usable_blocks)
+            t2 = time.perf_counter()
+            timings.hash_s = t2 - t1
+            matches = self.cluster.match(keys)
+            timings.lookup_s = time.perf_counter() - t2
+            if matches is None:
+                why = "ledger_unavailable"
+        t3 = time.perf_counter()
+        inflight = self.cluster.inflight.totals()
+        cands = []
+        for w in workers:
+            trusted = matches is not None and w.state == "READY"
+            cands.append(Candidate(
+                id=w.id, slot=w.slot, address=w.address,
+                matched_blocks=int(matches[w.slot]) if trusted and matches is not None else 0,
+                ledger_trusted=trusted,
+                engine_load=w.engine_load if self.cluster.alive else None,
+                inflight=int(inflight[w.slot]),
+            ))
+        if matches is not None and not any(c.ledger_trusted for c in cands):
+            why = "no_worker_ledger_ready"
+        turn = next(self._turn)
+        if not self.cluster.alive and not any(c.inflight for c in cands):
+            # No engine load and no in-flight signal tells the workers apart: only liveness is known.
+            decision = round_robin(cands, turn, why)
+        else:
+            decision = decide(cands, block_size=bs, ledger_usable=matches is not None, why_not_exact=why,
+                              turn=turn)
+        timings.score_s = time.perf_counter() - t3
+        return RouteResult(decision=decision, prompt_tokens=len(ids), token_ids=ids, timings=timings)

@@ -1,0 +1,287 @@
+"""The ext_proc gRPC server: Envoy's per-request message stream in, header mutations out.
+
+One stream per HTTP request (envoy-extproc.md §1): request headers (answered at once; Envoy sends the
+body without waiting), the buffered request body (parse, route, answer with the pool and the ordered
+endpoint list, or an immediate OpenAI-style error), then the response headers (stamp the x-cortex-*
+headers for the worker that really served, which differs from the first choice after a retry). The
+stream stays open until the HTTP request ends, so the in-flight count is released in `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import orjson
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3.http_status_pb2 import HttpStatus
+
+from cortex.config import CortexConfig
+from cortex.dataplane import ANY_CLUSTER, ENDPOINTS_HEADER, POOL_HEADER, pool_cluster
+from cortex.errors import ClientError
+from extproc import metrics
+from extproc.cluster_view import ClusterView
+from extproc.request import ROUTED_PATHS, parse_body
+from extproc.router import Router
+from extproc.scheduler import EXACT, LOAD_AWARE, Candidate, Decision, decide
+
+log = logging.getLogger("cortex.extproc")
+
+EXPLAIN_PATH = "/cortex/v1/route"
+MODELS_PATH = "/v1/models"
+_OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+_EMPTY_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_EMPTY_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
+def _set(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+def _immediate(status: int, body: bytes, content_type: str = "application/json") -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=pb.HeaderMutation(set_headers=[_set("content-type", content_type)]),
+        body=body, details="cortex"))
+
+
+@dataclass(slots=True)
+class StreamState:
+    method: str = ""
+    path: str = ""
+    query: str = ""
+    decision: Decision | None = None
+    counted_slot: int | None = None
+    fallback_reason: str = ""
+
+
+class ExtProc:
+    def __init__(self, cfg: CortexConfig, cluster: ClusterView, router: Router) -> None:
+        self.cfg = cfg
+        self.cluster = cluster
+        self.router = router
+        self._models_body = orjson.dumps({"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": int(time.time()), "owned_by": "cortex"}
+            for m in cfg.models]})
+
+    # -- the gRPC method ----------------------------------------------------------------------------------
+
+    async def process(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        st = StreamState()
+        try:
+            async for req in requests:
+                which = req.WhichOneof("request")
+                if which == "request_headers":
+                    yield self.on_request_headers(st, req.request_headers)
+                elif which == "request_body":
+                    yield self.on_request_body(st, req.request_body.body)
+                elif which == "response_headers":
+                    yield self.on_response_headers(st, req)
+                elif which == "response_body":
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                elif which == "request_trailers":
+                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                elif which == "response_trailers":
+                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+        finally:
+            # Runs on a clean end, on cancellation and on GeneratorExit: the request is over either way.
+            if st.counted_slot is not None:
+                self.cluster.inflight.dec(st.counted_slot)
+
+    # -- phases ---------------------------------------------------------------------------------------------
+
+    def on_request_headers(self, st: StreamState, headers: Any) -> pb.ProcessingResponse:
+        for h in headers.headers.headers:
+            if h.key == ":path":
+                path = (h.raw_value or h.value.encode()).decode("latin-1")
+                st.path, _, st.query = path.partition("?")
+            elif h.key == ":method":
+                st.method = (h.raw_value or h.value.encode()).decode("latin-1")
+        if st.method == "GET" and st.path == MODELS_PATH:
+            return _immediate(200, self._models_body)
+        wants_body = st.method == "POST" and (st.path in ROUTED_PATHS or
+                                              (st.path == EXPLAIN_PATH and self.cfg.extproc.route_explain))
+        if wants_body and headers.end_of_stream:
+            return self._error(ClientError(400, "request body is required"))
+        if not wants_body:
+            # Not an inference request: no body work, least-loaded worker of the whole fleet.
+            self._route_any(st)
+            return self._routing_response(st, "request_headers")
+        return _EMPTY_HEADERS
+
+    def on_request_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+        explain = st.path == EXPLAIN_PATH
+        kind = ROUTED_PATHS.get(st.path)
+        if kind is None and not explain:
+            return _EMPTY_BODY
+        t0 = time.perf_counter()
+        try:
+            if explain:
+                return self._explain(st, body)
+            parsed = parse_body(kind, body)  # type: ignore[arg-type]
+            result = self.router.route(parsed)
+        except ClientError as exc:
+            return self._error(exc)
+        except Exception:  # never fail the request because routing failed: Envoy's balancing takes it
+            log.exception("routing failed; request continues on the fallback route")
+            metrics.INTERNAL_ERRORS.inc()
+            st.fallback_reason = "extproc_error"
+            return _EMPTY_BODY
+        st.decision = result.decision
+        self._count(st, result.decision.chosen.slot)
+        metrics.observe_decision(result, time.perf_counter() - t0)
+        return self._routing_response(st, "request_body", pool_cluster(parsed.model))
+
+    def on_response_headers(self, st: StreamState, req: Any) -> pb.ProcessingResponse:
+        served = ""
+        attrs = req.attributes.get("envoy.filters.http.ext_proc")
+        if attrs is not None and "upstream.address" in attrs.fields:
+            served = attrs.fields["upstream.address"].string_value
+        headers = []
+        d = st.decision
+        if d is None:
+            info = self.cluster.by_address.get(served)
+            mode = "fallback_p2c"
+            reason = st.fallback_reason or "routed_by_envoy"
+            headers.append(_set("x-cortex-cache-hit-tokens", "0"))
+            if info is not None:
+                headers.append(_set("x-cortex-assigned-worker", info.id))
+        else:
+            chosen = d.chosen
+            worker = chosen
+            if served and served != chosen.address:
+                # Envoy retried on the next worker of the list: report what really happened.
+                worker = next((c for c in d.order if c.address == served), chosen)
+                if worker is not chosen:
+                    self._count(st, worker.slot)
+            mode, reason = d.mode, d.reason
+            hit = d.hit_tokens if worker is chosen else 0
+            if worker is not chosen:
+                reason = f"retried:{reason}"
+                mode = mode if mode != EXACT else LOAD_AWARE
+            headers += [_set("x-cortex-assigned-worker", worker.id), _set("x-cortex-cache-hit-tokens", str(hit))]
+        headers += [_set("x-cortex-match-mode", mode), _set("x-cortex-route-reason", reason)]
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
+
+    # -- helpers --------------------------------------------------------------------------------------------
+
+    def _count(self, st: StreamState, slot: int) -> None:
+        if st.counted_slot is not None:
+            self.cluster.inflight.dec(st.counted_slot)
+        self.cluster.inflight.inc(slot)
+        st.counted_slot = slot
+
+    def _route_any(self, st: StreamState) -> None:
+        workers = [w for ws in self.cluster.workers.values() for w in ws if w.healthy]
+        if not workers:
+            return
+        inflight = self.cluster.inflight.totals()
+        cands = [Candidate(id=w.id, slot=w.slot, address=w.address,
+                           engine_load=w.engine_load if self.cluster.alive else None,
+                           inflight=int(inflight[w.slot])) for w in workers]
+        st.decision = decide(cands, block_size=self.cluster.block_size, ledger_usable=False,
+                             why_not_exact="not_an_inference_request", turn=int(time.monotonic_ns() >> 10))
+        self._count(st, st.decision.chosen.slot)
+
+    def _routing_response(self, st: StreamState, phase: str, pool: str = ANY_CLUSTER) -> pb.ProcessingResponse:
+        if st.decision is None:
+            return _EMPTY_HEADERS if phase == "request_headers" else _EMPTY_BODY
+        endpoints = ",".join(c.address for c in st.decision.order)
+        common = pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(set_headers=[_set(POOL_HEADER, pool),
+                                                           _set(ENDPOINTS_HEADER, endpoints)]),
+            clear_route_cache=True)
+        if phase == "request_headers":
+            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+    def _error(self, exc: ClientError) -> pb.ProcessingResponse:
+        metrics.CLIENT_ERRORS.labels(str(exc.status)).inc()
+        return _immediate(exc.status, exc.body())
+
+    def _explain(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+        try:
+            raw = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raw = None
+        kind = "chat" if isinstance(raw, dict) and "messages" in raw else "completion"
+        result = self.router.route(parse_body(kind, body))
+        d = result.decision
+        doc: dict[str, Any] = {
+            "prompt_tokens": result.prompt_tokens,
+            "block_size": self.cluster.block_size,
+            "chosen": d.chosen.id,
+            "order": [c.id for c in d.order],
+            "mode": d.mode,
+            "reason": d.reason,
+            "cache_hit_tokens": d.hit_tokens,
+            "workers": [{"id": c.id, "matched_tokens": d.matched_tokens.get(c.id),
+                         "ledger_trusted": c.ledger_trusted, "engine_load": c.engine_load,
+                         "inflight": c.inflight} for c in d.order],
+            "timings_ms": {k: round(getattr(result.timings, k) * 1000, 3)
+                           for k in ("tokenize_s", "hash_s", "lookup_s", "score_s")},
+        }
+        if "tokens=1" in st.query.split("&"):
+            doc["token_ids"] = result.token_ids
+        return _immediate(200, orjson.dumps(doc))
+
+
+async def serve(cfg: CortexConfig, index: int) -> None:
+    from cortex.bundle import ModelBundle
+
+    bundles = {m.name: ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template) for m in cfg.models}
+    cluster = ClusterView(cfg, cfg.view_path(), index)
+    cluster.refresh()
+    app = ExtProc(cfg, cluster, Router(cfg, cluster, bundles))
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
+        ("grpc.max_send_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
+    ])
+    handler = grpc.method_handlers_generic_handler("envoy.service.ext_proc.v3.ExternalProcessor", {
+        "Process": grpc.stream_stream_rpc_method_handler(
+            app.process, request_deserializer=pb.ProcessingRequest.FromString,
+            response_serializer=pb.ProcessingResponse.SerializeToString),
+    })
+    server.add_generic_rpc_handlers((handler,))
+    port = cfg.extproc.base_port + index
+    server.add_insecure_port(f"{cfg.extproc.host}:{port}")
+    await server.start()
+    log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port, len(bundles))
+
+    async def upkeep() -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            try:
+                cluster.refresh()
+            except Exception:
+                log.exception("cluster view refresh failed")
+
+    task = asyncio.create_task(upkeep())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await server.stop(grace=2)
+
+
+def run(cfg: CortexConfig, index: int) -> int:
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(cfg, index))
+    return 0
+

