@@ -16,6 +16,7 @@ commands:
   demo                      start simulated workers and a gateway in front of them, print what to curl
   sim      [flags]          run one simulated engine (see `cortex sim --help`)
   check    -c cortex.yaml   validate a config file and print it with every default filled in
+  envoy-config -c cortex.yaml  print the Envoy bootstrap Cortex generates from a config
   ingest / extproc          internal: the processes `cortex run` supervises
 """
 
@@ -57,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _load(args.config)
     if command == "check":
         print(dump_config(cfg), end="")
+        return 0
+    if command == "envoy-config":
+        import yaml
+
+        from cortex.dataplane import bootstrap
+
+        print(yaml.safe_dump(bootstrap(cfg), sort_keys=False), end="")
         return 0
     if command == "run":
         from cortex.gateway import run_gateway

@@ -61,6 +61,9 @@ class ExtprocConfig(_Strict):
     base_port: Port = 50051
     message_timeout_ms: int = Field(5000, ge=200)
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_tokenize_chars: int = Field(1 << 20, ge=4096)
+    """Prompt text past this many characters is not tokenized for routing (it is far beyond any context
+    window; the engine will judge the request). Bounds extproc's work per request."""
     route_explain: bool = True
     """Serve POST /cortex/v1/route (the routing decision as JSON, nothing forwarded)."""
     view_stale_after_s: float = Field(1.0, gt=0)

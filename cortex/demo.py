@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+import orjson
 import yaml
 
 from cortex.config import parse_config
@@ -43,15 +44,16 @@ def main(argv: list[str]) -> int:
     cfg = parse_config(data, "demo")
     config_path = runtime / "cortex.yaml"
     config_path.write_text(yaml.safe_dump(data, sort_keys=False))
-    sims = [ChildSpec(w.id, [sys.executable, "-m", "cortex.cli", "sim", "--engine", "vllm",
-                             "--port", str(w.host_port[1]), "--worker-id", w.id, "--model", MODEL,
-                             "--kv-events-port", w.kv_events.rsplit(":", 1)[1] if w.kv_events else "0"])
-            for w in cfg.workers]
+    sims = [ChildSpec(f"sim-{i + 1}", [sys.executable, "-m", "cortex.cli", "sim", "--engine", "vllm",
+                                       "--port", str(args.sim_base_port + i), "--worker-id", f"sim-{i + 1}",
+                                       "--model", MODEL, "--kv-events-port", str(args.kv_base_port + i)])
+            for i in range(args.workers)]
 
     def tell() -> None:
         base = f"http://127.0.0.1:{args.port}"
-        body = ('{"model": "%s", "messages": [{"role": "system", "content": "You are a concise assistant."}, '
-                '{"role": "user", "content": "Say hello."}]}' % MODEL)
+        body = orjson.dumps({"model": MODEL, "messages": [
+            {"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "Say hello."}]}).decode()
         print(f"""
 Cortex demo is up: {len(cfg.workers)} simulated vLLM workers behind Envoy + Cortex on {base}
   config:  {config_path}

@@ -41,10 +41,10 @@ def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path) -> list[
 
 
 async def wait_ready(cfg: CortexConfig, timeout_s: float = 60.0) -> bool:
-    """True once Envoy's admin says LIVE and ingest answers /health/ready."""
+    """True once ingest answers /health/ready and a request through Envoy reaches extproc."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    urls = [f"http://{cfg.admin.host}:{cfg.admin.port}/ready",
-            f"http://{cfg.ingest.host}:{cfg.ingest.port}/health/ready"]
+    urls = [f"http://{cfg.ingest.host}:{cfg.ingest.port}/health/ready",
+            f"http://{cfg.listen.host}:{cfg.listen.port}/cortex/health"]
     async with aiohttp.ClientSession() as session:
         while asyncio.get_running_loop().time() < deadline:
             ok = True
@@ -52,7 +52,7 @@ async def wait_ready(cfg: CortexConfig, timeout_s: float = 60.0) -> bool:
                 try:
                     async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
                         ok = ok and r.status == 200
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                except (TimeoutError, aiohttp.ClientError, OSError):
                     ok = False
             if ok:
                 return True

@@ -33,6 +33,8 @@ class RouteResult:
     prompt_tokens: int
     token_ids: list[int] | None
     timings: Timings = field(default_factory=Timings)
+    truncated: bool = False
+    """The prompt was longer than extproc.max_tokenize_chars; prompt_tokens counts only the routed prefix."""
 
 
 class Router:
@@ -42,20 +44,33 @@ class Router:
         self.bundles = bundles
         self._turn = itertools.count()
 
-    def tokens(self, req: ParsedRequest, bundle: ModelBundle) -> list[int]:
+    def tokens(self, req: ParsedRequest, bundle: ModelBundle) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether they were cut short for routing.
+
+        Routing needs the prefix a cache can hold, not a prompt longer than any context window: text past
+        `max_tokenize_chars` is not tokenized. The tokens at the cut may differ from the engine's, so one
+        block more is dropped; a wrong token there could only turn a hit into a miss, never the reverse.
+        """
         if req.prompt_ids is not None:
-            return req.prompt_ids
+            return req.prompt_ids, False
         try:
             if req.kind == "chat":
                 assert req.messages is not None
-                return bundle.encode_chat(req.messages, tools=req.tools,
+                text = bundle.render_chat(req.messages, tools=req.tools,
                                           add_generation_prompt=req.add_generation_prompt,
                                           continue_final_message=req.continue_final_message,
                                           chat_template_kwargs=req.chat_template_kwargs)
-            assert req.prompt_text is not None
-            return bundle.encode(req.prompt_text, add_special_tokens=True)
+                special = False
+            else:
+                assert req.prompt_text is not None
+                text, special = req.prompt_text, True
         except TemplateError as exc:
             raise ClientError(400, str(exc), "messages") from None
+        cap = self.cfg.extproc.max_tokenize_chars
+        if len(text) <= cap:
+            return bundle.encode(text, add_special_tokens=special), False
+        ids = bundle.encode(text[:cap], add_special_tokens=special)
+        return ids[: max(0, len(ids) - 2 * self.cluster.block_size)], True
 
     def route(self, req: ParsedRequest) -> RouteResult:
         bundle = self.bundles.get(req.model)
@@ -66,7 +81,7 @@ class Router:
             raise ClientError(503, f"no healthy worker serves model `{req.model}`", "model")
         timings = Timings()
         t0 = time.perf_counter()
-        ids = self.tokens(req, bundle)
+        ids, truncated = self.tokens(req, bundle)
         t1 = time.perf_counter()
         timings.tokenize_s = t1 - t0
         bs = self.cluster.block_size
@@ -110,4 +125,5 @@ class Router:
             decision = decide(cands, block_size=bs, ledger_usable=matches is not None, why_not_exact=why,
                               turn=turn)
         timings.score_s = time.perf_counter() - t3
-        return RouteResult(decision=decision, prompt_tokens=len(ids), token_ids=ids, timings=timings)
+        return RouteResult(decision=decision, prompt_tokens=len(ids), token_ids=ids, timings=timings,
+                           truncated=truncated)

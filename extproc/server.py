@@ -36,6 +36,7 @@ log = logging.getLogger("cortex.extproc")
 
 EXPLAIN_PATH = "/cortex/v1/route"
 MODELS_PATH = "/v1/models"
+HEALTH_PATH = "/cortex/health"
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 _EMPTY_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _EMPTY_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
@@ -106,6 +107,9 @@ class ExtProc:
                 st.method = (h.raw_value or h.value.encode()).decode("latin-1")
         if st.method == "GET" and st.path == MODELS_PATH:
             return _immediate(200, self._models_body)
+        if st.method == "GET" and st.path == HEALTH_PATH:
+            # Answered here, so a 200 proves the whole chain Envoy -> extproc works.
+            return _immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.alive}))
         wants_body = st.method == "POST" and (st.path in ROUTED_PATHS or
                                               (st.path == EXPLAIN_PATH and self.cfg.extproc.route_explain))
         if wants_body and headers.end_of_stream:
@@ -217,6 +221,7 @@ class ExtProc:
         d = result.decision
         doc: dict[str, Any] = {
             "prompt_tokens": result.prompt_tokens,
+            "prompt_truncated_for_routing": result.truncated,
             "block_size": self.cluster.block_size,
             "chosen": d.chosen.id,
             "order": [c.id for c in d.order],

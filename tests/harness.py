@@ -32,6 +32,27 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def free_consecutive(n: int) -> int:
+    """A base port such that base .. base+n-1 are all free now."""
+    import random
+
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
 def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
@@ -132,10 +153,10 @@ def start_gateway(gw: Gateway) -> None:
     def ready() -> bool:
         if gw.proc is not None and gw.proc.poll() is not None:
             raise RuntimeError(f"gateway exited: {gw.log.read_text()[-2000:]}")
-        ok = httpx.get(f"http://127.0.0.1:{gw.admin_port}/ready", timeout=1).status_code == 200
+        health = httpx.get(f"{gw.url}/cortex/health", timeout=2)
         ws = gw.workers()
-        return ok and all(w["state"] == "READY" for w in ws.values()) and \
-            httpx.get(f"{gw.url}/v1/models", timeout=2).status_code == 200
+        return health.status_code == 200 and health.json()["ledger_view"] and \
+            all(w["state"] == "READY" for w in ws.values())
 
     wait_for(ready, timeout=60, what="gateway ready")
 

