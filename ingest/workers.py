@@ -7,7 +7,6 @@ tolerant defaults (a busy GPU answers late): a worker is marked down only after 
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from dataclasses import dataclass, field
@@ -128,7 +127,7 @@ async def probe_health(session: aiohttp.ClientSession, worker: Worker, timeout: 
     try:
         async with session.get(f"{worker.cfg.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             ok = r.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, aiohttp.ClientError, OSError):
         ok = False
     if ok:
         worker.health_failures = 0

@@ -40,7 +40,7 @@ def test_chunked_hashing_equals_one_shot(a: list[int], b: list[int]) -> None:
 @given(tokens)
 def test_prefix_stable_and_nonzero(t: list[int]) -> None:
     keys = chain_keys(t, 4, root_key())
-    assert keys == chain_keys(t + [1, 2, 3, 4], 4, root_key())[: len(keys)]
+    assert keys == chain_keys([*t, 1, 2, 3, 4], 4, root_key())[: len(keys)]
     assert all(0 < k < 2**64 for k in keys)
 
 
