@@ -24,21 +24,32 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class Listen(_Strict):
+    """Where clients connect: Envoy's listener for the OpenAI API."""
+
     host: str = "127.0.0.1"
+    """Bind address. Loopback by default; use 0.0.0.0 to serve other machines."""
     port: Port = 8080
+    """Gateway port for /v1/chat/completions, /v1/completions, /v1/models, /cortex/v1/route."""
 
 
 class AdminListen(_Strict):
+    """Envoy's admin interface (stats, /clusters, /ready)."""
+
     host: str = "127.0.0.1"
+    """Bind address of Envoy admin. Keep it private: admin can change Envoy's state."""
     port: Port = 9901
+    """Envoy admin port."""
 
 
 class IngestConfig(_Strict):
+    """The ingest process: KV-event subscribers, the ledger, worker probes, and the admin/metrics port."""
+
     host: str = "127.0.0.1"
+    """Bind address of ingest's HTTP port."""
     port: Port = 9090
     """Serves /health/live, /health/ready, /metrics and /cortex/workers."""
     heartbeat_interval_s: float = Field(0.1, gt=0, le=5)
@@ -46,21 +57,31 @@ class IngestConfig(_Strict):
     load_poll_interval_s: float = Field(0.1, gt=0, le=60)
     """How often each worker's own load metrics are read (vLLM /metrics, SGLang /v1/loads)."""
     health_interval_s: float = Field(5.0, gt=0)
+    """Seconds between health probes of each worker (GET /health); Envoy's active checks use it too."""
     health_timeout_s: float = Field(3.0, gt=0)
+    """A probe slower than this counts as a failure."""
     health_failures: int = Field(3, ge=1)
     """Consecutive failed probes before a worker is marked down (tolerant on purpose: a busy GPU answers late)."""
     view_capacity: int = Field(1 << 16, ge=1024)
     """Initial slot count of the shared ledger table; it doubles on its own when half full."""
     max_workers: int = Field(64, ge=1, le=4096)
+    """Most workers the ledger view can hold (one bit each per cached block)."""
 
 
 class ExtprocConfig(_Strict):
+    """The ext_proc servers Envoy calls for every request."""
+
     processes: int = Field(1, ge=1, le=64)
     """ext_proc server processes, each its own endpoint in Envoy's ext_proc cluster (scale by process)."""
     host: str = "127.0.0.1"
+    """Bind address of the gRPC servers (Envoy connects here)."""
     base_port: Port = 50051
+    """Process i listens on base_port + i."""
     message_timeout_ms: int = Field(5000, ge=200)
+    """Envoy's per-message ext_proc deadline. Envoy's default (200 ms) is too tight for Python under load;
+    on expiry the request continues on Envoy's own balancing (failure_mode_allow)."""
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    """Largest request body accepted (Envoy buffers it for routing); larger gets 413."""
     max_tokenize_chars: int = Field(1 << 20, ge=4096)
     """Prompt text past this many characters is not tokenized for routing (it is far beyond any context
     window; the engine will judge the request). Bounds extproc's work per request."""
@@ -71,8 +92,12 @@ class ExtprocConfig(_Strict):
 
 
 class ModelConfig(_Strict):
+    """A served model: the name clients send, the engine family, and the files that tokenize like it."""
+
     name: str = Field(min_length=1)
+    """The `model` value clients send (the engine's served model name)."""
     engine: Engine = "vllm"
+    """Engine family of its workers: `vllm` or `sglang` (each has its own ledger and wire format)."""
     tokenizer: str
     """Directory holding tokenizer.json (+ tokenizer_config.json), or `pkg:<python package>` that ships one."""
     chat_template: str | None = None
@@ -85,15 +110,22 @@ class ModelConfig(_Strict):
 
 
 class WorkerConfig(_Strict):
+    """One engine server (one OpenAI endpoint)."""
+
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._:-]+$")
+    """Name used in headers, metrics and /cortex/workers."""
     url: str
+    """http://HOST:PORT of its OpenAI API. Hostnames are resolved once at start."""
     model: str
+    """Name of the model (from `models`) it serves."""
     engine: Engine = "vllm"
+    """Must match the model's engine."""
     kv_events: str | None = None
     """ZMQ PUB endpoint of the engine's KV events, e.g. tcp://10.0.0.5:5557 (None: route this worker by load)."""
     kv_replay: str | None = None
     """ZMQ ROUTER replay endpoint (engine `replay_endpoint`), used to fill gaps."""
     kv_topic: str = ""
+    """ZMQ topic prefix to subscribe to (the engine's `topic`; empty = all)."""
     block_size: int = Field(16, ge=1)
     """The engine's KV block (page) size as it appears in its events."""
 
@@ -129,6 +161,8 @@ class WorkerConfig(_Strict):
 
 
 class CortexConfig(_Strict):
+    """The whole file. Unknown keys are errors, so a typo never silently falls back to a default."""
+
     listen: Listen = Listen()
     admin: AdminListen = AdminListen()
     ingest: IngestConfig = IngestConfig()
@@ -138,7 +172,9 @@ class CortexConfig(_Strict):
     block_size: int = Field(16, ge=1, le=4096)
     """Cortex's own key block size in tokens; engine blocks are mapped onto it."""
     models: list[ModelConfig] = Field(min_length=1)
+    """Served models (at least one)."""
     workers: list[WorkerConfig] = Field(default_factory=list)
+    """Workers known at start."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> CortexConfig:
@@ -205,3 +241,34 @@ def load_config(path: str | os.PathLike[str]) -> CortexConfig:
 
 def dump_config(cfg: CortexConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True), sort_keys=False)
+
+
+def reference_markdown() -> str:
+    """Every field with its default and meaning, generated from the schema (docs/configuration.md)."""
+    lines: list[str] = []
+
+    def section(title: str, model: type[BaseModel], prefix: str) -> None:
+        lines.extend([f"### `{title}`", "", (model.__doc__ or "").strip(), "",
+                      "| field | default | meaning |", "|---|---|---|"])
+        nested = []
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                nested.append((f"{prefix}{name}", ann))
+                continue
+            if field.is_required():
+                default = "required"
+            elif field.default_factory is not None:
+                default = f"`{field.default_factory()!r}`"  # type: ignore[call-arg]
+            else:
+                default = f"`{field.default!r}`"
+            desc = " ".join((field.description or "").split())
+            lines.append(f"| `{prefix}{name}` | {default} | {desc} |")
+        lines.append("")
+        for sub_prefix, sub in nested:
+            section(sub_prefix, sub, f"{sub_prefix}.")
+
+    section("cortex.yaml (top level)", CortexConfig, "")
+    section("models[]", ModelConfig, "")
+    section("workers[]", WorkerConfig, "")
+    return "\n".join(lines)

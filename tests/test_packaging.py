@@ -56,3 +56,11 @@ def test_envoy_accepts_generated_config(tmp_path: Path) -> None:
     for name in names:
         eds = yaml.safe_load((tmp_path / "xds" / f"eds_{name}.yaml").read_text())
         assert eds["resources"][0]["cluster_name"] == name
+
+
+def test_configuration_reference_is_current() -> None:
+    from cortex.config import reference_markdown
+
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    marker = "<!-- generated from cortex/config.py by cortex.config.reference_markdown(); tests keep it current -->\n"
+    assert doc.split(marker, 1)[1].strip() == reference_markdown().strip()
