@@ -130,8 +130,7 @@ class Ingest:
                 worker.restarts += 1
                 worker.reason = "publisher restarted: ledger cleared"
             log.warning("worker %s: %s (last seq %s, got %d)", worker.id, verdict.value, worker.last_seq, seq)
-            with self.view.batch():
-                worker.ledger.clear(self.view)
+            worker.ledger.clear(self.view)
         worker.last_seq = seq
         try:
             batch = decode_batch(frames[2])
@@ -140,8 +139,9 @@ class Ingest:
             log.warning("worker %s: undecodable batch %d: %s", worker.id, seq, exc)
             return
         worker.decode_errors += len(batch.errors)
-        with self.view.batch():
-            worker.ledger.apply(batch.events, self.view)
+        # Each view call is its own short write section: every state a reader can see is one the worker
+        # really passed through, and a storm of events never locks readers out for a whole batch.
+        worker.ledger.apply(batch.events, self.view)
         worker.batches += 1
         self.batches_applied += 1
         self.events_applied += len(batch.events)
