@@ -56,6 +56,9 @@ class IngestConfig(_Strict):
     """How often ingest stamps the shared ledger view; extproc treats 1 s of silence as ingest dead."""
     load_poll_interval_s: float = Field(0.1, gt=0, le=60)
     """How often each worker's own load metrics are read (vLLM /metrics, SGLang /v1/loads)."""
+    event_silence_s: float = Field(10.0, gt=0)
+    """A worker busy with requests for this long without a single event batch is suspected of losing
+    events: its ledger goes STALE and is re-checked through replay (idle workers publish nothing)."""
     health_interval_s: float = Field(5.0, gt=0)
     """Seconds between health probes of each worker (GET /health); Envoy's active checks use it too."""
     health_timeout_s: float = Field(3.0, gt=0)
@@ -65,7 +68,7 @@ class IngestConfig(_Strict):
     view_capacity: int = Field(1 << 16, ge=1024)
     """Initial slot count of the shared ledger table; it doubles on its own when half full."""
     max_workers: int = Field(64, ge=1, le=4096)
-    """Most workers the ledger view can hold (one bit each per cached block)."""
+    """Most routing targets (workers x data-parallel ranks) the ledger view can hold (one bit each per block)."""
 
 
 class ExtprocConfig(_Strict):
@@ -102,6 +105,17 @@ class ModelConfig(_Strict):
     """Directory holding tokenizer.json (+ tokenizer_config.json), or `pkg:<python package>` that ships one."""
     chat_template: str | None = None
     """Path to a Jinja chat template, overriding the one in tokenizer_config.json."""
+    page_size: int | None = Field(None, ge=1)
+    """The engine's KV block (page) size in tokens, as its events report it. Default: 16 for vLLM
+    (`--block-size`), 1 for SGLang (`--page-size` on CUDA). A worker whose events disagree fails parity."""
+    hash_algo: str | None = None
+    """vLLM `--prefix-caching-hash-algo` of the workers (default `sha256`); used only to check hash parity.
+    `sha256` and `sha256_cbor` are reproduced; any other value turns the check off."""
+    hash_seed: str | None = None
+    """The workers' PYTHONHASHSEED if they set one (vLLM derives its root hash from it); None = unset."""
+
+    def engine_page_size(self) -> int:
+        return self.page_size or (16 if self.engine == "vllm" else 1)
 
     def tokenizer_dir(self) -> Path:
         if self.tokenizer.startswith("pkg:"):
@@ -126,8 +140,9 @@ class WorkerConfig(_Strict):
     """ZMQ ROUTER replay endpoint (engine `replay_endpoint`), used to fill gaps."""
     kv_topic: str = ""
     """ZMQ topic prefix to subscribe to (the engine's `topic`; empty = all)."""
-    block_size: int = Field(16, ge=1)
-    """The engine's KV block (page) size as it appears in its events."""
+    dp_size: int = Field(1, ge=1, le=256)
+    """Data-parallel ranks behind this URL. Rank r publishes on the kv_events (and kv_replay) port + r, keeps
+    its own cache, and is routed to as its own target (`<id>@<r>`) with the engine's rank selector."""
 
     @field_validator("url")
     @classmethod
@@ -192,11 +207,17 @@ class CortexConfig(_Strict):
             if by_name[w.model].engine != w.engine:
                 raise ValueError(f"workers[{w.id}].engine: {w.engine!r} but model {w.model!r} is served by "
                                  f"{by_name[w.model].engine!r}")
-            if w.block_size % self.block_size and self.block_size % w.block_size:
-                raise ValueError(f"workers[{w.id}].block_size: {w.block_size} and block_size {self.block_size} "
-                                 "must divide one another")
-        if len(self.workers) > self.ingest.max_workers:
-            raise ValueError(f"workers: {len(self.workers)} configured but ingest.max_workers is "
+            if w.dp_size > 1 and w.kv_events is not None and not w.kv_events.startswith("tcp://"):
+                raise ValueError(f"workers[{w.id}].kv_events: data-parallel ranks need a tcp:// endpoint "
+                                 "(rank r publishes on port + r)")
+        for m in self.models:
+            if self.block_size % m.engine_page_size():
+                raise ValueError(f"models[{m.name}].page_size: {m.engine_page_size()} does not divide block_size "
+                                 f"{self.block_size}; Cortex blocks must be whole engine pages (a Cortex hit must "
+                                 "never claim part of a page the engine cannot reuse)")
+        targets = sum(w.dp_size for w in self.workers)
+        if targets > self.ingest.max_workers:
+            raise ValueError(f"workers: {targets} routing targets (workers x dp ranks) but ingest.max_workers is "
                              f"{self.ingest.max_workers}")
         return self
 

@@ -33,8 +33,10 @@ ENDPOINTS_HEADER = "x-gateway-destination-endpoint"
 ANY_CLUSTER = "cortex_any"
 EXTPROC_CLUSTER = "cortex_extproc"
 # Headers only Cortex may set on the request path; a client's copies are removed at the door.
+# x-data-parallel-rank pins a vLLM DP rank: Cortex's cache claims assume the rank it chose.
 RESERVED_REQUEST_HEADERS = (POOL_HEADER, ENDPOINTS_HEADER, "x-cortex-worker", "x-cortex-match-mode",
-                            "x-cortex-cache-hit-tokens", "x-cortex-assigned-worker", "x-cortex-route-reason")
+                            "x-cortex-cache-hit-tokens", "x-cortex-assigned-worker", "x-cortex-route-reason",
+                            "x-data-parallel-rank")
 
 
 def envoy_binary() -> str:

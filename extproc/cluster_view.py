@@ -25,12 +25,18 @@ LOAD_MAX_AGE_S = 2.0  # an engine load reading older than this is treated as unk
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerInfo:
+class TargetInfo:
+    """One routing target: a worker, or one data-parallel rank of it."""
+
     id: str
+    worker: str
+    rank: int | None
     slot: int
     model: str
+    engine: str
     address: str
-    state: str
+    exact_kv: bool
+    """Ingest vouches for its ledger (stream in sync, hash parity not failed)."""
     healthy: bool
     engine_load: float | None
 
@@ -46,27 +52,36 @@ class ClusterView:
         self.alive = False
         self.block_size = cfg.block_size
         self._meta_version = -1
-        self.workers: dict[str, list[WorkerInfo]] = {}
-        self.by_address: dict[str, WorkerInfo] = {}
-        # Until ingest has spoken, the config's worker list (slots in config order, as ingest assigns them).
-        self._set_workers([{"id": w.id, "slot": i, "model": w.model, "address": w.address(),
-                            "state": "UNKNOWN", "healthy": True, "load": {}}
-                           for i, w in enumerate(cfg.workers)])
+        self.targets: dict[str, list[TargetInfo]] = {}
+        self.by_address: dict[str, TargetInfo] = {}
+        self._set_targets(self._config_targets())
 
-    def _set_workers(self, docs: list[dict[str, Any]]) -> None:
-        by_model: dict[str, list[WorkerInfo]] = {}
-        by_address: dict[str, WorkerInfo] = {}
+    def _config_targets(self) -> list[dict[str, Any]]:
+        """Until ingest has spoken: the config's workers, slots in config order as ingest assigns them."""
+        docs: list[dict[str, Any]] = []
+        for w in self.cfg.workers:
+            ranks: list[int | None] = [None] if w.dp_size == 1 else list(range(w.dp_size))
+            for rank in ranks:
+                docs.append({"id": w.id if rank is None else f"{w.id}@{rank}", "worker": w.id, "rank": rank,
+                             "slot": len(docs), "model": w.model, "engine": w.engine, "address": w.address(),
+                             "exact_kv": False, "healthy": True, "load": {}})
+        return docs
+
+    def _set_targets(self, docs: list[dict[str, Any]]) -> None:
+        by_model: dict[str, list[TargetInfo]] = {}
+        by_address: dict[str, TargetInfo] = {}
         for d in docs:
             load = d.get("load") or {}
             age = load.get("age_s")
             engine_load = (float(load.get("running", 0)) + float(load.get("waiting", 0))
                            if age is not None and age <= LOAD_MAX_AGE_S else None)
-            info = WorkerInfo(id=d["id"], slot=int(d["slot"]), model=d["model"], address=d["address"],
-                              state=d.get("state", "UNKNOWN"), healthy=bool(d.get("healthy", True)),
-                              engine_load=engine_load)
+            info = TargetInfo(id=d["id"], worker=d.get("worker", d["id"]), rank=d.get("rank"),
+                              slot=int(d["slot"]), model=d["model"], engine=d.get("engine", "vllm"),
+                              address=d["address"], exact_kv=bool(d.get("exact_kv")),
+                              healthy=bool(d.get("healthy", True)), engine_load=engine_load)
             by_model.setdefault(info.model, []).append(info)
-            by_address[info.address] = info
-        self.workers = by_model
+            by_address.setdefault(info.address, info)
+        self.targets = by_model
         self.by_address = by_address
 
     def refresh(self) -> None:
@@ -84,18 +99,21 @@ class ClusterView:
         if not alive:
             return
         version, doc = self.reader.meta()
-        if version != self._meta_version and doc.get("workers") is not None:
+        if version != self._meta_version and doc.get("targets") is not None:
             self._meta_version = version
             self.block_size = int(doc.get("block_size", self.block_size))
-            self._set_workers(doc["workers"])
+            self._set_targets(doc["targets"])
 
     def _mark(self, alive: bool, why: str) -> None:
         if alive != self.alive:
             log.warning("ledger view %s", "available" if alive else f"unavailable: {why}")
         self.alive = alive
 
-    def candidates(self, model: str) -> list[WorkerInfo]:
-        return [w for w in self.workers.get(model, ()) if w.healthy]
+    def candidates(self, model: str) -> list[TargetInfo]:
+        return [t for t in self.targets.get(model, ()) if t.healthy]
+
+    def all_candidates(self) -> list[TargetInfo]:
+        return [t for ts in self.targets.values() for t in ts if t.healthy]
 
     def match(self, keys: list[int]) -> np.ndarray | None:
         """Leading blocks held per slot, or None when the view cannot be trusted right now."""

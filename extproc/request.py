@@ -35,6 +35,8 @@ class ParsedRequest:
     cache_salt: str | None = None
     unroutable: str | None = None
     """Why exact-KV routing cannot apply to an otherwise valid request (e.g. image content)."""
+    body: dict[str, Any] | None = None
+    """The parsed JSON body, kept for the rare case Cortex must rewrite it (SGLang data-parallel pinning)."""
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -99,7 +101,7 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
     if not isinstance(model, str) or not model:
         raise ClientError(400, "'model' is required and must be a string", "model")
     req = ParsedRequest(kind=kind, model=model, stream=_bool(body, "stream", False),
-                        cache_salt=_cache_salt(body.get("cache_salt")))
+                        cache_salt=_cache_salt(body.get("cache_salt")), body=body)
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

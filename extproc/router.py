@@ -107,13 +107,13 @@ class Router:
         inflight = self.cluster.inflight.totals()
         cands = []
         for w in workers:
-            trusted = matches is not None and w.state == "READY"
+            trusted = matches is not None and w.exact_kv
             cands.append(Candidate(
                 id=w.id, slot=w.slot, address=w.address,
                 matched_blocks=int(matches[w.slot]) if trusted and matches is not None else 0,
                 ledger_trusted=trusted,
                 engine_load=w.engine_load if self.cluster.alive else None,
-                inflight=int(inflight[w.slot]),
+                inflight=int(inflight[w.slot]), rank=w.rank, engine=w.engine,
             ))
         if matches is not None and not any(c.ledger_trusted for c in cands):
             why = "no_worker_ledger_ready"

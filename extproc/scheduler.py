@@ -35,6 +35,9 @@ class Candidate:
     """running + waiting as the engine last reported it; None when unknown or too old."""
     inflight: int = 0
     """Requests Cortex routed to it that have not ended (all extproc processes)."""
+    rank: int | None = None
+    """Data-parallel rank to pin on the worker, or None."""
+    engine: str = "vllm"
 
     @property
     def load(self) -> float | None:

@@ -37,6 +37,7 @@ log = logging.getLogger("cortex.extproc")
 EXPLAIN_PATH = "/cortex/v1/route"
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/cortex/health"
+DP_RANK_HEADER = "x-data-parallel-rank"  # vLLM's selector of the engine inside a DP deployment
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 _EMPTY_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _EMPTY_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
@@ -141,7 +142,15 @@ class ExtProc:
         st.decision = result.decision
         self._count(st, result.decision.chosen.slot)
         metrics.observe_decision(result, time.perf_counter() - t0)
-        return self._routing_response(st, "request_body", pool_cluster(parsed.model))
+        response = self._routing_response(st, "request_body", pool_cluster(parsed.model))
+        chosen = result.decision.chosen
+        if chosen.rank is not None and chosen.engine == "sglang" and parsed.body is not None:
+            # SGLang pins a data-parallel rank from the body only; Envoy does not fix Content-Length itself.
+            new_body = orjson.dumps({**parsed.body, "routed_dp_rank": chosen.rank})
+            common = response.request_body.response
+            common.body_mutation.body = new_body
+            common.header_mutation.set_headers.append(_set("content-length", str(len(new_body))))
+        return response
 
     def on_response_headers(self, st: StreamState, req: Any) -> pb.ProcessingResponse:
         served = ""
@@ -184,13 +193,14 @@ class ExtProc:
         st.counted_slot = slot
 
     def _route_any(self, st: StreamState) -> None:
-        workers = [w for ws in self.cluster.workers.values() for w in ws if w.healthy]
-        if not workers:
+        # Any worker will do, so no rank is pinned: let the worker's own DP balancing place it.
+        targets = [t for t in self.cluster.all_candidates() if t.rank in (None, 0)]
+        if not targets:
             return
         inflight = self.cluster.inflight.totals()
-        cands = [Candidate(id=w.id, slot=w.slot, address=w.address,
-                           engine_load=w.engine_load if self.cluster.alive else None,
-                           inflight=int(inflight[w.slot])) for w in workers]
+        cands = [Candidate(id=t.worker, slot=t.slot, address=t.address,
+                           engine_load=t.engine_load if self.cluster.alive else None,
+                           inflight=int(inflight[t.slot])) for t in targets]
         st.decision = decide(cands, block_size=self.cluster.block_size, ledger_usable=False,
                              why_not_exact="not_an_inference_request", turn=int(time.monotonic_ns() >> 10))
         self._count(st, st.decision.chosen.slot)
@@ -198,11 +208,13 @@ class ExtProc:
     def _routing_response(self, st: StreamState, phase: str, pool: str = ANY_CLUSTER) -> pb.ProcessingResponse:
         if st.decision is None:
             return _EMPTY_HEADERS if phase == "request_headers" else _EMPTY_BODY
-        endpoints = ",".join(c.address for c in st.decision.order)
-        common = pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(set_headers=[_set(POOL_HEADER, pool),
-                                                           _set(ENDPOINTS_HEADER, endpoints)]),
-            clear_route_cache=True)
+        # One entry per address: a retry must go to another worker, not another rank of the failed one.
+        endpoints = ",".join(dict.fromkeys(c.address for c in st.decision.order))
+        headers = [_set(POOL_HEADER, pool), _set(ENDPOINTS_HEADER, endpoints)]
+        chosen = st.decision.chosen
+        if chosen.rank is not None and chosen.engine == "vllm":
+            headers.append(_set(DP_RANK_HEADER, str(chosen.rank)))
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
         if phase == "request_headers":
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))

@@ -16,63 +16,79 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+from pydantic import ValidationError
 
-from ingest.service import Ingest
-from ingest.workers import SyncState
+from cortex.config import WorkerConfig
+from cortex.errors import error_body
+from ingest.service import Ingest, MembershipError
+from ingest.sync import SyncState
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(status=status, body=error_body(status, message), content_type="application/json")
 
 
 class IngestCollector(Collector):
+    """Ingest's series, read from its live state at scrape time (nothing is counted twice)."""
+
     def __init__(self, ingest: Ingest) -> None:
         self.ingest = ingest
 
     def collect(self) -> Iterator[Metric]:
-        ing = self.ingest
         now = time.monotonic()
-        state = GaugeMetricFamily("cortex_worker_state", "1 for the worker's current ledger sync state",
-                                  labels=["worker", "state"])
+        labels = ["target", "worker"]
+        state = GaugeMetricFamily("cortex_target_sync_state", "1 for the target's current ledger sync state",
+                                  labels=[*labels, "state"])
+        exact = GaugeMetricFamily("cortex_target_exact_kv", "1 if the target is eligible for exact-KV routing",
+                                  labels=labels)
+        parity = GaugeMetricFamily("cortex_target_hash_parity", "1 for the target's current hash parity status",
+                                   labels=[*labels, "status"])
         healthy = GaugeMetricFamily("cortex_worker_healthy", "1 if the worker passes health probes",
                                     labels=["worker"])
-        blocks = GaugeMetricFamily("cortex_ledger_blocks", "Cortex blocks the ledger lists for the worker",
-                                   labels=["worker"])
-        running = GaugeMetricFamily("cortex_worker_running_requests", "engine-reported running requests",
-                                    labels=["worker"])
-        waiting = GaugeMetricFamily("cortex_worker_waiting_requests", "engine-reported waiting requests",
-                                    labels=["worker"])
-        event_age = GaugeMetricFamily("cortex_worker_last_event_age_seconds", "time since the last event batch",
-                                      labels=["worker"])
-        batches = CounterMetricFamily("cortex_ingest_batches", "event batches applied", labels=["worker"])
-        gaps = CounterMetricFamily("cortex_ingest_gaps", "sequence gaps detected", labels=["worker"])
-        restarts = CounterMetricFamily("cortex_ingest_publisher_restarts", "publisher restarts detected",
-                                       labels=["worker"])
-        dups = CounterMetricFamily("cortex_ingest_duplicate_batches", "duplicate batches dropped",
-                                   labels=["worker"])
-        errors = CounterMetricFamily("cortex_ingest_decode_errors", "undecodable batches or events",
-                                     labels=["worker"])
+        blocks = GaugeMetricFamily("cortex_ledger_blocks", "Cortex blocks the ledger lists for the target",
+                                   labels=labels)
+        running = GaugeMetricFamily("cortex_target_running_requests", "engine-reported running requests",
+                                    labels=labels)
+        waiting = GaugeMetricFamily("cortex_target_waiting_requests", "engine-reported waiting requests",
+                                    labels=labels)
+        event_age = GaugeMetricFamily("cortex_target_last_event_age_seconds", "time since the last event batch",
+                                      labels=labels)
+        counters = {name: CounterMetricFamily(f"cortex_ingest_{name}", help_, labels=labels) for name, help_ in (
+            ("batches", "event batches applied"),
+            ("gaps", "sequence gaps detected"),
+            ("replays", "replays requested from the engine's replay socket"),
+            ("resyncs", "holes given up on: ledger cleared and rebuilt from live events"),
+            ("publisher_restarts", "publisher restarts detected (sequence went back)"),
+            ("duplicate_batches", "duplicate or already-applied batches dropped"),
+            ("decode_errors", "undecodable batches or events"),
+            ("parity_failures", "hash parity failures"),
+            ("events", "events applied to the ledger"),
+        )}
         dropped = CounterMetricFamily("cortex_ingest_dropped_events", "events not applied, by reason",
-                                      labels=["worker", "reason"])
-        for w in ing.workers.values():
-            for s in SyncState:
-                state.add_metric([w.id, s.value], 1.0 if w.state is s else 0.0)
+                                      labels=[*labels, "reason"])
+        for w in self.ingest.workers.values():
             healthy.add_metric([w.id], 1.0 if w.healthy else 0.0)
-            blocks.add_metric([w.id], w.ledger.blocks)
-            running.add_metric([w.id], w.load.running)
-            waiting.add_metric([w.id], w.load.waiting)
-            if w.last_event_at:
-                event_age.add_metric([w.id], now - w.last_event_at)
-            batches.add_metric([w.id], w.batches)
-            gaps.add_metric([w.id], w.gaps)
-            restarts.add_metric([w.id], w.restarts)
-            dups.add_metric([w.id], w.duplicates)
-            errors.add_metric([w.id], w.decode_errors)
-            for reason, n in w.ledger.dropped.items():
-                dropped.add_metric([w.id, reason], n)
-        yield from (state, healthy, blocks, running, waiting, event_age, batches, gaps, restarts, dups, errors,
-                    dropped)
-        yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view", value=ing.view.size)
-        yield GaugeMetricFamily("cortex_ingest_lag_seconds",
-                                "age of the newest applied batch when it was applied (engine ts to apply)",
-                                value=ing.last_apply_lag_s)
-        yield CounterMetricFamily("cortex_ingest_events", "events applied", value=ing.events_applied)
+            for t in w.targets:
+                key = [t.id, w.id]
+                for s in SyncState:
+                    state.add_metric([*key, s.value], 1.0 if t.sync.state is s else 0.0)
+                exact.add_metric(key, 1.0 if t.exact_kv else 0.0)
+                parity.add_metric([*key, t.parity.status], 1.0)
+                blocks.add_metric(key, t.ledger.blocks)
+                running.add_metric(key, t.load.running)
+                waiting.add_metric(key, t.load.waiting)
+                if t.last_event_at:
+                    event_age.add_metric(key, now - t.last_event_at)
+                for name, value in (("batches", t.batches), ("gaps", t.sync.gaps), ("replays", t.sync.replays),
+                                    ("resyncs", t.sync.resyncs), ("publisher_restarts", t.sync.restarts),
+                                    ("duplicate_batches", t.sync.duplicates), ("decode_errors", t.decode_errors),
+                                    ("parity_failures", t.parity.failures), ("events", t.ledger.events_applied)):
+                    counters[name].add_metric(key, value)
+                for reason, n in t.ledger.dropped.items():
+                    dropped.add_metric([*key, reason], n)
+        yield from (state, exact, parity, healthy, blocks, running, waiting, event_age, *counters.values(), dropped)
+        yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view",
+                                value=self.ingest.view.size)
 
 
 def build_app(ingest: Ingest) -> web.Application:
@@ -87,13 +103,16 @@ def build_app(ingest: Ingest) -> web.Application:
         return web.json_response({"status": "live"})
 
     async def ready(_: web.Request) -> web.Response:
-        ws = list(ingest.workers.values())
-        exact = [w.id for w in ws if w.state is SyncState.READY and w.healthy]
-        degraded = len(exact) < len(ws)
+        # Ready means "safe to take traffic"; a degraded ledger still routes safely (by load) and says so.
+        targets = ingest.targets()
+        exact = [t.id for t in targets if t.exact_kv and t.worker.healthy]
+        degraded = len(exact) < len(targets)
         return web.json_response({
             "status": "ready", "degraded": degraded,
-            "detail": "some workers are routed by load only" if degraded else "all workers on exact-KV routing",
-            "workers": len(ws), "workers_exact_kv": len(exact),
+            "detail": ("targets routed by load only: " + ", ".join(
+                f"{t.id} ({t.why_not_exact() if t.worker.healthy else 'unhealthy'})"
+                for t in targets if t.id not in exact)) if degraded else "all targets on exact-KV routing",
+            "targets": len(targets), "targets_exact_kv": len(exact),
         })
 
     async def metrics(_: web.Request) -> web.Response:
@@ -105,9 +124,30 @@ def build_app(ingest: Ingest) -> web.Application:
     async def workers(_: web.Request) -> web.Response:
         return web.json_response(ingest.status())
 
+    async def add_worker(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            wcfg = WorkerConfig.model_validate(body)
+            ingest.add_worker(wcfg)
+        except ValidationError as exc:
+            msg = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+            return _error(400, f"invalid worker: {msg}")
+        except ValueError as exc:  # bad JSON, or MembershipError
+            return _error(getattr(exc, "status", 400), str(exc))
+        return web.json_response(ingest.status(), status=201)
+
+    async def remove_worker(request: web.Request) -> web.Response:
+        try:
+            await ingest.remove_worker(request.match_info["worker_id"])
+        except MembershipError as exc:
+            return _error(exc.status, str(exc))
+        return web.json_response(ingest.status())
+
     app = web.Application()
     app.router.add_get("/health/live", live)
     app.router.add_get("/health/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/cortex/workers", workers)
+    app.router.add_post("/cortex/workers", add_worker)
+    app.router.add_delete("/cortex/workers/{worker_id}", remove_worker)
     return app

@@ -1,165 +1,192 @@
-"""The ingest process: one ZMQ SUB per worker, the ledger, probes, and the shared view extproc reads.
+"""The ingest process: worker lifecycle, one event source per target, probes, and the shared view.
 
 Everything runs on one asyncio loop, so the ledger has a single writer and needs no locks. The view
-(cortex.view) is the only thing other processes see: key membership per worker slot plus a small JSON
-document with each worker's state and load, stamped with a heartbeat so readers notice if ingest dies.
+(cortex.view) is the only thing other processes see: key membership per target slot plus a small JSON
+document with each target's state and load, stamped with a heartbeat so readers notice if ingest dies.
+
+Workers come from the config file and from the admin API; API changes are kept in
+`<runtime_dir>/workers.json`, so a restarted ingest (the supervisor restarts it) comes back with the same
+fleet. Every membership change also rewrites Envoy's EDS files, so Envoy and Cortex agree on the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
 import logging
+import os
 import time
 from typing import Any
 
 import aiohttp
-import zmq
+import orjson
 import zmq.asyncio
 
 from cortex.config import CortexConfig, WorkerConfig
+from cortex.dataplane import atomic_write, write_xds
 from cortex.view import ViewWriter
-from ingest.events import DecodeError, decode_batch
-from ingest.ledger import WorkerLedger
-from ingest.sequence import SeqVerdict, classify
-from ingest.workers import SyncState, Worker, probe_health, read_load
+from ingest.ledger import Ledger
+from ingest.parity import ParityCheck
+from ingest.source import EventSource, cancel_quietly
+from ingest.sync import SourceSync, SyncState
+from ingest.workers import Target, Worker, probe_health, read_load
 
 log = logging.getLogger("cortex.ingest")
+
+
+class MembershipError(ValueError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Ingest:
     def __init__(self, cfg: CortexConfig) -> None:
         self.cfg = cfg
-        self.started = time.monotonic()
         self.view = ViewWriter(cfg.view_path(), max_workers=cfg.ingest.max_workers,
                                capacity=cfg.ingest.view_capacity)
         self.zmq = zmq.asyncio.Context.instance()
         self.workers: dict[str, Worker] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._sources: dict[str, tuple[EventSource, asyncio.Task[None]]] = {}
         self._background: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
-        self.batches_applied = 0
-        self.events_applied = 0
-        self.last_apply_lag_s = 0.0
+        self._epochs = itertools.count(1)
+        self._meta_dirty = True
+        self.state_file = cfg.runtime_path() / "workers.json"
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession()
-        for wcfg in self.cfg.workers:
-            self.add_worker(wcfg)
+        for wcfg, source in self._initial_workers():
+            self._add(wcfg, source)
+        self._sync_envoy()
         self.publish_meta()
         self._background = [asyncio.create_task(self._heartbeat_loop()),
                             asyncio.create_task(self._load_loop()),
                             asyncio.create_task(self._health_loop())]
 
     async def stop(self) -> None:
-        for task in [*self._background, *self._tasks.values()]:
-            task.cancel()
-        for task in [*self._background, *self._tasks.values()]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        for task in [*self._background, *(task for _, task in self._sources.values())]:
+            await cancel_quietly(task)
         if self._session is not None:
             await self._session.close()
         self.view.close()
 
-    def _free_slot(self) -> int:
-        used = {w.slot for w in self.workers.values()}
-        for slot in range(self.view.max_workers):
-            if slot not in used:
-                return slot
-        raise RuntimeError(f"no free worker slot (ingest.max_workers={self.view.max_workers})")
+    def _initial_workers(self) -> list[tuple[WorkerConfig, str]]:
+        added: list[WorkerConfig] = []
+        removed: set[str] = set()
+        if self.state_file.is_file():
+            try:
+                doc = orjson.loads(self.state_file.read_bytes())
+                added = [WorkerConfig.model_validate(w) for w in doc.get("added", [])]
+                removed = set(doc.get("removed", []))
+            except (ValueError, TypeError) as exc:
+                log.error("ignoring unreadable %s: %s", self.state_file, exc)
+        out = [(w, "config") for w in self.cfg.workers if w.id not in removed]
+        ids = {w.id for w, _ in out}
+        out += [(w, "api") for w in added if w.id not in ids]
+        return out
+
+    def _save_state(self) -> None:
+        config_ids = {w.id for w in self.cfg.workers}
+        doc = {"added": [w.cfg.model_dump(mode="json") for w in self.workers.values() if w.source == "api"],
+               "removed": sorted(config_ids - set(self.workers))}
+        atomic_write(self.state_file, orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+
+    def _sync_envoy(self) -> None:
+        write_xds(self.cfg, [w.cfg for w in self.workers.values()])
+
+    # -- membership --------------------------------------------------------------------------------------
 
     def add_worker(self, wcfg: WorkerConfig) -> Worker:
+        """Admin API: validate against the config's models, add, persist, and tell Envoy."""
         if wcfg.id in self.workers:
-            raise ValueError(f"worker {wcfg.id!r} already exists")
-        slot = self._free_slot()
-        worker = Worker(cfg=wcfg, slot=slot, address=wcfg.address(),
-                        ledger=WorkerLedger(slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size))
-        # A slot may have been used by a removed worker: start from a clean bitset.
-        self.view.clear_worker(slot)
-        if wcfg.kv_events is None:
-            worker.state, worker.reason = SyncState.NO_EVENTS, "no kv_events endpoint configured"
-        elif wcfg.block_size != self.cfg.block_size:
-            worker.state = SyncState.UNSUPPORTED
-            worker.reason = (f"engine block size {wcfg.block_size} != Cortex block_size {self.cfg.block_size}; "
-                             "routed by load")
-        else:
-            self._tasks[wcfg.id] = asyncio.create_task(self._subscribe(worker), name=f"sub-{wcfg.id}")
-        self.workers[wcfg.id] = worker
-        log.info("worker %s added (slot %d, %s, %s)", wcfg.id, slot, wcfg.url, worker.state.value)
+            raise MembershipError(409, f"worker {wcfg.id!r} already exists")
+        model = self.cfg.model(wcfg.model)
+        if model is None:
+            raise MembershipError(422, f"model {wcfg.model!r} is not one of the configured models "
+                                       f"{[m.name for m in self.cfg.models]}")
+        if model.engine != wcfg.engine:
+            raise MembershipError(422, f"worker engine {wcfg.engine!r} but model {wcfg.model!r} is served by "
+                                       f"{model.engine!r}")
+        worker = self._add(wcfg, "api")
+        self._save_state()
+        self._sync_envoy()
         return worker
 
-    # -- event stream ------------------------------------------------------------------------------------
+    async def remove_worker(self, worker_id: str) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise MembershipError(404, f"no worker {worker_id!r}")
+        del self.workers[worker_id]
+        for t in worker.targets:
+            t.epoch = next(self._epochs)  # fences any callback still in flight for the old incarnation
+            entry = self._sources.pop(t.id, None)
+            if entry is not None:
+                await cancel_quietly(entry[1])
+            # One write section: extproc sees the target's blocks all present or all gone.
+            t.ledger.clear(self.view)
+        self._save_state()
+        self._sync_envoy()
+        self._meta_dirty = True
+        self.publish_meta()
+        log.info("worker %s removed", worker_id)
 
-    async def _subscribe(self, worker: Worker) -> None:
-        sock = self.zmq.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt_string(zmq.SUBSCRIBE, worker.cfg.kv_topic)
-        assert worker.cfg.kv_events is not None
-        sock.connect(worker.cfg.kv_events)
-        # An empty ledger is a (trivially correct) subset of the GPU's contents, so the worker is usable at
-        # once; batches published before the subscription joined are simply not claimed.
-        worker.state, worker.reason = SyncState.READY, "subscribed"
-        try:
-            while True:
-                frames = await sock.recv_multipart()
-                self._on_message(worker, frames)
-        finally:
-            sock.close(0)
+    def _free_slots(self, n: int) -> list[int]:
+        used = {t.slot for w in self.workers.values() for t in w.targets}
+        free = [s for s in range(self.view.max_workers) if s not in used][:n]
+        if len(free) < n:
+            raise MembershipError(507, f"no free target slot (ingest.max_workers={self.view.max_workers})")
+        return free
 
-    def _on_message(self, worker: Worker, frames: list[bytes]) -> None:
-        now = time.monotonic()
-        worker.last_event_at = now
-        if len(frames) != 3 or len(frames[1]) != 8:
-            worker.decode_errors += 1
-            return
-        seq = int.from_bytes(frames[1], "big")
-        verdict = classify(worker.last_seq, seq)
-        if verdict is SeqVerdict.DUPLICATE:
-            worker.duplicates += 1
-            return
-        if verdict in (SeqVerdict.GAP, SeqVerdict.RESTART):
-            # Lost batches may have removed blocks we still list: forget the worker's ledger rather than
-            # claim hits it may not have. (Replay-based recovery is the subject of the ledger issue.)
-            if verdict is SeqVerdict.GAP:
-                worker.gaps += 1
-                worker.reason = f"gap before seq {seq}: ledger cleared, rebuilding from live events"
-            else:
-                worker.restarts += 1
-                worker.reason = "publisher restarted: ledger cleared"
-            log.warning("worker %s: %s (last seq %s, got %d)", worker.id, verdict.value, worker.last_seq, seq)
-            worker.ledger.clear(self.view)
-        worker.last_seq = seq
-        try:
-            batch = decode_batch(frames[2])
-        except DecodeError as exc:
-            worker.decode_errors += 1
-            log.warning("worker %s: undecodable batch %d: %s", worker.id, seq, exc)
-            return
-        worker.decode_errors += len(batch.errors)
-        # Each view call is its own short write section: every state a reader can see is one the worker
-        # really passed through, and a storm of events never locks readers out for a whole batch.
-        worker.ledger.apply(batch.events, self.view)
-        worker.batches += 1
-        self.batches_applied += 1
-        self.events_applied += len(batch.events)
-        if batch.ts:
-            self.last_apply_lag_s = max(0.0, time.time() - batch.ts)
+    def _add(self, wcfg: WorkerConfig, source: str) -> Worker:
+        model = self.cfg.model(wcfg.model)
+        assert model is not None  # checked by config validation or add_worker
+        worker = Worker(cfg=wcfg, address=wcfg.address(), source=source)
+        if wcfg.kv_events is None:
+            worker.events_usable, worker.events_reason = False, "no kv_events endpoint configured: routed by load"
+        ranks: list[int | None] = [None] if wcfg.dp_size == 1 else list(range(wcfg.dp_size))
+        for rank, slot in zip(ranks, self._free_slots(len(ranks)), strict=True):
+            parity = ParityCheck(engine=wcfg.engine, page_size=model.engine_page_size(),
+                                 hash_algo=model.hash_algo or ("sha256" if wcfg.engine == "vllm" else None),
+                                 hash_seed=model.hash_seed)
+            target = Target(worker=worker, rank=rank, slot=slot,
+                            ledger=Ledger(slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size,
+                                          parity=parity),
+                            parity=parity, sync=SourceSync(has_replay=wcfg.kv_replay is not None),
+                            epoch=next(self._epochs))
+            # A slot may have been used by a removed target: start from a clean bitset.
+            self.view.clear_worker(slot)
+            worker.targets.append(target)
+            if worker.events_usable:
+                src = EventSource(target, self.zmq, self.view, self._changed)
+                self._sources[target.id] = (src, asyncio.get_running_loop().create_task(src.run(),
+                                                                                         name=f"src-{target.id}"))
+        self.workers[wcfg.id] = worker
+        self._meta_dirty = True
+        log.info("worker %s added (%s, %s, %d target(s))", wcfg.id, wcfg.url, source, len(worker.targets))
+        return worker
+
+    def _changed(self) -> None:
+        self._meta_dirty = True
 
     # -- probes and publication --------------------------------------------------------------------------
 
+    def targets(self) -> list[Target]:
+        return [t for w in self.workers.values() for t in w.targets]
+
     def publish_meta(self) -> None:
         now = time.monotonic()
-        self.view.set_meta({
-            "block_size": self.cfg.block_size,
-            "workers": [w.routable_meta(now) for w in self.workers.values()],
-        })
+        self.view.set_meta({"block_size": self.cfg.block_size,
+                            "targets": [t.routable_meta(now) for t in self.targets()]})
+        self._meta_dirty = False
 
     async def _heartbeat_loop(self) -> None:
         while True:
             self.view.heartbeat()
+            if self._meta_dirty:
+                self.publish_meta()
             await asyncio.sleep(self.cfg.ingest.heartbeat_interval_s)
 
     async def _load_loop(self) -> None:
@@ -171,10 +198,25 @@ class Ingest:
                 *(read_load(self._session, w, timeout=max(interval * 5, 0.5)) for w in workers),
                 return_exceptions=True)
             for w, res in zip(workers, results, strict=True):
-                if isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
+                if isinstance(res, Exception):
                     log.debug("load read failed for %s: %s", w.id, res)
+            self._check_silence()
             self.publish_meta()
             await asyncio.sleep(interval)
+
+    def _check_silence(self) -> None:
+        """A busy worker whose stream has been quiet too long may be losing events: resync it."""
+        limit = self.cfg.ingest.event_silence_s
+        now = time.monotonic()
+        for w in self.workers.values():
+            if not w.events_usable:
+                continue
+            for t in w.targets:
+                quiet_since = max(t.busy_since, t.last_event_at)
+                entry = self._sources.get(t.id)
+                if entry and t.busy_since and t.sync.state is SyncState.READY and now - quiet_since > limit:
+                    entry[0].perform(t.sync.silent(f"no event batch for {limit:.0f}s while the worker was busy"))
+                    t.last_event_at = now  # one resync per silent period
 
     async def _health_loop(self) -> None:
         assert self._session is not None
@@ -182,8 +224,13 @@ class Ingest:
         while True:
             await asyncio.gather(*(probe_health(self._session, w, icfg.health_timeout_s, icfg.health_failures)
                                    for w in list(self.workers.values())))
+            self._meta_dirty = True
             await asyncio.sleep(icfg.health_interval_s)
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
-        return {"workers": [w.status(now) for w in self.workers.values()]}
+        return {"workers": [{
+            "id": w.id, "url": w.cfg.url, "model": w.cfg.model, "engine": w.cfg.engine, "source": w.source,
+            "healthy": w.healthy, "health_failures": w.health_failures, "dp_size": w.cfg.dp_size,
+            "targets": [t.status(now) for t in w.targets],
+        } for w in self.workers.values()], "pid": os.getpid()}

@@ -1,8 +1,11 @@
-"""Worker lifecycle as ingest sees it: identity, view slot, event-stream state, health and load.
+"""Workers and routing targets as ingest sees them: identity, view slot, stream state, health and load.
 
-Load is read from each engine's own endpoint: vLLM `/metrics` (`vllm:num_requests_running` /
-`vllm:num_requests_waiting`) and SGLang `/v1/loads` (`num_running_reqs` / `num_waiting_reqs`). Health uses
-tolerant defaults (a busy GPU answers late): a worker is marked down only after N consecutive failures.
+A worker is one OpenAI endpoint; a target is one KV cache behind it (the worker itself, or one of its
+data-parallel ranks, each with its own event stream and cache). Targets are what the ledger tracks and
+what extproc routes to. Load is read from each engine's own endpoint: vLLM `/metrics`
+(`vllm:num_requests_running` / `_waiting`, per `engine` label = DP rank) and SGLang `/v1/loads`
+(`num_running_reqs` / `num_waiting_reqs` per `dp_rank`). Health uses tolerant defaults (a busy GPU
+answers late): a worker is marked down only after N consecutive failed probes.
 """
 
 from __future__ import annotations
@@ -10,21 +13,14 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import aiohttp
 
 from cortex.config import WorkerConfig
-from ingest.ledger import WorkerLedger
-
-
-class SyncState(Enum):
-    CONNECTING = "CONNECTING"  # subscription not up yet: nothing known, nothing claimed
-    READY = "READY"            # ledger is a subset of what the GPU holds: usable for exact-KV routing
-    STALE = "STALE"            # the stream broke; not used for routing until resynced
-    NO_EVENTS = "NO_EVENTS"    # worker has no KV-event endpoint: routed by load only
-    UNSUPPORTED = "UNSUPPORTED"  # its events cannot be mapped onto Cortex keys (e.g. block size)
+from ingest.ledger import Ledger
+from ingest.parity import ParityCheck
+from ingest.sync import SourceSync, SyncState
 
 
 @dataclass
@@ -39,75 +35,110 @@ class Load:
 
 
 @dataclass
-class Worker:
-    cfg: WorkerConfig
+class Target:
+    worker: Worker
+    rank: int | None
+    """Data-parallel rank, or None for a worker without DP."""
     slot: int
-    address: str
-    ledger: WorkerLedger
-    state: SyncState = SyncState.CONNECTING
-    reason: str = "subscribing"
-    healthy: bool = True
-    health_failures: int = 0
-    last_seq: int | None = None
+    ledger: Ledger
+    parity: ParityCheck
+    sync: SourceSync
+    epoch: int
+    load: Load = field(default_factory=Load)
     last_event_at: float = 0.0
-    gaps: int = 0
-    restarts: int = 0
-    duplicates: int = 0
+    busy_since: float = 0.0
     batches: int = 0
     decode_errors: int = 0
-    load: Load = field(default_factory=Load)
+
+    @property
+    def id(self) -> str:
+        return self.worker.id if self.rank is None else f"{self.worker.id}@{self.rank}"
+
+    def endpoint(self, base: str | None) -> str | None:
+        """This rank's ZMQ endpoint: the engines offset the port by the rank (kv-events.md §1.4)."""
+        if base is None or self.rank in (None, 0):
+            return base
+        host, port = base.rsplit(":", 1)
+        return f"{host}:{int(port) + self.rank}"
+
+    @property
+    def exact_kv(self) -> bool:
+        return self.sync.state is SyncState.READY and not self.parity.failed and self.worker.events_usable
+
+    def why_not_exact(self) -> str:
+        if not self.worker.events_usable:
+            return self.worker.events_reason
+        if self.parity.failed:
+            return f"hash parity failed: {self.parity.reason}"
+        return self.sync.reason
+
+    def routable_meta(self, now: float) -> dict[str, Any]:
+        """The slice extproc reads on the hot path (kept small: it is re-parsed on every change)."""
+        w = self.worker
+        return {
+            "id": self.id, "worker": w.id, "rank": self.rank, "slot": self.slot, "model": w.cfg.model,
+            "engine": w.cfg.engine, "address": w.address, "healthy": w.healthy, "exact_kv": self.exact_kv,
+            "state": self.sync.state.value, "reason": self.why_not_exact(), "load": self.load.to_json(now),
+        }
+
+    def status(self, now: float) -> dict[str, Any]:
+        s = self.sync
+        return {
+            **self.routable_meta(now),
+            "kv_events": self.endpoint(self.worker.cfg.kv_events),
+            "kv_replay": self.endpoint(self.worker.cfg.kv_replay),
+            "last_seq": s.last_applied,
+            "last_event_age_s": round(now - self.last_event_at, 3) if self.last_event_at else None,
+            "batches": self.batches, "gaps": s.gaps, "replays": s.replays, "resyncs": s.resyncs,
+            "restarts": s.restarts, "duplicates": s.duplicates, "decode_errors": self.decode_errors,
+            "parity": {"status": self.parity.status, "reason": self.parity.reason, "checked": self.parity.checked},
+            "cached_blocks": self.ledger.blocks, "blocks_stored": self.ledger.blocks_stored,
+            "blocks_removed": self.ledger.blocks_removed, "dropped_events": dict(self.ledger.dropped),
+        }
+
+
+@dataclass
+class Worker:
+    cfg: WorkerConfig
+    address: str
+    targets: list[Target] = field(default_factory=list)
+    healthy: bool = True
+    health_failures: int = 0
+    events_usable: bool = True
+    events_reason: str = ""
+    source: str = "config"
+    """Where it came from: `config` or `api` (kept across ingest restarts in the runtime directory)."""
 
     @property
     def id(self) -> str:
         return self.cfg.id
 
-    def routable_meta(self, now: float) -> dict[str, Any]:
-        """The slice extproc needs on the hot path (kept small: it is parsed on every change)."""
-        return {
-            "id": self.id, "slot": self.slot, "model": self.cfg.model, "engine": self.cfg.engine,
-            "address": self.address, "state": self.state.value, "reason": self.reason,
-            "healthy": self.healthy, "load": self.load.to_json(now),
-        }
 
-    def status(self, now: float) -> dict[str, Any]:
-        """What GET /cortex/workers shows."""
-        return {
-            **self.routable_meta(now),
-            "url": self.cfg.url,
-            "kv_events": self.cfg.kv_events,
-            "last_seq": self.last_seq,
-            "last_event_age_s": round(now - self.last_event_at, 3) if self.last_event_at else None,
-            "batches": self.batches,
-            "gaps": self.gaps,
-            "restarts": self.restarts,
-            "duplicates": self.duplicates,
-            "decode_errors": self.decode_errors,
-            "cached_blocks": self.ledger.blocks,
-            "blocks_stored": self.ledger.blocks_stored,
-            "blocks_removed": self.ledger.blocks_removed,
-            "dropped_events": dict(self.ledger.dropped),
-            "health_failures": self.health_failures,
-        }
+_VLLM_GAUGE = re.compile(
+    rb'^vllm:(num_requests_running|num_requests_waiting)(?:\{([^}]*)\})?\s+(\S+)', re.M)
+_ENGINE_LABEL = re.compile(rb'engine="(\d+)"')
 
 
-_VLLM_GAUGE = re.compile(rb"^vllm:(num_requests_running|num_requests_waiting)(?:\{[^}]*\})?\s+(\S+)", re.M)
+def parse_vllm_metrics(text: bytes) -> dict[int, tuple[float, float]]:
+    """(running, waiting) per DP rank (vLLM's `engine` label; 0 when absent)."""
+    out: dict[int, list[float]] = {}
+    for name, labels, value in _VLLM_GAUGE.findall(text):
+        m = _ENGINE_LABEL.search(labels or b"")
+        rank = int(m.group(1)) if m else 0
+        slot = out.setdefault(rank, [0.0, 0.0])
+        slot[0 if name == b"num_requests_running" else 1] += float(value)
+    return {r: (v[0], v[1]) for r, v in out.items()}
 
 
-def parse_vllm_metrics(text: bytes) -> tuple[float, float]:
-    running = waiting = 0.0
-    for name, value in _VLLM_GAUGE.findall(text):
-        if name == b"num_requests_running":
-            running += float(value)
-        else:
-            waiting += float(value)
-    return running, waiting
-
-
-def parse_sglang_loads(doc: Any) -> tuple[float, float]:
+def parse_sglang_loads(doc: Any) -> dict[int, tuple[float, float]]:
     loads = doc.get("loads", []) if isinstance(doc, dict) else []
-    running = sum(float(e.get("num_running_reqs", 0)) for e in loads if isinstance(e, dict))
-    waiting = sum(float(e.get("num_waiting_reqs", 0)) for e in loads if isinstance(e, dict))
-    return running, waiting
+    out: dict[int, tuple[float, float]] = {}
+    for e in loads:
+        if isinstance(e, dict):
+            rank = int(e.get("dp_rank") or 0)
+            prev = out.get(rank, (0.0, 0.0))
+            out[rank] = (prev[0] + float(e.get("num_running_reqs", 0)), prev[1] + float(e.get("num_waiting_reqs", 0)))
+    return out
 
 
 async def read_load(session: aiohttp.ClientSession, worker: Worker, timeout: float) -> None:
@@ -115,19 +146,30 @@ async def read_load(session: aiohttp.ClientSession, worker: Worker, timeout: flo
     if worker.cfg.engine == "sglang":
         async with session.get(f"{worker.cfg.url}/v1/loads", timeout=t) as resp:
             resp.raise_for_status()
-            running, waiting = parse_sglang_loads(await resp.json(content_type=None))
+            per_rank = parse_sglang_loads(await resp.json(content_type=None))
     else:
         async with session.get(f"{worker.cfg.url}/metrics", timeout=t) as resp:
             resp.raise_for_status()
-            running, waiting = parse_vllm_metrics(await resp.read())
-    worker.load = Load(running=running, waiting=waiting, at=time.monotonic())
+            per_rank = parse_vllm_metrics(await resp.read())
+    now = time.monotonic()
+    for target in worker.targets:
+        if target.rank is None:
+            running = sum(v[0] for v in per_rank.values())
+            waiting = sum(v[1] for v in per_rank.values())
+        else:
+            running, waiting = per_rank.get(target.rank, (0.0, 0.0))
+        target.load = Load(running=running, waiting=waiting, at=now)
+        if running > 0 and not target.busy_since:
+            target.busy_since = now
+        elif running == 0:
+            target.busy_since = 0.0
 
 
 async def probe_health(session: aiohttp.ClientSession, worker: Worker, timeout: float, failures: int) -> None:
     try:
         async with session.get(f"{worker.cfg.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             ok = r.status == 200
-    except (TimeoutError, aiohttp.ClientError, OSError):
+    except (aiohttp.ClientError, TimeoutError, OSError):
         ok = False
     if ok:
         worker.health_failures = 0

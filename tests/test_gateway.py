@@ -53,7 +53,7 @@ def chat(gw: Gateway, messages: list[dict[str, str]], stream: bool = False, **ex
 def reset_worker(gw: Gateway, worker_id: str) -> None:
     sim = next(s for s in gw.sims if s.id == worker_id)
     assert httpx.post(f"{sim.url}/reset_prefix_cache", timeout=10).json()["success"] is True
-    wait_for(lambda: gw.workers()[worker_id]["cached_blocks"] == 0, what="ledger to see the reset")
+    wait_for(lambda: gw.targets()[worker_id]["cached_blocks"] == 0, what="ledger to see the reset")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -138,7 +138,7 @@ def test_models_and_metrics(gw: Gateway) -> None:
     assert 'cortex_route_decisions_total{mode="exact_kv_events"' in text
     assert "cortex_ledger_blocks" in text and "cortex_route_decision_seconds_bucket" in text
     ready = httpx.get(f"{gw.ingest_url}/health/ready", timeout=10).json()
-    assert ready["status"] == "ready" and ready["workers_exact_kv"] == 2
+    assert ready["status"] == "ready" and ready["targets_exact_kv"] == 2 and not ready["degraded"]
 
 
 def _traffic(gw: Gateway, stop: threading.Event, results: list[tuple[int, str]]) -> None:
@@ -173,7 +173,7 @@ def test_requests_survive_a_dying_child(gw: Gateway, child: str) -> None:
     assert not failures, failures[:5]
     assert new and "restarting" in Path(gw.log).read_text()
     # Back to normal once the child is up again (the ledger refills from live events).
-    wait_for(lambda: all(w["state"] == "READY" for w in gw.workers().values()), what="workers ready")
+    wait_for(lambda: all(t["exact_kv"] for t in gw.targets().values()), what="targets ready")
     messages = long_chat(250, seed=int(time.time()) % 1000)
     chat(gw, messages)
     h, _ = wait_for(lambda: (lambda r: r if r[0]["x-cortex-match-mode"] == "exact_kv_events" else None)(

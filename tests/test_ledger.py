@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from cortex.blockkeys import chain_keys, root_key
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored
-from ingest.ledger import WorkerLedger
-from ingest.sequence import SeqVerdict, classify
+from ingest.ledger import Ledger
+from ingest.parity import FAILED, OK, ParityCheck
 
 
 class SetSink:
@@ -32,26 +32,26 @@ def stored(hashes: list[int], tokens: list[int], parent: int | None = None, **kw
 
 
 def test_prompt_keys_meet_event_keys() -> None:
-    sink, led = SetSink(), WorkerLedger(slot=3, engine="vllm", block_size=16)
+    sink, led = SetSink(), Ledger(slot=3, engine="vllm", block_size=16)
     led.apply([stored([11, 22], TOKENS)], sink)
     assert sink.held[3] == set(chain_keys(TOKENS, 16, root_key()))
     assert led.blocks == 2
 
 
 def test_parent_chain_resolves_through_engine_hashes() -> None:
-    sink, led = SetSink(), WorkerLedger(slot=0, engine="vllm", block_size=16)
+    sink, led = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
     led.apply([stored([11], TOKENS[:16]), stored([22], TOKENS[16:], parent=11)], sink)
     assert sink.held[0] == set(chain_keys(TOKENS, 16, root_key()))
 
 
 def test_unknown_parent_is_dropped_not_guessed() -> None:
-    sink, led = SetSink(), WorkerLedger(slot=0, engine="vllm", block_size=16)
+    sink, led = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
     led.apply([stored([22], TOKENS[16:], parent=999)], sink)
     assert not sink.held.get(0) and led.dropped["unknown_parent"] == 1
 
 
 def test_duplicate_store_needs_two_removals() -> None:
-    sink, led = SetSink(), WorkerLedger(slot=0, engine="vllm", block_size=16)
+    sink, led = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
     led.apply([stored([11], TOKENS[:16]), stored([11], TOKENS[:16])], sink)
     key = chain_keys(TOKENS[:16], 16, root_key())[0]
     led.apply([BlockRemoved([11], "GPU")], sink)
@@ -61,7 +61,7 @@ def test_duplicate_store_needs_two_removals() -> None:
 
 
 def test_other_media_do_not_count_as_gpu_hits() -> None:
-    sink, led = SetSink(), WorkerLedger(slot=0, engine="vllm", block_size=16)
+    sink, led = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
     led.apply([stored([11], TOKENS[:16], medium="CPU")], sink)
     assert not sink.held.get(0)
     led.apply([stored([11], TOKENS[:16], medium="GPU"), BlockRemoved([11], "CPU")], sink)
@@ -69,27 +69,79 @@ def test_other_media_do_not_count_as_gpu_hits() -> None:
 
 
 def test_cache_salt_and_lora_namespaces() -> None:
-    sink, led = SetSink(), WorkerLedger(slot=0, engine="vllm", block_size=16)
+    sink, led = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
     led.apply([stored([11], TOKENS[:16], extra_keys=[["tenant-a"]])], sink)
     assert sink.held[0] == set(chain_keys(TOKENS[:16], 16, root_key(None, "tenant-a")))
-    sink2, led2 = SetSink(), WorkerLedger(slot=0, engine="sglang", block_size=16)
+    sink2, led2 = SetSink(), Ledger(slot=0, engine="sglang", block_size=16)
     led2.apply([stored([5], TOKENS[:16], cache_salt="s1", lora_name="sql")], sink2)
     assert sink2.held[0] == set(chain_keys(TOKENS[:16], 16, root_key("sql", "s1")))
 
 
-def test_clear_and_mismatched_block_size() -> None:
-    sink, led = SetSink(), WorkerLedger(slot=0, engine="vllm", block_size=16)
+def test_clear_then_half_size_pages() -> None:
+    sink, led = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
     led.apply([stored([11, 22], TOKENS), AllBlocksCleared()], sink)
     assert not sink.held.get(0) and led.blocks == 0
-    led.apply([BlockStored([1, 2], None, TOKENS, 8)], sink)
-    assert led.dropped["block_size_mismatch"] == 1 and not sink.held.get(0)
+    led.apply([BlockStored([1, 2, 3, 4], None, TOKENS, 8)], sink)
+    assert sink.held[0] == set(chain_keys(TOKENS, 16, root_key()))
 
 
-def test_sequence_verdicts() -> None:
-    assert classify(None, 5) is SeqVerdict.FIRST
-    assert classify(4, 5) is SeqVerdict.NEXT
-    assert classify(4, 7) is SeqVerdict.GAP
-    assert classify(4, 4) is SeqVerdict.DUPLICATE
-    assert classify(4, 2) is SeqVerdict.DUPLICATE
-    assert classify(4, 0) is SeqVerdict.RESTART
-    assert classify(0, 0) is SeqVerdict.DUPLICATE
+def test_small_engine_pages_accumulate_into_cortex_blocks() -> None:
+    """SGLang's default page size is 1: sixteen one-token pages make one Cortex block, in any event split."""
+    one_shot, split = SetSink(), SetSink()
+    a = Ledger(slot=0, engine="sglang", block_size=16)
+    a.apply([BlockStored(list(range(1, 33)), None, TOKENS, 1)], one_shot)
+    b = Ledger(slot=0, engine="sglang", block_size=16)
+    b.apply([BlockStored(list(range(1, 8)), None, TOKENS[:7], 1),
+             BlockStored(list(range(8, 21)), 7, TOKENS[7:20], 1),
+             BlockStored(list(range(21, 33)), 20, TOKENS[20:], 1)], split)
+    assert one_shot.held[0] == split.held[0] == set(chain_keys(TOKENS, 16, root_key()))
+    # The page that completed the second block owns it: evicting the tail page drops exactly that block.
+    b.apply([BlockRemoved([32])], split)
+    assert split.held[0] == set(chain_keys(TOKENS[:16], 16, root_key()))
+    # A page in the middle of an unfinished block owns nothing.
+    b.apply([BlockRemoved([31, 30])], split)
+    assert split.held[0] == set(chain_keys(TOKENS[:16], 16, root_key()))
+
+
+def test_partial_cortex_block_is_not_claimed() -> None:
+    sink, led = SetSink(), Ledger(slot=0, engine="sglang", block_size=16)
+    led.apply([BlockStored([1, 2, 3], None, TOKENS[:12], 4)], sink)
+    assert not sink.held.get(0)
+    led.apply([BlockStored([4], 3, TOKENS[12:16], 4)], sink)
+    assert sink.held[0] == set(chain_keys(TOKENS[:16], 16, root_key()))
+
+
+def test_engine_pages_larger_than_cortex_blocks_are_refused() -> None:
+    sink, led = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
+    led.apply([BlockStored([1], None, TOKENS, 32)], sink)
+    assert not sink.held.get(0) and led.dropped["page_size_not_a_divisor"] == 1
+
+
+def test_vllm_parity_with_the_reference_vectors() -> None:
+    # kv-events.md §9.1: tokens 1..8, block size 4, sha256_cbor, default seed.
+    wire = [9561501211280363793, 15292913576410714033]
+    check = ParityCheck(engine="vllm", page_size=4, hash_algo="sha256_cbor")
+    led = Ledger(slot=0, engine="vllm", block_size=4, parity=check)
+    led.apply([BlockStored(wire, None, [1, 2, 3, 4, 5, 6, 7, 8], 4)], SetSink())
+    assert check.status == OK
+    salted = ParityCheck(engine="vllm", page_size=4, hash_algo="sha256_cbor")
+    Ledger(slot=0, engine="vllm", block_size=4, parity=salted).apply(
+        [BlockStored([4280308768446823598, 5400091051297473476], None, [1, 2, 3, 4, 5, 6, 7, 8], 4,
+                     extra_keys=[["tenant-a"], None])], SetSink())
+    assert salted.status == OK
+    other_seed = ParityCheck(engine="vllm", page_size=4, hash_algo="sha256_cbor", hash_seed="0")
+    Ledger(slot=0, engine="vllm", block_size=4, parity=other_seed).apply(
+        [BlockStored(wire, None, [1, 2, 3, 4, 5, 6, 7, 8], 4)], SetSink())
+    assert other_seed.status == FAILED and "PYTHONHASHSEED" in other_seed.reason
+
+
+def test_sglang_parity_and_page_size_mismatch() -> None:
+    check = ParityCheck(engine="sglang", page_size=4)
+    led = Ledger(slot=0, engine="sglang", block_size=4, parity=check)
+    led.apply([BlockStored([-3488128144981237669 & (2**64 - 1), 5674439469042975057], None,
+                           [1, 2, 3, 4, 5, 6, 7, 8], 4)], SetSink())
+    assert check.status == OK
+    wrong = ParityCheck(engine="sglang", page_size=1)
+    Ledger(slot=0, engine="sglang", block_size=4, parity=wrong).apply(
+        [BlockStored([1], None, [1, 2, 3, 4], 4)], SetSink())
+    assert wrong.status == FAILED and "page size 4" in wrong.reason

@@ -1,0 +1,94 @@
+"""Hash parity: recompute the engine's own block hashes from an event's token ids and compare.
+
+Cortex's keys come from the events' token ids, so they do not depend on the engine's hash. But the
+engine's hash is a fingerprint of its configuration: a mismatch means the worker does not run what the
+config says (another page size, hash algorithm or PYTHONHASHSEED, usually another deployment of the
+model), and its cache cannot be trusted to line up with Cortex's tokenizer. Such a worker leaves
+exact-KV routing with the reason spelled out. Checked where the engine hash is reproducible: chain
+starts (no parent: a parent's full digest is not on the wire) without LoRA (vLLM hashes the adapter path,
+which events do not carry; SGLang namespaces LoRA hashes with an internal key). The first few chain
+starts are all checked, then one in `sample_every`, so the cost stays off the ingest budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cortex.engine_hashes import (
+    VLLM_HASH_ALGOS,
+    VllmBlockHasher,
+    sglang_page_hashes,
+    sglang_wire_hash,
+    vllm_wire_hash,
+)
+from ingest.events import BlockStored
+
+_U64 = (1 << 64) - 1
+UNKNOWN, OK, FAILED, UNCHECKED = "unknown", "ok", "failed", "unchecked"
+
+
+@dataclass
+class ParityCheck:
+    engine: str
+    page_size: int
+    hash_algo: str | None = "sha256"
+    hash_seed: str | None = None
+    max_blocks: int = 4
+    warmup: int = 8
+    sample_every: int = 64
+    status: str = UNKNOWN
+    reason: str = "no chain start seen yet"
+    checked: int = 0
+    failures: int = 0
+    _seen: int = 0
+
+    def __post_init__(self) -> None:
+        self._vllm: VllmBlockHasher | None = None
+        if self.engine == "vllm":
+            if self.hash_algo in VLLM_HASH_ALGOS:
+                self._vllm = VllmBlockHasher(self.hash_algo, self.hash_seed)
+            else:
+                self.status, self.reason = UNCHECKED, f"hash algorithm {self.hash_algo!r} is not reproduced"
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAILED
+
+    def reset(self) -> None:
+        """A restarted publisher may run another configuration: judge it afresh."""
+        if self.status != UNCHECKED:
+            self.status, self.reason = UNKNOWN, "no chain start seen yet"
+        self._seen = 0
+
+    def observe(self, event: BlockStored, salt: str | None) -> None:
+        if event.block_size != self.page_size:
+            self._fail(f"events use page size {event.block_size}, config says {self.page_size}")
+            return
+        if self.status in (FAILED, UNCHECKED) or event.parent_block_hash is not None or event.lora_name:
+            return
+        self._seen += 1
+        if self._seen > self.warmup and self._seen % self.sample_every:
+            return
+        n = min(len(event.block_hashes), self.max_blocks)
+        tokens = event.token_ids[: n * event.block_size]
+        if self._vllm is not None:
+            expected = [vllm_wire_hash(h) for h in
+                        self._vllm.block_hashes(tokens, event.block_size, cache_salt=salt)]
+            how = f"{self.hash_algo} with seed {self._vllm.seed!r}"
+        else:
+            expected = [sglang_wire_hash(h) & _U64 for h in
+                        sglang_page_hashes(tokens, event.block_size, cache_salt=salt)]
+            how = "SGLang's SHA-256 page chain"
+        self.checked += 1
+        got = event.block_hashes[:n]
+        if expected != got:
+            i = next(i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b)
+            self._fail(f"block {i} of a chain start hashes to {got[i]} on the worker but {expected[i]} by {how} "
+                       "(check the engine's page size, --prefix-caching-hash-algo and PYTHONHASHSEED)")
+        elif self.status == UNKNOWN:
+            self.status, self.reason = OK, f"engine hashes reproduced ({how})"
+
+    def _fail(self, reason: str) -> None:
+        if self.status != FAILED:
+            self.failures += 1
+        self.status, self.reason = FAILED, reason

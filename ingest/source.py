@@ -1,0 +1,192 @@
+"""One event source: a ZMQ SUB on a target's publisher, its replay socket, and the sync state machine.
+
+transport (this file) -> decoder (ingest.events) -> sequence state (ingest.sync) -> ledger (ingest.ledger)
+-> shared view. Replay uses a DEALER (a REQ socket would receive only the first frame set of the reply
+stream) and accepts both reply layouts: `[b"", topic, seq, payload]` (vLLM >= 0.26, SGLang >= 0.5.22)
+and `[b"", seq, payload]` (older), ending at seq 0xffffffffffffffff or an empty payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from ingest.events import DecodeError, decode_batch
+from ingest.ledger import KeySink
+from ingest.sync import Action, Apply, Clear, RequestReplay
+from ingest.workers import Target
+
+log = logging.getLogger("cortex.ingest")
+
+END_SEQ = b"\xff" * 8
+REPLAY_TIMEOUT_S = 3.0
+
+
+async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int,
+                 timeout_s: float = REPLAY_TIMEOUT_S) -> tuple[list[tuple[int, bytes]], bool]:
+    """Ask a publisher's ROUTER for every buffered batch from start_seq. Returns (batches, complete)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    out: list[tuple[int, bytes]] = []
+    try:
+        sock.connect(endpoint)
+        await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await sock.poll(int(left * 1000)):
+                return out, False
+            frames = await sock.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) == 3:
+                _, seq_b, payload = frames
+            elif len(frames) == 2:
+                seq_b, payload = frames
+            else:
+                return out, False
+            if seq_b == END_SEQ or not payload:
+                return out, True
+            if len(seq_b) != 8:
+                return out, False
+            out.append((int.from_bytes(seq_b, "big"), payload))
+    finally:
+        sock.close(0)
+
+
+class EventSource:
+    """Runs one target's subscription on the ingest loop; all ledger writes happen on that loop."""
+
+    def __init__(self, target: Target, ctx: zmq.asyncio.Context, sink: KeySink,
+                 on_change: Callable[[], None]) -> None:
+        self.target = target
+        self.ctx = ctx
+        self.sink = sink
+        self.on_change = on_change
+        self.epoch = target.epoch
+        self._replay_task: asyncio.Task[None] | None = None
+        cfg = target.worker.cfg
+        self.endpoint = target.endpoint(cfg.kv_events)
+        self.replay_endpoint = target.endpoint(cfg.kv_replay)
+
+    def _socket(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        assert self.endpoint is not None
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Notice a dead peer at the transport level too (engines never send heartbeats themselves).
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+        sock.setsockopt_string(zmq.SUBSCRIBE, self.target.worker.cfg.kv_topic)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock.connect(self.endpoint)
+        return sock, monitor
+
+    @staticmethod
+    def _close(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+
+    async def run(self) -> None:
+        """Subscribe, and follow the connection's life through ZMQ's socket monitor.
+
+        A lost connection may come back as a restarted engine whose numbers happen to continue where the old
+        ones stopped, so it clears the target's ledger; the SUB socket is then re-created, which also fences
+        off anything still queued from the old connection (the old incarnation's late batches).
+        """
+        sock, monitor = self._socket()
+        try:
+            while True:
+                poller = zmq.asyncio.Poller()
+                poller.register(sock, zmq.POLLIN)
+                poller.register(monitor, zmq.POLLIN)
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                    if event == zmq.EVENT_CONNECTED:
+                        # Batches published before the SUB handshake completes are lost (slow joiner):
+                        # exactly what the initial replay fills.
+                        self.perform(self.target.sync.connected())
+                    elif event == zmq.EVENT_DISCONNECTED:
+                        self.perform(self.target.sync.disconnected("connection to the publisher lost"))
+                        self._close(sock, monitor)
+                        sock, monitor = self._socket()
+                        continue
+                if sock in ready:
+                    frames = await sock.recv_multipart()
+                    self.target.last_event_at = time.monotonic()
+                    if len(frames) != 3 or len(frames[1]) != 8:
+                        self.target.decode_errors += 1
+                        continue
+                    self.perform(self.target.sync.live(int.from_bytes(frames[1], "big"), frames[2]))
+        finally:
+            if self._replay_task is not None:
+                self._replay_task.cancel()
+            self._close(sock, monitor)
+
+    def perform(self, actions: list[Action]) -> None:
+        t = self.target
+        if self.epoch != t.epoch:  # a late callback from a removed incarnation: fenced off
+            return
+        changed = False
+        for action in actions:
+            if isinstance(action, Apply):
+                self._apply(action.payload)
+            elif isinstance(action, Clear):
+                log.warning("target %s: %s", t.id, action.reason)
+                t.ledger.clear(self.sink)
+                if action.publisher_restart:
+                    t.parity.reset()
+                changed = True
+            elif isinstance(action, RequestReplay):
+                self._start_replay(action.from_seq)
+                changed = True
+        if changed:
+            self.on_change()
+
+    def _apply(self, payload: bytes) -> None:
+        t = self.target
+        try:
+            batch = decode_batch(payload)
+        except DecodeError as exc:
+            t.decode_errors += 1
+            log.warning("target %s: undecodable batch: %s", t.id, exc)
+            return
+        t.decode_errors += len(batch.errors)
+        t.ledger.apply(batch.events, self.sink)
+        t.batches += 1
+
+    def _start_replay(self, from_seq: int) -> None:
+        if self._replay_task is not None and not self._replay_task.done():
+            self._replay_task.cancel()
+        if self.replay_endpoint is None:
+            self.perform(self.target.sync.replay_done(complete=False))
+            return
+        self._replay_task = asyncio.create_task(self._replay(from_seq))
+
+    async def _replay(self, from_seq: int) -> None:
+        try:
+            assert self.replay_endpoint is not None
+            batches, complete = await replay(self.ctx, self.replay_endpoint, from_seq)
+        except (zmq.ZMQError, OSError) as exc:
+            log.warning("target %s: replay failed: %s", self.target.id, exc)
+            batches, complete = [], False
+        for seq, payload in batches:
+            self.perform(self.target.sync.replayed(seq, payload))
+        self.perform(self.target.sync.replay_done(complete))
+        self.on_change()
+
+
+async def cancel_quietly(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

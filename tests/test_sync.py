@@ -1,0 +1,247 @@
+"""Stream synchronisation: hand cases, and a property test replaying random event streams with faults
+(drop, duplicate, reorder, publisher restart, replay overrun) against a model of the worker's true cache."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cortex.blockkeys import chain_keys, root_key
+from ingest.events import decode_batch
+from ingest.ledger import Ledger
+from ingest.sync import Apply, Clear, RequestReplay, SourceSync, SyncState
+from tests.test_ledger import SetSink
+
+
+def acts(actions: list) -> list[tuple]:
+    return [(type(a).__name__, getattr(a, "seq", getattr(a, "from_seq", None))) for a in actions]
+
+
+def test_in_order_stream_without_replay() -> None:
+    s = SourceSync(has_replay=False)
+    assert s.connected() == [] and s.state is SyncState.READY
+    assert acts(s.live(3, b"c")) == [("Apply", 3)]  # joined late: earlier batches are simply unknown
+    assert acts(s.live(4, b"d")) == [("Apply", 4)]
+    assert s.live(4, b"d") == [] and s.duplicates == 1
+
+
+def test_gap_without_replay_clears_and_continues_cold() -> None:
+    s = SourceSync(has_replay=False)
+    s.connected()
+    s.live(0, b"a")
+    out = s.live(2, b"c")
+    assert isinstance(out[0], Clear) and acts(out[1:]) == [("Apply", 2)]
+    assert s.state is SyncState.READY and s.gaps == 1 and s.resyncs == 1
+
+
+def test_gap_with_replay_waits_then_fills() -> None:
+    s = SourceSync(has_replay=True)
+    assert acts(s.connected()) == [("RequestReplay", 0)] and s.state is SyncState.SYNCING
+    assert s.live(5, b"f") == []  # held until the replay says where the stream starts
+    assert acts(s.replayed(3, b"d") + s.replayed(4, b"e")) == []
+    assert acts(s.replay_done()) == [("Apply", 3), ("Apply", 4), ("Apply", 5)]
+    assert s.state is SyncState.READY
+    out = s.live(7, b"h")
+    assert acts(out) == [("RequestReplay", 6)] and s.state is SyncState.STALE
+    assert acts(s.live(8, b"i")) == []
+    assert acts(s.replayed(6, b"g")) == [("Apply", 6), ("Apply", 7), ("Apply", 8)]
+    assert s.state is SyncState.READY
+    assert acts(s.replay_done()) == []
+
+
+def test_reordered_batch_fills_its_own_hole() -> None:
+    s = SourceSync(has_replay=True)
+    s.connected()
+    s.replay_done()
+    s.live(0, b"a")
+    s.live(2, b"c")
+    assert s.state is SyncState.STALE
+    assert acts(s.live(1, b"b")) == [("Apply", 1), ("Apply", 2)] and s.state is SyncState.READY
+    assert s.replayed(1, b"b") == [] and s.replay_done() == []  # the late replay changes nothing
+
+
+def test_replay_that_cannot_fill_the_hole() -> None:
+    s = SourceSync(has_replay=True)
+    s.connected()
+    s.replay_done()
+    s.live(10, b"k")
+    s.live(20, b"u")
+    s.replayed(15, b"p")  # the replay buffer starts after the hole
+    out = s.replay_done()
+    assert isinstance(out[0], Clear) and acts(out[1:]) == [("Apply", 20)]
+    assert s.state is SyncState.READY and s.resyncs == 1
+
+
+def test_publisher_restart() -> None:
+    s = SourceSync(has_replay=False)
+    s.connected()
+    for i in range(5):
+        s.live(i, b"x")
+    out = s.live(0, b"new")
+    assert isinstance(out[0], Clear) and out[0].publisher_restart and acts(out[1:]) == [("Apply", 0)]
+    # Missed the new publisher's first batches: with replay, fetch them.
+    r = SourceSync(has_replay=True)
+    r.connected()
+    r.replay_done()
+    for i in range(3000, 3003):
+        r.live(i, b"x")
+    out = r.live(2, b"y")
+    assert isinstance(out[0], Clear) and isinstance(out[1], RequestReplay) and out[1].from_seq == 0
+    assert r.state is SyncState.SYNCING
+
+
+def test_restart_seen_through_repeated_numbers_with_other_bytes() -> None:
+    s = SourceSync(has_replay=False)
+    s.connected()
+    s.live(0, b"old-0")
+    assert s.live(0, b"old-0") == [] and s.duplicates == 1  # same bytes: a duplicate
+    out = s.live(0, b"new-0")  # same number, other bytes: a new publisher
+    assert isinstance(out[0], Clear) and out[0].publisher_restart and acts(out[1:]) == [("Apply", 0)]
+
+
+def test_silence_probe() -> None:
+    s = SourceSync(has_replay=True)
+    s.connected()
+    s.replay_done()
+    s.live(0, b"a")
+    assert acts(s.silent("quiet")) == [("RequestReplay", 1)] and s.state is SyncState.STALE
+    assert s.replay_done() == [] and s.state is SyncState.READY  # nothing was missed
+
+
+# -- property test -------------------------------------------------------------------------------------
+
+BS = 4
+
+
+@dataclass
+class TruePublisher:
+    """A worker's real cache and its event stream (leaf-first eviction, as both engines do)."""
+
+    rng: random.Random
+    blocks: dict[int, tuple[int | None, tuple[int, ...]]] = field(default_factory=dict)
+    next_hash: int = 1
+    seq: int = 0
+    incarnation: int = 0
+    buffer: list[tuple[int, bytes]] = field(default_factory=list)
+    snapshots: dict[tuple[int, int], frozenset[int]] = field(default_factory=dict)
+
+    def keys(self) -> frozenset[int]:
+        out = set()
+        for h in self.blocks:
+            path: list[int] = []
+            node: int | None = h
+            while node is not None:
+                parent, toks = self.blocks[node]
+                path[:0] = toks
+                node = parent
+            out.add(chain_keys(path, BS, root_key())[-1])
+        return frozenset(out)
+
+    def batch(self) -> tuple[int, bytes]:
+        events = []
+        for _ in range(self.rng.randint(1, 3)):
+            op = self.rng.random()
+            leaves = [h for h in self.blocks if not any(p == h for p, _ in self.blocks.values())]
+            if op < 0.55 or not self.blocks:
+                parent = self.rng.choice([None, *self.blocks]) if self.blocks else None
+                hashes, tokens = [], []
+                for _ in range(self.rng.randint(1, 3)):
+                    toks = tuple(self.rng.randint(0, 5) for _ in range(BS))
+                    h = self.next_hash
+                    self.next_hash += 1
+                    self.blocks[h] = (parent if not hashes else hashes[-1], toks)
+                    hashes.append(h)
+                    tokens += toks
+                events.append({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                               "token_ids": tokens, "block_size": BS, "lora_id": None, "medium": "GPU"})
+            elif op < 0.95:
+                victim = self.rng.choice(leaves)
+                del self.blocks[victim]
+                events.append({"type": "BlockRemoved", "block_hashes": [victim], "medium": "GPU"})
+            else:
+                self.blocks.clear()
+                events.append({"type": "AllBlocksCleared"})
+        payload = msgspec.msgpack.encode([float(self.incarnation * 1_000_000 + self.seq), events, 0])
+        seq = self.seq
+        self.snapshots[(self.incarnation, seq)] = self.keys()
+        self.buffer = [*self.buffer, (seq, payload)][-6:]  # a small replay buffer: overruns happen
+        self.seq += 1
+        return seq, payload
+
+    def restart(self) -> None:
+        self.blocks.clear()  # a restarted engine starts cold and says nothing (vLLM sends no clear)
+        self.seq = 0
+        self.buffer = []
+        self.incarnation += 1
+
+
+FAULTS = st.sampled_from(["ok"] * 6 + ["drop", "dup", "hold", "restart", "replay"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32), st.booleans(), st.lists(FAULTS, min_size=5, max_size=60))
+def test_ready_ledger_never_claims_a_block_the_worker_lacks(seed: int, has_replay: bool, faults: list[str]) -> None:
+    pub = TruePublisher(random.Random(seed))
+    sync, sink, ledger = SourceSync(has_replay=has_replay), SetSink(), Ledger(slot=0, engine="vllm", block_size=BS)
+    applied: list[tuple[int, int] | None] = [None]
+    replay_wanted: list[int] = []
+
+    def run(actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Apply):
+                batch = decode_batch(a.payload)
+                ledger.apply(batch.events, sink)
+                applied[0] = divmod(int(batch.ts), 1_000_000)
+            elif isinstance(a, Clear):
+                ledger.clear(sink)
+                applied[0] = None
+            elif isinstance(a, RequestReplay):
+                replay_wanted.append(a.from_seq)
+
+    def check() -> None:
+        if sync.state is not SyncState.READY:
+            return  # the documented window: a STALE or SYNCING ledger is not used for routing
+        held = sink.held.get(0, set())
+        truth = pub.snapshots[applied[0]] if applied[0] is not None else frozenset()
+        assert held <= truth
+
+    run(sync.connected())
+    held_back: tuple[int, bytes] | None = None
+    for fault in faults:
+        if fault == "restart":
+            # A restarted engine is a new process: the SUB's connection drops and comes back. The source
+            # re-creates its SUB socket then, so nothing queued from the old connection is delivered.
+            pub.restart()
+            held_back = None
+            run(sync.disconnected("connection lost"))
+            run(sync.connected())
+            check()
+            continue
+        if fault == "replay" and replay_wanted:
+            start = replay_wanted.pop()
+            for seq, payload in pub.buffer:
+                if seq >= start:
+                    run(sync.replayed(seq, payload))
+                    check()
+            run(sync.replay_done(complete=True))
+            check()
+            continue
+        seq, payload = pub.batch()
+        deliveries = {"ok": [(seq, payload)], "drop": [], "dup": [(seq, payload)] * 2, "hold": [],
+                      "replay": [(seq, payload)]}[fault]
+        if fault != "hold" and held_back is not None:
+            deliveries.append(held_back)
+            held_back = None
+        if fault == "hold":
+            held_back = (seq, payload)
+        for s, p in deliveries:
+            run(sync.live(s, p))
+            check()
+    if replay_wanted:  # a pending replay that never answers is given up on
+        run(sync.replay_done(complete=False))
+        check()
+        assert sync.state is SyncState.READY
