@@ -90,6 +90,9 @@ class ExtprocConfig(_Strict):
     window; the engine will judge the request). Bounds extproc's work per request."""
     route_explain: bool = True
     """Serve POST /cortex/v1/route (the routing decision as JSON, nothing forwarded)."""
+    prediction_ttl_s: float = Field(2.0, ge=0)
+    """How long the blocks of a just-routed prompt count as held by its worker when choosing (never as a
+    claimed hit), until the worker's own events confirm them; 0 turns predictions off."""
     view_stale_after_s: float = Field(1.0, gt=0)
     """Ledger heartbeat age after which extproc stops trusting it and routes by load."""
 

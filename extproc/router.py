@@ -15,6 +15,7 @@ from cortex.bundle import ModelBundle, TemplateError
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
 from extproc.cluster_view import ClusterView
+from extproc.predictions import Predictions
 from extproc.request import ParsedRequest
 from extproc.scheduler import Candidate, Decision, decide, round_robin
 
@@ -42,6 +43,7 @@ class Router:
         self.cfg = cfg
         self.cluster = cluster
         self.bundles = bundles
+        self.predictions = Predictions(cfg.extproc.prediction_ttl_s)
         self._turn = itertools.count()
 
     def tokens(self, req: ParsedRequest, bundle: ModelBundle) -> tuple[list[int], bool]:
@@ -72,7 +74,8 @@ class Router:
         ids = bundle.encode(text[:cap], add_special_tokens=special)
         return ids[: max(0, len(ids) - 2 * self.cluster.block_size)], True
 
-    def route(self, req: ParsedRequest) -> RouteResult:
+    def route(self, req: ParsedRequest, *, commit: bool = True) -> RouteResult:
+        """Decide. `commit` records the chosen target's coming blocks as predicted (real traffic only)."""
         bundle = self.bundles.get(req.model)
         if bundle is None:
             raise ClientError(404, f"The model `{req.model}` does not exist.", "model")
@@ -89,6 +92,7 @@ class Router:
         usable_blocks = max(0, (len(ids) - 1) // bs)
         why = "no_cached_prefix"
         matches = None
+        keys: list[int] = []
         if req.unroutable:
             why = req.unroutable
         elif not self.cluster.alive:
@@ -108,10 +112,10 @@ class Router:
         cands = []
         for w in workers:
             trusted = matches is not None and w.exact_kv
+            matched = int(matches[w.slot]) if trusted and matches is not None else 0
             cands.append(Candidate(
-                id=w.id, slot=w.slot, address=w.address,
-                matched_blocks=int(matches[w.slot]) if trusted and matches is not None else 0,
-                ledger_trusted=trusted,
+                id=w.id, slot=w.slot, address=w.address, matched_blocks=matched, ledger_trusted=trusted,
+                predicted_blocks=self.predictions.extend(keys, w.slot, matched) if trusted else 0,
                 engine_load=w.engine_load if self.cluster.alive else None,
                 inflight=int(inflight[w.slot]), rank=w.rank, engine=w.engine,
             ))
@@ -125,5 +129,7 @@ class Router:
             decision = decide(cands, block_size=bs, ledger_usable=matches is not None, why_not_exact=why,
                               turn=turn)
         timings.score_s = time.perf_counter() - t3
+        if commit and keys and decision.chosen.ledger_trusted:
+            self.predictions.record(decision.chosen.slot, keys)
         return RouteResult(decision=decision, prompt_tokens=len(ids), token_ids=ids, timings=timings,
                            truncated=truncated)

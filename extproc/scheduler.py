@@ -5,9 +5,10 @@ The fallback chain is fixed and always named in the decision (design §2.3):
   load_aware            every candidate's load is known; no proven hit (reason says why)
   fallback_p2c          load partly unknown: power of two choices on Cortex's own in-flight counts
   fallback_round_robin  only liveness is known
-First rule for exact-KV (refined by the scoring issue): the longest proven prefix wins, ties go to the
-lighter worker. The remaining candidates follow, lightest first, so Envoy's single retry lands on the
-next-best worker.
+First rule for exact-KV (refined by the scoring issue): the longest prefix wins, counting blocks a worker
+was just sent (predicted) as well as proven ones; ties go to the lighter worker. Only proven blocks are
+claimed. The remaining candidates follow, lightest first, so Envoy's single retry lands on the next-best
+worker.
 """
 
 from __future__ import annotations
@@ -35,9 +36,15 @@ class Candidate:
     """running + waiting as the engine last reported it; None when unknown or too old."""
     inflight: int = 0
     """Requests Cortex routed to it that have not ended (all extproc processes)."""
+    predicted_blocks: int = 0
+    """Leading blocks it holds or is about to hold (a request Cortex just sent it): used to choose, never claimed."""
     rank: int | None = None
     """Data-parallel rank to pin on the worker, or None."""
     engine: str = "vllm"
+
+    @property
+    def affinity_blocks(self) -> int:
+        return max(self.matched_blocks, self.predicted_blocks)
 
     @property
     def load(self) -> float | None:
@@ -73,10 +80,13 @@ def decide(cands: Sequence[Candidate], *, block_size: int, ledger_usable: bool, 
         raise ValueError("no candidates")
     matched = {c.id: c.matched_blocks * block_size for c in cands if c.ledger_trusted}
     if ledger_usable:
-        holders = [c for c in cands if c.ledger_trusted and c.matched_blocks > 0]
+        holders = [c for c in cands if c.ledger_trusted and c.affinity_blocks > 0]
         if holders:
-            best = max(holders, key=lambda c: (c.matched_blocks, -(c.load or 0.0), -c.inflight))
+            best = max(holders, key=lambda c: (c.affinity_blocks, c.matched_blocks, -(c.load or 0.0), -c.inflight))
             rest = [c for c in _by_load(cands, turn) if c is not best]
+            if best.matched_blocks == 0:
+                # Only a prediction: follow it so siblings do not scatter, but claim nothing.
+                return Decision((best, *rest), LOAD_AWARE, "predicted_prefix", 0, matched)
             return Decision((best, *rest), EXACT, "longest_cached_prefix",
                             best.matched_blocks * block_size, matched)
     if all(c.load is not None for c in cands):

@@ -229,7 +229,7 @@ class ExtProc:
         except orjson.JSONDecodeError:
             raw = None
         kind = "chat" if isinstance(raw, dict) and "messages" in raw else "completion"
-        result = self.router.route(parse_body(kind, body))
+        result = self.router.route(parse_body(kind, body), commit=False)
         d = result.decision
         doc: dict[str, Any] = {
             "prompt_tokens": result.prompt_tokens,
@@ -241,6 +241,7 @@ class ExtProc:
             "reason": d.reason,
             "cache_hit_tokens": d.hit_tokens,
             "workers": [{"id": c.id, "matched_tokens": d.matched_tokens.get(c.id),
+                         "predicted_tokens": c.predicted_blocks * self.cluster.block_size,
                          "ledger_trusted": c.ledger_trusted, "engine_load": c.engine_load,
                          "inflight": c.inflight} for c in d.order],
             "timings_ms": {k: round(getattr(result.timings, k) * 1000, 3)
@@ -278,6 +279,7 @@ async def serve(cfg: CortexConfig, index: int) -> None:
             await asyncio.sleep(0.1)
             try:
                 cluster.refresh()
+                app.router.predictions.expire()
             except Exception:
                 log.exception("cluster view refresh failed")
 

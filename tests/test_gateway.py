@@ -189,3 +189,16 @@ def test_large_body_is_accepted_and_forwarded(gw: Gateway) -> None:
                    timeout=120)
     assert r.headers["x-cortex-assigned-worker"] in {s.id for s in gw.sims}
     assert r.status_code == 400 and "context" in r.json()["error"]["message"].lower()
+
+
+def test_a_burst_of_new_siblings_does_not_scatter(gw: Gateway) -> None:
+    # Before any BlockStored can arrive, the first request's blocks count as predicted on its worker.
+    from concurrent.futures import ThreadPoolExecutor
+
+    messages = long_chat(600, seed=int(time.time() * 1000) % 100_000)
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda _: chat(gw, messages), range(6)))
+    workers = {h["x-cortex-assigned-worker"] for h, _ in results}
+    assert len(workers) == 1
+    for h, usage in results:  # never a claim beyond what the worker itself reports
+        assert int(h["x-cortex-cache-hit-tokens"]) <= usage["prompt_tokens_details"]["cached_tokens"]

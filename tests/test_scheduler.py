@@ -63,3 +63,18 @@ def test_round_robin_rotates() -> None:
 def test_no_candidates_is_an_error() -> None:
     with pytest.raises(ValueError):
         decide([], block_size=16, ledger_usable=True, why_not_exact="x", turn=0)
+
+
+def test_prediction_steers_but_is_never_claimed() -> None:
+    pred = Candidate(id="w1", slot=1, address="a:1", matched_blocks=0, predicted_blocks=6, ledger_trusted=True,
+                     engine_load=3.0)
+    d = decide([c("w0", load=0), pred], block_size=16, ledger_usable=True, why_not_exact="no_cached_prefix", turn=0)
+    assert d.chosen.id == "w1" and d.mode == LOAD_AWARE and d.reason == "predicted_prefix" and d.hit_tokens == 0
+    proven = Candidate(id="w2", slot=2, address="a:2", matched_blocks=2, predicted_blocks=2, ledger_trusted=True,
+                       engine_load=0.0)
+    d = decide([pred, proven], block_size=16, ledger_usable=True, why_not_exact="x", turn=0)
+    assert d.chosen.id == "w1" and d.mode == LOAD_AWARE and d.hit_tokens == 0
+    mixed = Candidate(id="w3", slot=3, address="a:3", matched_blocks=2, predicted_blocks=6, ledger_trusted=True,
+                      engine_load=0.0)
+    d = decide([pred, mixed], block_size=16, ledger_usable=True, why_not_exact="x", turn=0)
+    assert d.chosen.id == "w3" and d.mode == EXACT and d.hit_tokens == 32

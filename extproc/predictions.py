@@ -1,0 +1,62 @@
+"""Predicted blocks: what a worker is about to cache because Cortex just sent it a prompt.
+
+Between routing a request and the worker's BlockStored events reaching the ledger there are a few to a
+few hundred milliseconds (prefill time). A burst of identical or sibling prompts arriving in that window
+would otherwise see no holder and scatter across the fleet, each worker prefilling the same prefix. So
+the blocks a routed prompt will create count as held by its target for a short TTL, for *choosing* a
+worker only: they never count as a confirmed hit in headers or metrics, and confirmed events replace
+them. Kept per extproc process (a sibling routed by another process does not see them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+
+class Predictions:
+    def __init__(self, ttl_s: float = 2.0, max_keys: int = 200_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.max_keys = max_keys
+        self.clock = clock
+        # key -> {slot: expiry}; insertion order approximates age, so the oldest go first when full.
+        self._held: OrderedDict[int, dict[int, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def record(self, slot: int, keys: Sequence[int]) -> None:
+        if self.ttl_s <= 0:
+            return
+        expiry = self.clock() + self.ttl_s
+        held = self._held
+        for key in keys:
+            slots = held.get(key)
+            if slots is None:
+                held[key] = {slot: expiry}
+            else:
+                slots[slot] = expiry
+                held.move_to_end(key)
+        while len(held) > self.max_keys:
+            held.popitem(last=False)
+
+    def extend(self, keys: Sequence[int], slot: int, start: int) -> int:
+        """How far the leading run of keys held by `slot` reaches, given `start` confirmed ones."""
+        now = self.clock()
+        held = self._held
+        i = start
+        n = len(keys)
+        while i < n:
+            slots = held.get(keys[i])
+            if slots is None or slots.get(slot, 0.0) <= now:
+                break
+            i += 1
+        return i
+
+    def expire(self) -> None:
+        """Drop expired entries (background upkeep, off the request path)."""
+        now = self.clock()
+        for key in [k for k, slots in self._held.items() if all(exp <= now for exp in slots.values())]:
+            del self._held[key]
