@@ -18,8 +18,7 @@ import msgspec
 GPU_MEDIA = frozenset({None, "GPU", "gpu"})
 
 
-@dataclass(slots=True)
-class BlockStored:
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -31,19 +30,40 @@ class BlockStored:
     group_idx: int | None = None
 
 
-@dataclass(slots=True)
-class BlockRemoved:
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
     block_hashes: list[int]
     medium: str | None = None
     group_idx: int | None = None
 
 
-@dataclass(slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
     pass
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class _WireStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    """The current map layout, decoded in C; hashes may still be signed or bytes until normalised."""
+
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = None
+    cache_salt: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class _WireRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+_typed = msgspec.msgpack.Decoder(tuple[float, list[_WireStored | _WireRemoved | AllBlocksCleared], int | None])
 
 
 @dataclass(slots=True)
@@ -118,22 +138,18 @@ def decode_event(raw: Any) -> Event:
         block_size = fields.get("block_size")
         if not isinstance(tokens, list) or not isinstance(block_size, int):
             raise DecodeError("BlockStored without token_ids or block_size")
+        if not all(type(t) is int for t in tokens):
+            raise DecodeError("BlockStored token_ids are not plain token ids (e.g. EAGLE bigram payload)")
         parent = fields.get("parent_block_hash")
         extra = fields.get("extra_keys")
-        return BlockStored(
-            block_hashes=_hashes(fields.get("block_hashes")),
-            parent_block_hash=None if parent is None else wire_hash(parent),
-            token_ids=tokens,
-            block_size=block_size,
-            lora_name=_opt_str(fields.get("lora_name")),
-            medium=_opt_str(fields.get("medium")),
-            cache_salt=_opt_str(fields.get("cache_salt")),
-            extra_keys=extra if isinstance(extra, list) else None,
-            group_idx=_opt_int(fields.get("group_idx")),
-        )
+        return BlockStored(_hashes(fields.get("block_hashes")), None if parent is None else wire_hash(parent),
+                           tokens, block_size, lora_name=_opt_str(fields.get("lora_name")),
+                           medium=_opt_str(fields.get("medium")), cache_salt=_opt_str(fields.get("cache_salt")),
+                           extra_keys=extra if isinstance(extra, list) else None,
+                           group_idx=_opt_int(fields.get("group_idx")))
     if tag == "BlockRemoved":
-        return BlockRemoved(block_hashes=_hashes(fields.get("block_hashes")),
-                            medium=_opt_str(fields.get("medium")), group_idx=_opt_int(fields.get("group_idx")))
+        return BlockRemoved(_hashes(fields.get("block_hashes")), medium=_opt_str(fields.get("medium")),
+                            group_idx=_opt_int(fields.get("group_idx")))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise DecodeError(f"unknown event type {tag!r}")
@@ -142,7 +158,34 @@ def decode_event(raw: Any) -> Event:
 _decoder = msgspec.msgpack.Decoder()
 
 
+def _norm(hashes: list[int | bytes]) -> list[int]:
+    try:
+        if min(hashes) >= 0:  # type: ignore[type-var,operator]  # all unsigned ints: vLLM's default form
+            return hashes  # type: ignore[return-value]
+    except (TypeError, ValueError):  # bytes among them, or empty
+        pass
+    return [wire_hash(h) for h in hashes]
+
+
+def _from_wire(ev: _WireStored | _WireRemoved | AllBlocksCleared) -> Event:
+    if isinstance(ev, _WireStored):
+        parent = ev.parent_block_hash
+        return BlockStored(_norm(ev.block_hashes), None if parent is None else wire_hash(parent), ev.token_ids,
+                           ev.block_size, ev.lora_name, ev.medium, ev.cache_salt, ev.extra_keys, ev.group_idx)
+    if isinstance(ev, _WireRemoved):
+        return BlockRemoved(_norm(ev.block_hashes), ev.medium, ev.group_idx)
+    return ev
+
+
 def decode_batch(payload: bytes) -> Batch:
+    """Decode one batch. The current layout (map events, 3-element batch) takes a typed C decoder; anything
+    else (older positional events, unknown event types, odd payloads) falls back to a per-event decoder
+    that keeps whatever it can."""
+    try:
+        ts, events, rank = _typed.decode(payload)
+        return Batch(ts=ts, events=[_from_wire(e) for e in events], dp_rank=rank)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass
     try:
         raw = _decoder.decode(payload)
     except msgspec.DecodeError as exc:

@@ -20,7 +20,9 @@ event and is counted, never guessed.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -40,7 +42,7 @@ class KeySink(Protocol):
     def clear_worker(self, worker: int) -> None: ...
 
 
-_EMPTY: tuple[int, ...] = ()
+_EMPTY = b""
 
 
 @dataclass
@@ -52,38 +54,67 @@ class Ledger:
     parity: ParityCheck | None = None
     key_of: dict[int, int] = field(default_factory=dict)
     """engine hash -> Cortex key of the last full Cortex block at or before the end of that engine block."""
-    pending_of: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    """engine hash -> tokens after that key (only for engine pages smaller than a Cortex block)."""
+    pending_of: dict[int, bytes] = field(default_factory=dict)
+    """engine hash -> tokens after that key, as little-endian uint32 bytes (only for engine pages smaller
+    than a Cortex block)."""
     owns: dict[int, int] = field(default_factory=dict)
-    """engine hash -> the Cortex key its tokens completed."""
-    hash_refs: Counter[int] = field(default_factory=Counter)
-    key_refs: Counter[int] = field(default_factory=Counter)
+    """engine hash -> the Cortex key its tokens completed, 0 for none; absent when it is key_of's (pages
+    as large as Cortex blocks, the common case, need no second map)."""
+    hash_refs: dict[int, int] = field(default_factory=dict)
+    key_refs: dict[int, int] = field(default_factory=dict)
     dropped: Counter[str] = field(default_factory=Counter)
     blocks_stored: int = 0
     blocks_removed: int = 0
     events_applied: int = 0
+    _delta: _Delta | None = field(default=None, repr=False)
 
     @property
     def blocks(self) -> int:
         return len(self.key_refs)
 
+    @contextlib.contextmanager
+    def deferred(self, sink: KeySink) -> Iterator[None]:
+        """Collect the net effect of every apply/clear inside, and publish it in at most three view writes
+        at the end (each write is a section readers may have to wait out, and costs about the same for 1
+        key or 100). Removals go before additions, so a reader between the two sees a subset of the
+        worker's cache, never more."""
+        if self._delta is not None:
+            yield
+            return
+        self._delta = _Delta()
+        try:
+            yield
+        finally:
+            delta, self._delta = self._delta, None
+            delta.flush(self.slot, sink)
+
     def apply(self, events: list[Event], sink: KeySink) -> None:
-        for event in events:
-            if isinstance(event, BlockStored):
-                self._stored(event, sink)
-            elif isinstance(event, BlockRemoved):
-                self._removed(event, sink)
-            elif isinstance(event, AllBlocksCleared):
-                self.clear(sink)
-            self.events_applied += 1
+        with self.deferred(sink):
+            delta = self._delta
+            assert delta is not None
+            for event in events:
+                if isinstance(event, BlockStored):
+                    self._stored(event, delta)
+                elif isinstance(event, BlockRemoved):
+                    self._removed(event, delta)
+                elif isinstance(event, AllBlocksCleared):
+                    self._forget()
+                    delta.clear()
+                self.events_applied += 1
 
     def clear(self, sink: KeySink) -> None:
+        self._forget()
+        if self._delta is not None:
+            self._delta.clear()
+        else:
+            sink.clear_worker(self.slot)
+
+    def _forget(self) -> None:
         self.key_of.clear()
         self.pending_of.clear()
         self.owns.clear()
         self.hash_refs.clear()
         self.key_refs.clear()
-        sink.clear_worker(self.slot)
 
     def _salt(self, event: BlockStored) -> str | None:
         if event.cache_salt is not None or self.engine != "vllm" or not event.extra_keys:
@@ -95,7 +126,7 @@ class Ledger:
             return rest[-1] if rest else None
         return None
 
-    def _stored(self, event: BlockStored, sink: KeySink) -> None:
+    def _stored(self, event: BlockStored, delta: _Delta) -> None:
         if event.medium not in GPU_MEDIA:
             self.dropped["not_gpu"] += 1
             return
@@ -118,61 +149,108 @@ class Ledger:
                 self.dropped["unknown_parent"] += 1
                 return
             key, pending = found, self.pending_of.get(event.parent_block_hash, _EMPTY)
-        fresh: list[int] = []
         hashes = event.block_hashes
+        refs, key_of, key_refs = self.hash_refs, self.key_of, self.key_refs
         if page == self.block_size:
-            keys = chain_keys(event.token_ids, page, key)
-            for engine_hash, k in zip(hashes, keys, strict=True):
-                self._own(engine_hash, k, _EMPTY, k, fresh)
+            for engine_hash, k in zip(hashes, chain_keys(event.token_ids, page, key), strict=True):
+                r = refs.get(engine_hash)
+                if r is None:
+                    refs[engine_hash] = 1
+                    key_of[engine_hash] = k
+                else:  # stored twice (vLLM does not dedupe): the first mapping stands
+                    refs[engine_hash] = r + 1
+                    k = key_of[engine_hash]
+                kr = key_refs.get(k, 0)
+                key_refs[k] = kr + 1
+                if kr == 0:
+                    delta.add(k)
         else:
-            tokens = np.asarray(event.token_ids, dtype=np.uint32)
+            raw = np.asarray(event.token_ids, dtype="<u4").tobytes()
+            stride, full = page * 4, self.block_size * 4
+            digest = xxhash.xxh3_64_intdigest
             for i, engine_hash in enumerate(hashes):
-                pending = pending + tuple(int(t) for t in tokens[i * page:(i + 1) * page])
-                completed = None
-                if len(pending) == self.block_size:
-                    key = xxhash.xxh3_64_intdigest(np.asarray(pending, dtype="<u4").tobytes(), seed=key) or 1
+                pending = pending + raw[i * stride:(i + 1) * stride]
+                completed = 0
+                if len(pending) == full:
+                    key = digest(pending, seed=key) or 1
                     completed, pending = key, _EMPTY
-                self._own(engine_hash, key, pending, completed, fresh)
+                r = refs.get(engine_hash)
+                if r is None:
+                    refs[engine_hash] = 1
+                    key_of[engine_hash] = key
+                    self.owns[engine_hash] = completed
+                    if pending:
+                        self.pending_of[engine_hash] = pending
+                else:
+                    refs[engine_hash] = r + 1
+                    completed = self.owns[engine_hash]
+                if completed:
+                    kr = key_refs.get(completed, 0)
+                    key_refs[completed] = kr + 1
+                    if kr == 0:
+                        delta.add(completed)
         self.blocks_stored += n
-        if fresh:
-            sink.add(self.slot, fresh)
 
-    def _own(self, engine_hash: int, key: int, pending: tuple[int, ...], completed: int | None,
-             fresh: list[int]) -> None:
-        if self.hash_refs[engine_hash] == 0:
-            self.key_of[engine_hash] = key
-            if pending:
-                self.pending_of[engine_hash] = pending
-            if completed is not None:
-                self.owns[engine_hash] = completed
-        self.hash_refs[engine_hash] += 1
-        owned = self.owns.get(engine_hash)
-        if owned is not None:
-            self.key_refs[owned] += 1
-            if self.key_refs[owned] == 1:
-                fresh.append(owned)
-
-    def _removed(self, event: BlockRemoved, sink: KeySink) -> None:
+    def _removed(self, event: BlockRemoved, delta: _Delta) -> None:
         if event.medium not in GPU_MEDIA:
             return
-        gone: list[int] = []
+        refs, key_refs = self.hash_refs, self.key_refs
         for engine_hash in event.block_hashes:
-            if self.hash_refs[engine_hash] <= 0:
-                self.hash_refs.pop(engine_hash, None)
+            r = refs.get(engine_hash)
+            if r is None:
                 self.dropped["unknown_removal"] += 1
                 continue
             owned = self.owns.get(engine_hash)
-            self.hash_refs[engine_hash] -= 1
-            if self.hash_refs[engine_hash] == 0:
-                del self.hash_refs[engine_hash]
+            if owned is None:
+                owned = self.key_of[engine_hash]
+            if r == 1:
+                del refs[engine_hash]
                 del self.key_of[engine_hash]
                 self.pending_of.pop(engine_hash, None)
                 self.owns.pop(engine_hash, None)
-            if owned is not None:
-                self.key_refs[owned] -= 1
-                if self.key_refs[owned] == 0:
-                    del self.key_refs[owned]
-                    gone.append(owned)
+            else:
+                refs[engine_hash] = r - 1
+            if owned:
+                kr = key_refs[owned] - 1
+                if kr == 0:
+                    del key_refs[owned]
+                    delta.remove(owned)
+                else:
+                    key_refs[owned] = kr
             self.blocks_removed += 1
-        if gone:
-            sink.remove(self.slot, gone)
+
+
+class _Delta:
+    """The net change of one batch to a target's key set."""
+
+    __slots__ = ("added", "cleared", "removed")
+
+    def __init__(self) -> None:
+        self.cleared = False
+        self.added: dict[int, None] = {}
+        self.removed: dict[int, None] = {}
+
+    def add(self, key: int) -> None:
+        if key in self.removed:  # removed then stored again within the batch: present before and after
+            del self.removed[key]
+        else:
+            self.added[key] = None
+
+    def remove(self, key: int) -> None:
+        if key in self.added:  # stored then removed within the batch: absent before and after
+            del self.added[key]
+        else:
+            self.removed[key] = None
+
+    def clear(self) -> None:
+        self.cleared = True
+        self.added.clear()
+        self.removed.clear()
+
+    def flush(self, slot: int, sink: KeySink) -> None:
+        if self.cleared:
+            sink.clear_worker(slot)
+        if self.removed:
+            sink.remove(slot, list(self.removed))
+        if self.added:
+            sink.add(slot, list(self.added))

@@ -26,6 +26,7 @@ from ingest.workers import Target
 log = logging.getLogger("cortex.ingest")
 
 END_SEQ = b"\xff" * 8
+DRAIN_MAX = 64
 REPLAY_TIMEOUT_S = 3.0
 
 
@@ -122,16 +123,26 @@ class EventSource:
                         sock, monitor = self._socket()
                         continue
                 if sock in ready:
-                    frames = await sock.recv_multipart()
-                    self.target.last_event_at = time.monotonic()
-                    if len(frames) != 3 or len(frames[1]) != 8:
-                        self.target.decode_errors += 1
-                        continue
-                    self.perform(self.target.sync.live(int.from_bytes(frames[1], "big"), frames[2]))
+                    await self._receive(sock)
         finally:
             if self._replay_task is not None:
                 self._replay_task.cancel()
             self._close(sock, monitor)
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        """Take every batch already queued (up to DRAIN_MAX) and publish their net effect at once: under
+        an event storm the view then sees a few large writes instead of many small ones."""
+        t = self.target
+        with t.ledger.deferred(self.sink):
+            for _ in range(DRAIN_MAX):
+                frames = await sock.recv_multipart()
+                t.last_event_at = time.monotonic()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    t.decode_errors += 1
+                else:
+                    self.perform(t.sync.live(int.from_bytes(frames[1], "big"), frames[2]))
+                if not await sock.poll(0, zmq.POLLIN):
+                    break
 
     def perform(self, actions: list[Action]) -> None:
         t = self.target
