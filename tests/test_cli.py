@@ -95,10 +95,11 @@ def test_supervisor_restarts_then_stops_everything_on_sigterm(tmp_path: Path) ->
 
 @pytest.mark.timeout(120)
 def test_demo_runs_routes_and_stops_cleanly(tmp_path: Path) -> None:
-    (gw,) = free_ports(1)
+    gw, admin, ingest, extproc = free_ports(4)
     sim1, kv1 = free_consecutive(2), free_consecutive(2)
     proc = subprocess.Popen([*PY, "demo", "--port", str(gw), "--sim-base-port", str(sim1),
-                             "--kv-base-port", str(kv1), "--runtime-dir", str(tmp_path / "demo")],
+                             "--kv-base-port", str(kv1), "--runtime-dir", str(tmp_path / "demo"),
+                             "--admin-port", str(admin), "--ingest-port", str(ingest), "--extproc-port", str(extproc)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{gw}/cortex/health", timeout=1).json()["ledger_view"],
