@@ -76,4 +76,6 @@ Envoy admin:          http://127.0.0.1:{cfg.admin.port}/clusters
 Stop with Ctrl-C.
 """, flush=True)
 
-    return run_gateway(cfg, config_path, extra=sims, on_ready=tell)
+    # Announce only once the simulated workers answer too, so the first curl cannot meet a cold fleet.
+    return run_gateway(cfg, config_path, extra=sims, on_ready=tell,
+                       ready_urls=[f"{w.url}/health" for w in cfg.workers])

@@ -6,7 +6,7 @@ import asyncio
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -40,11 +40,12 @@ def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path) -> list[
     return specs
 
 
-async def wait_ready(cfg: CortexConfig, timeout_s: float = 60.0) -> bool:
-    """True once ingest answers /health/ready and a request through Envoy reaches extproc."""
+async def wait_ready(cfg: CortexConfig, timeout_s: float = 60.0, also: Sequence[str] = ()) -> bool:
+    """True once ingest answers /health/ready, a request through Envoy reaches extproc, and every URL in
+    `also` answers 200."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     urls = [f"http://{cfg.ingest.host}:{cfg.ingest.port}/health/ready",
-            f"http://{cfg.listen.host}:{cfg.listen.port}/cortex/health"]
+            f"http://{cfg.listen.host}:{cfg.listen.port}/cortex/health", *also]
     async with aiohttp.ClientSession() as session:
         while asyncio.get_running_loop().time() < deadline:
             ok = True
@@ -61,12 +62,12 @@ async def wait_ready(cfg: CortexConfig, timeout_s: float = 60.0) -> bool:
 
 
 def run_gateway(cfg: CortexConfig, config_path: Path, extra: list[ChildSpec] | None = None,
-                on_ready: Callable[[], None] | None = None) -> int:
+                on_ready: Callable[[], None] | None = None, ready_urls: Sequence[str] = ()) -> int:
     envoy_yaml = prepare_runtime(cfg)
     sup = Supervisor([*(extra or []), *child_specs(cfg, config_path, envoy_yaml)])
 
     async def announce() -> None:
-        if await wait_ready(cfg):
+        if await wait_ready(cfg, also=ready_urls):
             print(f"[cortex] ready: http://{cfg.listen.host}:{cfg.listen.port}  "
                   f"(admin http://{cfg.ingest.host}:{cfg.ingest.port}/cortex/workers, "
                   f"envoy admin http://{cfg.admin.host}:{cfg.admin.port})", file=sys.stderr, flush=True)

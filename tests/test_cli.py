@@ -97,13 +97,16 @@ def test_supervisor_restarts_then_stops_everything_on_sigterm(tmp_path: Path) ->
 def test_demo_runs_routes_and_stops_cleanly(tmp_path: Path) -> None:
     gw, admin, ingest, extproc = free_ports(4)
     sim1, kv1 = free_consecutive(2), free_consecutive(2)
+    log = tmp_path / "demo.log"
     proc = subprocess.Popen([*PY, "demo", "--port", str(gw), "--sim-base-port", str(sim1),
                              "--kv-base-port", str(kv1), "--runtime-dir", str(tmp_path / "demo"),
                              "--admin-port", str(admin), "--ingest-port", str(ingest), "--extproc-port", str(extproc)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{gw}/cortex/health", timeout=1).json()["ledger_view"],
-                 timeout=60, what="demo up")
+        wait_for(lambda: b"Cortex demo is up" in log.read_bytes(), timeout=60, what="the demo to announce itself")
+        wait_for(lambda: all(t["exact_kv"] for w in httpx.get(f"http://127.0.0.1:{ingest}/cortex/workers",
+                                                                timeout=2).json()["workers"] for t in w["targets"]),
+                 what="the demo's workers in sync")
         body = {"model": MODEL, "messages": long_chat(300, seed=5), "max_tokens": 4}
         first = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", json=body, timeout=30)
         second = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", json=body, timeout=30)
@@ -112,7 +115,8 @@ def test_demo_runs_routes_and_stops_cleanly(tmp_path: Path) -> None:
         assert second.headers["x-cortex-assigned-worker"] == first.headers["x-cortex-assigned-worker"]
     finally:
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+    out = log.read_bytes()
     assert proc.returncode == 0, out.decode()[-2000:]
     assert b"curl" in out  # the demo told the user what to try
     needles = [str(tmp_path / "demo").encode(), f"--port {sim1}".encode(), f"--port {sim1 + 1}".encode()]
