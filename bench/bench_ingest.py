@@ -23,12 +23,12 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cortex.view import ViewWriter  # noqa: E402
-from ingest.events import decode_batch  # noqa: E402
-from ingest.ledger import Ledger  # noqa: E402
-from ingest.parity import ParityCheck  # noqa: E402
-from ingest.source import DRAIN_MAX  # noqa: E402
-from ingest.sync import Apply, SourceSync  # noqa: E402
+from cortex.view import ViewWriter
+from ingest.events import decode_batch
+from ingest.ledger import Ledger
+from ingest.parity import ParityCheck
+from ingest.source import DRAIN_MAX
+from ingest.sync import Apply, SourceSync
 
 
 def make_batches(shape: str, n_blocks: int, rng: random.Random) -> list[bytes]:

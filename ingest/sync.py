@@ -183,7 +183,7 @@ class SourceSync:
         self.buffer.clear()
         self.recent.clear()
         self.last_applied = self.newest_seen = None
-        return [Clear(why)]
+        return [Clear(why, publisher_restart=True)]  # it may come back as another process
 
     # -- internals -------------------------------------------------------------------------------------
 

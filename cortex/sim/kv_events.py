@@ -1,14 +1,24 @@
-"""vLLM 0.33 KV-cache events: the wire schema and a ZMQ publisher that behaves like vLLM's.
+"""KV-cache events of vLLM 0.33 and SGLang 0.5.23: the wire schemas and a ZMQ publisher that behaves like theirs.
 
-Schema first, because it is the contract (kv-events.md §2): events are msgspec Structs with
+Schemas first, because they are the contract (kv-events.md §2, §4.1): events are msgspec Structs with
 ``tag=True, omit_defaults=True`` (msgpack maps tagged ``"type"``, required fields always present, defaulted
-fields omitted when default) and the batch is ``array_like=True`` (``[ts, events, data_parallel_rank]``,
-msgspec 0.23 keeps the trailing rank). Field order and defaults match ``vllm/distributed/kv_events.py`` so
-the encoded bytes are identical to the engine's.
+fields omitted when default) and the batch is ``array_like=True``. vLLM's batch is
+``[ts, events, data_parallel_rank]`` (msgspec 0.23 keeps the trailing rank despite ``omit_defaults``);
+SGLang's own copy has no ``omit_defaults`` and names the rank ``attn_dp_rank``, and its ``BlockStored`` has
+a different field set (``medium`` defaulted, ``cache_salt``/``session_id``/``lora_name``, no ``extra_keys``).
+Field order and defaults match ``vllm/distributed/kv_events.py`` and ``sglang/srt/disaggregation/kv_events.py``
+so the encoded bytes are identical to the engines'. SGLang hashes are signed int64s, which msgpack encodes
+as ``d3`` when negative.
 
 Transport (§1): a PUB socket sends ``[topic, seq (8 B big-endian, from 0), payload]`` per batch; an optional
 ROUTER answers ``[identity, b"", start_seq]`` with every buffered batch ``seq >= start_seq`` as
 ``[identity, b"", topic, seq, payload]`` and then the end marker ``[identity, b"", b"", ff*8, b""]``.
+
+Faults (``cortex.sim.faults``) act in the publisher thread, where the sequence numbers are assigned: a dropped
+batch still consumes its seq and stays replayable (as when PUB drops at its high-water mark), a duplicate is
+sent twice with one seq, a reordered batch is held back and sent right after the next one, a seq gap skips
+numbers that never existed, and a restart closes and re-binds both sockets with seq back at 0 and an empty
+replay buffer, as after an engine restart.
 
 Threading model, as in vLLM: ``publish()`` only puts the batch on a ``queue.Queue``; one daemon thread owns
 both sockets, encodes, assigns ``seq``, sends, keeps the replay ring buffer and serves replay requests between
@@ -25,11 +35,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from itertools import count
 from typing import Any, Protocol
 
 import msgspec
 import zmq
+
+from cortex.sim.faults import Faults
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +98,73 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+# --- SGLang 0.5.23 schema ------------------------------------------------------------------------
+
+
+class SglEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Any]
+    attn_dp_rank: int | None = None
+
+
+class SglKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of SGLang's tagged events; the tags are the engine's class names."""
+
+
+class SglBlockStored(SglKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class SglBlockRemoved(SglKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class SglAllBlocksCleared(SglKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class SglKVEventBatch(SglEventBatch):
+    events: list[SglBlockStored | SglBlockRemoved | SglAllBlocksCleared]
+
+
+AnyEvent = BlockStored | BlockRemoved | AllBlocksCleared | SglBlockStored | SglBlockRemoved | SglAllBlocksCleared
+AnyBatch = KVEventBatch | SglKVEventBatch
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_sgl_decoder = msgspec.msgpack.Decoder(SglKVEventBatch)
 
 
-def encode_batch(batch: KVEventBatch) -> bytes:
+def encode_batch(batch: AnyBatch) -> bytes:
     return _encoder.encode(batch)
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """Strict decode into this schema (for tests and tools; a gateway should decode leniently)."""
+    """Strict decode into vLLM's schema (for tests and tools; a gateway should decode leniently)."""
     return _decoder.decode(payload)
+
+
+def decode_sglang_batch(payload: bytes) -> SglKVEventBatch:
+    """Strict decode into SGLang's schema."""
+    return _sgl_decoder.decode(payload)
+
+
+def _fill_rank(batch: AnyBatch, rank: int) -> None:
+    # Both engines' publishers stamp their own rank on batches that arrive without one.
+    if isinstance(batch, SglKVEventBatch):
+        if batch.attn_dp_rank is None:
+            batch.attn_dp_rank = rank
+    elif batch.data_parallel_rank is None:
+        batch.data_parallel_rank = rank
 
 
 # --- publishers -----------------------------------------------------------------------------------
@@ -111,7 +178,9 @@ class EventPublisher(Protocol):
     endpoint: str | None
     replay_endpoint: str | None
 
-    def publish(self, batch: KVEventBatch) -> None: ...
+    def publish(self, batch: AnyBatch) -> None: ...
+
+    def restart(self) -> None: ...
 
     def flush(self, timeout: float | None = None) -> bool: ...
 
@@ -124,7 +193,10 @@ class NullEventPublisher:
     endpoint: str | None = None
     replay_endpoint: str | None = None
 
-    def publish(self, batch: KVEventBatch) -> None:
+    def publish(self, batch: AnyBatch) -> None:
+        return None
+
+    def restart(self) -> None:
         return None
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -134,10 +206,29 @@ class NullEventPublisher:
         return None
 
 
-def _bind(sock: zmq.Socket[bytes], host: str, port: int) -> str:
+def _bind(sock: zmq.Socket[bytes], host: str, port: int, *, retry_s: float = 0.0) -> str:
     # Port 0 asks the OS for a port; zmq spells that "*" and reports the result in LAST_ENDPOINT.
-    sock.bind(f"tcp://{host}:{port if port else '*'}")
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            sock.bind(f"tcp://{host}:{port if port else '*'}")
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            # A re-bind right after close can race zmq's I/O thread releasing the port.
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+class _Restart:
+    """Queue marker: re-create the sockets (an engine restart as a subscriber sees it)."""
+
+
+_RESTART = _Restart()
 
 
 class ZmqEventPublisher:
@@ -146,30 +237,31 @@ class ZmqEventPublisher:
     def __init__(self, port: int, *, host: str = "127.0.0.1", replay_port: int | None = None,
                  topic: str = "", buffer_steps: int = 10_000, hwm: int = 100_000,
                  max_queue_size: int = 100_000, data_parallel_rank: int = 0,
-                 poll_interval: float = 0.1) -> None:
+                 poll_interval: float = 0.1, faults: Faults | None = None) -> None:
         self._topic = topic.encode()
         self._dp_rank = data_parallel_rank
+        self._host = host
+        self._hwm = hwm
+        self._buffer_steps = buffer_steps
         # vLLM blocks up to 0.1 s for the next batch, which bounds replay latency; kept configurable.
         self._poll_interval = poll_interval
-        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue_size)
+        self._faults = faults or Faults()
+        self._faults.register_publisher(id(self))
+        self._queue: queue.Queue[AnyBatch | _Restart | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._ctx = zmq.Context()
-        self._pub: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
+        self.endpoint: str | None = None
+        self.replay_endpoint: str | None = None
         self._replay: zmq.Socket[bytes] | None = None
         try:
-            self._pub.set_hwm(hwm)
-            self._pub.setsockopt(zmq.LINGER, 0)
-            self.endpoint: str | None = _bind(self._pub, host, port)
-            self.replay_endpoint: str | None = None
-            if replay_port is not None:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-                self.replay_endpoint = _bind(self._replay, host, replay_port)
+            self._pub, self._replay = self._open_sockets(port, replay_port)
         except zmq.ZMQError:
-            self._close_sockets()
+            self._ctx.term()
             raise
         self._closed = False
+        self._next_seq = 0
+        self._held: tuple[int, bytes] | None = None
+        self.restarts = 0
         # Counts let flush() wait for a signal instead of a sleep.
         self._progress = threading.Condition()
         self._published = 0
@@ -177,12 +269,40 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name="zmq-publisher", daemon=True)
         self._thread.start()
 
-    def publish(self, batch: KVEventBatch) -> None:
+    def _open_sockets(self, port: int, replay_port: int | None,
+                      retry_s: float = 0.0) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        pub: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
+        replay: zmq.Socket[bytes] | None = None
+        try:
+            pub.set_hwm(self._hwm)
+            pub.setsockopt(zmq.LINGER, 0)
+            self.endpoint = _bind(pub, self._host, port, retry_s=retry_s)
+            if replay_port is not None:
+                replay = self._ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                replay.setsockopt(zmq.SNDHWM, 2 * (self._buffer_steps + 1))
+                self.replay_endpoint = _bind(replay, self._host, replay_port, retry_s=retry_s)
+        except zmq.ZMQError:
+            pub.close(linger=0)
+            if replay is not None:
+                replay.close(linger=0)
+            raise
+        return pub, replay
+
+    def publish(self, batch: AnyBatch) -> None:
         if self._closed:
             raise RuntimeError("publisher is closed")
         with self._progress:
             self._published += 1
         self._queue.put(batch)
+
+    def restart(self) -> None:
+        """Close and re-bind both sockets on the same ports after what is queued; seq restarts at 0."""
+        if self._closed:
+            raise RuntimeError("publisher is closed")
+        with self._progress:
+            self._published += 1
+        self._queue.put(_RESTART)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every batch published so far is sent and replayable; False on timeout."""
@@ -210,7 +330,6 @@ class ZmqEventPublisher:
         self._ctx.term()
 
     def _run(self) -> None:
-        seq_gen = count()
         encoder = msgspec.msgpack.Encoder()
         while True:
             if self._replay is not None and self._replay.poll(0):
@@ -219,24 +338,60 @@ class ZmqEventPublisher:
                 except zmq.ZMQError:
                     log.exception("kv-events replay failed")
             try:
-                batch = self._queue.get(timeout=self._poll_interval)
+                item = self._queue.get(timeout=self._poll_interval)
             except queue.Empty:
                 continue
-            if batch is None:
+            if item is None:
+                if self._held is not None:
+                    self._send(*self._held)
+                    self._held = None
                 return
-            if batch.data_parallel_rank is None:
-                batch.data_parallel_rank = self._dp_rank
             try:
-                payload = encoder.encode(batch)
-                seq = next(seq_gen)
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
-                self._buffer.append((seq, payload))
+                if isinstance(item, _Restart):
+                    self._do_restart()
+                else:
+                    _fill_rank(item, self._dp_rank)
+                    self._publish_one(encoder.encode(item))
             except Exception:
                 # One bad batch must not kill the stream; vLLM logs and carries on too.
                 log.exception("kv-events publish failed")
             with self._progress:
                 self._handled += 1
                 self._progress.notify_all()
+
+    def _publish_one(self, payload: bytes) -> None:
+        self._next_seq += self._faults.take_seq_gap(id(self))
+        seq = self._next_seq
+        self._next_seq += 1
+        # The ring buffer gets every batch in seq order, whatever happens to the live send.
+        self._buffer.append((seq, payload))
+        held, self._held = self._held, None
+        if self._faults.roll("drop_events"):
+            pass
+        elif held is None and self._faults.roll("reorder_events"):
+            self._held = (seq, payload)
+        else:
+            self._send(seq, payload)
+            if self._faults.roll("duplicate_events"):
+                self._send(seq, payload)
+        if held is not None:
+            self._send(*held)
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+
+    def _do_restart(self) -> None:
+        assert self.endpoint is not None
+        port = _port_of(self.endpoint)
+        replay_port = _port_of(self.replay_endpoint) if self.replay_endpoint else None
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._held = None
+        self._buffer.clear()
+        self._next_seq = 0
+        self._pub, self._replay = self._open_sockets(port, replay_port, retry_s=5.0)
+        self.restarts += 1
 
     def _serve_replay(self, sock: zmq.Socket[bytes]) -> None:
         frames: Sequence[bytes] = sock.recv_multipart()
@@ -251,6 +406,8 @@ class ZmqEventPublisher:
         sock.send_multipart((client_id, b"", b"", END_SEQ, b""))
 
 
-def now_batch(events: list[BlockStored | BlockRemoved | AllBlocksCleared],
-              data_parallel_rank: int | None = None) -> KVEventBatch:
+def now_batch(events: list[Any], data_parallel_rank: int | None = None) -> AnyBatch:
+    """A batch of the engine family of `events` (all of one family), stamped now."""
+    if events and isinstance(events[0], SglKVCacheEvent):
+        return SglKVEventBatch(ts=time.time(), events=events, attn_dp_rank=data_parallel_rank)
     return KVEventBatch(ts=time.time(), events=events, data_parallel_rank=data_parallel_rank)

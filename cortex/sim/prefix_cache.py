@@ -65,6 +65,7 @@ class _Seq:
     blocks: list[_Block] = field(default_factory=list)
     num_cached_blocks: int = 0
     reserved: int = 0
+    cacheable: bool = True
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,11 @@ class PrefixCache:
 
     def admit(self, request_id: str, token_ids: list[int], *, max_new_tokens: int = 1,
               block_hashes: list[bytes] | None = None, cache_salt: str | None = None,
-              lora: LoraRef | None = None) -> Admission | None:
+              lora: LoraRef | None = None, extra_key: str | None = None) -> Admission | None:
         """Pin the prompt's cached prefix and allocate blocks for the rest of the prompt.
 
         Returns None when the blocks are not free now (the caller keeps the request waiting) and raises
-        CapacityError when they never will be.
+        CapacityError when they never will be. `extra_key` is SGLang's and ignored here (vLLM has none).
         """
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already admitted")
@@ -206,6 +207,8 @@ class PrefixCache:
         if num_computed_tokens > len(seq.token_ids):
             raise ValueError(f"request {request_id!r} has only {len(seq.token_ids)} tokens, "
                              f"cannot commit {num_computed_tokens}")
+        if not seq.cacheable:
+            return
         num_full = num_computed_tokens // self.block_size
         first = seq.num_cached_blocks
         if num_full <= first:
@@ -245,6 +248,22 @@ class PrefixCache:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The physical block ids a running (or held) request owns, as vLLM reports them to a KV connector."""
+        return [b.block_id for b in self._seqs[request_id].blocks]
+
+    def forget_all(self) -> None:
+        """A restarted engine starts cold: forget every hash without an event (vLLM sends none at startup).
+
+        Requests still running keep their blocks but no longer cache them: their chain is gone."""
+        for seq in self._seqs.values():
+            seq.cacheable = False
+        for same in self._cached.values():
+            for block in same.values():
+                block.block_hash = None
+        self._cached.clear()
+        self._events.clear()
 
     def reset(self) -> bool:
         """vLLM's reset_prefix_cache: refuse while any block is pinned, else forget every hash."""
