@@ -62,6 +62,7 @@ class IngestCollector(Collector):
             ("duplicate_batches", "duplicate or already-applied batches dropped"),
             ("decode_errors", "undecodable batches or events"),
             ("parity_failures", "hash parity failures"),
+            ("tail_recoveries", "lost newest batches recovered by a tail check through replay"),
             ("events", "events applied to the ledger"),
         )}
         dropped = CounterMetricFamily("cortex_ingest_dropped_events", "events not applied, by reason",
@@ -82,7 +83,8 @@ class IngestCollector(Collector):
                 for name, value in (("batches", t.batches), ("gaps", t.sync.gaps), ("replays", t.sync.replays),
                                     ("resyncs", t.sync.resyncs), ("publisher_restarts", t.sync.restarts),
                                     ("duplicate_batches", t.sync.duplicates), ("decode_errors", t.decode_errors),
-                                    ("parity_failures", t.parity.failures), ("events", t.ledger.events_applied)):
+                                    ("parity_failures", t.parity.failures), ("events", t.ledger.events_applied),
+                                    ("tail_recoveries", t.sync.tail_recoveries)):
                     counters[name].add_metric(key, value)
                 for reason, n in t.ledger.dropped.items():
                     dropped.add_metric([*key, reason], n)

@@ -201,6 +201,7 @@ class Ingest:
                 if isinstance(res, Exception):
                     log.debug("load read failed for %s: %s", w.id, res)
             self._check_silence()
+            self._check_tails()
             self.publish_meta()
             await asyncio.sleep(interval)
 
@@ -217,6 +218,17 @@ class Ingest:
                 if entry and t.busy_since and t.sync.state is SyncState.READY and now - quiet_since > limit:
                     entry[0].perform(t.sync.silent(f"no event batch for {limit:.0f}s while the worker was busy"))
                     t.last_event_at = now  # one resync per silent period
+
+    def _check_tails(self) -> None:
+        """The engine worked since the last poll (its counter moved, or requests ran or just finished): its
+        batches may all have been lost, so no arrival would ever trigger a tail check. Ask replay."""
+        for src, _ in self._sources.values():
+            t = src.target
+            busy = t.load.running > 0 or t.load.waiting > 0
+            if t.activity != t.activity_checked or busy or t.was_busy:
+                t.activity_checked = t.activity
+                src.check_tail()
+            t.was_busy = busy
 
     async def _health_loop(self) -> None:
         assert self._session is not None

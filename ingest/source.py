@@ -20,13 +20,15 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ingest.events import DecodeError, decode_batch
 from ingest.ledger import KeySink
-from ingest.sync import Action, Apply, Clear, RequestReplay
+from ingest.sync import Action, Apply, Clear, RequestReplay, SyncState
 from ingest.workers import Target
 
 log = logging.getLogger("cortex.ingest")
 
 END_SEQ = b"\xff" * 8
 DRAIN_MAX = 64
+TAIL_QUIET_S = 0.02
+"""After this long without a new batch, ask the replay socket whether anything newer was lost."""
 REPLAY_TIMEOUT_S = 3.0
 
 
@@ -73,6 +75,7 @@ class EventSource:
         self.on_change = on_change
         self.epoch = target.epoch
         self._replay_task: asyncio.Task[None] | None = None
+        self._tail_task: asyncio.Task[None] | None = None
         cfg = target.worker.cfg
         self.endpoint = target.endpoint(cfg.kv_events)
         self.replay_endpoint = target.endpoint(cfg.kv_replay)
@@ -125,8 +128,9 @@ class EventSource:
                 if sock in ready:
                     await self._receive(sock)
         finally:
-            if self._replay_task is not None:
-                self._replay_task.cancel()
+            for task in (self._replay_task, self._tail_task):
+                if task is not None:
+                    task.cancel()
             self._close(sock, monitor)
 
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
@@ -143,6 +147,37 @@ class EventSource:
                     self.perform(t.sync.live(int.from_bytes(frames[1], "big"), frames[2]))
                 if not await sock.poll(0, zmq.POLLIN):
                     break
+        self.check_tail()
+
+    def check_tail(self) -> None:
+        """Ask replay for anything newer than the last applied batch once the stream is quiet. Called after
+        each received group, and by the load poll when the engine did work (its whole output may have been
+        lost, so no arrival would ever trigger the check)."""
+        if self.replay_endpoint is not None and (self._tail_task is None or self._tail_task.done()):
+            self._tail_task = asyncio.create_task(self._tail_check())
+
+    async def _tail_check(self) -> None:
+        t = self.target
+        while True:
+            seen = t.last_event_at
+            await asyncio.sleep(TAIL_QUIET_S)
+            if t.last_event_at == seen:
+                break  # the stream went quiet
+        if t.sync.state is not SyncState.READY or t.sync.replay_pending or t.sync.last_applied is None:
+            return
+        assert self.replay_endpoint is not None
+        epoch = t.epoch
+        t.tail_checks += 1
+        try:
+            batches, _ = await replay(self.ctx, self.replay_endpoint, t.sync.last_applied + 1, timeout_s=1.0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("target %s: tail check failed: %s", t.id, exc)
+            return
+        if batches and epoch == t.epoch:
+            with t.ledger.deferred(self.sink):
+                self.perform(t.sync.tail_checked(batches))
 
     def perform(self, actions: list[Action]) -> None:
         t = self.target
@@ -192,7 +227,9 @@ class EventSource:
         try:
             assert self.replay_endpoint is not None
             batches, complete = await replay(self.ctx, self.replay_endpoint, from_seq)
-        except (zmq.ZMQError, OSError) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure must still end the replay, or the target stays waiting for it
             log.warning("target %s: replay failed: %s", self.target.id, exc)
             batches, complete = [], False
         for seq, payload in batches:

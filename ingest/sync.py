@@ -77,6 +77,8 @@ class SourceSync:
     replays: int = 0
     resyncs: int = 0
     """Holes given up on: the ledger was cleared and rebuilt from live events."""
+    tail_recoveries: int = 0
+    """Batches lost on the live stream and found by a tail check before any later batch revealed the loss."""
 
     # -- inputs ----------------------------------------------------------------------------------------
 
@@ -164,6 +166,18 @@ class SourceSync:
         if self.state is SyncState.STALE:
             actions += self._give_up("replay could not supply the missing batches" if complete
                                      else "replay did not answer")
+        return actions
+
+    def tail_checked(self, batches: list[tuple[int, bytes]]) -> list[Action]:
+        """A replay asked after the stream went quiet returned these (everything after last_applied).
+
+        The loss of the newest batch cannot show as a gap until a later batch arrives; when traffic stops,
+        that may be never. Asking the publisher's replay buffer for anything newer closes the window."""
+        actions: list[Action] = []
+        for seq, payload in batches:
+            if self.last_applied is not None and seq > self.last_applied and seq not in self.buffer:
+                self.tail_recoveries += 1
+            actions += self.replayed(seq, payload)
         return actions
 
     def silent(self, why: str) -> list[Action]:

@@ -49,6 +49,12 @@ class Target:
     busy_since: float = 0.0
     batches: int = 0
     decode_errors: int = 0
+    tail_checks: int = 0
+    activity: float = 0.0
+    """The engine's own cumulative work counter, from the load poll."""
+    activity_checked: float = 0.0
+    """Its value when the last tail check was asked for: a change means batches may exist we never saw."""
+    was_busy: bool = False
 
     @property
     def id(self) -> str:
@@ -91,6 +97,7 @@ class Target:
             "last_event_age_s": round(now - self.last_event_at, 3) if self.last_event_at else None,
             "batches": self.batches, "gaps": s.gaps, "replays": s.replays, "resyncs": s.resyncs,
             "restarts": s.restarts, "duplicates": s.duplicates, "decode_errors": self.decode_errors,
+            "tail_checks": self.tail_checks, "tail_recoveries": s.tail_recoveries,
             "parity": {"status": self.parity.status, "reason": self.parity.reason, "checked": self.parity.checked},
             "cached_blocks": self.ledger.blocks, "blocks_stored": self.ledger.blocks_stored,
             "blocks_removed": self.ledger.blocks_removed, "dropped_events": dict(self.ledger.dropped),
@@ -114,30 +121,33 @@ class Worker:
         return self.cfg.id
 
 
-_VLLM_GAUGE = re.compile(
-    rb'^vllm:(num_requests_running|num_requests_waiting)(?:\{([^}]*)\})?\s+(\S+)', re.M)
+_VLLM_SERIES = re.compile(
+    rb'^vllm:(num_requests_running|num_requests_waiting|prefix_cache_queries_total)(?:\{([^}]*)\})?\s+(\S+)', re.M)
 _ENGINE_LABEL = re.compile(rb'engine="(\d+)"')
+_VLLM_INDEX = {b"num_requests_running": 0, b"num_requests_waiting": 1, b"prefix_cache_queries_total": 2}
 
 
-def parse_vllm_metrics(text: bytes) -> dict[int, tuple[float, float]]:
-    """(running, waiting) per DP rank (vLLM's `engine` label; 0 when absent)."""
+def parse_vllm_metrics(text: bytes) -> dict[int, tuple[float, float, float]]:
+    """(running, waiting, activity) per DP rank (vLLM's `engine` label; 0 when absent). Activity is a
+    cumulative counter (prompt tokens looked up in the prefix cache) that moves whenever a request ran."""
     out: dict[int, list[float]] = {}
-    for name, labels, value in _VLLM_GAUGE.findall(text):
+    for name, labels, value in _VLLM_SERIES.findall(text):
         m = _ENGINE_LABEL.search(labels or b"")
         rank = int(m.group(1)) if m else 0
-        slot = out.setdefault(rank, [0.0, 0.0])
-        slot[0 if name == b"num_requests_running" else 1] += float(value)
-    return {r: (v[0], v[1]) for r, v in out.items()}
+        out.setdefault(rank, [0.0, 0.0, 0.0])[_VLLM_INDEX[name]] += float(value)
+    return {r: (v[0], v[1], v[2]) for r, v in out.items()}
 
 
-def parse_sglang_loads(doc: Any) -> dict[int, tuple[float, float]]:
+def parse_sglang_loads(doc: Any) -> dict[int, tuple[float, float, float]]:
+    """Same shape from SGLang's /v1/loads; activity is its cumulative prefill-token count."""
     loads = doc.get("loads", []) if isinstance(doc, dict) else []
-    out: dict[int, tuple[float, float]] = {}
+    out: dict[int, tuple[float, float, float]] = {}
     for e in loads:
         if isinstance(e, dict):
             rank = int(e.get("dp_rank") or 0)
-            prev = out.get(rank, (0.0, 0.0))
-            out[rank] = (prev[0] + float(e.get("num_running_reqs", 0)), prev[1] + float(e.get("num_waiting_reqs", 0)))
+            prev = out.get(rank, (0.0, 0.0, 0.0))
+            out[rank] = (prev[0] + float(e.get("num_running_reqs", 0)), prev[1] + float(e.get("num_waiting_reqs", 0)),
+                         prev[2] + float(e.get("total_prefill_uncached_tokens", 0)))
     return out
 
 
@@ -154,11 +164,11 @@ async def read_load(session: aiohttp.ClientSession, worker: Worker, timeout: flo
     now = time.monotonic()
     for target in worker.targets:
         if target.rank is None:
-            running = sum(v[0] for v in per_rank.values())
-            waiting = sum(v[1] for v in per_rank.values())
+            running, waiting, activity = (sum(v[i] for v in per_rank.values()) for i in range(3))
         else:
-            running, waiting = per_rank.get(target.rank, (0.0, 0.0))
+            running, waiting, activity = per_rank.get(target.rank, (0.0, 0.0, 0.0))
         target.load = Load(running=running, waiting=waiting, at=now)
+        target.activity = activity
         if running > 0 and not target.busy_since:
             target.busy_since = now
         elif running == 0:
