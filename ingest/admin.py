@@ -53,6 +53,9 @@ class IngestCollector(Collector):
                                     labels=labels)
         event_age = GaugeMetricFamily("cortex_target_last_event_age_seconds", "time since the last event batch",
                                       labels=labels)
+        lag = GaugeMetricFamily("cortex_ingest_lag_seconds",
+                                "engine timestamp of the newest applied batch to the time it was applied",
+                                labels=labels)
         counters = {name: CounterMetricFamily(f"cortex_ingest_{name}", help_, labels=labels) for name, help_ in (
             ("batches", "event batches applied"),
             ("gaps", "sequence gaps detected"),
@@ -80,6 +83,7 @@ class IngestCollector(Collector):
                 waiting.add_metric(key, t.load.waiting)
                 if t.last_event_at:
                     event_age.add_metric(key, now - t.last_event_at)
+                    lag.add_metric(key, t.lag_s)
                 for name, value in (("batches", t.batches), ("gaps", t.sync.gaps), ("replays", t.sync.replays),
                                     ("resyncs", t.sync.resyncs), ("publisher_restarts", t.sync.restarts),
                                     ("duplicate_batches", t.sync.duplicates), ("decode_errors", t.decode_errors),
@@ -88,7 +92,8 @@ class IngestCollector(Collector):
                     counters[name].add_metric(key, value)
                 for reason, n in t.ledger.dropped.items():
                     dropped.add_metric([*key, reason], n)
-        yield from (state, exact, parity, healthy, blocks, running, waiting, event_age, *counters.values(), dropped)
+        yield from (state, exact, parity, healthy, blocks, running, waiting, event_age, lag, *counters.values(),
+                    dropped)
         yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view",
                                 value=self.ingest.view.size)
 

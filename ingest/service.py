@@ -234,8 +234,17 @@ class Ingest:
         assert self._session is not None
         icfg = self.cfg.ingest
         while True:
+            workers = list(self.workers.values())
+            before = [w.healthy for w in workers]
             await asyncio.gather(*(probe_health(self._session, w, icfg.health_timeout_s, icfg.health_failures)
-                                   for w in list(self.workers.values())))
+                                   for w in workers))
+            for w, was_healthy in zip(workers, before, strict=True):
+                if was_healthy and not w.healthy and w.id in self.workers:
+                    # A dead engine's cache is gone, or soon will be: prune what the ledger lists for it.
+                    log.warning("worker %s is down (%d failed probes): its ledger entries are pruned",
+                                w.id, w.health_failures)
+                    for t in w.targets:
+                        t.ledger.clear(self.view)
             self._meta_dirty = True
             await asyncio.sleep(icfg.health_interval_s)
 

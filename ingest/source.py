@@ -208,6 +208,9 @@ class EventSource:
             log.warning("target %s: undecodable batch: %s", t.id, exc)
             return
         t.decode_errors += len(batch.errors)
+        if batch.ts > 0:
+            # Engine clock to ingest clock: includes publish queueing, the network and any replay delay.
+            t.lag_s = max(0.0, time.time() - batch.ts)
         was_failed = t.parity.failed
         t.ledger.apply(batch.events, self.sink)
         t.batches += 1

@@ -55,6 +55,8 @@ class Target:
     activity_checked: float = 0.0
     """Its value when the last tail check was asked for: a change means batches may exist we never saw."""
     was_busy: bool = False
+    lag_s: float = 0.0
+    """Age of the newest applied batch when it was applied (engine timestamp to ingest clock)."""
 
     @property
     def id(self) -> str:
@@ -188,3 +190,4 @@ async def probe_health(session: aiohttp.ClientSession, worker: Worker, timeout: 
         worker.health_failures += 1
         if worker.health_failures >= failures:
             worker.healthy = False
+

@@ -115,3 +115,20 @@ def test_hash_parity_failure_takes_the_worker_out_of_exact_routing(gw: Gateway, 
     assert doc["mode"] != "exact_kv_events" or doc["chosen"] != "sim-extra"
     log = (gw.root / "gateway.log").read_text()
     assert "target sim-extra: hash parity failed" in log
+
+
+def test_a_dead_worker_is_pruned_and_left_out(gw: Gateway, extra_sim: Sim) -> None:
+    start_sim(extra_sim, gw.root)
+    assert httpx.post(f"{gw.ingest_url}/cortex/workers", json=extra_sim.worker_config(), timeout=10).status_code == 201
+    messages = long_chat(300, seed=404)
+    httpx.post(f"{extra_sim.url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2},
+               timeout=30).raise_for_status()
+    wait_for(lambda: gw.targets()["sim-extra"]["cached_blocks"] > 0, what="blocks listed")
+    stop(extra_sim.proc)
+    # The connection drop clears the ledger at once; failed probes then take the worker out of routing.
+    wait_for(lambda: gw.targets()["sim-extra"]["cached_blocks"] == 0, what="entries pruned")
+    wait_for(lambda: not gw.workers()["sim-extra"]["healthy"], timeout=30, what="worker marked down")
+    doc = wait_for(lambda: (lambda d: d if "sim-extra" not in d["order"] else None)(explain(gw, messages)),
+                   what="routing without the dead worker")
+    h, _ = chat(gw, messages)
+    assert h["x-cortex-assigned-worker"] != "sim-extra" and doc["mode"] != "exact_kv_events"
