@@ -97,6 +97,40 @@ class ExtprocConfig(_Strict):
     """Ledger heartbeat age after which extproc stops trusting it and routes by load."""
 
 
+class SchedulerConfig(_Strict):
+    """How a worker is chosen: score = alpha * matched_tokens - beta * active - gamma * queue_latency, in
+    milliseconds of time to first token, plus the guards against piling onto one GPU."""
+
+    alpha_ms_per_token: float = Field(0.05, ge=0)
+    """What one cached prompt token saves: prefill time per token (0.05 ms is ~20K tokens/s, a 7B model on
+    one modern GPU). Raise it for bigger models, whose prefill is slower per token."""
+    beta_ms_per_active: float = Field(5.0, ge=0)
+    """What one more running request on a worker costs a newcomer (batch contention in decode and chunked
+    prefill)."""
+    gamma: float = Field(1.0, ge=0)
+    """Weight of the queueing delay (waiting requests x queued_request_ms)."""
+    queued_request_ms: float = Field(100.0, ge=0)
+    """How long one queued request holds the line (about one average prefill)."""
+    high_watermark: float = Field(48.0, gt=0)
+    """Active requests (running + waiting, or Cortex's in-flight count if larger) at which a worker stops
+    receiving cache-affinity traffic."""
+    low_watermark: float = Field(32.0, ge=0)
+    """It receives affinity traffic again once back at or under this (hysteresis)."""
+    near_min_window: float = Field(2.0, ge=0)
+    """A cache holder within this many active requests of the least-loaded worker is preferred outright."""
+    cold_start_s: float = Field(300.0, ge=0)
+    """A worker added less than this long ago counts as new (its cache starts empty)."""
+    cold_start_share: float = Field(0.1, ge=0, le=1)
+    """Share of the requests that no worker can serve from cache that go to a new worker, so it warms up."""
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> SchedulerConfig:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(f"low_watermark ({self.low_watermark}) must be below high_watermark "
+                             f"({self.high_watermark})")
+        return self
+
+
 class ModelConfig(_Strict):
     """A served model: the name clients send, the engine family, and the files that tokenize like it."""
 
@@ -185,6 +219,7 @@ class CortexConfig(_Strict):
     admin: AdminListen = AdminListen()
     ingest: IngestConfig = IngestConfig()
     extproc: ExtprocConfig = ExtprocConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
     runtime_dir: str | None = None
     """Where generated Envoy files, the shared ledger view and logs live (default /tmp/cortex-<listen port>)."""
     block_size: int = Field(16, ge=1, le=4096)

@@ -39,6 +39,9 @@ class TargetInfo:
     """Ingest vouches for its ledger (stream in sync, hash parity not failed)."""
     healthy: bool
     engine_load: float | None
+    engine_waiting: float = 0.0
+    age_s: float | None = None
+    """Time since ingest added it (None until ingest has spoken)."""
 
 
 class ClusterView:
@@ -78,7 +81,8 @@ class ClusterView:
             info = TargetInfo(id=d["id"], worker=d.get("worker", d["id"]), rank=d.get("rank"),
                               slot=int(d["slot"]), model=d["model"], engine=d.get("engine", "vllm"),
                               address=d["address"], exact_kv=bool(d.get("exact_kv")),
-                              healthy=bool(d.get("healthy", True)), engine_load=engine_load)
+                              healthy=bool(d.get("healthy", True)), engine_load=engine_load,
+                              engine_waiting=float(load.get("waiting", 0) or 0), age_s=d.get("age_s"))
             by_model.setdefault(info.model, []).append(info)
             by_address.setdefault(info.address, info)
         self.targets = by_model

@@ -17,7 +17,7 @@ from cortex.errors import ClientError
 from extproc.cluster_view import ClusterView
 from extproc.predictions import Predictions
 from extproc.request import ParsedRequest
-from extproc.scheduler import Candidate, Decision, decide, round_robin
+from extproc.scheduler import Candidate, Decision, Scoring, decide, round_robin, still_hot
 
 
 @dataclass(slots=True)
@@ -44,6 +44,12 @@ class Router:
         self.cluster = cluster
         self.bundles = bundles
         self.predictions = Predictions(cfg.extproc.prediction_ttl_s)
+        sc = cfg.scheduler
+        self.scoring = Scoring(alpha_ms_per_token=sc.alpha_ms_per_token, beta_ms_per_active=sc.beta_ms_per_active,
+                               gamma=sc.gamma, queued_request_ms=sc.queued_request_ms,
+                               high_watermark=sc.high_watermark, low_watermark=sc.low_watermark,
+                               near_min_window=sc.near_min_window, cold_start_share=sc.cold_start_share)
+        self._hot: dict[int, bool] = {}
         self._turn = itertools.count()
 
     def tokens(self, req: ParsedRequest, bundle: ModelBundle) -> tuple[list[int], bool]:
@@ -113,11 +119,17 @@ class Router:
         for w in workers:
             trusted = matches is not None and w.exact_kv
             matched = int(matches[w.slot]) if trusted and matches is not None else 0
+            engine_load = w.engine_load if self.cluster.alive else None
+            n_inflight = int(inflight[w.slot])
+            active = max(engine_load or 0.0, float(n_inflight))
+            hot = still_hot(self._hot.get(w.slot, False), active, self.scoring)
+            self._hot[w.slot] = hot
             cands.append(Candidate(
                 id=w.id, slot=w.slot, address=w.address, matched_blocks=matched, ledger_trusted=trusted,
                 predicted_blocks=self.predictions.extend(keys, w.slot, matched) if trusted else 0,
-                engine_load=w.engine_load if self.cluster.alive else None,
-                inflight=int(inflight[w.slot]), rank=w.rank, engine=w.engine,
+                engine_load=engine_load, engine_waiting=w.engine_waiting if engine_load is not None else 0.0,
+                inflight=n_inflight, hot=hot, rank=w.rank, engine=w.engine,
+                new=w.age_s is not None and w.age_s < self.cfg.scheduler.cold_start_s,
             ))
         if matches is not None and not any(c.ledger_trusted for c in cands):
             why = "no_worker_ledger_ready"
@@ -127,7 +139,7 @@ class Router:
             decision = round_robin(cands, turn, why)
         else:
             decision = decide(cands, block_size=bs, ledger_usable=matches is not None, why_not_exact=why,
-                              turn=turn)
+                              turn=turn, scoring=self.scoring)
         timings.score_s = time.perf_counter() - t3
         if commit and keys and decision.chosen.ledger_trusted:
             self.predictions.record(decision.chosen.slot, keys)

@@ -1,14 +1,31 @@
 """Pick a worker order for one request from what is known about the candidates (pure, no I/O).
 
 The fallback chain is fixed and always named in the decision (design §2.3):
-  exact_kv_events       ledger trusted for the holder and it holds a prefix of this prompt
-  load_aware            every candidate's load is known; no proven hit (reason says why)
+  exact_kv_events       the chosen worker's ledger is trusted and proves a cached prefix of this prompt
+  load_aware            every candidate's load is known; no proven hit on the chosen one (reason says why)
   fallback_p2c          load partly unknown: power of two choices on Cortex's own in-flight counts
   fallback_round_robin  only liveness is known
-First rule for exact-KV (refined by the scoring issue): the longest prefix wins, counting blocks a worker
-was just sent (predicted) as well as proven ones; ties go to the lighter worker. Only proven blocks are
-claimed. The remaining candidates follow, lightest first, so Envoy's single retry lands on the next-best
-worker.
+
+Scoring (design §2.3), in milliseconds of expected time to first token saved or lost:
+
+    score(w) = alpha * matched_tokens(w) - beta * active(w) - gamma * queue_latency(w)
+
+`matched_tokens` counts blocks proven by the ledger plus blocks the worker was just sent (predicted),
+since following a prediction keeps a burst together; only proven blocks are ever claimed. `active` is
+the larger of the engine's running+waiting count and Cortex's own in-flight count (the engine's figure
+lags a poll; Cortex's misses other clients). `queue_latency` is the engine's waiting count times the
+time one queued request holds the line.
+
+Guards against piling onto one GPU (seed 004 §3.2):
+  * high watermark with hysteresis: a worker whose `active` reaches `high_watermark` is "hot" and gets no
+    affinity traffic until it drops to `low_watermark`, so it does not flip between modes per request;
+  * near-minimum-load window: when the longest holder is within `near_min_window` requests of the least
+    loaded candidate, it is preferred even if a load term would tip the score elsewhere;
+  * cold start: a worker younger than `cold_start_s` gets `cold_start_share` of the requests that no one
+    can serve from cache, so a new, empty GPU warms up instead of starving.
+
+Complexity: O(candidates) per decision. The remaining candidates follow the chosen one by score, so
+Envoy's single retry lands on the next-best worker.
 """
 
 from __future__ import annotations
@@ -25,6 +42,18 @@ MODES = (EXACT, LOAD_AWARE, P2C, ROUND_ROBIN)
 
 
 @dataclass(frozen=True, slots=True)
+class Scoring:
+    alpha_ms_per_token: float = 0.05
+    beta_ms_per_active: float = 5.0
+    gamma: float = 1.0
+    queued_request_ms: float = 100.0
+    high_watermark: float = 48.0
+    low_watermark: float = 32.0
+    near_min_window: float = 2.0
+    cold_start_share: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
     id: str
     slot: int
@@ -38,6 +67,12 @@ class Candidate:
     """Requests Cortex routed to it that have not ended (all extproc processes)."""
     predicted_blocks: int = 0
     """Leading blocks it holds or is about to hold (a request Cortex just sent it): used to choose, never claimed."""
+    engine_waiting: float = 0.0
+    """The queued part of engine_load."""
+    hot: bool = False
+    """Over the high watermark and not yet back under the low one."""
+    new: bool = False
+    """Inside its cold-start window."""
     rank: int | None = None
     """Data-parallel rank to pin on the worker, or None."""
     engine: str = "vllm"
@@ -48,9 +83,13 @@ class Candidate:
 
     @property
     def load(self) -> float | None:
-        # The engine's figure lags by a poll interval; Cortex's own count is current but misses other
-        # clients' traffic. The larger of the two is the safer estimate.
         return None if self.engine_load is None else max(self.engine_load, float(self.inflight))
+
+    def score(self, s: Scoring, block_size: int) -> float:
+        active = self.load if self.load is not None else float(self.inflight)
+        return (s.alpha_ms_per_token * self.affinity_blocks * block_size
+                - s.beta_ms_per_active * active
+                - s.gamma * self.engine_waiting * s.queued_request_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +105,11 @@ class Decision:
         return self.order[0]
 
 
+def still_hot(was_hot: bool, active: float, s: Scoring) -> bool:
+    """Hysteresis: hot from the high watermark on, until the low watermark is reached again."""
+    return active > s.low_watermark if was_hot else active >= s.high_watermark
+
+
 def _by_load(cands: Sequence[Candidate], start: int) -> list[Candidate]:
     # Rotate before the stable sort so equal loads take turns instead of always hitting the first worker.
     k = start % len(cands)
@@ -74,30 +118,61 @@ def _by_load(cands: Sequence[Candidate], start: int) -> list[Candidate]:
 
 
 def decide(cands: Sequence[Candidate], *, block_size: int, ledger_usable: bool, why_not_exact: str,
-           turn: int, rng: random.Random | None = None) -> Decision:
+           turn: int, scoring: Scoring | None = None, rng: random.Random | None = None) -> Decision:
     """`why_not_exact` names the reason used when no proven hit decides; `turn` rotates ties."""
     if not cands:
         raise ValueError("no candidates")
+    s = scoring or Scoring()
+    r = rng or random
     matched = {c.id: c.matched_blocks * block_size for c in cands if c.ledger_trusted}
-    if ledger_usable:
-        holders = [c for c in cands if c.ledger_trusted and c.affinity_blocks > 0]
-        if holders:
-            best = max(holders, key=lambda c: (c.affinity_blocks, c.matched_blocks, -(c.load or 0.0), -c.inflight))
-            rest = [c for c in _by_load(cands, turn) if c is not best]
-            if best.matched_blocks == 0:
-                # Only a prediction: follow it so siblings do not scatter, but claim nothing.
-                return Decision((best, *rest), LOAD_AWARE, "predicted_prefix", 0, matched)
-            return Decision((best, *rest), EXACT, "longest_cached_prefix",
-                            best.matched_blocks * block_size, matched)
     if all(c.load is not None for c in cands):
-        return Decision(tuple(_by_load(cands, turn)), LOAD_AWARE, why_not_exact, 0, matched)
+        return _scored(cands, s, block_size, ledger_usable, why_not_exact, turn, r, matched)
     if len(cands) == 1:
         return Decision(tuple(cands), P2C, "load_unknown_single_candidate", 0, matched)
-    r = rng or random
     a, b = r.sample(list(cands), 2)
     first = a if a.inflight <= b.inflight else b
     rest = sorted((c for c in cands if c is not first), key=lambda c: c.inflight)
     return Decision((first, *rest), P2C, "load_unknown", 0, matched)
+
+
+def _scored(cands: Sequence[Candidate], s: Scoring, bs: int, ledger_usable: bool, why: str, turn: int,
+            r: random.Random, matched: dict[str, int]) -> Decision:
+    by_load = _by_load(cands, turn)
+    cool = [c for c in by_load if not c.hot] or by_load[:1]  # all hot: the least loaded still has to serve
+    affinity = ledger_usable and any(c.ledger_trusted and c.affinity_blocks > 0 for c in cands)
+    new = [c for c in cool if c.new]
+    # Only while older workers exist (a fleet starting up is all cold alike), and never for a request some
+    # worker holds or is about to hold.
+    if (new and len(new) < len(cands) and not any(c.affinity_blocks > 0 for c in cool)
+            and r.random() < s.cold_start_share):
+        # Nothing here is served from cache anyway: let a new, empty worker warm up.
+        first = new[0]
+        return Decision((first, *(c for c in by_load if c is not first)), LOAD_AWARE, "cold_start_share", 0,
+                        matched)
+    if not affinity:
+        first = cool[0]
+        return Decision((first, *(c for c in by_load if c is not first)), LOAD_AWARE, why, 0, matched)
+    # Equal scores: proven blocks beat predicted ones; then max() keeps the first, and `cool` is in rotated
+    # load order, so remaining ties take turns.
+    best = max(cool, key=lambda c: (c.score(s, bs), c.matched_blocks))
+    holder = max(cool, key=lambda c: (c.affinity_blocks, -(c.load or 0.0)))
+    floor = min(c.load or 0.0 for c in cool)
+    if holder.affinity_blocks > best.affinity_blocks and (holder.load or 0.0) <= floor + s.near_min_window:
+        best = holder
+    rest = sorted((c for c in cands if c is not best), key=lambda c: -c.score(s, bs))
+    order = (best, *rest)
+    if best.matched_blocks > 0:
+        longest = best.matched_blocks >= max(c.matched_blocks for c in cands)
+        return Decision(order, EXACT, "longest_cached_prefix" if longest else "cache_vs_load",
+                        best.matched_blocks * bs, matched)
+    if any(c.hot and c.matched_blocks > 0 for c in cands):
+        return Decision(order, LOAD_AWARE, "holder_over_high_watermark", 0, matched)
+    if best.predicted_blocks > 0:
+        # Only a prediction: follow it so siblings do not scatter, but claim nothing.
+        return Decision(order, LOAD_AWARE, "predicted_prefix", 0, matched)
+    if any(c.matched_blocks > 0 for c in cands):
+        return Decision(order, LOAD_AWARE, "holder_too_loaded", 0, matched)
+    return Decision(order, LOAD_AWARE, why, 0, matched)
 
 
 def round_robin(cands: Sequence[Candidate], turn: int, reason: str) -> Decision:

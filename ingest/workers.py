@@ -87,6 +87,7 @@ class Target:
             "id": self.id, "worker": w.id, "rank": self.rank, "slot": self.slot, "model": w.cfg.model,
             "engine": w.cfg.engine, "address": w.address, "healthy": w.healthy, "exact_kv": self.exact_kv,
             "state": self.sync.state.value, "reason": self.why_not_exact(), "load": self.load.to_json(now),
+            "age_s": round(now - w.added_at, 1),
         }
 
     def status(self, now: float) -> dict[str, Any]:
@@ -116,6 +117,7 @@ class Worker:
     events_usable: bool = True
     events_reason: str = ""
     source: str = "config"
+    added_at: float = field(default_factory=time.monotonic)
     """Where it came from: `config` or `api` (kept across ingest restarts in the runtime directory)."""
 
     @property

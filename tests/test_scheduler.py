@@ -1,4 +1,8 @@
-"""Hand-computed cases for the decision rule and the fallback chain."""
+"""Hand-computed cases for the scoring rule, the watermarks and the fallback chain.
+
+Defaults used below: alpha 0.05 ms/token, beta 5 ms per active request, gamma 1 x 100 ms per queued
+request, watermarks 48/32, near-minimum window 2, block size 16 (one block = 0.8 ms of prefill).
+"""
 
 from __future__ import annotations
 
@@ -6,51 +10,119 @@ import random
 
 import pytest
 
-from extproc.scheduler import EXACT, LOAD_AWARE, P2C, ROUND_ROBIN, Candidate, decide, round_robin
+from extproc.scheduler import (
+    EXACT,
+    LOAD_AWARE,
+    P2C,
+    ROUND_ROBIN,
+    Candidate,
+    Scoring,
+    decide,
+    round_robin,
+    still_hot,
+)
+
+S = Scoring()
 
 
-def c(id: str, matched: int = 0, trusted: bool = True, load: float | None = 0.0, inflight: int = 0) -> Candidate:
-    return Candidate(id=id, slot=int(id[1:]), address=f"127.0.0.1:{9000 + int(id[1:])}", matched_blocks=matched,
-                     ledger_trusted=trusted, engine_load=load, inflight=inflight)
+def c(id: str, matched: int = 0, trusted: bool = True, load: float | None = 0.0, inflight: int = 0,
+      waiting: float = 0.0, predicted: int = 0, hot: bool = False, new: bool = False) -> Candidate:
+    n = int(id[1:])
+    return Candidate(id=id, slot=n, address=f"127.0.0.1:{9000 + n}", matched_blocks=matched, ledger_trusted=trusted,
+                     engine_load=load, inflight=inflight, engine_waiting=waiting,
+                     predicted_blocks=max(predicted, matched), hot=hot, new=new)
 
 
-def test_longest_proven_prefix_wins_and_rest_follow_by_load() -> None:
-    d = decide([c("w0", 2, load=0), c("w1", 5, load=3), c("w2", 0, load=1)], block_size=16,
-               ledger_usable=True, why_not_exact="no_cached_prefix", turn=0)
-    assert d.mode == EXACT and d.chosen.id == "w1" and d.hit_tokens == 80
+def run(*cands: Candidate, usable: bool = True, turn: int = 0, rng: random.Random | None = None, **kw: float):
+    return decide(list(cands), block_size=16, ledger_usable=usable, why_not_exact="no_cached_prefix", turn=turn,
+                  scoring=Scoring(**kw) if kw else S, rng=rng or random.Random(0))
+
+
+def test_scores_by_hand() -> None:
+    # 100 blocks = 1600 tokens = 80 ms saved; 4 active = 20 ms; 1 queued = 100 ms.
+    assert c("w0", matched=100, load=4).score(S, 16) == pytest.approx(80 - 20)
+    assert c("w1", matched=100, load=5, waiting=1).score(S, 16) == pytest.approx(80 - 25 - 100)
+    assert c("w2", load=1, inflight=3).score(S, 16) == pytest.approx(-15)  # in-flight count is larger
+
+
+def test_longest_prefix_wins_when_load_is_close() -> None:
+    d = run(c("w0", matched=2, load=0), c("w1", matched=50, load=3), c("w2", load=1))
+    # w1: 40 - 15 = 25; w0: 1.6; w2: -5.
+    assert d.mode == EXACT and d.chosen.id == "w1" and d.hit_tokens == 800 and d.reason == "longest_cached_prefix"
     assert [x.id for x in d.order] == ["w1", "w0", "w2"]
-    assert d.matched_tokens == {"w0": 32, "w1": 80, "w2": 0}
+    assert d.matched_tokens == {"w0": 32, "w1": 800, "w2": 0}
 
 
-def test_equal_prefix_goes_to_lighter_worker() -> None:
-    d = decide([c("w0", 4, load=5), c("w1", 4, load=1)], block_size=16, ledger_usable=True,
-               why_not_exact="x", turn=0)
-    assert d.chosen.id == "w1"
+def test_queue_outweighs_a_small_hit() -> None:
+    # seed 004's example: A reuses 3000 tokens but 20 are queued; B reuses 500 and is idle.
+    a = c("w0", matched=187, load=20, waiting=20)   # 149.6 - 100 - 2000
+    b = c("w1", matched=31, load=0)                 # 24.8
+    d = run(a, b)
+    assert d.chosen.id == "w1" and d.mode == EXACT and d.reason == "cache_vs_load" and d.hit_tokens == 496
+
+
+def test_near_minimum_window_prefers_the_holder() -> None:
+    # w1 scores 8 - 10 = -2 < w0's 0, but sits within 2 requests of the minimum: the holder wins.
+    d = run(c("w0", load=0), c("w1", matched=10, load=2))
+    assert d.chosen.id == "w1" and d.mode == EXACT
+    d = run(c("w0", load=0), c("w1", matched=10, load=3))  # outside the window, and the score says w0
+    assert d.chosen.id == "w0" and d.mode == LOAD_AWARE and d.reason == "holder_too_loaded"
+
+
+def test_hot_holder_gets_no_affinity_and_says_so() -> None:
+    d = run(c("w0", matched=500, load=40, hot=True), c("w1", load=10))
+    assert d.chosen.id == "w1" and d.mode == LOAD_AWARE and d.reason == "holder_over_high_watermark"
+    assert d.hit_tokens == 0 and d.order[1].id == "w0"  # still the retry target
+
+
+def test_watermark_hysteresis() -> None:
+    assert not still_hot(False, 47, S) and still_hot(False, 48, S)
+    assert still_hot(True, 40, S) and still_hot(True, 33, S) and not still_hot(True, 32, S)
+
+
+def test_all_hot_still_serves_from_the_least_loaded() -> None:
+    d = run(c("w0", matched=5, load=60, hot=True), c("w1", load=50, hot=True))
+    assert d.chosen.id == "w1" and d.mode == LOAD_AWARE
 
 
 def test_untrusted_ledger_never_claims_a_hit() -> None:
-    d = decide([c("w0", 9, trusted=False, load=3), c("w1", 0, load=1)], block_size=16, ledger_usable=True,
-               why_not_exact="no_cached_prefix", turn=0)
-    assert d.mode == LOAD_AWARE and d.hit_tokens == 0 and d.chosen.id == "w1"
+    d = run(c("w0", matched=9, trusted=False, load=3), c("w1", load=1))
+    assert d.mode == LOAD_AWARE and d.hit_tokens == 0 and d.chosen.id == "w1" and d.reason == "no_cached_prefix"
     assert "w0" not in d.matched_tokens
 
 
-def test_inflight_counts_when_engine_load_lags() -> None:
-    d = decide([c("w0", load=0, inflight=4), c("w1", load=2, inflight=0)], block_size=16, ledger_usable=False,
-               why_not_exact="ledger_unavailable", turn=0)
-    assert d.mode == LOAD_AWARE and d.reason == "ledger_unavailable" and d.chosen.id == "w1"
+def test_prediction_steers_but_is_never_claimed() -> None:
+    # 60 predicted blocks (48 ms) against 1 active (5 ms): follow the burst, claim nothing.
+    d = run(c("w0", load=0), c("w1", predicted=60, load=1))
+    assert d.chosen.id == "w1" and d.mode == LOAD_AWARE and d.reason == "predicted_prefix" and d.hit_tokens == 0
+    d = run(c("w1", predicted=60, load=1), c("w2", matched=2, predicted=60, load=1))
+    assert d.chosen.id == "w2" and d.mode == EXACT and d.hit_tokens == 32
+
+
+def test_cold_start_share_only_for_cacheless_requests() -> None:
+    rng = random.Random(1)
+    picks = [run(c("w0", load=0), c("w1", load=5, new=True), rng=rng, turn=t).chosen.id for t in range(400)]
+    share = picks.count("w1") / len(picks)
+    assert 0.05 < share < 0.16  # cold_start_share 0.1; w1 is never chosen by load otherwise
+    # A request that some worker holds, or is about to hold, is not diverted; nor is anything when all are new.
+    assert all(run(c("w0", matched=20, load=0), c("w1", new=True), rng=rng).chosen.id == "w0" for _ in range(50))
+    assert all(run(c("w0", predicted=20, load=0), c("w1", new=True), rng=rng).chosen.id == "w0" for _ in range(50))
+    assert all(run(c("w0", load=0, new=True), c("w1", load=5, new=True), rng=rng).chosen.id == "w0"
+               for _ in range(50))
+
+
+def test_ledger_not_usable_means_load_only() -> None:
+    d = run(c("w0", load=0, inflight=4), c("w1", load=2), usable=False)
+    assert d.mode == LOAD_AWARE and d.chosen.id == "w1" and d.reason == "no_cached_prefix"
 
 
 def test_ties_rotate_between_equal_workers() -> None:
     cands = [c("w0"), c("w1"), c("w2")]
-    chosen = {decide(cands, block_size=16, ledger_usable=True, why_not_exact="x", turn=t).chosen.id
-              for t in range(3)}
-    assert chosen == {"w0", "w1", "w2"}
+    assert {run(*cands, turn=t).chosen.id for t in range(3)} == {"w0", "w1", "w2"}
 
 
 def test_partly_unknown_load_uses_p2c_on_inflight() -> None:
-    cands = [c("w0", load=None, inflight=9), c("w1", load=1, inflight=0)]
-    d = decide(cands, block_size=16, ledger_usable=False, why_not_exact="x", turn=0, rng=random.Random(1))
+    d = run(c("w0", load=None, inflight=9), c("w1", load=1, inflight=0), rng=random.Random(1))
     assert d.mode == P2C and d.chosen.id == "w1" and [x.id for x in d.order] == ["w1", "w0"]
 
 
@@ -63,18 +135,3 @@ def test_round_robin_rotates() -> None:
 def test_no_candidates_is_an_error() -> None:
     with pytest.raises(ValueError):
         decide([], block_size=16, ledger_usable=True, why_not_exact="x", turn=0)
-
-
-def test_prediction_steers_but_is_never_claimed() -> None:
-    pred = Candidate(id="w1", slot=1, address="a:1", matched_blocks=0, predicted_blocks=6, ledger_trusted=True,
-                     engine_load=3.0)
-    d = decide([c("w0", load=0), pred], block_size=16, ledger_usable=True, why_not_exact="no_cached_prefix", turn=0)
-    assert d.chosen.id == "w1" and d.mode == LOAD_AWARE and d.reason == "predicted_prefix" and d.hit_tokens == 0
-    proven = Candidate(id="w2", slot=2, address="a:2", matched_blocks=2, predicted_blocks=2, ledger_trusted=True,
-                       engine_load=0.0)
-    d = decide([pred, proven], block_size=16, ledger_usable=True, why_not_exact="x", turn=0)
-    assert d.chosen.id == "w1" and d.mode == LOAD_AWARE and d.hit_tokens == 0
-    mixed = Candidate(id="w3", slot=3, address="a:3", matched_blocks=2, predicted_blocks=6, ledger_trusted=True,
-                      engine_load=0.0)
-    d = decide([pred, mixed], block_size=16, ledger_usable=True, why_not_exact="x", turn=0)
-    assert d.chosen.id == "w3" and d.mode == EXACT and d.hit_tokens == 32
