@@ -42,6 +42,8 @@ class TargetInfo:
     engine_waiting: float = 0.0
     age_s: float | None = None
     """Time since ingest added it (None until ingest has spoken)."""
+    why: str = ""
+    """Why its ledger is not trusted, as a reason code ('' when it is)."""
 
 
 class ClusterView:
@@ -82,7 +84,8 @@ class ClusterView:
                               slot=int(d["slot"]), model=d["model"], engine=d.get("engine", "vllm"),
                               address=d["address"], exact_kv=bool(d.get("exact_kv")),
                               healthy=bool(d.get("healthy", True)), engine_load=engine_load,
-                              engine_waiting=float(load.get("waiting", 0) or 0), age_s=d.get("age_s"))
+                              engine_waiting=float(load.get("waiting", 0) or 0), age_s=d.get("age_s"),
+                              why=d.get("why", "" if d.get("exact_kv") else "ledger_unknown"))
             by_model.setdefault(info.model, []).append(info)
             by_address.setdefault(info.address, info)
         self.targets = by_model

@@ -14,6 +14,7 @@ from cortex.blockkeys import chain_keys, root_key
 from cortex.bundle import ModelBundle, TemplateError
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
+from cortex.segments import SegmentEncoder
 from extproc.cluster_view import ClusterView
 from extproc.predictions import Predictions
 from extproc.request import ParsedRequest
@@ -51,6 +52,8 @@ class Router:
                                near_min_window=sc.near_min_window, cold_start_share=sc.cold_start_share)
         self._hot: dict[int, bool] = {}
         self._turn = itertools.count()
+        # Per model: the text between special tokens encoded piece by piece with a cache, checked once here.
+        self.segments = {name: SegmentEncoder.for_bundle(b) for name, b in bundles.items()}
 
     def tokens(self, req: ParsedRequest, bundle: ModelBundle) -> tuple[list[int], bool]:
         """The prompt's token ids, and whether they were cut short for routing.
@@ -58,9 +61,13 @@ class Router:
         Routing needs the prefix a cache can hold, not a prompt longer than any context window: text past
         `max_tokenize_chars` is not tokenized. The tokens at the cut may differ from the engine's, so one
         block more is dropped; a wrong token there could only turn a hit into a miss, never the reverse.
+        Pieces between special tokens seen before (system prompt, earlier turns) come from a cache.
         """
         if req.prompt_ids is not None:
             return req.prompt_ids, False
+        seg = self.segments.get(bundle.name)
+        if seg is None or seg.tokenizer is not bundle.tokenizer:  # a bundle this router was not built with
+            seg = self.segments[bundle.name] = SegmentEncoder.for_bundle(bundle)
         try:
             if req.kind == "chat":
                 assert req.messages is not None
@@ -76,8 +83,8 @@ class Router:
             raise ClientError(400, str(exc), "messages") from None
         cap = self.cfg.extproc.max_tokenize_chars
         if len(text) <= cap:
-            return bundle.encode(text, add_special_tokens=special), False
-        ids = bundle.encode(text[:cap], add_special_tokens=special)
+            return seg.encode(text, add_special_tokens=special), False
+        ids = seg.encode(text[:cap], add_special_tokens=special)
         return ids[: max(0, len(ids) - 2 * self.cluster.block_size)], True
 
     def route(self, req: ParsedRequest, *, commit: bool = True) -> RouteResult:
@@ -131,8 +138,13 @@ class Router:
                 inflight=n_inflight, hot=hot, rank=w.rank, engine=w.engine,
                 new=w.age_s is not None and w.age_s < self.cfg.scheduler.cold_start_s,
             ))
-        if matches is not None and not any(c.ledger_trusted for c in cands):
-            why = "no_worker_ledger_ready"
+        if matches is not None:
+            # The prompt's blocks may sit on a target whose ledger is not trusted right now: say why.
+            untrusted = [(int(matches[w.slot]), w.why) for w in workers if not w.exact_kv and matches[w.slot] > 0]
+            if untrusted:
+                why = max(untrusted)[1]
+            elif not any(c.ledger_trusted for c in cands):
+                why = "no_worker_ledger_ready"
         turn = next(self._turn)
         if not self.cluster.alive and not any(c.inflight for c in cands):
             # No engine load and no in-flight signal tells the workers apart: only liveness is known.

@@ -73,6 +73,16 @@ class Target:
     def exact_kv(self) -> bool:
         return self.sync.state is SyncState.READY and not self.parity.failed and self.worker.events_usable
 
+    def why_code(self) -> str:
+        """A short, stable reason code for headers and metrics ('' while exact-KV routing is allowed)."""
+        if not self.worker.events_usable:
+            return "no_kv_events"
+        if self.parity.failed:
+            return "hash_parity_failed"
+        if self.sync.state is SyncState.READY:
+            return ""
+        return f"ledger_{self.sync.state.value.lower()}"
+
     def why_not_exact(self) -> str:
         if not self.worker.events_usable:
             return self.worker.events_reason
@@ -86,7 +96,8 @@ class Target:
         return {
             "id": self.id, "worker": w.id, "rank": self.rank, "slot": self.slot, "model": w.cfg.model,
             "engine": w.cfg.engine, "address": w.address, "healthy": w.healthy, "exact_kv": self.exact_kv,
-            "state": self.sync.state.value, "reason": self.why_not_exact(), "load": self.load.to_json(now),
+            "state": self.sync.state.value, "reason": self.why_not_exact(), "why": self.why_code(),
+            "load": self.load.to_json(now),
             "age_s": round(now - w.added_at, 1),
         }
 

@@ -12,6 +12,8 @@ are handed out exactly once. The wire contract, which other components' tests re
 * ``restart_publisher``: an action, performed when posted as true; always reads back false.
 * ``stall_stream_ms``, ``crash_mid_stream``, ``http_5xx_rate``, ``overload_503``, ``slow_health_ms``: the HTTP
   faults, applied by the API layer.
+* ``load_endpoint_down``: the engine's load endpoint (vLLM ``/metrics``, SGLang ``/v1/loads`` and ``/metrics``)
+  answers 503, as a worker whose metrics exporter broke.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 _PROBABILITIES = ("drop_events", "duplicate_events", "reorder_events", "http_5xx_rate")
 _MILLIS = ("stall_stream_ms", "slow_health_ms")
-_FLAGS = ("crash_mid_stream", "overload_503")
+_FLAGS = ("crash_mid_stream", "overload_503", "load_endpoint_down")
 
 
 class FaultError(ValueError):
@@ -43,6 +45,7 @@ class FaultState:
     http_5xx_rate: float = 0.0
     overload_503: bool = False
     slow_health_ms: float = 0.0
+    load_endpoint_down: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -404,6 +404,8 @@ class SglangApi(OpenAIServing):
                               "internal_states": internal, "version": SGLANG_VERSION, "frontend": "python"})
 
     async def loads(self, request: web.Request) -> web.Response:
+        if self.faults.get("load_endpoint_down"):
+            return web.Response(status=503, text="loads unavailable (injected fault)")
         include_raw = request.query.get("include")
         include = {s.strip() for s in include_raw.split(",")} if include_raw else None
         valid = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
@@ -465,6 +467,8 @@ class SglangApi(OpenAIServing):
                                  "running or waiting requests, the operation will not be performed.)\n")
 
     async def metrics(self, request: web.Request) -> web.Response:
+        if self.faults.get("load_endpoint_down"):
+            return web.Response(status=503, text="metrics unavailable (injected fault)")
         resp = web.Response(body=generate_latest(self.registry))
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp

@@ -255,6 +255,8 @@ class VllmApi(OpenAIServing):
         return json_response({"object": "list", "data": cards})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        if self.faults.get("load_endpoint_down"):
+            return web.Response(status=503, text="metrics unavailable (injected fault)")
         resp = web.Response(body=generate_latest(self.registry))
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp

@@ -188,7 +188,8 @@ def test_fault_endpoint_contract() -> None:
             state = await resp.json()
         assert state == {"drop_events": 0.0, "duplicate_events": 0.0, "reorder_events": 0.0, "seq_gap": 0,
                          "restart_publisher": False, "stall_stream_ms": 0.0, "crash_mid_stream": False,
-                         "http_5xx_rate": 0.0, "overload_503": False, "slow_health_ms": 0.0}
+                         "http_5xx_rate": 0.0, "overload_503": False, "slow_health_ms": 0.0,
+                         "load_endpoint_down": False}
         state = await post_faults(http, drop_events=0.25, stall_stream_ms=10)
         assert state["drop_events"] == 0.25 and state["stall_stream_ms"] == 10.0
         async with http.post("/sim/faults", json={"drop_events": 3}) as resp:
@@ -254,6 +255,18 @@ def test_crash_cuts_the_stream_and_frees_the_request() -> None:
 
         await until(released, "the cut request to be released")
         assert await metric(http, "vllm:generation_tokens_total") < 50
+
+    serve(scenario)
+
+
+def test_load_endpoint_down() -> None:
+    async def scenario(srv: SimServer, http: aiohttp.ClientSession) -> None:
+        await post_faults(http, load_endpoint_down=True)
+        async with http.get("/metrics") as resp:
+            assert resp.status == 503
+        await post_faults(http, load_endpoint_down=False)
+        async with http.get("/metrics") as resp:
+            assert resp.status == 200 and "vllm:num_requests_running" in await resp.text()
 
     serve(scenario)
 
