@@ -65,6 +65,12 @@ class IngestConfig(_Strict):
     """A probe slower than this counts as a failure."""
     health_failures: int = Field(3, ge=1)
     """Consecutive failed probes before a worker is marked down (tolerant on purpose: a busy GPU answers late)."""
+    token_parity: Literal["required", "best_effort", "off"] = "required"
+    """Tokenizer parity self-test against each worker's tokenize endpoint. required: exact-KV routing only
+    once the worker tokenized the probes exactly as Cortex does; best_effort: only a proven mismatch turns it
+    off (for engines whose tokenize endpoint is disabled); off: not checked."""
+    token_parity_interval_s: float = Field(300.0, gt=0)
+    """How often a worker's tokenizer parity is checked again (a failed or unreachable check retries in 10 s)."""
     view_capacity: int = Field(1 << 16, ge=1024)
     """Initial slot count of the shared ledger table; it doubles on its own when half full."""
     max_workers: int = Field(64, ge=1, le=4096)

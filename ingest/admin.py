@@ -45,6 +45,9 @@ class IngestCollector(Collector):
                                    labels=[*labels, "status"])
         healthy = GaugeMetricFamily("cortex_worker_healthy", "1 if the worker passes health probes",
                                     labels=["worker"])
+        tokens = GaugeMetricFamily("cortex_worker_tokenizer_parity",
+                                   "1 for the worker's tokenizer parity status (ok, failed, unknown)",
+                                   labels=["worker", "status"])
         blocks = GaugeMetricFamily("cortex_ledger_blocks", "Cortex blocks the ledger lists for the target",
                                    labels=labels)
         running = GaugeMetricFamily("cortex_target_running_requests", "engine-reported running requests",
@@ -72,6 +75,7 @@ class IngestCollector(Collector):
                                       labels=[*labels, "reason"])
         for w in self.ingest.workers.values():
             healthy.add_metric([w.id], 1.0 if w.healthy else 0.0)
+            tokens.add_metric([w.id, w.token_parity.status], 1.0)
             for t in w.targets:
                 key = [t.id, w.id]
                 for s in SyncState:
@@ -92,7 +96,7 @@ class IngestCollector(Collector):
                     counters[name].add_metric(key, value)
                 for reason, n in t.ledger.dropped.items():
                     dropped.add_metric([*key, reason], n)
-        yield from (state, exact, parity, healthy, blocks, running, waiting, event_age, lag, *counters.values(),
+        yield from (state, exact, parity, healthy, tokens, blocks, running, waiting, event_age, lag, *counters.values(),
                     dropped)
         yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view",
                                 value=self.ingest.view.size)

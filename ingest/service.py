@@ -22,9 +22,11 @@ import aiohttp
 import orjson
 import zmq.asyncio
 
+from cortex.bundle import ModelBundle
 from cortex.config import CortexConfig, WorkerConfig
 from cortex.dataplane import atomic_write, write_xds
 from cortex.view import ViewWriter
+from ingest import token_parity
 from ingest.ledger import Ledger
 from ingest.parity import ParityCheck
 from ingest.source import EventSource, cancel_quietly
@@ -53,6 +55,9 @@ class Ingest:
         self._epochs = itertools.count(1)
         self._meta_dirty = True
         self.state_file = cfg.runtime_path() / "workers.json"
+        # Cortex's own ids for the tokenizer parity probes, per model (rendered once, at start).
+        self._probes = {m.name: token_parity.expected(ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template))
+                        for m in cfg.models} if cfg.ingest.token_parity != "off" else {}
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -64,7 +69,8 @@ class Ingest:
         self.publish_meta()
         self._background = [asyncio.create_task(self._heartbeat_loop()),
                             asyncio.create_task(self._load_loop()),
-                            asyncio.create_task(self._health_loop())]
+                            asyncio.create_task(self._health_loop()),
+                            asyncio.create_task(self._token_parity_loop())]
 
     async def stop(self) -> None:
         for task in [*self._background, *(task for _, task in self._sources.values())]:
@@ -143,7 +149,8 @@ class Ingest:
     def _add(self, wcfg: WorkerConfig, source: str) -> Worker:
         model = self.cfg.model(wcfg.model)
         assert model is not None  # checked by config validation or add_worker
-        worker = Worker(cfg=wcfg, address=wcfg.address(), source=source)
+        worker = Worker(cfg=wcfg, address=wcfg.address(), source=source,
+                        parity_policy=self.cfg.ingest.token_parity)
         if wcfg.kv_events is None:
             worker.events_usable, worker.events_reason = False, "no kv_events endpoint configured: routed by load"
         ranks: list[int | None] = [None] if wcfg.dp_size == 1 else list(range(wcfg.dp_size))
@@ -248,10 +255,39 @@ class Ingest:
             self._meta_dirty = True
             await asyncio.sleep(icfg.health_interval_s)
 
+    async def _token_parity_loop(self) -> None:
+        assert self._session is not None
+        if self.cfg.ingest.token_parity == "off":
+            return
+        interval = self.cfg.ingest.token_parity_interval_s
+        while True:
+            now = time.monotonic()
+            due = [w for w in self.workers.values() if w.healthy and now >= w.token_parity.checked_at + (
+                interval if w.token_parity.status == token_parity.OK else 10.0)]
+            results = await asyncio.gather(*(token_parity.check(
+                self._session, w.cfg.url, w.cfg.engine, w.cfg.model, self._probes[w.cfg.model],
+                self.cfg.ingest.health_timeout_s) for w in due), return_exceptions=True)
+            for w, res in zip(due, results, strict=True):
+                tp = w.token_parity
+                status, reason = res if isinstance(res, tuple) else (token_parity.UNKNOWN, repr(res))
+                tp.checks += 1
+                tp.checked_at = time.monotonic()
+                if status != tp.status:
+                    level = logging.ERROR if status == token_parity.FAILED else logging.INFO
+                    log.log(level, "worker %s: tokenizer parity %s: %s", w.id, status, reason)
+                    self._meta_dirty = True
+                if status == token_parity.FAILED and tp.status != token_parity.FAILED:
+                    tp.failures += 1
+                tp.status, tp.reason = status, reason
+            await asyncio.sleep(1.0 if any(w.token_parity.status != token_parity.OK
+                                           for w in self.workers.values()) else 5.0)
+
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         return {"workers": [{
             "id": w.id, "url": w.cfg.url, "model": w.cfg.model, "engine": w.cfg.engine, "source": w.source,
             "healthy": w.healthy, "health_failures": w.health_failures, "dp_size": w.cfg.dp_size,
+            "token_parity": {"status": w.token_parity.status, "reason": w.token_parity.reason,
+                             "checks": w.token_parity.checks},
             "targets": [t.status(now) for t in w.targets],
         } for w in self.workers.values()], "pid": os.getpid()}

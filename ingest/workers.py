@@ -21,6 +21,9 @@ from cortex.config import WorkerConfig
 from ingest.ledger import Ledger
 from ingest.parity import ParityCheck
 from ingest.sync import SourceSync, SyncState
+from ingest.token_parity import FAILED as TOKENS_FAILED
+from ingest.token_parity import OK as TOKENS_OK
+from ingest.token_parity import TokenParity
 
 
 @dataclass
@@ -71,7 +74,8 @@ class Target:
 
     @property
     def exact_kv(self) -> bool:
-        return self.sync.state is SyncState.READY and not self.parity.failed and self.worker.events_usable
+        return (self.sync.state is SyncState.READY and not self.parity.failed and self.worker.events_usable
+                and self.worker.tokens_trusted)
 
     def why_code(self) -> str:
         """A short, stable reason code for headers and metrics ('' while exact-KV routing is allowed)."""
@@ -79,6 +83,8 @@ class Target:
             return "no_kv_events"
         if self.parity.failed:
             return "hash_parity_failed"
+        if not self.worker.tokens_trusted:
+            return "tokenizer_mismatch" if self.worker.token_parity.status == TOKENS_FAILED else "tokenizer_unverified"
         if self.sync.state is SyncState.READY:
             return ""
         return f"ledger_{self.sync.state.value.lower()}"
@@ -88,6 +94,8 @@ class Target:
             return self.worker.events_reason
         if self.parity.failed:
             return f"hash parity failed: {self.parity.reason}"
+        if not self.worker.tokens_trusted:
+            return f"tokenizer parity {self.worker.token_parity.status}: {self.worker.token_parity.reason}"
         return self.sync.reason
 
     def routable_meta(self, now: float) -> dict[str, Any]:
@@ -129,6 +137,16 @@ class Worker:
     events_reason: str = ""
     source: str = "config"
     added_at: float = field(default_factory=time.monotonic)
+    token_parity: TokenParity = field(default_factory=TokenParity)
+    parity_policy: str = "required"
+
+    @property
+    def tokens_trusted(self) -> bool:
+        if self.parity_policy == "off":
+            return True
+        if self.parity_policy == "best_effort":
+            return self.token_parity.status != TOKENS_FAILED
+        return self.token_parity.status == TOKENS_OK
     """Where it came from: `config` or `api` (kept across ingest restarts in the runtime directory)."""
 
     @property

