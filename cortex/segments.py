@@ -1,0 +1,424 @@
+"""Segment-wise tokenization: encode the text between a tokenizer's added tokens piece by piece, with a cache.
+
+Why it is exact. `tokenizers` first cuts its input at every added token that is matched on the raw text
+(`normalized: false`; leftmost-longest over all of them, special or not), and only then normalizes,
+pre-tokenizes and runs the model on each remaining piece by itself. So
+
+    ids(p0 + T1 + p1 + T2 + p2) == ids(p0) + [id(T1)] + ids(p1) + [id(T2)] + ids(p2)
+
+as long as nothing in a piece's encoding depends on what lies outside it. Chat templates put such tokens
+(`<|im_start|>`, `<|eot_id|>`, ...) between messages, so a repeated system prompt and a conversation's earlier
+turns come back as the same pieces, and a bounded LRU cache of their ids turns them into lookups: only the
+new tail is tokenized.
+
+What can break the equivalence, and what is done about it:
+  * a pre-tokenizer that treats the piece at offset 0 differently (Metaspace `prepend_scheme: first`): every
+    later piece is encoded behind one boundary token, whose id is then dropped ("anchored" mode), which is
+    exactly the position it has in the whole text;
+  * added tokens with lstrip / rstrip / single_word reach into the text around them: Cortex never cuts at
+    them (they stay inside their piece, where the library sees the same neighbours), but still matches them
+    so overlapping tokens resolve as the library resolves them; single_word can still see a different
+    neighbour at a piece edge, which the self-check catches;
+  * `encode_special_tokens` (special tokens encoded as text): special tokens are not cut at;
+  * truncation or padding configured in tokenizer.json: whole-text encoding only;
+  * anything else, unforeseen: each tokenizer is checked at load over a set of probe texts (its own added
+    tokens in many textual surroundings, plus conversations rendered with its chat template); a tokenizer
+    that fails in both modes is encoded whole-text, and `reason` says why.
+
+The per-request path does no tokenizer introspection: one precompiled regex split, dictionary lookups, one
+batched `encode_batch_fast` call for the pieces not cached (no offsets are computed; pieces are encoded in
+parallel when the library's parallelism is on, TOKENIZERS_PARALLELISM=false keeps it to one core), and a
+list assembly. Not thread-safe: one encoder per event loop (extproc is single-threaded per process).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from cortex.bundle import ModelBundle
+
+log = logging.getLogger("cortex.segments")
+
+SEGMENTED = "segmented"
+ANCHORED = "segmented_anchored"
+WHOLE_TEXT = "whole_text"
+
+# Approximate CPython cost of one cached entry: the list (8 bytes a slot) and its int objects (ids above
+# 256 are distinct objects, 28-32 bytes), the key string, and the dictionary slots.
+_BYTES_PER_ID = 40
+_BYTES_PER_ENTRY = 200
+
+# Text fragments placed around tokens in the self-check: whitespace runs (prefix-space and `\s+(?!\S)`
+# rules), combining marks (NFC), CJK, emoji, digits, contractions, CRLF, punctuation that starts tokens.
+_FRAGMENTS = (
+    "", " ", "  ", "\n", "\n\n", " \n ", "\t", "x", " x", "x ", "Hello world", " Hello", "héllo wörld",
+    "e\u0301", "\u0301x", "日本語のテキスト", "😀 emoji", "12345 678", "don't", "\r\n", "\u00a0nbsp", "<", ">",
+    "|", "'s", "  indented\n    code()", "▁x", "ab\u200dcd",
+)
+_AROUND = (("", ""), ("x", "y"), (" ", " "), ("Hello ", "\nworld"), ("\n", "\n"), ("héllo", "e\u0301"),
+           ("don't ", " 12345"), ("  ", "x"), ("x", "  "), ("日本", "語"), ("\u0301", "\u0301"))
+_TOKEN_SAMPLE = 48
+# Conversations rendered with the model's chat template as probes: roles, whitespace edges, empty content.
+_PROBE_CHATS: tuple[tuple[tuple[str, str], ...], ...] = (
+    (("system", "You are a helpful assistant."), ("user", "Hi there!"), ("assistant", "Hello! How can I help?"),
+     ("user", "Tell me a joke.")),
+    (("user", "  leading and trailing spaces  "), ("assistant", "\n\nnewlines\n"), ("user", " ")),
+    (("system", ""), ("user", "日本語 😀 e\u0301 don't 12345")),
+    (("user", "x"),),
+)
+
+
+class _Mismatch(Exception):
+    """An anchored piece did not start with its anchor: this request is encoded whole-text."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentStats:
+    hits: int
+    misses: int
+    hit_chars: int
+    miss_chars: int
+    entries: int
+    bytes: int
+    evictions: int
+    uncached: int
+    """Pieces too large to cache (over an eighth of the byte budget)."""
+
+
+def _trie_pattern(words: Iterable[str]) -> str:
+    """One alternation that a backtracking regex matches leftmost-longest, factored as a trie.
+
+    A flat alternation of hundreds of tokens that share a prefix (`<|reserved_special_token_N|>`) tries
+    every branch at every `<` a user typed; the trie rejects a non-token after a character or two.
+    """
+    trie: dict[str, Any] = {}
+    for w in words:
+        node = trie
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = True
+
+    def emit(node: dict[str, Any]) -> str:
+        branches = [re.escape(ch) + emit(child) for ch, child in sorted(node.items()) if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        if "" in node:
+            # A token ends here but longer ones continue: try the longer first, as the library does.
+            return "(?:" + body + ")?" if len(branches) == 1 else body[:-1] + "|)"
+        return body
+
+    return emit(trie)
+
+
+class SegmentEncoder:
+    """Token ids of a text equal to `tokenizer.encode(text, add_special_tokens=...).ids`, with a piece cache.
+
+    `mode` is SEGMENTED, ANCHORED or WHOLE_TEXT; `reason` says why a tokenizer is not plainly segmented.
+    `special_reason` says why `add_special_tokens=True` falls back to whole-text (its post-processor does
+    not add a fixed prefix/suffix), "" when it is segmented too.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, max_entries: int = 16384, max_bytes: int = 64 << 20,
+                 probes: Sequence[str] = (), enabled: bool = True) -> None:
+        if max_entries < 1 or max_bytes < 1:
+            raise ValueError("max_entries and max_bytes must be positive")
+        self.tokenizer = tokenizer
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._max_entry_bytes = max_bytes // 8
+        self._cache: OrderedDict[Any, list[int]] = OrderedDict()
+        self._bytes = 0
+        self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
+        self._batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+        self.mode = WHOLE_TEXT
+        self.reason = ""
+        self.special_reason = ""
+        self.probes_checked = 0
+        self._affix: tuple[list[int], list[int]] | None = None
+        self._anchor: tuple[str, int] | None = None
+        self._rx: re.Pattern[str] | None = None
+        self._boundary: dict[str, list[int]] = {}
+        self._merge = False
+        if not enabled:
+            self.reason = "segmenting turned off"
+        else:
+            self._setup(list(probes))
+
+    @classmethod
+    def for_bundle(cls, bundle: ModelBundle, **kwargs: Any) -> SegmentEncoder:
+        """An encoder for a model bundle, checked also on conversations rendered with its chat template."""
+        probes = list(kwargs.pop("probes", ()))
+        probes += _template_probes(bundle)
+        enc = cls(bundle.tokenizer, probes=probes, **kwargs)
+        if enc.mode == SEGMENTED:
+            log.info("model %r: segment-wise tokenization on (%d probes agree)", bundle.name, enc.probes_checked)
+        elif enc.mode == ANCHORED:
+            log.info("model %r: segment-wise tokenization on, anchored (%s)", bundle.name, enc.reason)
+        else:
+            log.warning("model %r: whole-text tokenization: %s", bundle.name, enc.reason)
+        if enc.enabled and enc.special_reason:
+            log.info("model %r: prompts with special tokens added are encoded whole-text: %s", bundle.name,
+                     enc.special_reason)
+        return enc
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != WHOLE_TEXT
+
+    # -- hot path -------------------------------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        if self.mode == WHOLE_TEXT or (add_special_tokens and self._affix is None):
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._encode(text)
+        except _Mismatch:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens:
+            assert self._affix is not None
+            prefix, suffix = self._affix
+            if prefix:
+                ids[:0] = prefix
+            ids += suffix
+        return ids
+
+    def pieces(self, text: str) -> list[str]:
+        """The text cut as the encoder cuts it: text pieces at even indices, boundary tokens at odd ones."""
+        return self._split(text)
+
+    def _split(self, text: str) -> list[str]:
+        if self._rx is None:
+            return [text]
+        parts: list[str] = self._rx.split(text)
+        if not self._merge or len(parts) == 1:
+            return parts
+        # Tokens that reach into their neighbours (or are not split at all) stay inside their piece.
+        boundary = self._boundary
+        merged = [parts[0]]
+        for j in range(1, len(parts), 2):
+            if parts[j] in boundary:
+                merged += (parts[j], parts[j + 1])
+            else:
+                merged[-1] = merged[-1] + parts[j] + parts[j + 1]
+        return merged
+
+    def _encode(self, text: str) -> list[int]:
+        parts = self._split(text)
+        cache = self._cache
+        boundary = self._boundary
+        anchored = self._anchor is not None
+        chunks: list[list[int]] = []
+        todo: dict[Any, list[int]] = {}
+        for i, part in enumerate(parts):
+            if i & 1:
+                chunks.append(boundary[part])
+                continue
+            if not part:
+                continue
+            # Anchored: the first piece (offset 0) encodes differently from the same text later on.
+            key: Any = (part,) if anchored and i == 0 else part
+            ids = cache.get(key)
+            if ids is None:
+                todo.setdefault(key, []).append(len(chunks))
+                chunks.append(ids := [])
+            else:
+                cache.move_to_end(key)
+                self.hits += 1
+                self.hit_chars += len(part)
+                chunks.append(ids)
+        if todo:
+            self._fill(todo, chunks)
+        out: list[int] = []
+        for chunk in chunks:
+            out += chunk
+        return out
+
+    def _fill(self, todo: dict[Any, list[int]], chunks: list[list[int]]) -> None:
+        keys = list(todo)
+        anchor = self._anchor
+        texts = keys if anchor is None else [k[0] if isinstance(k, tuple) else anchor[0] + k for k in keys]
+        encodings = self._batch(texts, add_special_tokens=False)
+        for key, enc in zip(keys, encodings, strict=True):
+            ids = enc.ids
+            text = key[0] if isinstance(key, tuple) else key
+            if anchor is not None and not isinstance(key, tuple):
+                if not ids or ids[0] != anchor[1]:
+                    raise _Mismatch
+                del ids[0]
+            self.misses += 1
+            self.miss_chars += len(text)
+            self._store(key, text, ids)
+            for pos in todo[key]:
+                chunks[pos] = ids
+
+    def _store(self, key: Any, text: str, ids: list[int]) -> None:
+        cost = len(text) + _BYTES_PER_ID * len(ids) + _BYTES_PER_ENTRY
+        if cost > self._max_entry_bytes:
+            self.uncached += 1
+            return
+        cache = self._cache
+        cache[key] = ids
+        self._bytes += cost
+        while len(cache) > self.max_entries or self._bytes > self.max_bytes:
+            old_key, old_ids = cache.popitem(last=False)
+            old_text = old_key[0] if isinstance(old_key, tuple) else old_key
+            self._bytes -= len(old_text) + _BYTES_PER_ID * len(old_ids) + _BYTES_PER_ENTRY
+            self.evictions += 1
+
+    def stats(self) -> SegmentStats:
+        return SegmentStats(hits=self.hits, misses=self.misses, hit_chars=self.hit_chars,
+                            miss_chars=self.miss_chars, entries=len(self._cache), bytes=self._bytes,
+                            evictions=self.evictions, uncached=self.uncached)
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._bytes = 0
+
+    # -- load-time self-check -------------------------------------------------------------------------------
+
+    def _setup(self, extra_probes: list[str]) -> None:
+        tok = self.tokenizer
+        if tok.truncation is not None or tok.padding is not None:
+            self.reason = "tokenizer.json configures truncation or padding, which apply to the whole text"
+            return
+        added = tok.get_added_tokens_decoder()
+        split_on_special = not tok.encode_special_tokens
+        # Matched on the raw text, as the library's first split does; `normalized` ones are found later,
+        # inside the normalized pieces, so they are left to the per-piece encode.
+        raw = {a.content: (i, a) for i, a in added.items() if not a.normalized and a.content}
+        boundary = {c: [i] for c, (i, a) in raw.items()
+                    if not (a.lstrip or a.rstrip or a.single_word) and (split_on_special or not a.special)}
+        self._boundary = boundary
+        self._merge = len(boundary) < len(raw)
+        if boundary:
+            self._rx = re.compile("(" + _trie_pattern(raw) + ")")
+        complex_tokens = sorted(c for c in raw if c not in boundary)
+        probes = _probe_texts(sorted(boundary, key=lambda c: boundary[c][0]), complex_tokens, extra_probes)
+        failure = self._check(probes, SEGMENTED)
+        if failure is None:
+            self.mode = SEGMENTED
+        else:
+            plain_failure = failure
+            anchor = next(iter(sorted(boundary, key=lambda c: (len(c), boundary[c][0]))), None)
+            if anchor is not None:
+                self._anchor = (anchor, boundary[anchor][0])
+                failure = self._check(probes, ANCHORED)
+            if failure is None:
+                self.mode = ANCHORED
+                self.reason = f"pieces encode differently at offset 0 (probe {plain_failure!r}); later pieces " \
+                              f"are encoded behind {anchor!r}"
+            else:
+                self._anchor = None
+                self.mode = WHOLE_TEXT
+                self.reason = f"segment-wise ids differ from whole-text ids for probe {failure!r}"
+                self.clear()
+                return
+        self._setup_specials(probes)
+        self.clear()
+        self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
+
+    def _check(self, probes: list[str], mode: str) -> str | None:
+        """The first probe whose segment-wise ids differ from the whole-text ids, or None."""
+        self.clear()
+        whole = self.tokenizer.encode
+        for n, text in enumerate(probes, 1):
+            try:
+                got = self._encode(text)
+            except _Mismatch:
+                return _short(text)
+            if got != whole(text, add_special_tokens=False).ids:
+                return _short(text)
+            self.probes_checked = n
+        return None
+
+    def _setup_specials(self, probes: list[str]) -> None:
+        """Find the fixed prefix/suffix the post-processor adds (e.g. BOS) and check it on every probe."""
+        tok = self.tokenizer
+        sample = "Hello world, this is a probe."
+        plain = tok.encode(sample, add_special_tokens=False).ids
+        full = tok.encode(sample, add_special_tokens=True).ids
+        extra = len(full) - len(plain)
+        start = next((k for k in range(extra + 1) if full[k:k + len(plain)] == plain), None) if extra >= 0 else None
+        if start is None:
+            self.special_reason = "the post-processor changes the ids themselves, not only their ends"
+            return
+        self._affix = (full[:start], full[start + len(plain):])
+        for text in ["", *probes]:
+            try:
+                got = self.encode(text, add_special_tokens=True)
+            except _Mismatch:
+                got = None
+            if got != tok.encode(text, add_special_tokens=True).ids:
+                self._affix = None
+                self.special_reason = f"special tokens are not a fixed prefix/suffix (probe {_short(text)!r})"
+                return
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _probe_texts(boundary: list[str], complex_tokens: list[str], extra: list[str]) -> list[str]:
+    """Texts that put the tokenizer's added tokens in the surroundings where per-piece encoding could differ."""
+    if len(boundary) > _TOKEN_SAMPLE:
+        # The lowest ids (the ones templates use: BOS/EOS, role markers) plus an even spread of the rest.
+        head = boundary[: _TOKEN_SAMPLE // 2]
+        rest = boundary[_TOKEN_SAMPLE // 2:]
+        step = max(1, len(rest) // (_TOKEN_SAMPLE // 2))
+        sample = head + rest[::step]
+    else:
+        sample = list(boundary)
+    # Tokens a template or the caller's probes actually use are always included.
+    used = [t for t in boundary if t not in sample and any(t in p for p in extra)]
+    sample += used
+    probes: list[str] = list(_FRAGMENTS)
+    probes.append("".join(_FRAGMENTS))
+    n_frag = len(_FRAGMENTS)
+    for i, t in enumerate(sample + complex_tokens):
+        for a, b in _AROUND:
+            probes.append(a + t + b)
+        probes.append(_FRAGMENTS[i % n_frag] + t + _FRAGMENTS[(i * 7 + 3) % n_frag])
+        probes.append(t + t + " " + t)
+    for t1, t2 in zip(sample, sample[1:] + sample[:1], strict=True):
+        probes += [t1 + t2, t1 + " x " + t2 + "y", "a" + t1 + "\n" + t2 + "\n\nb", t1 + "\u0301" + t2]
+    for c in complex_tokens:
+        for t in sample[:16]:
+            probes += [t + c, c + t, t + " " + c + " " + t, "x" + c + "y" + t + "  " + c, t + "ab" + c + "cd" + t]
+    probes += extra
+    return probes
+
+
+def _template_probes(bundle: ModelBundle) -> list[str]:
+    """Conversations rendered with the bundle's chat template (skipped when it has none or refuses one)."""
+    from cortex.bundle import TemplateError
+
+    if not bundle.has_chat_template:
+        return []
+    try:
+        tokens = [a.content for a in bundle.tokenizer.get_added_tokens_decoder().values() if a.content]
+    except Exception:  # a tokenizer without added tokens needs no token-in-content probes
+        tokens = []
+    chats: list[list[dict[str, Any]]] = [[{"role": r, "content": c} for r, c in chat] for chat in _PROBE_CHATS]
+    # Users type special-token strings; the template renders them verbatim into the prompt.
+    chats.append([{"role": "user", "content": " ".join(tokens[:32]) + " and " + "".join(tokens[:8])}])
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    out: list[str] = []
+    for chat in chats:
+        for kwargs in ({"add_generation_prompt": True}, {"add_generation_prompt": False}, {"tools": tools}):
+            try:
+                out.append(bundle.render_chat(chat, **kwargs))
+            except TemplateError:
+                continue
+    return out
+
