@@ -73,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "ingest":
         from ingest.main import run
 
-        return run(cfg)
+        return run(cfg, Path(args.config))
     if command == "extproc":
         from extproc.server import run as run_extproc
 
-        return run_extproc(cfg, args.index)
+        return run_extproc(cfg, args.index, Path(args.config))
     print(f"cortex: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -166,6 +166,22 @@ class ModelConfig(_Strict):
         return Path(self.tokenizer).expanduser()
 
 
+class AliasTarget(_Strict):
+    model: str
+    """A configured model name."""
+    weight: float = Field(1.0, gt=0)
+    """Relative share of the alias's requests (per request, at random: cache-friendly, see seed 004 §3.1)."""
+
+
+class AliasConfig(_Strict):
+    """A public model name clients send, served by one or more configured models (canary, versions)."""
+
+    name: str = Field(min_length=1)
+    targets: list[AliasTarget] = Field(min_length=1)
+    fallback: str | None = None
+    """Model used when the drawn target has no healthy worker."""
+
+
 class WorkerConfig(_Strict):
     """One engine server (one OpenAI endpoint)."""
 
@@ -232,6 +248,8 @@ class CortexConfig(_Strict):
     """Cortex's own key block size in tokens; engine blocks are mapped onto it."""
     models: list[ModelConfig] = Field(min_length=1)
     """Served models (at least one)."""
+    aliases: list[AliasConfig] = Field(default_factory=list)
+    """Public names mapped to weighted models; listed by /v1/models beside the models."""
     workers: list[WorkerConfig] = Field(default_factory=list)
     """Workers known at start."""
 
@@ -240,6 +258,14 @@ class CortexConfig(_Strict):
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"models: duplicate model name in {names}")
+        alias_names = [a.name for a in self.aliases]
+        clash = sorted(set(alias_names) & set(names) | {a for a in alias_names if alias_names.count(a) > 1})
+        if clash:
+            raise ValueError(f"aliases: {clash} duplicate an alias or a model name")
+        for a in self.aliases:
+            for ref in [t.model for t in a.targets] + ([a.fallback] if a.fallback else []):
+                if ref not in names:
+                    raise ValueError(f"aliases[{a.name}]: {ref!r} is not one of the models {names}")
         ids = [w.id for w in self.workers]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
@@ -336,4 +362,6 @@ def reference_markdown() -> str:
     section("cortex.yaml (top level)", CortexConfig, "")
     section("models[]", ModelConfig, "")
     section("workers[]", WorkerConfig, "")
+    section("aliases[]", AliasConfig, "")
+    section("aliases[].targets[]", AliasTarget, "")
     return "\n".join(lines)

@@ -223,6 +223,13 @@ def _worker_cluster(name: str, cfg: CortexConfig) -> dict[str, Any]:
         }],
         "outlier_detection": {"consecutive_5xx": 5, "interval": "5s", "base_ejection_time": "10s",
                               "max_ejection_percent": 50},
+        # vLLM's uvicorn closes idle keep-alive connections after 5 s; a pooled connection Envoy reuses just as
+        # the worker closes it resets, and the retry then lands on another worker. Close ours first.
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "common_http_protocol_options": {"idle_timeout": "4s"},
+            "explicit_http_config": {"http_protocol_options": {}},
+        }},
     }
     # Every cluster walks extproc's ordered endpoint list; without one (extproc down) it falls back to
     # least_request, which is power-of-two-choices on Envoy's own active-request counts.

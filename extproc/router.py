@@ -17,6 +17,7 @@ from cortex.errors import ClientError
 from cortex.segments import SegmentEncoder
 from extproc.cluster_view import ClusterView
 from extproc.predictions import Predictions
+from extproc.registry import ModelRegistry
 from extproc.request import ParsedRequest
 from extproc.scheduler import Candidate, Decision, Scoring, decide, round_robin, still_hot
 
@@ -36,24 +37,34 @@ class RouteResult:
     token_ids: list[int] | None
     timings: Timings = field(default_factory=Timings)
     truncated: bool = False
+    model: str = ""
+    """The configured model that serves it (differs from the request's when an alias was used)."""
+    alias: str | None = None
     """The prompt was longer than extproc.max_tokenize_chars; prompt_tokens counts only the routed prefix."""
 
 
 class Router:
-    def __init__(self, cfg: CortexConfig, cluster: ClusterView, bundles: dict[str, ModelBundle]) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: CortexConfig, cluster: ClusterView, registry: ModelRegistry) -> None:
         self.cluster = cluster
-        self.bundles = bundles
         self.predictions = Predictions(cfg.extproc.prediction_ttl_s)
+        self.reload(cfg, registry)
+        bundles = registry.bundles
+        self._hot: dict[int, bool] = {}
+        self._turn = itertools.count()
+        # Per model: the text between special tokens encoded piece by piece with a cache, checked once here.
+        self.segments = {name: SegmentEncoder.for_bundle(b) for name, b in bundles.items()}
+
+    def reload(self, cfg: CortexConfig, registry: ModelRegistry) -> None:
+        """Swap in a new config and registry (built off the request path): the next request uses them."""
+        self.cfg = cfg
+        self.registry = registry
+        self.bundles = registry.bundles
         sc = cfg.scheduler
         self.scoring = Scoring(alpha_ms_per_token=sc.alpha_ms_per_token, beta_ms_per_active=sc.beta_ms_per_active,
                                gamma=sc.gamma, queued_request_ms=sc.queued_request_ms,
                                high_watermark=sc.high_watermark, low_watermark=sc.low_watermark,
                                near_min_window=sc.near_min_window, cold_start_share=sc.cold_start_share)
-        self._hot: dict[int, bool] = {}
-        self._turn = itertools.count()
-        # Per model: the text between special tokens encoded piece by piece with a cache, checked once here.
-        self.segments = {name: SegmentEncoder.for_bundle(b) for name, b in bundles.items()}
+        self.predictions.ttl_s = cfg.extproc.prediction_ttl_s
 
     def tokens(self, req: ParsedRequest, bundle: ModelBundle) -> tuple[list[int], bool]:
         """The prompt's token ids, and whether they were cut short for routing.
@@ -89,10 +100,9 @@ class Router:
 
     def route(self, req: ParsedRequest, *, commit: bool = True) -> RouteResult:
         """Decide. `commit` records the chosen target's coming blocks as predicted (real traffic only)."""
-        bundle = self.bundles.get(req.model)
-        if bundle is None:
-            raise ClientError(404, f"The model `{req.model}` does not exist.", "model")
-        workers = self.cluster.candidates(req.model)
+        resolved = self.registry.resolve(req.model, lambda m: bool(self.cluster.candidates(m)))
+        bundle = self.bundles[resolved.model]
+        workers = self.cluster.candidates(resolved.model)
         if not workers:
             raise ClientError(503, f"no healthy worker serves model `{req.model}`", "model")
         timings = Timings()
@@ -156,4 +166,4 @@ class Router:
         if commit and keys and decision.chosen.ledger_trusted:
             self.predictions.record(decision.chosen.slot, keys)
         return RouteResult(decision=decision, prompt_tokens=len(ids), token_ids=ids, timings=timings,
-                           truncated=truncated)
+                           truncated=truncated, model=resolved.model, alias=resolved.alias)

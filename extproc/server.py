@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,11 +25,13 @@ from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 
-from cortex.config import CortexConfig
+from cortex.bundle import BundleError
+from cortex.config import ConfigError, CortexConfig, load_config
 from cortex.dataplane import ANY_CLUSTER, ENDPOINTS_HEADER, POOL_HEADER, pool_cluster
 from cortex.errors import ClientError
 from extproc import metrics
 from extproc.cluster_view import ClusterView
+from extproc.registry import ModelRegistry
 from extproc.request import ROUTED_PATHS, parse_body
 from extproc.router import Router
 from extproc.scheduler import EXACT, LOAD_AWARE, Candidate, Decision, decide
@@ -69,9 +73,6 @@ class ExtProc:
         self.cfg = cfg
         self.cluster = cluster
         self.router = router
-        self._models_body = orjson.dumps({"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": int(time.time()), "owned_by": "cortex"}
-            for m in cfg.models]})
 
     # -- the gRPC method ----------------------------------------------------------------------------------
 
@@ -107,7 +108,7 @@ class ExtProc:
             elif h.key == ":method":
                 st.method = (h.raw_value or h.value.encode()).decode("latin-1")
         if st.method == "GET" and st.path == MODELS_PATH:
-            return _immediate(200, self._models_body)
+            return _immediate(200, self.router.registry.models_body)
         if st.method == "GET" and st.path == HEALTH_PATH:
             # Answered here, so a 200 proves the whole chain Envoy -> extproc works.
             return _immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.alive}))
@@ -142,13 +143,18 @@ class ExtProc:
         st.decision = result.decision
         self._count(st, result.decision.chosen.slot)
         metrics.observe_decision(result, time.perf_counter() - t0)
-        response = self._routing_response(st, "request_body", pool_cluster(parsed.model))
+        response = self._routing_response(st, "request_body", pool_cluster(result.model))
         chosen = result.decision.chosen
-        if chosen.rank is not None and chosen.engine == "sglang" and parsed.body is not None:
-            # SGLang pins a data-parallel rank from the body only; Envoy does not fix Content-Length itself.
-            new_body = orjson.dumps({**parsed.body, "routed_dp_rank": chosen.rank})
+        changes: dict[str, object] = {}
+        if result.alias is not None:
+            changes["model"] = result.model  # the worker serves the model, not the public alias
+        if chosen.rank is not None and chosen.engine == "sglang":
+            changes["routed_dp_rank"] = chosen.rank  # SGLang pins a data-parallel rank from the body only
+        if changes and parsed.body is not None:
+            new_body = orjson.dumps({**parsed.body, **changes})
             common = response.request_body.response
             common.body_mutation.body = new_body
+            # Envoy does not fix Content-Length after a body mutation; a stale one makes it answer 500.
             common.header_mutation.set_headers.append(_set("content-length", str(len(new_body))))
         return response
 
@@ -252,13 +258,46 @@ class ExtProc:
         return _immediate(200, orjson.dumps(doc))
 
 
-async def serve(cfg: CortexConfig, index: int) -> None:
-    from cortex.bundle import ModelBundle
+class ConfigWatcher:
+    """Re-reads cortex.yaml when it changes and swaps the new registry and settings in; a bad edit is
+    logged and ignored (the running config stays). Listener, port and process-count changes need a restart."""
 
-    bundles = {m.name: ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template) for m in cfg.models}
+    def __init__(self, path: Path | None, app: ExtProc) -> None:
+        self.path = path
+        self.app = app
+        self.mtime = self._mtime()
+
+    def _mtime(self) -> int:
+        try:
+            return os.stat(self.path).st_mtime_ns if self.path is not None else 0
+        except OSError:
+            return 0
+
+    async def poll(self) -> None:
+        mtime = self._mtime()
+        if self.path is None or mtime == self.mtime:
+            return
+        self.mtime = mtime
+        router = self.app.router
+        try:
+            # Loading tokenizers takes a while: do it off the event loop, then swap in one step.
+            cfg = await asyncio.to_thread(load_config, self.path)
+            registry = await asyncio.to_thread(ModelRegistry, cfg, router.registry)
+        except (ConfigError, BundleError) as exc:
+            log.error("config change ignored, the running config stays: %s", exc)
+            return
+        router.reload(cfg, registry)
+        self.app.cfg = cfg
+        self.app.cluster.cfg = cfg
+        log.info("config reloaded: %d models, %d aliases", len(cfg.models), len(cfg.aliases))
+
+
+async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) -> None:
     cluster = ClusterView(cfg, cfg.view_path(), index)
     cluster.refresh()
-    app = ExtProc(cfg, cluster, Router(cfg, cluster, bundles))
+    registry = ModelRegistry(cfg)
+    app = ExtProc(cfg, cluster, Router(cfg, cluster, registry))
+    watcher = ConfigWatcher(config_path, app)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
         ("grpc.max_send_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
@@ -272,16 +311,20 @@ async def serve(cfg: CortexConfig, index: int) -> None:
     port = cfg.extproc.base_port + index
     server.add_insecure_port(f"{cfg.extproc.host}:{port}")
     await server.start()
-    log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port, len(bundles))
+    log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port, len(registry.bundles))
 
     async def upkeep() -> None:
+        tick = 0
         while True:
             await asyncio.sleep(0.1)
+            tick += 1
             try:
                 cluster.refresh()
                 app.router.predictions.expire()
+                if tick % 10 == 0:
+                    await watcher.poll()
             except Exception:
-                log.exception("cluster view refresh failed")
+                log.exception("extproc upkeep failed")
 
     task = asyncio.create_task(upkeep())
     stop = asyncio.Event()
@@ -295,12 +338,12 @@ async def serve(cfg: CortexConfig, index: int) -> None:
     await server.stop(grace=2)
 
 
-def run(cfg: CortexConfig, index: int) -> int:
+def run(cfg: CortexConfig, index: int, config_path: Path | None = None) -> int:
     try:
         import uvloop
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(cfg, index))
+    asyncio.run(serve(cfg, index, config_path))
     return 0
 

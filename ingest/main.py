@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from pathlib import Path
 
 from aiohttp import web
 
@@ -16,8 +17,8 @@ from ingest.service import Ingest
 log = logging.getLogger("cortex.ingest")
 
 
-async def serve(cfg: CortexConfig) -> None:
-    ingest = Ingest(cfg)
+async def serve(cfg: CortexConfig, config_path: Path | None = None) -> None:
+    ingest = Ingest(cfg, config_path)
     await ingest.start()
     runner = web.AppRunner(build_app(ingest), access_log=None)
     await runner.setup()
@@ -36,6 +37,6 @@ async def serve(cfg: CortexConfig) -> None:
         await ingest.stop()
 
 
-def run(cfg: CortexConfig) -> int:
-    asyncio.run(serve(cfg))
+def run(cfg: CortexConfig, config_path: Path | None = None) -> int:
+    asyncio.run(serve(cfg, config_path))
     return 0

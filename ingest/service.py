@@ -12,18 +12,20 @@ fleet. Every membership change also rewrites Envoy's EDS files, so Envoy and Cor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import zmq.asyncio
 
-from cortex.bundle import ModelBundle
-from cortex.config import CortexConfig, WorkerConfig
+from cortex.bundle import BundleError, ModelBundle
+from cortex.config import ConfigError, CortexConfig, WorkerConfig, load_config
 from cortex.dataplane import atomic_write, write_xds
 from cortex.view import ViewWriter
 from ingest import token_parity
@@ -43,8 +45,10 @@ class MembershipError(ValueError):
 
 
 class Ingest:
-    def __init__(self, cfg: CortexConfig) -> None:
+    def __init__(self, cfg: CortexConfig, config_path: Path | None = None) -> None:
         self.cfg = cfg
+        self.config_path = config_path
+        self._config_mtime = self._mtime()
         self.view = ViewWriter(cfg.view_path(), max_workers=cfg.ingest.max_workers,
                                capacity=cfg.ingest.view_capacity)
         self.zmq = zmq.asyncio.Context.instance()
@@ -54,10 +58,10 @@ class Ingest:
         self._session: aiohttp.ClientSession | None = None
         self._epochs = itertools.count(1)
         self._meta_dirty = True
+        self._parity_wakeup = asyncio.Event()
         self.state_file = cfg.runtime_path() / "workers.json"
         # Cortex's own ids for the tokenizer parity probes, per model (rendered once, at start).
-        self._probes = {m.name: token_parity.expected(ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template))
-                        for m in cfg.models} if cfg.ingest.token_parity != "off" else {}
+        self._probes = self._load_probes(cfg)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -70,7 +74,8 @@ class Ingest:
         self._background = [asyncio.create_task(self._heartbeat_loop()),
                             asyncio.create_task(self._load_loop()),
                             asyncio.create_task(self._health_loop()),
-                            asyncio.create_task(self._token_parity_loop())]
+                            asyncio.create_task(self._token_parity_loop()),
+                            asyncio.create_task(self._config_loop())]
 
     async def stop(self) -> None:
         for task in [*self._background, *(task for _, task in self._sources.values())]:
@@ -93,6 +98,52 @@ class Ingest:
         ids = {w.id for w, _ in out}
         out += [(w, "api") for w in added if w.id not in ids]
         return out
+
+    @staticmethod
+    def _load_probes(cfg: CortexConfig) -> dict[str, list[Any]]:
+        if cfg.ingest.token_parity == "off":
+            return {}
+        return {m.name: token_parity.expected(ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template))
+                for m in cfg.models}
+
+    def _mtime(self) -> int:
+        try:
+            return os.stat(self.config_path).st_mtime_ns if self.config_path is not None else 0
+        except OSError:
+            return 0
+
+    async def _config_loop(self) -> None:
+        """Apply edits of cortex.yaml within a second or two: new or changed workers and models, removed
+        ones, Envoy's pools. A bad edit is logged and ignored; the running config stays."""
+        while True:
+            await asyncio.sleep(1.0)
+            mtime = self._mtime()
+            if self.config_path is None or mtime == self._config_mtime:
+                continue
+            self._config_mtime = mtime
+            try:
+                cfg = await asyncio.to_thread(load_config, self.config_path)
+                probes = await asyncio.to_thread(self._load_probes, cfg)
+            except (ConfigError, BundleError) as exc:
+                log.error("config change ignored, the running config stays: %s", exc)
+                continue
+            await self._apply_config(cfg, probes)
+
+    async def _apply_config(self, cfg: CortexConfig, probes: dict[str, list[Any]]) -> None:
+        old = {w.id: w for w in self.cfg.workers}
+        new = {w.id: w for w in cfg.workers}
+        self.cfg, self._probes = cfg, probes
+        for wid, wcfg in old.items():
+            current = self.workers.get(wid)
+            if current is not None and current.source == "config" and new.get(wid) != wcfg:
+                await self.remove_worker(wid, persist=False)
+        for wid, wcfg in new.items():
+            if wid not in self.workers:
+                self._add(wcfg, "config")
+        self._save_state()
+        self._sync_envoy()
+        self._meta_dirty = True
+        log.info("config reloaded: %d models, %d workers", len(cfg.models), len(self.workers))
 
     def _save_state(self) -> None:
         config_ids = {w.id for w in self.cfg.workers}
@@ -121,7 +172,7 @@ class Ingest:
         self._sync_envoy()
         return worker
 
-    async def remove_worker(self, worker_id: str) -> None:
+    async def remove_worker(self, worker_id: str, *, persist: bool = True) -> None:
         worker = self.workers.get(worker_id)
         if worker is None:
             raise MembershipError(404, f"no worker {worker_id!r}")
@@ -133,8 +184,9 @@ class Ingest:
                 await cancel_quietly(entry[1])
             # One write section: extproc sees the target's blocks all present or all gone.
             t.ledger.clear(self.view)
-        self._save_state()
-        self._sync_envoy()
+        if persist:
+            self._save_state()
+            self._sync_envoy()
         self._meta_dirty = True
         self.publish_meta()
         log.info("worker %s removed", worker_id)
@@ -171,6 +223,7 @@ class Ingest:
                 self._sources[target.id] = (src, asyncio.get_running_loop().create_task(src.run(),
                                                                                          name=f"src-{target.id}"))
         self.workers[wcfg.id] = worker
+        self._parity_wakeup.set()
         self._meta_dirty = True
         log.info("worker %s added (%s, %s, %d target(s))", wcfg.id, wcfg.url, source, len(worker.targets))
         return worker
@@ -279,8 +332,11 @@ class Ingest:
                 if status == token_parity.FAILED and tp.status != token_parity.FAILED:
                     tp.failures += 1
                 tp.status, tp.reason = status, reason
-            await asyncio.sleep(1.0 if any(w.token_parity.status != token_parity.OK
-                                           for w in self.workers.values()) else 5.0)
+            pending = any(w.token_parity.status != token_parity.OK for w in self.workers.values())
+            self._parity_wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                # A new worker wakes the loop at once: its exact-KV routing waits on this check.
+                await asyncio.wait_for(self._parity_wakeup.wait(), 1.0 if pending else 5.0)
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
