@@ -80,8 +80,13 @@ class IngestConfig(_Strict):
 class ExtprocConfig(_Strict):
     """The ext_proc servers Envoy calls for every request."""
 
-    processes: int = Field(1, ge=1, le=64)
-    """ext_proc server processes, each its own endpoint in Envoy's ext_proc cluster (scale by process)."""
+    processes: int | None = Field(None, ge=1, le=64)
+    """ext_proc server processes, each its own endpoint in Envoy's ext_proc cluster (grpc.aio's per-stream cost
+    is CPU-bound: scale by process, not thread). None: one per CPU core."""
+
+    def process_count(self) -> int:
+        return self.processes or max(1, os.cpu_count() or 1)
+
     host: str = "127.0.0.1"
     """Bind address of the gRPC servers (Envoy connects here)."""
     base_port: Port = 50051

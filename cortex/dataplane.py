@@ -174,7 +174,7 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
                            "healthy_threshold": 1, "no_traffic_interval": "0.5s", "tcp_health_check": {}}],
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
         "load_assignment": {"cluster_name": EXTPROC_CLUSTER, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": _addr(ep.host, ep.base_port + i)}} for i in range(ep.processes)]}]},
+            {"endpoint": {"address": _addr(ep.host, ep.base_port + i)}} for i in range(ep.process_count())]}]},
     }
     return {
         "node": {"id": "cortex", "cluster": "cortex"},

@@ -26,6 +26,18 @@ class ClientError(Exception):
         return error_body(self.status, self.message, self.param)
 
 
+# Messages can quote request values (an unknown model's name, a template's own text); a client must never get
+# a multi-megabyte body echoed back in an error, so long messages keep their head and tail.
+MAX_MESSAGE_CHARS = 1024
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    tail = MAX_MESSAGE_CHARS // 4
+    return f"{message[:MAX_MESSAGE_CHARS - tail - 1]}…{message[-tail:]}"
+
+
 def error_body(status: int, message: str, param: str | None = None) -> bytes:
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
+    return orjson.dumps({"error": {"message": _bounded(message), "type": kind, "param": param, "code": status}})

@@ -32,7 +32,7 @@ def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path) -> list[
     specs = [
         ChildSpec("ingest", [*py, "ingest", "-c", str(config_path)], env),
         *(ChildSpec(f"extproc-{i}", [*py, "extproc", "-c", str(config_path), "--index", str(i)], env)
-          for i in range(cfg.extproc.processes)),
+          for i in range(cfg.extproc.process_count())),
         ChildSpec("envoy", [envoy_binary(), "-c", str(envoy_yaml), "--disable-hot-restart",
                             "--concurrency", str(min(2, os.cpu_count() or 1)), "-l", "warning",
                             "--log-format", "[envoy] [%l] %v"]),

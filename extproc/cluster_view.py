@@ -52,7 +52,7 @@ class ClusterView:
         self.view_path = view_path
         self.stale_after = cfg.extproc.view_stale_after_s
         self.reader: ViewReader | None = None
-        self.inflight = InflightBoard(cfg.runtime_path() / "inflight", index, cfg.extproc.processes,
+        self.inflight = InflightBoard(cfg.runtime_path() / "inflight", index, cfg.extproc.process_count(),
                                       cfg.ingest.max_workers)
         self.alive = False
         self.block_size = cfg.block_size

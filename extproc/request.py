@@ -1,15 +1,23 @@
-"""Parse and check an OpenAI request body: just the fields routing reads, with the engines' own rules.
+"""Parse and check an OpenAI request body: the fields routing reads, and the common fields the engines type-check.
 
-Anything Cortex would have to guess about is refused here with a 4xx (never forwarded); fields routing
-does not read are left for the engine to judge.
+The rule: Cortex refuses a body only when no supported engine would accept it (vLLM 0.33 and SGLang 0.5.23;
+the fuzz and table tests pin the cases), so the client gets the same 400 without a worker round trip, and
+a request some engine serves is never refused here. Where the two engines disagree, the body is forwarded
+and the engine of the chosen worker judges it. Values are coerced the way the engines' pydantic models
+coerce them (lax mode: "5" and 5.0 are the integer 5, "false" is False), so Cortex renders the same prompt
+the engine will. What Cortex does on top, and why, is listed in docs/configuration.md ("Decisions"):
+strict JSON, `model` required, stream_options only with stream, cache_salt with vLLM's rule, token ids
+below 2^32, and a nesting bound on what reaches the chat template. Error messages name the field and
+what is wrong with it, never the value, so a bad body is never echoed back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cortex.errors import ClientError
 
@@ -18,6 +26,97 @@ Kind = Literal["chat", "completion"]
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
 ROUTED_PATHS: dict[str, Kind] = {CHAT_PATH: "chat", COMPLETION_PATH: "completion"}
+
+# Values handed to the chat template (tools, chat_template_kwargs, message fields) may nest this deep. The
+# template's `tojson` recurses in Python and fails near 1000 levels (as the engines' own JSON parsing does);
+# 512 keeps that out of reach with room for the call stack, far above any real tool schema.
+MAX_TEMPLATE_NESTING = 512
+# Cortex keys token ids as uint32, and no model's vocabulary comes near it; the engines refuse ids past
+# their vocabulary anyway.
+MAX_TOKEN_ID = 2**32 - 1
+# content: null is accepted by SGLang for these roles (its generic message; roles compared lower-cased)
+# and by vLLM for assistant/function; for user and unknown roles no engine accepts it.
+_NULL_CONTENT_ROLES = frozenset({"system", "assistant", "tool", "function", "developer"})
+# vLLM's typeless content parts ({"image_url": "..."}) name their kind by their only key.
+_TYPELESS_PART_KEYS = ("image_url", "audio_url", "video_url")
+
+NonNegInt = Annotated[int, Field(ge=0)]
+PosInt = Annotated[int, Field(ge=1)]
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class _Common(BaseModel):
+    """The OpenAI fields both engines type the same way; None everywhere, as vLLM allows (SGLang has defaults)."""
+
+    model_config = ConfigDict(extra="ignore")
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+    # vLLM refuses 0 and SGLang's chat treats it as unset, so only negatives are refused by both.
+    max_tokens: NonNegInt | None = None
+    n: PosInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class _Chat(_Common):
+    max_completion_tokens: NonNegInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class _Completion(_Common):
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+_EXPECTED = {
+    "stream": "a boolean",
+    "stream_options": "an object with boolean include_usage / continuous_usage_stats",
+    "max_tokens": "an integer >= 0 or null",
+    "max_completion_tokens": "an integer >= 0 or null",
+    "n": "an integer >= 1 or null",
+    "temperature": "a number",
+    "top_p": "a number",
+    "presence_penalty": "a number",
+    "frequency_penalty": "a number",
+    "stop": "a string, a list of strings, or null",
+    "seed": "an integer",
+    "user": "a string",
+    "logit_bias": "an object mapping token ids to numbers",
+    "logprobs": "a boolean",
+    "top_logprobs": "an integer",
+    "parallel_tool_calls": "a boolean",
+    "tool_choice": "'none', 'auto', 'required' or an object",
+    "response_format": "an object",
+    "tools": "a list",
+    "add_generation_prompt": "a boolean",
+    "continue_final_message": "a boolean",
+    "chat_template_kwargs": "an object",
+    "echo": "a boolean",
+    "best_of": "an integer",
+    "suffix": "a string",
+}
+_EXPECTED_COMPLETION = {**_EXPECTED, "logprobs": "an integer or null"}
 
 
 @dataclass(slots=True)
@@ -39,15 +138,6 @@ class ParsedRequest:
     """The parsed JSON body, kept for the rare case Cortex must rewrite it (SGLang data-parallel pinning)."""
 
 
-def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ClientError(400, f"'{name}' must be a boolean", name)
-    return value
-
-
 def _cache_salt(value: Any) -> str | None:
     """vLLM's validate_cache_salt: a non-empty string of at most 128 characters without @ / \\ or NUL."""
     if value is None:
@@ -61,37 +151,127 @@ def _cache_salt(value: Any) -> str | None:
     return value
 
 
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether containers in `value` nest more than `limit` levels (iterative: the input may be hostile)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def _check_nesting(value: Any, where: str, param: str) -> None:
+    if isinstance(value, dict | list) and _nests_deeper(value, MAX_TEMPLATE_NESTING):
+        raise ClientError(400, f"{where} nests deeper than {MAX_TEMPLATE_NESTING} levels", param)
+
+
+def _fields(kind: Kind, body: dict[str, Any]) -> _Chat | _Completion:
+    model = _Chat if kind == "chat" else _Completion
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        # The first failing field, in declaration order; pydantic's own text would list every union member.
+        field = str(exc.errors(include_url=False, include_input=False)[0]["loc"][0])
+        expected = (_EXPECTED if kind == "chat" else _EXPECTED_COMPLETION).get(field, "of another type")
+        raise ClientError(400, f"'{field}' must be {expected}", field) from None
+
+
+def _tool_calls(i: int, calls: Any) -> None:
+    """An assistant message's tool_calls, as both engines type them (SGLang also takes object arguments)."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise ClientError(400, f"messages[{i}].tool_calls must be a list", "messages")
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise ClientError(400, f"{where} must be an object", "messages")
+        if call.get("type", "function") != "function":
+            raise ClientError(400, f"{where}.type must be 'function'", "messages")
+        if not isinstance(call.get("id"), str | None):
+            raise ClientError(400, f"{where}.id must be a string", "messages")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise ClientError(400, f"{where}.function must be an object", "messages")
+        if not isinstance(function.get("name"), str | None):
+            raise ClientError(400, f"{where}.function.name must be a string", "messages")
+        if not isinstance(function.get("arguments"), str | dict | None):
+            raise ClientError(400, f"{where}.function.arguments must be a string or an object", "messages")
+
+
 def _message(i: int, raw: Any) -> tuple[dict[str, Any], bool]:
-    """A message as the template sees it; returns (message, has_non_text_content)."""
+    """A message as the template sees it (vLLM's "string" content format); returns (message, has_non_text)."""
     if not isinstance(raw, dict):
         raise ClientError(400, f"messages[{i}] must be an object", "messages")
     role = raw.get("role")
-    if not isinstance(role, str) or not role:
-        raise ClientError(400, f"messages[{i}].role must be a non-empty string", "messages")
+    if not isinstance(role, str):
+        # Any string: vLLM takes custom roles and the model's template decides what they mean.
+        raise ClientError(400, f"messages[{i}].role must be a string", "messages")
     content = raw.get("content")
     non_text = False
-    if isinstance(content, list):
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise ClientError(400, f"messages[{i}].content[{j}] must be an object with a 'type'", "messages")
-            if part["type"] == "text":
+            if isinstance(part, str):  # vLLM reads a bare string part as text
+                texts.append(part)
+                continue
+            if not isinstance(part, dict):
+                raise ClientError(400, f"messages[{i}].content[{j}] must be an object or a string", "messages")
+            kind = part.get("type")
+            if kind is None and any(k in part for k in _TYPELESS_PART_KEYS):
+                non_text = True
+            elif not isinstance(kind, str):
+                raise ClientError(400, f"messages[{i}].content[{j}].type must be a string", "messages")
+            elif kind == "text":
                 if not isinstance(part.get("text"), str):
                     raise ClientError(400, f"messages[{i}].content[{j}].text must be a string", "messages")
                 texts.append(part["text"])
             else:
                 non_text = True
-        # Engines flatten text parts of a string-content template with newlines (vLLM's "string" format).
-        raw = {**raw, "content": "\n".join(texts)}
-    elif content is not None and not isinstance(content, str):
+        # Text parts are joined with newlines before templating, as the engines do for string-content templates.
+        text = "\n".join(texts)
+    elif content is None:
+        if "content" in raw and role.lower() not in _NULL_CONTENT_ROLES:
+            raise ClientError(400, f"messages[{i}].content must not be null for role {role[:32]!r}", "messages")
+        text = ""  # missing or null content is rendered as empty text by both engines
+    else:
         raise ClientError(400, f"messages[{i}].content must be a string, a list of parts, or null", "messages")
-    elif content is None and role != "assistant":
-        raise ClientError(400, f"messages[{i}].content is required for role {role!r}", "messages")
-    return raw, non_text
+    if role == "assistant":
+        _tool_calls(i, raw.get("tool_calls"))
+    for key, value in raw.items():
+        if key != "content":
+            _check_nesting(value, f"messages[{i}].{key[:32]}", "messages")
+    return {**raw, "content": text}, non_text
+
+
+def _tools(tools: list[Any]) -> None:
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ClientError(400, f"tools[{j}] must be an object", "tools")
+        kind = tool.get("type", "function")
+        if not isinstance(kind, str):
+            raise ClientError(400, f"tools[{j}].type must be a string", "tools")
+        if kind != "function":
+            continue  # other tool kinds are the engine's to accept or refuse
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ClientError(400, f"tools[{j}].function must be an object with a string 'name'", "tools")
+        if not isinstance(function.get("description"), str | None):
+            raise ClientError(400, f"tools[{j}].function.description must be a string", "tools")
+    _check_nesting(tools, "tools", "tools")
 
 
 def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
     try:
+        # Strict RFC 8259: UTF-8 only, no NaN/Infinity, no lone surrogates, at most 1024 levels deep.
+        # orjson's message gives the position, never the document.
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise ClientError(400, f"request body is not valid JSON: {exc}") from None
@@ -99,40 +279,51 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
         raise ClientError(400, "request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise ClientError(400, "'model' is required and must be a string", "model")
-    req = ParsedRequest(kind=kind, model=model, stream=_bool(body, "stream", False),
+        raise ClientError(400, "'model' is required and must be a non-empty string", "model")
+    fields = _fields(kind, body)
+    # vLLM's (and OpenAI's) rule, on the raw values as vLLM checks it before coercion.
+    if body.get("stream_options") and not body.get("stream"):
+        raise ClientError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
+    req = ParsedRequest(kind=kind, model=model, stream=bool(fields.stream),
                         cache_salt=_cache_salt(body.get("cache_salt")), body=body)
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ClientError(400, "'messages' is required and must be a non-empty list", "messages")
-        parsed = [_message(i, m) for i, m in enumerate(messages)]
-        req.messages = [m for m, _ in parsed]
-        if any(non_text for _, non_text in parsed):
-            req.unroutable = "non_text_content"
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise ClientError(400, "'tools' must be a list", "tools")
-        req.tools = tools or None
-        req.add_generation_prompt = _bool(body, "add_generation_prompt", True)
-        req.continue_final_message = _bool(body, "continue_final_message", False)
-        if req.add_generation_prompt and req.continue_final_message:
-            raise ClientError(400, "'add_generation_prompt' and 'continue_final_message' cannot both be true")
-        kwargs = body.get("chat_template_kwargs")
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise ClientError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
-        req.chat_template_kwargs = kwargs
+    if isinstance(fields, _Chat):
+        _chat(req, body, fields)
     else:
-        _completion_prompt(req, body.get("prompt"))
+        _completion_prompt(req, body)
     return req
 
 
+def _chat(req: ParsedRequest, body: dict[str, Any], fields: _Chat) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ClientError(400, "'messages' is required and must be a non-empty list", "messages")
+    parsed = [_message(i, m) for i, m in enumerate(messages)]
+    req.messages = [m for m, _ in parsed]
+    if any(non_text for _, non_text in parsed):
+        req.unroutable = "non_text_content"
+    tools = body.get("tools")
+    if tools:
+        _tools(tools)
+    req.tools = tools or None
+    if fields.add_generation_prompt is not None:
+        req.add_generation_prompt = fields.add_generation_prompt
+    req.continue_final_message = bool(fields.continue_final_message)
+    if req.add_generation_prompt and req.continue_final_message:
+        raise ClientError(400, "'add_generation_prompt' and 'continue_final_message' cannot both be true",
+                          "continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs:
+        _check_nesting(kwargs, "chat_template_kwargs", "chat_template_kwargs")
+    req.chat_template_kwargs = kwargs
+
+
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
                                            for t in value)
 
 
-def _completion_prompt(req: ParsedRequest, prompt: Any) -> None:
+def _completion_prompt(req: ParsedRequest, body: dict[str, Any]) -> None:
+    prompt = body.get("prompt")
     # A batch of prompts is routed by its first one: one request goes to one worker.
     if isinstance(prompt, str):
         req.prompt_text = prompt
@@ -142,8 +333,12 @@ def _completion_prompt(req: ParsedRequest, prompt: Any) -> None:
         req.prompt_text = prompt[0]
     elif isinstance(prompt, list) and prompt and all(_is_ids(p) and p for p in prompt):
         req.prompt_ids = prompt[0]
+    elif prompt is None and body.get("prompt_embeds") is not None:
+        # vLLM's embeddings-only prompt: served by the engine, but there are no tokens to route by.
+        req.prompt_text = ""
+        req.unroutable = "prompt_embeds"
     elif prompt is None:
         raise ClientError(400, "'prompt' is required", "prompt")
     else:
-        raise ClientError(400, "'prompt' must be a string, a list of strings, a list of token ids, "
-                               "or a list of token-id lists, and not empty", "prompt")
+        raise ClientError(400, "'prompt' must be a string, a list of strings, a list of token ids "
+                               f"(0 to {MAX_TOKEN_ID}), or a list of token-id lists, and not empty", "prompt")

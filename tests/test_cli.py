@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -95,7 +96,8 @@ def test_supervisor_restarts_then_stops_everything_on_sigterm(tmp_path: Path) ->
 
 @pytest.mark.timeout(120)
 def test_demo_runs_routes_and_stops_cleanly(tmp_path: Path) -> None:
-    gw, admin, ingest, extproc = free_ports(4)
+    gw, admin, ingest = free_ports(3)
+    extproc = free_consecutive(os.cpu_count() or 1)  # one extproc process per core, on consecutive ports
     sim1, kv1 = free_consecutive(2), free_consecutive(2)
     log = tmp_path / "demo.log"
     proc = subprocess.Popen([*PY, "demo", "--port", str(gw), "--sim-base-port", str(sim1),
