@@ -111,12 +111,12 @@ class ModelBundle:
                     chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
         if self._template is None:
             raise TemplateError(f"model {self.name!r} has no chat template; use /v1/completions")
-        kwargs = dict(chat_template_kwargs or {})
+        # Precedence: the request's own fields win over chat_template_kwargs, which win over the special
+        # tokens (HF semantics; passing a name twice would be a TypeError instead of the engine's answer).
+        context: dict[str, Any] = {**self.special_tokens, **(chat_template_kwargs or {})}
+        context.update(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
         try:
-            rendered = self._template.render(
-                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                **self.special_tokens, **kwargs,
-            )
+            rendered = self._template.render(**context)
         except TemplateError:
             raise
         except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, ValueError) as exc:

@@ -152,17 +152,18 @@ def _cache_salt(value: Any) -> str | None:
 
 
 def _nests_deeper(value: Any, limit: int) -> bool:
-    """Whether containers in `value` nest more than `limit` levels (iterative: the input may be hostile)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        for child in children:
-            if isinstance(child, dict | list):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
+    """Whether containers in `value` nest more than `limit` levels (level by level: the input may be hostile)."""
+    level = [value]
+    for _ in range(limit):
+        below = []
+        for item in level:
+            for child in item.values() if type(item) is dict else item:
+                if type(child) is dict or type(child) is list:  # exact types: JSON gives nothing else
+                    below.append(child)
+        if not below:
+            return False
+        level = below
+    return True
 
 
 def _check_nesting(value: Any, where: str, param: str) -> None:
@@ -246,9 +247,11 @@ def _message(i: int, raw: Any) -> tuple[dict[str, Any], bool]:
     if role == "assistant":
         _tool_calls(i, raw.get("tool_calls"))
     for key, value in raw.items():
-        if key != "content":
-            _check_nesting(value, f"messages[{i}].{key[:32]}", "messages")
-    return {**raw, "content": text}, non_text
+        if (type(value) is dict or type(value) is list) and key != "content" and \
+                _nests_deeper(value, MAX_TEMPLATE_NESTING):
+            raise ClientError(400, f"messages[{i}].{key[:32]} nests deeper than {MAX_TEMPLATE_NESTING} levels",
+                              "messages")
+    return (raw if isinstance(content, str) else {**raw, "content": text}), non_text
 
 
 def _tools(tools: list[Any]) -> None:
@@ -305,12 +308,10 @@ def _chat(req: ParsedRequest, body: dict[str, Any], fields: _Chat) -> None:
     if tools:
         _tools(tools)
     req.tools = tools or None
-    if fields.add_generation_prompt is not None:
-        req.add_generation_prompt = fields.add_generation_prompt
+    # Continuing the final message wins: SGLang continues it whatever add_generation_prompt says (it has no
+    # such field), and vLLM refuses the two set together itself; the prompt is the same in both.
     req.continue_final_message = bool(fields.continue_final_message)
-    if req.add_generation_prompt and req.continue_final_message:
-        raise ClientError(400, "'add_generation_prompt' and 'continue_final_message' cannot both be true",
-                          "continue_final_message")
+    req.add_generation_prompt = fields.add_generation_prompt is not False and not req.continue_final_message
     kwargs = body.get("chat_template_kwargs")
     if kwargs:
         _check_nesting(kwargs, "chat_template_kwargs", "chat_template_kwargs")

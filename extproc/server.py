@@ -150,8 +150,11 @@ class ExtProc:
             changes["model"] = result.model  # the worker serves the model, not the public alias
         if chosen.rank is not None and chosen.engine == "sglang":
             changes["routed_dp_rank"] = chosen.rank  # SGLang pins a data-parallel rank from the body only
-        if changes and parsed.body is not None:
-            new_body = orjson.dumps({**parsed.body, **changes})
+        if changes:
+            # Append the fields to the validated object instead of re-serialising it: cheaper, and safe for
+            # bodies nested deeper than orjson serialises. Duplicate keys: the engines' parsers keep the last.
+            extra = b",".join(orjson.dumps(k) + b":" + orjson.dumps(v) for k, v in changes.items())
+            new_body = body.rstrip()[:-1] + b"," + extra + b"}"
             common = response.request_body.response
             common.body_mutation.body = new_body
             # Envoy does not fix Content-Length after a body mutation; a stale one makes it answer 500.

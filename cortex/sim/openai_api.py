@@ -116,6 +116,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                 else:
                     raise ApiError(400, "only text content parts are supported by this model")
             msg = {**msg, "content": "\n".join(texts)}
+        elif content is None:
+            msg = {**msg, "content": ""}  # vLLM renders a missing/null content (assistant tool calls) as ""
         out.append(msg)
     return out
 
