@@ -363,6 +363,41 @@ class SegmentEncoder:
                 return
 
 
+class EncoderSet:
+    """One SegmentEncoder per tokenizer in use, shared by every model (and alias) that uses that tokenizer.
+
+    `update()` builds encoders (and their load-time self-check) off the request path, e.g. on a config
+    reload; `get()` is the per-request lookup. Keyed by the tokenizer object, not the model name: a reload may
+    hand an unchanged bundle to a model of another name, and two models may share one tokenizer.
+    """
+
+    def __init__(self, bundles: Iterable[ModelBundle] = (), **kwargs: Any) -> None:
+        self._kwargs = kwargs
+        self._by_tokenizer: dict[int, SegmentEncoder] = {}
+        self.update(bundles)
+
+    def update(self, bundles: Iterable[ModelBundle]) -> None:
+        """Keep the encoders (and their warm caches) of tokenizers still in use, build the new ones, drop the rest."""
+        fresh: dict[int, SegmentEncoder] = {}
+        for b in bundles:
+            key = id(b.tokenizer)
+            enc = fresh.get(key) or self._by_tokenizer.get(key)
+            if enc is None or enc.tokenizer is not b.tokenizer:  # an id reused by a new object
+                enc = SegmentEncoder.for_bundle(b, **self._kwargs)
+            fresh[key] = enc
+        self._by_tokenizer = fresh
+
+    def get(self, bundle: ModelBundle) -> SegmentEncoder:
+        enc = self._by_tokenizer.get(id(bundle.tokenizer))
+        if enc is None or enc.tokenizer is not bundle.tokenizer:
+            # A bundle update() was not given: checked now, once, rather than failing the request.
+            enc = self._by_tokenizer[id(bundle.tokenizer)] = SegmentEncoder.for_bundle(bundle, **self._kwargs)
+        return enc
+
+    def encoders(self) -> list[SegmentEncoder]:
+        return list(self._by_tokenizer.values())
+
+
 def _short(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 

@@ -14,7 +14,7 @@ from cortex.blockkeys import chain_keys, root_key
 from cortex.bundle import ModelBundle, TemplateError
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
-from cortex.segments import SegmentEncoder
+from cortex.segments import EncoderSet
 from extproc.cluster_view import ClusterView
 from extproc.predictions import Predictions
 from extproc.registry import ModelRegistry
@@ -47,18 +47,19 @@ class Router:
     def __init__(self, cfg: CortexConfig, cluster: ClusterView, registry: ModelRegistry) -> None:
         self.cluster = cluster
         self.predictions = Predictions(cfg.extproc.prediction_ttl_s)
+        # Per tokenizer: the text between special tokens encoded piece by piece with a cache, checked once.
+        self.segments = EncoderSet()
         self.reload(cfg, registry)
-        bundles = registry.bundles
         self._hot: dict[int, bool] = {}
         self._turn = itertools.count()
-        # Per model: the text between special tokens encoded piece by piece with a cache, checked once here.
-        self.segments = {name: SegmentEncoder.for_bundle(b) for name, b in bundles.items()}
 
     def reload(self, cfg: CortexConfig, registry: ModelRegistry) -> None:
         """Swap in a new config and registry (built off the request path): the next request uses them."""
         self.cfg = cfg
         self.registry = registry
         self.bundles = registry.bundles
+        # Encoders (and their warm caches) are kept for tokenizers still in use; new ones are checked here.
+        self.segments.update(registry.bundles.values())
         sc = cfg.scheduler
         self.scoring = Scoring(alpha_ms_per_token=sc.alpha_ms_per_token, beta_ms_per_active=sc.beta_ms_per_active,
                                gamma=sc.gamma, queued_request_ms=sc.queued_request_ms,
@@ -76,9 +77,7 @@ class Router:
         """
         if req.prompt_ids is not None:
             return req.prompt_ids, False
-        seg = self.segments.get(bundle.name)
-        if seg is None or seg.tokenizer is not bundle.tokenizer:  # a bundle this router was not built with
-            seg = self.segments[bundle.name] = SegmentEncoder.for_bundle(bundle)
+        seg = self.segments.get(bundle)
         try:
             if req.kind == "chat":
                 assert req.messages is not None
