@@ -116,6 +116,11 @@ class ClusterView:
             log.warning("ledger view %s", "available" if alive else f"unavailable: {why}")
         self.alive = alive
 
+    @property
+    def synced(self) -> bool:
+        """The view is alive and this process has read ingest's target list (not only the config's)."""
+        return self.alive and self._meta_version >= 0
+
     def candidates(self, model: str) -> list[TargetInfo]:
         return [t for t in self.targets.get(model, ()) if t.healthy]
 

@@ -111,7 +111,7 @@ class ExtProc:
             return _immediate(200, self.router.registry.models_body)
         if st.method == "GET" and st.path == HEALTH_PATH:
             # Answered here, so a 200 proves the whole chain Envoy -> extproc works.
-            return _immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.alive}))
+            return _immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.synced}))
         wants_body = st.method == "POST" and (st.path in ROUTED_PATHS or
                                               (st.path == EXPLAIN_PATH and self.cfg.extproc.route_explain))
         if wants_body and headers.end_of_stream:

@@ -171,8 +171,10 @@ def start_gateway(gw: Gateway) -> None:
     def ready() -> bool:
         if gw.proc is not None and gw.proc.poll() is not None:
             raise RuntimeError(f"gateway exited: {gw.log.read_text()[-2000:]}")
-        health = httpx.get(f"{gw.url}/cortex/health", timeout=2)
-        return health.status_code == 200 and health.json()["ledger_view"] and \
+        # Envoy spreads streams over the extproc processes: ask often enough to reach each of them.
+        healthy = all(httpx.get(f"{gw.url}/cortex/health", timeout=2).json().get("ledger_view")
+                      for _ in range(2 * gw.extproc_processes))
+        return healthy and \
             all(t["exact_kv"] or not s.events for t, s in zip(gw.targets().values(), gw.sims, strict=True))
 
     wait_for(ready, timeout=60, what="gateway ready")

@@ -28,7 +28,8 @@ def test_two_processes_share_the_ledger(gw: Gateway) -> None:
     holder = first["x-cortex-assigned-worker"]
     for _ in range(12):
         h, usage = chat(gw, messages)
-        assert h["x-cortex-assigned-worker"] == holder and h["x-cortex-match-mode"] == "exact_kv_events"
+        why = (h["x-cortex-match-mode"], h["x-cortex-route-reason"])
+        assert h["x-cortex-assigned-worker"] == holder and h["x-cortex-match-mode"] == "exact_kv_events", why
         assert int(h["x-cortex-cache-hit-tokens"]) == usage["prompt_tokens_details"]["cached_tokens"]
     # Envoy's ext_proc cluster lists both processes and both carried streams.
     clusters = httpx.get(f"http://127.0.0.1:{gw.admin_port}/clusters", timeout=10).text
