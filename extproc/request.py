@@ -135,7 +135,7 @@ class ParsedRequest:
     unroutable: str | None = None
     """Why exact-KV routing cannot apply to an otherwise valid request (e.g. image content)."""
     body: dict[str, Any] | None = None
-    """The parsed JSON body, kept for the rare case Cortex must rewrite it (SGLang data-parallel pinning)."""
+    """The parsed JSON body, as validated (rewrites splice the raw bytes instead of re-serialising this)."""
 
 
 def _cache_salt(value: Any) -> str | None:

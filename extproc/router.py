@@ -60,11 +60,8 @@ class Router:
         self.bundles = registry.bundles
         # Encoders (and their warm caches) are kept for tokenizers still in use; new ones are checked here.
         self.segments.update(registry.bundles.values())
-        sc = cfg.scheduler
-        self.scoring = Scoring(alpha_ms_per_token=sc.alpha_ms_per_token, beta_ms_per_active=sc.beta_ms_per_active,
-                               gamma=sc.gamma, queued_request_ms=sc.queued_request_ms,
-                               high_watermark=sc.high_watermark, low_watermark=sc.low_watermark,
-                               near_min_window=sc.near_min_window, cold_start_share=sc.cold_start_share)
+        # cold_start_s stays here (it marks candidates as new); every other knob is the scorer's.
+        self.scoring = Scoring(**cfg.scheduler.model_dump(exclude={"cold_start_s"}))
         self.predictions.ttl_s = cfg.extproc.prediction_ttl_s
 
     def tokens(self, req: ParsedRequest, bundle: ModelBundle) -> tuple[list[int], bool]:
