@@ -41,11 +41,13 @@ def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path) -> list[
 
 
 async def wait_ready(cfg: CortexConfig, timeout_s: float = 60.0, also: Sequence[str] = ()) -> bool:
-    """True once ingest answers /health/ready, a request through Envoy reaches extproc, and every URL in
-    `also` answers 200."""
+    """True once ingest answers /health/ready, every extproc process behind Envoy has read ingest's view
+    (Envoy spreads streams over them, so /cortex/health is asked often enough to reach each), and every URL
+    in `also` answers 200."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    urls = [f"http://{cfg.ingest.host}:{cfg.ingest.port}/health/ready",
-            f"http://{cfg.listen.host}:{cfg.listen.port}/cortex/health", *also]
+    health = f"http://{cfg.listen.host}:{cfg.listen.port}/cortex/health"
+    urls = [f"http://{cfg.ingest.host}:{cfg.ingest.port}/health/ready", *([health] * (2 * cfg.extproc.process_count())),
+            *also]
     async with aiohttp.ClientSession() as session:
         while asyncio.get_running_loop().time() < deadline:
             ok = True
@@ -53,7 +55,9 @@ async def wait_ready(cfg: CortexConfig, timeout_s: float = 60.0, also: Sequence[
                 try:
                     async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
                         ok = ok and r.status == 200
-                except (TimeoutError, aiohttp.ClientError, OSError):
+                        if ok and url == health:
+                            ok = bool((await r.json(content_type=None)).get("ledger_view"))
+                except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
                     ok = False
             if ok:
                 return True
