@@ -170,7 +170,7 @@ def _scored(cands: Sequence[Candidate], s: Scoring, bs: int, ledger_usable: bool
     if best.predicted_blocks > 0:
         # Only a prediction: follow it so siblings do not scatter, but claim nothing.
         return Decision(order, LOAD_AWARE, "predicted_prefix", 0, matched)
-    if any(c.matched_blocks > 0 for c in cands):
+    if any(c.affinity_blocks > 0 for c in cands):  # a holder (proven or predicted) lost on load
         return Decision(order, LOAD_AWARE, "holder_too_loaded", 0, matched)
     return Decision(order, LOAD_AWARE, why, 0, matched)
 
