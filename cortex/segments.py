@@ -80,6 +80,9 @@ class _Mismatch(Exception):
     """An anchored piece did not start with its anchor: this request is encoded whole-text."""
 
 
+SegmentMismatch = _Mismatch  # what a TokenCursor's caller catches to start over whole-text
+
+
 @dataclass(frozen=True, slots=True)
 class SegmentStats:
     hits: int
@@ -244,21 +247,37 @@ class SegmentEncoder:
 
     def _fill(self, todo: dict[Any, list[int]], chunks: list[list[int]]) -> None:
         keys = list(todo)
-        anchor = self._anchor
-        texts = keys if anchor is None else [k[0] if isinstance(k, tuple) else anchor[0] + k for k in keys]
-        encodings = self._batch(texts, add_special_tokens=False)
+        encodings = self._batch([self._raw_text(k) for k in keys], add_special_tokens=False)
         for key, enc in zip(keys, encodings, strict=True):
-            ids = enc.ids
-            text = key[0] if isinstance(key, tuple) else key
-            if anchor is not None and not isinstance(key, tuple):
-                if not ids or ids[0] != anchor[1]:
-                    raise _Mismatch
-                del ids[0]
-            self.misses += 1
-            self.miss_chars += len(text)
-            self._store(key, text, ids)
+            ids = self._accept(key, enc.ids)
             for pos in todo[key]:
                 chunks[pos] = ids
+
+    def _raw_text(self, key: Any) -> str:
+        """What the library is given for a piece's cache key (anchored pieces go behind their anchor)."""
+        if isinstance(key, tuple):
+            return str(key[0])
+        return key if self._anchor is None else self._anchor[0] + key
+
+    def _accept(self, key: Any, ids: list[int]) -> list[int]:
+        """A piece's ids from the library -> its ids in the prompt, counted and cached. Raises _Mismatch."""
+        anchor = self._anchor
+        text = key[0] if isinstance(key, tuple) else key
+        if anchor is not None and not isinstance(key, tuple):
+            if not ids or ids[0] != anchor[1]:
+                raise _Mismatch
+            del ids[0]
+        self.misses += 1
+        self.miss_chars += len(text)
+        self._store(key, text, ids)
+        return ids
+
+    def cursor(self, text: str, *, add_special_tokens: bool = False) -> TokenCursor:
+        """The ids of `encode(text)` produced piece by piece, so a caller can stop before the end."""
+        if self.mode == WHOLE_TEXT or (add_special_tokens and self._affix is None):
+            return TokenCursor.of_ids(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        prefix, suffix = self._affix if add_special_tokens and self._affix is not None else ([], [])
+        return TokenCursor(self, self._split(text), prefix, suffix)
 
     def _store(self, key: Any, text: str, ids: list[int]) -> None:
         cost = len(text) + _BYTES_PER_ID * len(ids) + _BYTES_PER_ENTRY
@@ -361,6 +380,163 @@ class SegmentEncoder:
                 self._affix = None
                 self.special_reason = f"special tokens are not a fixed prefix/suffix (probe {_short(text)!r})"
                 return
+
+
+class TokenCursor:
+    """The ids of one text in prompt order, tokenized piece by piece only as far as they are asked for.
+
+    The chunks of `next()` followed by `rest()` concatenate to `SegmentEncoder.encode(text)`. Each `next()`
+    returns every cached piece and boundary token up to and including the next uncached piece, which it
+    tokenizes then: routing stops asking once no worker can hold the next block, so text past that point
+    costs nothing before the answer. The rest is finished later: `missing()` lists what the library must
+    still encode, `raw_encode()` of those texts may run on another thread (it touches only the Rust
+    tokenizer, which releases the GIL in batch calls), and `rest()` assembles the remaining ids on the
+    encoder's own thread, caching them. A cursor raises SegmentMismatch where `encode()` would have fallen
+    back to whole-text; the caller starts over with a whole-text cursor.
+    """
+
+    __slots__ = ("_enc", "_parts", "_pos", "_ready", "_suffix", "chars", "tokens", "total_chars")
+
+    def __init__(self, enc: SegmentEncoder | None, parts: list[str], prefix: Sequence[int],
+                 suffix: Sequence[int]) -> None:
+        self._enc = enc
+        self._parts = parts
+        self._pos = 0
+        self._ready: list[int] = list(prefix)
+        self._suffix: list[int] = list(suffix)
+        self.chars = 0
+        """Characters of text turned into ids so far."""
+        self.tokens = 0
+        """Ids returned so far."""
+        self.total_chars = sum(map(len, parts))
+
+    @classmethod
+    def of_ids(cls, ids: list[int]) -> TokenCursor:
+        """A cursor over ids known already (whole-text encoding, or a prompt given as ids): one chunk."""
+        cur = cls(None, [], (), ())
+        cur._ready = ids
+        return cur
+
+    @property
+    def done(self) -> bool:
+        return not self._ready and self._pos >= len(self._parts) and not self._suffix
+
+    @property
+    def remaining_chars(self) -> int:
+        return self.total_chars - self.chars
+
+    @property
+    def backlog(self) -> int:
+        """Work left, in characters to tokenize plus ids produced but not returned."""
+        return self.total_chars - self.chars + len(self._ready)
+
+    def next(self) -> list[int] | None:
+        """The next chunk of ids (ending with at most one newly tokenized piece), None once all were returned."""
+        if self.done:
+            return None
+        out = self._ready
+        self._ready = []
+        parts = self._parts
+        n = len(parts)
+        i = self._pos
+        enc = self._enc
+        if i < n:
+            assert enc is not None
+            cache = enc._cache
+            boundary = enc._boundary
+            anchored = enc._anchor is not None
+            while i < n:
+                part = parts[i]
+                i += 1
+                if not i & 1:  # odd index in parts: a boundary token
+                    out += boundary[part]
+                    self.chars += len(part)
+                    continue
+                if not part:
+                    continue
+                self.chars += len(part)
+                key: Any = (part,) if anchored and i == 1 else part
+                ids = cache.get(key)
+                if ids is not None:
+                    cache.move_to_end(key)
+                    enc.hits += 1
+                    enc.hit_chars += len(part)
+                    out += ids
+                    continue
+                out += enc._accept(key, enc._batch([enc._raw_text(key)], add_special_tokens=False)[0].ids)
+                break
+            self._pos = i
+        if i >= n and self._suffix:
+            out += self._suffix
+            self._suffix = []
+        self.tokens += len(out)
+        return out
+
+    def _keys(self) -> Iterable[tuple[int, Any]]:
+        enc = self._enc
+        if enc is None:
+            return
+        anchored = enc._anchor is not None
+        parts = self._parts
+        for i in range(self._pos, len(parts)):
+            if i & 1:
+                yield i, None
+            elif parts[i]:
+                yield i, (parts[i],) if anchored and i == 0 else parts[i]
+
+    def missing(self) -> list[tuple[Any, str]]:
+        """(cache key, text for the library) of each remaining piece not cached, once each."""
+        enc = self._enc
+        out: dict[Any, str] = {}
+        if enc is not None:
+            for _, key in self._keys():
+                if key is not None and key not in enc._cache and key not in out:
+                    out[key] = enc._raw_text(key)
+        return list(out.items())
+
+    def raw_encode(self, texts: list[str]) -> list[list[int]]:
+        """The library's ids for `missing()` texts. Touches no Python state of the encoder: safe on a thread."""
+        if self._enc is None or not texts:
+            return []
+        return [e.ids for e in self._enc._batch(texts, add_special_tokens=False)]
+
+    def rest(self, encoded: dict[Any, list[int]] | None = None) -> list[int]:
+        """All ids not returned yet; `encoded` maps `missing()` keys to `raw_encode()` results (others are
+        encoded here). Raises SegmentMismatch like `next()`."""
+        out = self._ready
+        self._ready = []
+        enc = self._enc
+        if enc is not None and self._pos < len(self._parts):
+            cache = enc._cache
+            got: dict[Any, list[int]] = {}
+            for key, ids in (encoded or {}).items():
+                # Another request may have cached the piece meanwhile: keep that entry, counted once.
+                got[key] = cache[key] if key in cache else enc._accept(key, ids)
+            todo: dict[Any, list[int]] = {}
+            chunks: list[list[int]] = []
+            parts = self._parts
+            for i, key in self._keys():
+                if key is None:
+                    chunks.append(enc._boundary[parts[i]])
+                    continue
+                ids = got.get(key)
+                if ids is None:
+                    ids = cache.get(key)
+                if ids is None:
+                    todo.setdefault(key, []).append(len(chunks))
+                    chunks.append([])
+                else:
+                    chunks.append(ids)
+            if todo:
+                enc._fill(todo, chunks)
+            for chunk in chunks:
+                out += chunk
+            self.chars = self.total_chars
+            self._pos = len(parts)
+        out += self._suffix
+        self._suffix = []
+        self.tokens += len(out)
+        return out
 
 
 class EncoderSet:

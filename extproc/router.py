@@ -14,8 +14,9 @@ from cortex.blockkeys import chain_keys, root_key
 from cortex.bundle import ModelBundle, TemplateError
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
-from cortex.segments import EncoderSet
-from extproc.cluster_view import ClusterView
+from cortex.segments import EncoderSet, SegmentMismatch, TokenCursor
+from extproc.cluster_view import ClusterView, TargetInfo
+from extproc.early import DeferredTail, WalkResult, walk
 from extproc.predictions import Predictions
 from extproc.registry import ModelRegistry
 from extproc.request import ParsedRequest
@@ -41,12 +42,16 @@ class RouteResult:
     """The configured model that serves it (differs from the request's when an alias was used)."""
     alias: str | None = None
     """The prompt was longer than extproc.max_tokenize_chars; prompt_tokens counts only the routed prefix."""
+    prompt_tokens_estimated: bool = False
+    """Routing stopped before the end of the prompt (token_ids is None): prompt_tokens is an estimate."""
 
 
 class Router:
     def __init__(self, cfg: CortexConfig, cluster: ClusterView, registry: ModelRegistry) -> None:
         self.cluster = cluster
         self.predictions = Predictions(cfg.extproc.prediction_ttl_s)
+        # Prompt tails past the first block no worker holds, finished into predictions after the answer.
+        self.deferred = DeferredTail(self.predictions)
         # Per tokenizer: the text between special tokens encoded piece by piece with a cache, checked once.
         self.segments = EncoderSet()
         self.reload(cfg, registry)
@@ -75,6 +80,15 @@ class Router:
         if req.prompt_ids is not None:
             return req.prompt_ids, False
         seg = self.segments.get(bundle)
+        text, special = self._text(req, bundle)
+        cap = self.cfg.extproc.max_tokenize_chars
+        if len(text) <= cap:
+            return seg.encode(text, add_special_tokens=special), False
+        ids = seg.encode(text[:cap], add_special_tokens=special)
+        return ids[: max(0, len(ids) - 2 * self.cluster.block_size)], True
+
+    def _text(self, req: ParsedRequest, bundle: ModelBundle) -> tuple[str, bool]:
+        """The prompt as text, and whether the tokenizer adds its special tokens (completions) or not (chat)."""
         try:
             if req.kind == "chat":
                 assert req.messages is not None
@@ -88,43 +102,97 @@ class Router:
                 text, special = req.prompt_text, True
         except TemplateError as exc:
             raise ClientError(400, str(exc), "messages") from None
-        cap = self.cfg.extproc.max_tokenize_chars
-        if len(text) <= cap:
-            return seg.encode(text, add_special_tokens=special), False
-        ids = seg.encode(text[:cap], add_special_tokens=special)
-        return ids[: max(0, len(ids) - 2 * self.cluster.block_size)], True
+        return text, special
 
-    def route(self, req: ParsedRequest, *, commit: bool = True) -> RouteResult:
-        """Decide. `commit` records the chosen target's coming blocks as predicted (real traffic only)."""
+    def _walk(self, req: ParsedRequest, bundle: ModelBundle, workers: list[TargetInfo],
+              timings: Timings) -> tuple[WalkResult, bool]:
+        """Tokenize, hash and look up only as far as some worker can hold the prompt (extproc/early.py)."""
+        t0 = time.perf_counter()
+        bs = self.cluster.block_size
+        truncated = False
+        if req.prompt_ids is not None:
+            ids = req.prompt_ids
+            cursor = TokenCursor.of_ids(ids)
+
+            def whole() -> list[int]:
+                return ids
+        else:
+            text, special = self._text(req, bundle)
+            cap = self.cfg.extproc.max_tokenize_chars
+            if len(text) > cap:
+                text, truncated = text[:cap], True
+            cursor = self.segments.get(bundle).cursor(text, add_special_tokens=special)
+
+            def whole() -> list[int]:
+                return bundle.tokenizer.encode(text, add_special_tokens=special).ids
+        timings.tokenize_s += time.perf_counter() - t0
+        # Past a cut the last tokens may differ from the engine's: two blocks more are left out, as tokens() does.
+        args = {"block_size": bs, "root": root_key(None, req.cache_salt), "holdback": 1 + 2 * bs * truncated,
+                "lookup": self.cluster.match, "predictions": self.predictions,
+                "watched": [w.slot for w in workers], "trusted": [w.slot for w in workers if w.exact_kv],
+                "timings": timings, "catch_up": self.deferred.catch_up, "whole": whole}
+        try:
+            result = walk(cursor, **args)  # type: ignore[arg-type]
+        except SegmentMismatch:
+            # Where encode() falls back to whole-text ids for this prompt, the walk starts over with them.
+            t1 = time.perf_counter()
+            cursor = TokenCursor.of_ids(whole())
+            timings.tokenize_s += time.perf_counter() - t1
+            result = walk(cursor, **args)  # type: ignore[arg-type]
+        if truncated:
+            result.prompt_tokens = max(0, result.prompt_tokens - 2 * bs)
+        return result, truncated
+
+    def route(self, req: ParsedRequest, *, commit: bool = True, full_tokens: bool | None = None) -> RouteResult:
+        """Decide. `commit` records the chosen target's coming blocks as predicted (real traffic only).
+
+        Real traffic stops tokenizing, hashing and looking up at the first block no worker holds or is
+        predicted to hold; the decision is the same as with the whole prompt, prompt_tokens is then estimated
+        and the rest becomes predictions after the answer. `full_tokens` (default: when not committing, as the
+        explain endpoint does) computes the whole prompt and returns its token ids.
+        """
         resolved = self.registry.resolve(req.model, lambda m: bool(self.cluster.candidates(m)))
         bundle = self.bundles[resolved.model]
         workers = self.cluster.candidates(resolved.model)
         if not workers:
             raise ClientError(503, f"no healthy worker serves model `{req.model}`", "model")
         timings = Timings()
-        t0 = time.perf_counter()
-        ids, truncated = self.tokens(req, bundle)
-        t1 = time.perf_counter()
-        timings.tokenize_s = t1 - t0
         bs = self.cluster.block_size
-        # An engine always computes at least the last prompt token, so a hit never covers it.
-        usable_blocks = max(0, (len(ids) - 1) // bs)
         why = "no_cached_prefix"
         matches = None
         keys: list[int] = []
-        if req.unroutable:
-            why = req.unroutable
-        elif not self.cluster.alive:
-            why = "ledger_unavailable"
-        elif usable_blocks == 0:
-            why = "prompt_shorter_than_a_block"
+        walked: WalkResult | None = None
+        ids: list[int] | None = None
+        if full_tokens is None:
+            full_tokens = not commit
+        if full_tokens or req.unroutable or not self.cluster.alive:
+            t0 = time.perf_counter()
+            ids, truncated = self.tokens(req, bundle)
+            t1 = time.perf_counter()
+            timings.tokenize_s = t1 - t0
+            prompt_tokens = len(ids)
+            # An engine always computes at least the last prompt token, so a hit never covers it.
+            usable_blocks = max(0, (len(ids) - 1) // bs)
+            if req.unroutable:
+                why = req.unroutable
+            elif not self.cluster.alive:
+                why = "ledger_unavailable"
+            elif usable_blocks == 0:
+                why = "prompt_shorter_than_a_block"
+            else:
+                keys = chain_keys(ids, bs, root_key(None, req.cache_salt), max_blocks=usable_blocks)
+                t2 = time.perf_counter()
+                timings.hash_s = t2 - t1
+                matches = self.cluster.match(keys)
+                timings.lookup_s = time.perf_counter() - t2
+                if matches is None:
+                    why = "ledger_unavailable"
         else:
-            keys = chain_keys(ids, bs, root_key(None, req.cache_salt), max_blocks=usable_blocks)
-            t2 = time.perf_counter()
-            timings.hash_s = t2 - t1
-            matches = self.cluster.match(keys)
-            timings.lookup_s = time.perf_counter() - t2
-            if matches is None:
+            walked, truncated = self._walk(req, bundle, workers, timings)
+            keys, matches, prompt_tokens = walked.keys, walked.matches, walked.prompt_tokens
+            if not keys:
+                why = "prompt_shorter_than_a_block"
+            elif matches is None:
                 why = "ledger_unavailable"
         t3 = time.perf_counter()
         inflight = self.cluster.inflight.totals()
@@ -161,5 +229,9 @@ class Router:
         timings.score_s = time.perf_counter() - t3
         if commit and keys and decision.chosen.ledger_trusted:
             self.predictions.record(decision.chosen.slot, keys)
-        return RouteResult(decision=decision, prompt_tokens=len(ids), token_ids=ids, timings=timings,
-                           truncated=truncated, model=resolved.model, alias=resolved.alias)
+            if walked is not None and walked.tail is not None:
+                walked.tail.slot = decision.chosen.slot
+                self.deferred.submit(walked.tail)
+        return RouteResult(decision=decision, prompt_tokens=prompt_tokens, token_ids=ids, timings=timings,
+                           truncated=truncated, model=resolved.model, alias=resolved.alias,
+                           prompt_tokens_estimated=walked is not None and walked.estimated)
