@@ -175,7 +175,8 @@ class SegmentEncoder:
         probes += _template_probes(bundle)
         enc = cls(bundle.tokenizer, probes=probes, **kwargs)
         if enc.mode == SEGMENTED:
-            log.info("model %r: segment-wise tokenization on (%d probes agree)", bundle.name, enc.probes_checked)
+            log.info("model %r: segment-wise tokenization on (%d probes agree); long pieces begun alone: %s",
+                     bundle.name, enc.probes_checked, enc.prefix_reason or "yes")
         elif enc.mode == ANCHORED:
             log.info("model %r: segment-wise tokenization on, anchored (%s)", bundle.name, enc.reason)
         else:

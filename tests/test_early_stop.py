@@ -441,3 +441,36 @@ def test_a_begun_piece_that_disagrees_is_redone_whole_and_the_shortcut_turned_of
     cur = enc.cursor(text)  # off now: the same text goes through whole pieces, no mismatch
     assert [*(cur.next() or []), *cur.rest()] == fleet.bundle.tokenizer.encode(text, add_special_tokens=False).ids
     assert enc.encode(text) == fleet.bundle.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_a_wrong_beginning_costs_a_hit_never_claims_one_and_turns_itself_off(tmp_path: Path) -> None:
+    f = Fleet(tmp_path)
+    try:
+        enc = f.router.segments.get(f.bundle)
+        enc.prefix_min_chars, enc.prefix_chars = 64, 200
+        real = enc._safe_prefix
+
+        def wrong(text: str, cut: int) -> tuple[list[int], int] | None:
+            got = real(text, cut)
+            return None if got is None else ([got[0][0] + 1, *got[0][1:]], got[1])
+
+        enc._safe_prefix = wrong  # type: ignore[method-assign]
+        rng = random.Random(12)
+        msgs = [{"role": "user", "content": words(rng, 300)}, {"role": "assistant", "content": words(rng, 50)},
+                {"role": "user", "content": words(rng, 50)}]
+        keys = f.keys(msgs)
+        f.writer.add(1, keys[: len(keys) // 2])  # held past the begun part: the walk must finish the piece
+        f.refresh()
+        # A wrong beginning can only turn a hit into a miss (its keys match nothing): this one misses, and
+        # the tail, which encodes the piece whole, catches the disagreement and turns the shortcut off.
+        early = f.route(msgs, full=False, commit=True)
+        assert early.decision.hit_tokens == 0 and enc._prefix_ok
+        assert f.router.deferred.run_pending() == 1
+        assert not enc._prefix_ok
+        assert f.router.predictions.extend(keys, early.decision.chosen.slot, 0) == len(keys)  # whole-text keys
+        enc.clear()
+        early = f.route(msgs, full=False)
+        full = f.route(msgs, full=True)
+        assert summary(early) == summary(full) and full.decision.matched_tokens["w1"] == 16 * (len(keys) // 2)
+    finally:
+        f.writer.close(unlink=True)
