@@ -126,19 +126,23 @@ class Router:
             def whole() -> list[int]:
                 return bundle.tokenizer.encode(text, add_special_tokens=special).ids
         timings.tokenize_s += time.perf_counter() - t0
-        # Past a cut the last tokens may differ from the engine's: two blocks more are left out, as tokens() does.
-        args = {"block_size": bs, "root": root_key(None, req.cache_salt), "holdback": 1 + 2 * bs * truncated,
-                "lookup": self.cluster.match, "predictions": self.predictions,
-                "watched": [w.slot for w in workers], "trusted": [w.slot for w in workers if w.exact_kv],
-                "timings": timings, "catch_up": self.deferred.catch_up, "whole": whole}
+        root = root_key(None, req.cache_salt)
+        watched = [w.slot for w in workers]
+        trusted = [w.slot for w in workers if w.exact_kv]
+
+        def go(cursor: TokenCursor) -> WalkResult:
+            # Past a cut the last tokens may differ from the engine's: two more blocks are left out, as in tokens().
+            return walk(cursor, block_size=bs, root=root, holdback=1 + 2 * bs * truncated, lookup=self.cluster.match,
+                        predictions=self.predictions, watched=watched, trusted=trusted, timings=timings,
+                        catch_up=self.deferred.catch_up, whole=whole)
         try:
-            result = walk(cursor, **args)  # type: ignore[arg-type]
+            result = go(cursor)
         except SegmentMismatch:
             # Where encode() falls back to whole-text ids for this prompt, the walk starts over with them.
             t1 = time.perf_counter()
             cursor = TokenCursor.of_ids(whole())
             timings.tokenize_s += time.perf_counter() - t1
-            result = walk(cursor, **args)  # type: ignore[arg-type]
+            result = go(cursor)
         if truncated:
             result.prompt_tokens = max(0, result.prompt_tokens - 2 * bs)
         return result, truncated
