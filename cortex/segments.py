@@ -68,8 +68,8 @@ _AROUND = (("", ""), ("x", "y"), (" ", " "), ("Hello ", "\nworld"), ("\n", "\n")
 _TOKEN_SAMPLE = 48
 PREFIX_MIN_CHARS = 2048
 """An uncached piece at least this long is first encoded only in part (see SegmentEncoder._safe_prefix)."""
-PREFIX_CHARS = 512
-"""Characters encoded first from such a piece: ~100 tokens of prose, a few blocks, enough to find a miss."""
+PREFIX_CHARS = 256
+"""Characters encoded first from such a piece: 60-90 tokens of prose, a few blocks, enough to find a miss."""
 _PREFIX_MARGIN = 16
 # Conversations rendered with the model's chat template as probes: roles, whitespace edges, empty content.
 _PROBE_CHATS: tuple[tuple[tuple[str, str], ...], ...] = (
