@@ -146,6 +146,7 @@ class SegmentEncoder:
         self._cache: OrderedDict[Any, list[int]] = OrderedDict()
         self._bytes = 0
         self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
+        self.miss_tokens = 0
         self._batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
         self.mode = WHOLE_TEXT
         self.reason = ""
@@ -282,6 +283,7 @@ class SegmentEncoder:
             del ids[0]
         self.misses += 1
         self.miss_chars += len(text)
+        self.miss_tokens += len(ids)
         self._store(key, text, ids)
         return ids
 
@@ -358,6 +360,7 @@ class SegmentEncoder:
         self._setup_prefix(extra_probes)
         self.clear()
         self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
+        self.miss_tokens = 0
 
     def _check(self, probes: list[str], mode: str) -> str | None:
         """The first probe whose segment-wise ids differ from the whole-text ids, or None."""
@@ -492,6 +495,14 @@ class TokenCursor:
     @property
     def remaining_chars(self) -> int:
         return self.total_chars - self.chars
+
+    def tokens_per_char(self) -> float:
+        """This text's tokens per character so far, drawn toward the encoder's running ratio: a few hundred
+        characters alone vary by a third either way."""
+        enc = self._enc
+        prior = enc.miss_tokens / enc.miss_chars if enc is not None and enc.miss_chars else 0.25
+        weight = 4096
+        return (self.tokens + weight * prior) / (self.chars + weight)
 
     @property
     def backlog(self) -> int:

@@ -187,12 +187,11 @@ def _advance(counts: np.ndarray | None, held: np.ndarray, start: int, end: int) 
 
 
 def _estimate(seen: int, cursor: TokenCursor) -> int:
-    """Tokens of the whole prompt: the ones produced, plus the untokenized text at this prompt's own ratio."""
+    """Tokens of the whole prompt: the ones produced, plus the untokenized text at the estimated ratio."""
     left = cursor.remaining_chars
     if left <= 0:
         return seen
-    per_char = seen / cursor.chars if cursor.chars and seen else 0.25
-    return seen + round(left * per_char)
+    return seen + round(left * cursor.tokens_per_char())
 
 
 def _no_whole() -> list[int]:
