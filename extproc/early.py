@@ -158,7 +158,7 @@ def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
             timings.lookup_s += perf() - t3
             if held is None:  # the view cannot be read now: the decision will not use it at all
                 return WalkResult(keys, None, _estimate(seen, cursor), not cursor.done)
-            counts = _advance(counts, held, start, len(keys))
+            counts = _advance(counts, held, start)
             alive = bool((counts[watch] == len(keys)).any())
             for s, r in reach.items():
                 if r == start:
@@ -177,8 +177,8 @@ def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
     return WalkResult(keys, counts if keys else None, seen, False, None, reach)
 
 
-def _advance(counts: np.ndarray | None, held: np.ndarray, start: int, end: int) -> np.ndarray:
-    """Extend per-slot leading runs that reached `start` by the leading run each slot holds in keys[start:end]."""
+def _advance(counts: np.ndarray | None, held: np.ndarray, start: int) -> np.ndarray:
+    """Extend the per-slot leading runs that reached `start` by the run each slot holds in the new keys."""
     if counts is None:
         return held.astype(np.int64)
     live = counts == start
