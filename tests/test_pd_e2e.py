@@ -139,6 +139,25 @@ def test_sglang_bootstrap_never_arrives_is_cut_by_the_watchdog(sglang_gw: Gatewa
     assert chat(gw, seed=3).status_code == 200
 
 
+def test_sglang_failing_prefills_end_in_a_clear_error(sglang_gw: Gateway) -> None:
+    gw = sglang_gw
+    prefills = [s for s in gw.sims if s.role == "prefill"]
+    for p in prefills:
+        httpx.post(f"{p.url}/sim/faults", json={"http_5xx_rate": 1.0}, timeout=5).raise_for_status()
+    try:
+        t0 = time.monotonic()
+        resp = chat(gw, seed=6, timeout=30)
+        assert_openai_error(resp)
+        assert time.monotonic() - t0 < 15
+        wait_for(lambda: all(sglang_queues(s) == (0, 0) for s in gw.sims), timeout=10, what="queues drained")
+    finally:
+        for p in prefills:
+            httpx.post(f"{p.url}/sim/faults", json={"http_5xx_rate": 0.0}, timeout=5)
+    metrics = httpx.get(f"{gw.ingest_url}/metrics", timeout=5).text
+    assert 'cortex_pd_failures_total{engine="sglang"' in metrics
+    assert 'cortex_pd_decisions_total{engine="sglang",outcome="pair"}' in metrics
+
+
 def test_sglang_dead_prefill_is_repicked(sglang_gw: Gateway) -> None:
     gw = sglang_gw
     first = chat(gw, seed=4)
@@ -165,6 +184,29 @@ def test_sglang_dead_prefill_is_repicked(sglang_gw: Gateway) -> None:
     assert_openai_error(resp)
     assert time.monotonic() - t0 < 15
     assert sglang_queues(gw.sims[2]) == (0, 0)
+
+
+def test_sglang_dead_decode_is_replaced_then_reported(tmp_path: Path) -> None:
+    specs = [("p1", "sglang", "prefill", True, ("--disaggregation-bootstrap-port", "0")),
+             ("d1", "sglang", "decode", False, ()), ("d2", "sglang", "decode", False, ())]
+    with pd_cluster(tmp_path, specs, {"pd": {"bootstrap_timeout_s": 3.0}}) as gw:
+        p1, d1, d2 = gw.sims
+        assert d1.proc is not None
+        os.killpg(d1.proc.pid, signal.SIGKILL)
+        d1.proc.wait(5)
+        # A decoder that cannot be reached never saw the room: Envoy's connect retry takes the next decoder, which
+        # completes the same pair.
+        for seed in range(40, 44):
+            resp = chat(gw, seed=seed)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-cortex-assigned-worker"] == "prefill=p1,decode=d2"
+        stop(d2.proc)
+        t0 = time.monotonic()
+        resp = chat(gw, seed=45, timeout=30)
+        assert_openai_error(resp)
+        assert time.monotonic() - t0 < 15
+        # The prefill leg of the broken pair was cancelled, not left in the bootstrap queue.
+        wait_for(lambda: sglang_queues(p1) == (0, 0), timeout=10, what="prefill bootstrap queue drained")
 
 
 # -- vLLM: sequential legs with kv_transfer_params ---------------------------------------------------------------
@@ -237,6 +279,28 @@ def test_vllm_decode_rejecting_the_transfer_ends_cleanly(vllm_gw: Gateway) -> No
     finally:
         httpx.post(f"{vp1.url}/sim/faults", json={"pd_transfer_fail": False}, timeout=5)
     assert chat(gw, seed=21).status_code == 200
+
+
+def test_transparent_mode_makes_no_kv_or_pd_decision(vllm_gw: Gateway) -> None:
+    import yaml
+    gw = vllm_gw
+    cfg_path = gw.root / "cortex.yaml"
+    original = cfg_path.read_text()
+    cfg = yaml.safe_load(original)
+    cfg["models"][0]["scheduling"] = "transparent"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    try:
+        def transparent() -> bool:
+            r = chat(gw, seed=10)
+            return r.headers.get("x-cortex-route-reason") == "transparent_proxy"
+        wait_for(transparent, timeout=15, interval=0.5, what="config reload")
+        resp = chat(gw, seed=10)
+        assert resp.status_code == 200
+        assert "x-cortex-pd" not in resp.headers  # no pair, no skip: another scheduler owns placement
+        assert resp.headers["x-cortex-cache-hit-tokens"] == "0"
+        assert resp.headers["x-cortex-match-mode"] != "exact_kv_events"
+    finally:
+        cfg_path.write_text(original)
 
 
 def test_both_pools_empty_is_a_clear_error(tmp_path: Path) -> None:
