@@ -6,7 +6,6 @@ time, with no leg left running: the simulated engines' bootstrap and transfer qu
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -17,36 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import MODEL, Gateway, Sim, free_ports, long_chat, start_gateway, start_sim, stop, wait_for
+from tests.harness import MODEL, Gateway, Sim, long_chat, pd_cluster, stop, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
 CHAT = "/v1/chat/completions"
-
-
-@contextlib.contextmanager
-def pd_cluster(root: Path, specs: list[tuple[str, str, str, bool, tuple[str, ...]]],
-               model_extra: dict[str, Any] | None = None) -> Iterator[Gateway]:
-    """specs: (id, engine, role, events, extra sim flags)."""
-    ports = free_ports(2 * len(specs) + 4)
-    sims = [Sim(id=i, port=ports[2 * k], kv_port=ports[2 * k + 1], events=ev, engine=eng, role=role, args=args)
-            for k, (i, eng, role, ev, args) in enumerate(specs)]
-    base = 2 * len(specs)
-    gw = Gateway(root=root, sims=sims, port=ports[base], admin_port=ports[base + 1], ingest_port=ports[base + 2],
-                 extproc_port=ports[base + 3], model_extra=model_extra or {})
-    try:
-        for s in sims:
-            start_sim(s, root)
-        start_gateway(gw)
-        # SGLang prefills are paired only once ingest has read their bootstrap port from /server_info.
-        wait_for(lambda: all(t.get("bootstrap_port") for t in gw.targets().values()
-                             if t.get("role") == "prefill" and t.get("engine") == "sglang"),
-                 what="bootstrap ports read")
-        yield gw
-    finally:
-        stop(gw.proc)
-        for s in sims:
-            stop(s.proc)
 
 
 def chat(gw: Gateway, seed: int, *, stream: bool = False, words: int = 400, timeout: float = 60) -> httpx.Response:
@@ -207,6 +181,24 @@ def test_sglang_dead_decode_is_replaced_then_reported(tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 15
         # The prefill leg of the broken pair was cancelled, not left in the bootstrap queue.
         wait_for(lambda: sglang_queues(p1) == (0, 0), timeout=10, what="prefill bootstrap queue drained")
+
+
+def test_sglang_data_parallel_prefill_rank_follows_the_room(tmp_path: Path) -> None:
+    specs = [("p1", "sglang", "prefill", True, ("--disaggregation-bootstrap-port", "0")),
+             ("d1", "sglang", "decode", False, ())]
+    with pd_cluster(tmp_path, specs, dp={"p1": 2}) as gw:
+        first = chat(gw, seed=50)
+        assert first.status_code == 200, first.text
+        rank_target = first.headers["x-cortex-assigned-worker"].split(",")[0].removeprefix("prefill=")
+        assert rank_target in ("p1@0", "p1@1")
+        wait_for(lambda: gw.targets()[rank_target]["cached_blocks"] > 0, what="rank blocks in the ledger")
+        # The room was drawn so the prefill's follow_bootstrap_room balancing lands on the rank the ledger
+        # proves: the engine's reported hit matches Cortex's claim, several times over.
+        for _ in range(3):
+            again = chat(gw, seed=50)
+            assert again.headers["x-cortex-assigned-worker"] == first.headers["x-cortex-assigned-worker"]
+            hit = int(again.headers["x-cortex-cache-hit-tokens"])
+            assert hit > 0 and hit <= usage_cached(again) < hit + 16
 
 
 # -- vLLM: sequential legs with kv_transfer_params ---------------------------------------------------------------
