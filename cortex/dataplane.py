@@ -94,6 +94,12 @@ def _error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "upstream_error"
 
 
+def max_message_timeout_s(cfg: CortexConfig) -> int:
+    """The longest a PD pair may take to start (a vLLM prefill leg is awaited twice at most), plus slack."""
+    longest = max((2 * max(m.pd.prefill_timeout_s, m.pd.dispatch_timeout_s) for m in cfg.models), default=0.0)
+    return int(max(longest + 10, cfg.extproc.message_timeout_ms / 1000 + 1))
+
+
 def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     xds = xds_dir(cfg)
     ep = cfg.extproc
@@ -110,6 +116,8 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
             "message_timeout": f"{ep.message_timeout_ms / 1000:.3f}s",
+            # extproc may extend one message's deadline up to this: a vLLM PD prefill leg runs inside it.
+            "max_message_timeout": f"{max_message_timeout_s(cfg)}s",
             # ext_proc down: keep serving through route 2 (Envoy's own balancing) instead of failing requests.
             "failure_mode_allow": True,
             "route_cache_action": "CLEAR",

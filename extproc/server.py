@@ -24,6 +24,7 @@ import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.duration_pb2 import Duration
 
 from cortex.bundle import BundleError
 from cortex.config import ConfigError, CortexConfig, load_config
@@ -62,6 +63,19 @@ def _immediate(status: int, body: bytes, content_type: str = "application/json")
 
 
 @dataclass(slots=True)
+class PendingPair:
+    """A routed request whose PD pair still has to be started (the only await on the request path)."""
+
+    result: RouteResult
+    plan: PdPlan
+    doc: dict[str, Any]
+    body: bytes
+    changes: dict[str, object]
+    wait_s: float
+    """How long starting the pair may take (Envoy's message deadline is extended when it is longer)."""
+
+
+@dataclass(slots=True)
 class StreamState:
     method: str = ""
     path: str = ""
@@ -93,7 +107,14 @@ class ExtProc:
                 if which == "request_headers":
                     yield self.on_request_headers(st, req.request_headers)
                 elif which == "request_body":
-                    yield await self.on_request_body(st, req.request_body.body)
+                    answer = self.on_request_body(st, req.request_body.body)
+                    if isinstance(answer, PendingPair):
+                        if answer.wait_s > self.cfg.extproc.message_timeout_ms / 1000:
+                            # A vLLM prefill leg can outlast Envoy's per-message deadline: extend it first.
+                            yield pb.ProcessingResponse(override_message_timeout=Duration(
+                                seconds=int(answer.wait_s) + 5))
+                        answer = await self._pd_pair(st, answer)
+                    yield answer
                 elif which == "response_headers":
                     yield self.on_response_headers(st, req)
                 elif which == "response_body":
@@ -133,7 +154,7 @@ class ExtProc:
             return self._routing_response(st, "request_headers")
         return _EMPTY_HEADERS
 
-    async def on_request_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+    def on_request_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse | PendingPair:
         explain = st.path == EXPLAIN_PATH
         kind = ROUTED_PATHS.get(st.path)
         if kind is None and not explain:
@@ -157,10 +178,9 @@ class ExtProc:
             changes["model"] = result.model  # the worker serves the model, not the public alias
         plan = result.pd
         if plan is not None and plan.pair is not None:
-            try:
-                return await self._pd_pair(st, result, plan, parsed.body or {}, body, changes)
-            except ClientError as exc:
-                return self._error(exc)
+            pd_cfg = self.pd.pd_config(result.model)
+            wait = pd_cfg.prefill_timeout_s if plan.engine == "vllm" else pd_cfg.dispatch_timeout_s
+            return PendingPair(result, plan, parsed.body or {}, body, changes, 2 * wait)
         if plan is not None:
             st.pd_note = f"skipped:{plan.skip}"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
@@ -178,23 +198,29 @@ class ExtProc:
             self._set_body(response, splice(body, changes))
         return response
 
-    async def _pd_pair(self, st: StreamState, result: RouteResult, plan: PdPlan, doc: dict[str, Any],
-                       body: bytes, changes: dict[str, object]) -> pb.ProcessingResponse:
+    async def _pd_pair(self, st: StreamState, pending: PendingPair) -> pb.ProcessingResponse:
         """Send the prefill leg, then hand Envoy the decode leg; a pair that cannot start falls back to a worker
         that serves the request alone, or to a clear error when there is none."""
+        result, plan, body, changes = pending.result, pending.plan, pending.body, pending.changes
         pair = plan.pair
         assert pair is not None
-        if plan.engine == "sglang":
-            started = await self.pd.sglang(plan, pair, body, st.path, changes)
-        else:
-            started = await self.pd.vllm(plan, pair, body, doc, st.path, changes)
+        try:
+            if plan.engine == "sglang":
+                started = await self.pd.sglang(plan, pair, body, st.path, changes)
+            else:
+                started = await self.pd.vllm(plan, pair, body, pending.doc, st.path, changes)
+        except Exception:  # never fail the request because orchestration raised: a single worker takes it
+            log.exception("PD dispatch failed")
+            metrics.INTERNAL_ERRORS.inc()
+            started = None
         if started is None:
             st.pd_note = "fallback:prefill_failed"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
             if not plan.single_pool:
-                raise ClientError(502, f"prefill/decode pair for model `{result.model}` could not start: prefill "
-                                       f"worker(s) {', '.join(c.id for c in pair.prefill.order[:2])} failed and no "
-                                       "worker serves the model alone")
+                return self._error(ClientError(
+                    502, f"prefill/decode pair for model `{result.model}` could not start: prefill worker(s) "
+                         f"{', '.join(c.id for c in pair.prefill.order[:2])} failed and no worker serves the "
+                         "model alone"))
             decision = self.router.choose(plan.prep, plan.single_pool, commit=True)
             return self._single(st, decision, result.model, body, changes)
         st.pd = started

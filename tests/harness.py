@@ -231,7 +231,8 @@ def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc
 
 @contextlib.contextmanager
 def pd_cluster(root: Path, specs: list[tuple[str, str, str, bool, tuple[str, ...]]],
-               model_extra: dict[str, Any] | None = None, dp: dict[str, int] | None = None) -> Iterator[Gateway]:
+               model_extra: dict[str, Any] | None = None, dp: dict[str, int] | None = None,
+               extra_config: dict[str, Any] | None = None) -> Iterator[Gateway]:
     """specs: (id, engine, role, events, extra sim flags); dp: data-parallel ranks per worker id."""
     dp = dp or {}
     ports = free_ports(2 * len(specs) + 4)
@@ -241,7 +242,7 @@ def pd_cluster(root: Path, specs: list[tuple[str, str, str, bool, tuple[str, ...
             for k, (i, eng, role, ev, args) in enumerate(specs)]
     base = 2 * len(specs)
     gw = Gateway(root=root, sims=sims, port=ports[base], admin_port=ports[base + 1], ingest_port=ports[base + 2],
-                 extproc_port=ports[base + 3], model_extra=model_extra or {})
+                 extproc_port=ports[base + 3], model_extra=model_extra or {}, extra_config=extra_config or {})
     try:
         for s in sims:
             start_sim(s, root)

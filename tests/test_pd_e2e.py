@@ -295,6 +295,18 @@ def test_transparent_mode_makes_no_kv_or_pd_decision(vllm_gw: Gateway) -> None:
         cfg_path.write_text(original)
 
 
+def test_a_vllm_prefill_longer_than_envoys_message_deadline_still_pairs(tmp_path: Path) -> None:
+    specs = [("vp1", "vllm", "prefill", True, ("--prefill-ms-per-token", "3")),  # ~600 tokens: ~1.8 s
+             ("vd1", "vllm", "decode", True, ())]
+    with pd_cluster(tmp_path, specs, extra_config={"extproc": {"message_timeout_ms": 400}}) as gw:
+        resp = chat(gw, seed=60, words=450)
+        assert resp.status_code == 200, resp.text
+        # extproc extended Envoy's per-message deadline before awaiting the prefill leg; without that, Envoy would
+        # have given up on extproc and sent the request down its fallback route, unpaired.
+        assert resp.headers.get("x-cortex-pd") == "pair"
+        assert resp.headers["x-cortex-assigned-worker"] == "prefill=vp1,decode=vd1"
+
+
 def test_both_pools_empty_is_a_clear_error(tmp_path: Path) -> None:
     specs = [("q1", "vllm", "prefill", True, ())]
     with pd_cluster(tmp_path, specs) as gw:
