@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import MODEL, Gateway, Sim, long_chat, pd_cluster, stop, wait_for
+from tests.harness import MODEL, Gateway, Sim, free_ports, long_chat, pd_cluster, start_sim, stop, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -313,3 +313,15 @@ def test_both_pools_empty_is_a_clear_error(tmp_path: Path) -> None:
         resp = chat(gw, seed=30)
         assert resp.status_code == 503
         assert "no healthy decode worker" in resp.json()["error"]["message"]
+        # A decoder registered through the admin API, with its role, completes the pool.
+        port, kv = free_ports(2)
+        dec = Sim(id="q2", port=port, kv_port=kv, engine="vllm", role="decode")
+        start_sim(dec, tmp_path)
+        try:
+            r = httpx.post(f"{gw.ingest_url}/cortex/workers", json=dec.worker_config(), timeout=10)
+            assert r.status_code in (200, 201), r.text
+            def paired() -> bool:
+                return chat(gw, seed=31).headers.get("x-cortex-pd") == "pair"
+            wait_for(paired, timeout=20, interval=0.5, what="the new decoder paired")
+        finally:
+            stop(dec.proc)
