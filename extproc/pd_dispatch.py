@@ -26,7 +26,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ import aiohttp
 import orjson
 
 from cortex.config import CortexConfig, PdConfig
+from cortex.inflight import InflightBoard
 from extproc.cluster_view import TargetInfo
 from extproc.metrics import PD_FAILURES, PD_LEG_SECONDS
 from extproc.pd import Pair, PdPlan
@@ -174,8 +175,11 @@ class PairLegs:
 
 
 class PdDispatcher:
-    def __init__(self, cfg: CortexConfig) -> None:
+    def __init__(self, cfg: CortexConfig, inflight: InflightBoard | None = None) -> None:
         self.cfg = cfg
+        # A prefill leg counts as in flight on its worker like any routed request, so a burst spreads over the
+        # prefill pool instead of waiting for the engines' next load report.
+        self.inflight = inflight
         self.rng = random.Random()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -253,11 +257,22 @@ class PdDispatcher:
 
     async def _send(self, target: TargetInfo, path: str, body: bytes, sent: asyncio.Future[None]) -> int:
         """The prefill leg; its answer is drained and dropped (the client gets the decode's)."""
-        async with self.session().post(f"http://{target.address}{path}", data=body,
-                                       headers={"content-type": "application/json"},
-                                       trace_request_ctx={"sent": sent}) as resp:
-            await resp.read()
-            return resp.status
+        with self._counted(target):
+            async with self.session().post(f"http://{target.address}{path}", data=body,
+                                           headers={"content-type": "application/json"},
+                                           trace_request_ctx={"sent": sent}) as resp:
+                await resp.read()
+                return resp.status
+
+    @contextlib.contextmanager
+    def _counted(self, target: TargetInfo) -> Iterator[None]:
+        if self.inflight is not None:
+            self.inflight.inc(target.slot)
+        try:
+            yield
+        finally:
+            if self.inflight is not None:
+                self.inflight.dec(target.slot)
 
     # -- vLLM -----------------------------------------------------------------------------------------------
 
@@ -274,11 +289,12 @@ class PdDispatcher:
                 headers["x-data-parallel-rank"] = str(p.rank)
             t0 = time.monotonic()
             try:
-                async with self.session().post(f"http://{p.address}{path}", data=orjson.dumps(
-                        vllm_prefill_body(doc, changes)), headers=headers,
-                        timeout=aiohttp.ClientTimeout(total=cfg.prefill_timeout_s)) as resp:
-                    raw = await resp.read()
-                    status = resp.status
+                with self._counted(p):
+                    async with self.session().post(f"http://{p.address}{path}", data=orjson.dumps(
+                            vllm_prefill_body(doc, changes)), headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=cfg.prefill_timeout_s)) as resp:
+                        raw = await resp.read()
+                        status = resp.status
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 status, raw = 0, repr(exc).encode()
             if 200 <= status < 300:

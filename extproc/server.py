@@ -95,7 +95,7 @@ class ExtProc:
         self.cfg = cfg
         self.cluster = cluster
         self.router = router
-        self.pd = PdDispatcher(cfg)
+        self.pd = PdDispatcher(cfg, cluster.inflight)
 
     # -- the gRPC method ----------------------------------------------------------------------------------
 
