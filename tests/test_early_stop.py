@@ -474,3 +474,26 @@ def test_a_wrong_beginning_costs_a_hit_never_claims_one_and_turns_itself_off(tmp
         assert summary(early) == summary(full) and full.decision.matched_tokens["w1"] == 16 * (len(keys) // 2)
     finally:
         f.writer.close(unlink=True)
+
+
+def test_a_model_with_a_pd_pool_keeps_the_whole_prompt(tmp_path: Path) -> None:
+    # The PD skip rule compares exact prompt and uncached lengths, so such a model is not cut short.
+    f = Fleet(tmp_path)
+    try:
+        doc = f.cluster.reader.meta()[1] if f.cluster.reader is not None else {}
+        targets = [dict(t, role={0: "prefill", 1: "decode"}.get(t["slot"], "both")) for t in doc["targets"]]
+        f.writer.set_meta({"block_size": f.cfg.block_size, "targets": targets})
+        f.refresh()
+        rng = random.Random(17)
+        msgs = [{"role": "system", "content": words(rng, 600)}, {"role": "user", "content": words(rng, 600)}]
+        result = f.route(msgs, full=False, commit=True)
+        assert result.pd is not None and not result.prompt_tokens_estimated
+        assert result.token_ids is not None and result.prompt_tokens == len(result.token_ids)
+        assert len(f.router.deferred) == 0
+        # Without the PD pool the same model stops early again.
+        f.writer.set_meta({"block_size": f.cfg.block_size, "targets": doc["targets"]})
+        f.refresh()
+        msgs = [{"role": "system", "content": words(rng, 600)}, {"role": "user", "content": words(rng, 600)}]
+        assert f.route(msgs, full=False, commit=True).prompt_tokens_estimated
+    finally:
+        f.writer.close(unlink=True)
