@@ -7,6 +7,7 @@ disagree with what the gateway does.
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ class Router:
         self.reload(cfg, registry)
         self._hot: dict[int, bool] = {}
         self._turn = itertools.count()
+        self._tie_rng = random.Random()
 
     def reload(self, cfg: CortexConfig, registry: ModelRegistry) -> None:
         """Swap in a new config and registry (built off the request path): the next request uses them."""
@@ -270,13 +272,15 @@ class Router:
                 why = max(untrusted)[1]
             elif not any(c.ledger_trusted for c in cands):
                 why = "no_worker_ledger_ready"
-        turn = next(self._turn)
         if not self.cluster.alive and not any(c.inflight for c in cands):
             # No engine load and no in-flight signal tells the workers apart: only liveness is known.
-            decision = round_robin(cands, turn, why)
+            decision = round_robin(cands, next(self._turn), why)
         else:
+            # Ties between equally loaded workers are broken at random: a counter aliases with arrival patterns
+            # (groups of n requests on n workers advance it by n, so every group's first request saw the same
+            # rotation and bursts piled onto one worker; docs/benchmarks.md).
             decision = decide(cands, block_size=bs, ledger_usable=matches is not None, why_not_exact=why,
-                              turn=turn, scoring=self.scoring)
+                              turn=self._tie_rng.getrandbits(32), scoring=self.scoring)
         prep.timings.score_s += time.perf_counter() - t3
         if commit and keys and decision.chosen.ledger_trusted:
             self.predictions.record(decision.chosen.slot, keys)

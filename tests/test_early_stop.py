@@ -108,6 +108,7 @@ class Fleet:
             doc["cache_salt"] = salt
         # Ties are broken by turn and by random: pinned, so both computations meet the same tie-breaks.
         self.router._turn = itertools.count(7)
+        self.router._tie_rng.seed(7)
         random.seed(3)
         return self.router.route(parse_body("chat", orjson.dumps(doc)), commit=commit, full_tokens=full)
 
