@@ -232,7 +232,13 @@ class SimServer:
         lora = self.api.resolve_lora(body)
         cached = [e.cache.prefix_match(prompt, cache_salt=salt or None, lora=lora, extra_key=extra_key)
                   for e in self.engines]
-        return json_response({"prompt_tokens": len(prompt), "cached_tokens": cached})
+        # What in-flight requests will have cached once their prefill is done: an oracle that only saw
+        # `cached` would scatter a burst of siblings that arrive while the first is still computing.
+        inflight = [max((_common_prefix_len(r.prompt_token_ids, prompt) for r in (*e.waiting, *e.running)
+                         if r.cache_salt == (salt or None) and r.lora == lora and r.extra_key == extra_key),
+                        default=0) for e in self.engines]
+        return json_response({"prompt_tokens": len(prompt), "cached_tokens": cached,
+                              "inflight_tokens": [min(n, len(prompt) - 1) for n in inflight]})
 
     async def stop(self) -> None:
         """Fail what is in flight, stop serving, then flush and close the event sockets."""
@@ -257,6 +263,20 @@ class SimServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _port_of(endpoint: str | None) -> int | None:

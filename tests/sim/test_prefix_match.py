@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from cortex.sim.server import SimServer
-from tests.sim.simkit import LONG, chat_body, config, serve
+from tests.sim.simkit import LONG, chat_body, config, first_token, serve
 
 
 async def probe(http: aiohttp.ClientSession, body: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +57,23 @@ def test_probe_rejects_a_body_without_a_prompt() -> None:
     async def scenario(server: SimServer, http: aiohttp.ClientSession) -> None:
         async with http.post("/sim/prefix_match", json={"model": "x"}) as resp:
             assert resp.status == 400
+
+    serve(scenario, config())
+
+
+def test_probe_reports_what_a_request_in_flight_will_cache() -> None:
+    async def scenario(server: SimServer, http: aiohttp.ClientSession) -> None:
+        body = chat_body(LONG + " Stream slowly?")
+        async with http.post("/v1/chat/completions", json={**body, "max_tokens": 200, "stream": True}) as resp:
+            await first_token(resp)  # running now, decoding its 200 tokens
+            seen = await probe(http, body)
+            assert seen["inflight_tokens"] == [seen["prompt_tokens"] - 1]
+            other = await probe(http, chat_body("Nothing alike."))
+            assert 0 < other["inflight_tokens"][0] < 40  # the chat template's head only
+            async for _ in resp.content:  # let it finish
+                pass
+        after = await probe(http, body)
+        assert after["inflight_tokens"] == [0] and after["cached_tokens"][0] > 0
 
     serve(scenario, config())
 
