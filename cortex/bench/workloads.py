@@ -17,7 +17,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Each " word" below is a single Qwen2.5 token; tests/test_bench_smoke.py checks a sample against the tokenizer.
-WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "one", "all", "we", "their", "has", "been", "if", "more", "when", "will", "would", "who", "so", "no", "time", "can", "only", "other", "new", "some", "could", "these", "two", "may", "first", "then", "do", "any", "like", "my", "now", "over", "such", "our", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three", "place", "small", "found", "part", "general", "high", "end", "again", "upon", "few", "house", "public", "every", "number", "large", "group", "system", "water", "left", "during", "power", "city", "order", "line", "given", "away", "court", "early", "point", "human", "major", "family", "head", "young", "light", "market", "data", "social", "field", "table", "river", "music", "body", "open"]
+_VOCABULARY = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which but have "
+    "an they you were her she there one all we their has been if more when will would who so no time can "
+    "only other new some could these two may first then do any like my now over such our man me even "
+    "most made after also did many before must through back years where much your way well down should "
+    "because each just those people how too little state good very make world still own see men work "
+    "long get here between both life being under never day same another know while last might us great "
+    "old year off come since against go came right used take three place small found part general high "
+    "end again upon few house public every number large group system water left during power city order "
+    "line given away court early point human major family head young light market data social field "
+    "table river music body open"
+)
+WORDS = tuple(_VOCABULARY.split())
 
 
 @dataclass(frozen=True, slots=True)
