@@ -35,6 +35,7 @@ class Oracle:
         self.hot = dict.fromkeys(workers, False)
         self.scoring = Scoring(**SchedulerConfig().model_dump(exclude={"cold_start_s"}))
         self.turn = itertools.count()
+        self.lock = asyncio.Lock()
         self.http: aiohttp.ClientSession | None = None
 
     async def start(self, app: web.Application) -> None:
@@ -76,11 +77,20 @@ class Oracle:
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         assert self.http is not None
         body = await request.read()
-        wid, matched = await self.choose(body)
-        self.inflight[wid] += 1
+        # One decision at a time, each held until the chosen worker has the request in its queue (its response
+        # headers are back): the next probe then sees it among the worker's in-flight prompts, so identical
+        # requests arriving together are not scattered before any of them reaches a worker.
+        async with self.lock:
+            wid, matched = await self.choose(body)
+            self.inflight[wid] += 1
+            try:
+                upstream = await self.http.post(f"{self.workers[wid]}{request.path}", data=body,
+                                                headers={"content-type": "application/json"})
+            except BaseException:
+                self.inflight[wid] -= 1
+                raise
         try:
-            async with self.http.post(f"{self.workers[wid]}{request.path}", data=body,
-                                      headers={"content-type": "application/json"}) as upstream:
+            async with upstream:
                 resp = web.StreamResponse(status=upstream.status)
                 for k, v in upstream.headers.items():
                     if k.lower() not in _HOP:
