@@ -54,6 +54,8 @@ def test_bench_runs_and_every_contestant_reports(tmp_path: Path) -> None:
     gateways = {c.name for c in CONTESTANTS if c.gateway}
     available = {n for n, res in figures["workloads"]["shared-prefix"]["results"].items() if "unavailable" not in res}
     assert set(figures["overhead"]) == gateways & available
+    for sizes in figures["overhead"].values():
+        assert set(sizes) == {"short", "long"} and all(o["pairs"] > 0 for o in sizes.values())
     # Multi-turn: each turn's prompt extends the last, so later turns are longer than the first.
     assert figures["workloads"]["multi-turn"]["params"]["turns"] > 1
     text = doc.read_text()

@@ -18,6 +18,7 @@ from cortex.bench import report, runner, workloads
 from cortex.bench.contestants import BY_NAME, CONTESTANTS
 from cortex.bench.launch import ClusterSpec
 
+SWEEP_SECONDS = 15.0
 SWEEP_CONTESTANTS = ("cortex", "cortex-load-only", "sglang-cache-aware", "round-robin", "oracle")
 
 
@@ -49,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="light-load request pairs per gateway for the overhead figure (default 20, --quick 8)")
     p.add_argument("--work-dir", metavar="DIR", help="keep logs and configs here instead of a temporary directory")
     p.add_argument("--records", action="store_true", help="include every request's record in the JSON")
+    p.add_argument("--from-json", metavar="PATH", help="render the report and plots of a saved --json run "
+                                                       "instead of running")
     return p
 
 
@@ -62,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
              for n in names]
     contestants = [BY_NAME[n] for n in args.contestant] if args.contestant else list(CONTESTANTS)
     sweep_spec = args.sweep_rates or ("off" if args.quick else "4,8,16")
+    # Each sweep point lasts about SWEEP_SECONDS of arrivals, so a high rate does not take longer than a low one.
     sweep = [] if sweep_spec == "off" else [
-        workloads.build("shared-prefix", quick=args.quick, seed=args.seed, requests=args.requests, rate=float(r))
+        workloads.build("shared-prefix", quick=args.quick, seed=args.seed,
+                        requests=args.requests or max(8, round(float(r) * SWEEP_SECONDS)), rate=float(r))
         for r in sweep_spec.split(",")]
     plan = runner.Plan(
         cluster=ClusterSpec(workers=args.workers, engine=args.engine, kv_tokens=args.kv_tokens),
@@ -72,9 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         overhead_probes=args.overhead_probes if args.overhead_probes is not None else (8 if args.quick else 20),
         sweep=sweep, sweep_contestants=[c for c in contestants if c.name in SWEEP_CONTESTANTS],
         work_dir=Path(args.work_dir) if args.work_dir else None, keep_records=args.records)
-    out = runner.run(plan)
-    command = "cortex bench " + shlex.join(argv)
-    out["command"] = command
+    if args.from_json:
+        out = json.loads(Path(args.from_json).read_text())
+        command = out["command"]
+    else:
+        out = runner.run(plan)
+        command = "cortex bench " + shlex.join(argv)
+        out["command"] = command
     images: list[Path] = []
     if args.img_dir:
         images = report.plots(out, Path(args.img_dir))
@@ -82,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report.markdown(out, command, images, rel_to=doc.parent if doc else None)
     if doc is not None:
         report.write_markdown(doc, text)
-    if args.json:
+    if args.json and not args.from_json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     print(text)
     return 0 if all("failed" not in r for b in out["workloads"].values() for r in b["results"].values()) else 1

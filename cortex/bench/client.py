@@ -168,7 +168,7 @@ async def run(workload: Workload, targets: list[str], workers: list[Worker], *, 
     return RunResult(records, wall, samples)
 
 
-async def light_probe(target: str, workers: list[Worker], n: int, words: int = 600) -> list[tuple[float, float]]:
+async def light_probe(target: str, workers: list[Worker], n: int, words: int) -> list[tuple[float, float]]:
     """Gateway overhead at light load: n pairs, one request at a time. Each pair sends a fresh prompt through
     `target`, then a different prompt of the same length straight to the worker that served the first; both
     are cold (no cached prefix), so the difference in time to first token is what the path through the

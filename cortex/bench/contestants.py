@@ -10,7 +10,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cortex.bench.launch import Procs, Worker, start_cortex, start_oracle, start_router
+from cortex.bench.launch import MODEL, Procs, Worker, start_cortex, start_oracle, start_router
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,14 @@ CONTESTANTS: tuple[Contestant, ...] = (
                "same Rust router; router defaults)",
                _router("vllm_router", "cache_aware", "vllm-router-cache-aware"), module="vllm_router",
                package="vllm-router"),
+    Contestant("vllm-router-kv-aware", "vllm-router --policy kv_aware, fed the workers' KV events (ZMQ, block "
+               "size 16): like Cortex, routes on what the engines report they cache",
+               lambda procs, workers: [start_router(
+                   procs, workers, module="vllm_router", policy="kv_aware", name="vllm-router-kv-aware",
+                   extra=(*(a for w in workers for a in ("--kv-event-source", f"{w.url}={w.kv_events}")),
+                          "--kv-event-block-size", "16" if workers[0].engine == "vllm" else "1",
+                          "--kv-event-model", MODEL))],
+               module="vllm_router", package="vllm-router"),
     Contestant("round-robin", "no gateway: the client itself sends request i to worker i mod N",
                lambda procs, workers: [w.url for w in workers], gateway=False),
     Contestant("oracle", "the harness's oracle: asks every worker its true cached prefix for the prompt and "

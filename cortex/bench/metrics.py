@@ -9,7 +9,8 @@
   over the run; then the busiest worker's average over the mean of all (1.0 is perfectly even; 4.0 on four
   workers means one worker had it all);
 * gateway overhead: median and p90 of TTFT through the gateway minus TTFT straight to the worker it chose,
-  at light load (one request at a time, cold prompts of equal length).
+  at light load (one request at a time, cold prompts of equal length), for a short and a long prompt (a
+  gateway that tokenizes and hashes the prompt pays per token).
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ def summarize(result: RunResult) -> dict[str, Any]:
     }
 
 
-def overhead(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+def overhead(pairs: list[tuple[float, float]], words: int) -> dict[str, Any]:
     diffs = [via - direct for via, direct in pairs]
-    return {"pairs": len(pairs), "p50_ms": _ms(percentile(diffs, 50)), "p90_ms": _ms(percentile(diffs, 90)),
-            "via_p50_ms": _ms(percentile([p[0] for p in pairs], 50)),
+    return {"prompt_words": words, "pairs": len(pairs), "p50_ms": _ms(percentile(diffs, 50)),
+            "p90_ms": _ms(percentile(diffs, 90)), "via_p50_ms": _ms(percentile([p[0] for p in pairs], 50)),
             "direct_p50_ms": _ms(percentile([p[1] for p in pairs], 50))}
 
 

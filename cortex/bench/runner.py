@@ -23,6 +23,9 @@ from cortex.bench.contestants import Contestant
 from cortex.bench.launch import ClusterSpec, Procs, Worker, reset_caches, start_workers
 from cortex.bench.workloads import Workload
 
+# Prompt sizes (words, about one token each) of the light-load overhead probes.
+OVERHEAD_PROMPTS = {"short": 200, "long": 2000}
+
 
 @dataclass
 class Plan:
@@ -59,9 +62,11 @@ def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], 
         targets = contestant.start(procs, workers)
         over = None
         if probe and contestant.gateway and plan.overhead_probes > 0:
-            pairs = uvloop.run(client.light_probe(targets[0], workers, plan.overhead_probes))
-            over = metrics.overhead(pairs)
-            log(f"    overhead p50 {over['p50_ms']} ms over {over['pairs']} pairs")
+            over = {}
+            for size, words in OVERHEAD_PROMPTS.items():
+                pairs = uvloop.run(client.light_probe(targets[0], workers, plan.overhead_probes, words))
+                over[size] = metrics.overhead(pairs, words)
+                log(f"    overhead ({size} prompt) p50 {over[size]['p50_ms']} ms over {over[size]['pairs']} pairs")
             reset_caches(workers)
         result = uvloop.run(client.run(workload, targets, workers, concurrency=plan.concurrency,
                                        max_seconds=plan.max_seconds))
