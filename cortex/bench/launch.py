@@ -89,6 +89,26 @@ class Procs:
             time.sleep(0.1)
         raise LaunchError(f"{name} not ready after {timeout:.0f} s (last error: {last})")
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) used so far by these processes and everything in their process groups
+        (Cortex's Envoy, ingest and extproc are children of `cortex run`), by part."""
+        groups = {proc.pid for _, proc in self.procs if proc.poll() is None}
+        tick = os.sysconf("SC_CLK_TCK")
+        out: dict[str, float] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue  # exited meanwhile
+            if int(fields[2]) not in groups:  # fields[2] is the process group id; utime, stime at 11, 12
+                continue
+            part = next((k for k in ("envoy", "extproc", "ingest", "router", "oracle") if k in cmd), "other")
+            out[part] = out.get(part, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        return out
+
     def stop(self) -> None:
         for _, proc in self.procs:
             if proc.poll() is None:

@@ -10,7 +10,10 @@
   workers means one worker had it all);
 * gateway overhead: median and p90 of TTFT through the gateway minus TTFT straight to the worker it chose,
   at light load (one request at a time, cold prompts of equal length), for a short and a long prompt (a
-  gateway that tokenizes and hashes the prompt pays per token).
+  gateway that tokenizes and hashes the prompt pays per token);
+* gateway CPU: CPU time (user + system) of the contestant's processes during the run, per request sent (0 for
+  round-robin, which has none). On this machine the gateway shares the cores with the simulated workers, so
+  a gateway's CPU also slows the simulators' clocks.
 """
 
 from __future__ import annotations

@@ -29,19 +29,20 @@ def workload_table(name: str, block: dict[str, Any]) -> str:
     results = block["results"]
     oracle = results.get("oracle", {}).get("hit_ratio") if _ok(results.get("oracle", {})) else None
     lines = ["| contestant | hit ratio | × oracle | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p90 | req/s | "
-             "errors | imbalance |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "errors | imbalance | gateway CPU ms/req |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cname, r in results.items():
         if "unavailable" in r:
-            lines.append(f"| {cname} | not available: {r['unavailable']} |" + " |" * 9)
+            lines.append(f"| {cname} | not available: {r['unavailable']} |" + " |" * 10)
             continue
         if "failed" in r:
-            lines.append(f"| {cname} | failed: {r['failed'][:120]} |" + " |" * 9)
+            lines.append(f"| {cname} | failed: {r['failed'][:120]} |" + " |" * 10)
             continue
         rel = r["hit_ratio"] / oracle if oracle and r["hit_ratio"] is not None else None
         t, e = r["ttft_ms"], r["e2e_ms"]
         lines.append(f"| {cname} | {_f(r['hit_ratio'], 3)} | {_f(rel, 2)} | {_f(t['p50'])} | {_f(t['p90'])} | "
                      f"{_f(t['p99'])} | {_f(e['p50'])} | {_f(e['p90'])} | {_f(r['rps'], 2)} | "
-                     f"{r['errors']}/{r['requests']} | {_f(r['imbalance'], 2)} |")
+                     f"{r['errors']}/{r['requests']} | {_f(r['imbalance'], 2)} | "
+                     f"{_f(r.get('gateway_cpu_ms_per_request'))} |")
     params = ", ".join(f"{k}={v}" for k, v in block["params"].items())
     return f"**{name}** ({params}); times in ms\n\n" + "\n".join(lines) + "\n"
 

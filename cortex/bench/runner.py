@@ -68,9 +68,15 @@ def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], 
                 over[size] = metrics.overhead(pairs, words)
                 log(f"    overhead ({size} prompt) p50 {over[size]['p50_ms']} ms over {over[size]['pairs']} pairs")
             reset_caches(workers)
+        before = procs.cpu_seconds()
         result = uvloop.run(client.run(workload, targets, workers, concurrency=plan.concurrency,
                                        max_seconds=plan.max_seconds))
+        after = procs.cpu_seconds()
     summary = metrics.summarize(result)
+    n = max(len(result.records), 1)
+    parts = {k: round(1000.0 * (v - before.get(k, 0.0)) / n, 2) for k, v in after.items()}
+    summary["gateway_cpu_ms_per_request"] = round(sum(parts.values()), 2)
+    summary["gateway_cpu_ms_per_request_by_part"] = parts
     if plan.keep_records:
         summary["records"] = metrics.records_json(result.records)
     return summary, over
