@@ -72,6 +72,20 @@ def test_bench_runs_and_every_contestant_reports(tmp_path: Path) -> None:
     assert {p.name for p in img.iterdir()} == {"bench-hit-ratio.png", "bench-ttft-p90.png"}
 
 
+@pytest.mark.timeout(180)
+def test_closed_loop_runs_every_session(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "cortex.cli", "bench", "--workload", "multi-turn", "--contestant", "round-robin",
+         "--quick", "--workers", "2", "--requests", "10", "--concurrency", "2", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, r.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["mode"] == {"concurrency": 2}
+    res = figures["workloads"]["multi-turn"]["results"]["round-robin"]
+    assert res["completed"] == res["requests"] == 10 and res["errors"] == 0
+
+
 @pytest.mark.timeout(120)
 def test_oracle_sends_a_repeated_prompt_where_it_is_cached(tmp_path: Path) -> None:
     with Procs(tmp_path) as procs:
