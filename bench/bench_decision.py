@@ -8,11 +8,20 @@ earlier turns of the conversation held by one worker), in one process, no networ
             adds a new assistant reply and a new user question, as the next turn of a real chat does
   all-new   every request is a conversation never seen before (system prompt included)
 
-and each once with segment-wise tokenization (the default) and once whole-text (segmenting off), so the
-gain is measured, not assumed. Template time is measured by wrapping the bundle's render_chat; tokenize is
-the router's tokenize stage minus it. Parse is timed around extproc.request.parse_body.
+and each with four tokenizer set-ups, so the gain is measured, not assumed:
 
-    python bench/bench_decision.py [--sizes 1000,8000,32000] [--scale 1.0]
+  early        segment-wise tokenization and early stop (the default): tokenize, hash and look up only up to
+               the first block no worker holds or is predicted to hold
+  full         segment-wise, the whole prompt tokenized and hashed (as before early stop)
+  whole early  whole-text tokenization (segmenting off), early stop of hashing and lookup
+  whole full   whole-text, the whole prompt hashed
+
+Template time is measured by wrapping the bundle's render_chat; tokenize is the router's tokenize stage minus
+it. Parse is timed around extproc.request.parse_body. `tail` is the work early stop moves after the answer
+(the rest of the prompt tokenized, hashed and recorded as predicted): run here synchronously after each
+decision, outside `total`; in extproc it runs on a thread and the event loop once the answer is sent.
+
+    python bench/bench_decision.py [--sizes 1000,8000,32000] [--scale 1.0] [--modes early,full,whole early]
 
 Bounded: a few hundred decisions per row (fewer for 32K all-new), well under a minute on 2 vCPUs.
 """
@@ -46,7 +55,8 @@ from extproc.router import Router
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 WORKERS = 4
-STAGES = ("parse", "template", "tokenize", "hash", "lookup", "score", "total")
+STAGES = ("parse", "template", "tokenize", "hash", "lookup", "score", "total", "tail")
+MODES = ("early", "full", "whole early", "whole full")
 
 
 class Text:
@@ -143,8 +153,8 @@ class Timer:
             self.last = time.perf_counter() - t
 
 
-def run(router: Router, writer: ViewWriter, timer: Timer, bodies: list[bytes]) -> tuple[dict[str, list[float]],
-                                                                                          list[int], list[int]]:
+def run(router: Router, writer: ViewWriter, timer: Timer, bodies: list[bytes],
+        full: bool) -> tuple[dict[str, list[float]], list[int], list[int]]:
     samples: dict[str, list[float]] = {s: [] for s in STAGES}
     tokens, hits = [], []
     gc.collect()  # start every row from the same heap state; collections during the row are counted
@@ -156,12 +166,14 @@ def run(router: Router, writer: ViewWriter, timer: Timer, bodies: list[bytes]) -
         t0 = time.perf_counter()
         req = parse_body("chat", raw)
         t1 = time.perf_counter()
-        result = router.route(req)
+        result = router.route(req, full_tokens=full)
         t2 = time.perf_counter()
+        router.deferred.run_pending()
+        t3 = time.perf_counter()
         tm = result.timings
         for stage, value in (("parse", t1 - t0), ("template", timer.last), ("tokenize", tm.tokenize_s - timer.last),
                              ("hash", tm.hash_s), ("lookup", tm.lookup_s), ("score", tm.score_s),
-                             ("total", t2 - t0)):
+                             ("total", t2 - t0), ("tail", t3 - t2)):
             samples[stage].append(value * 1000)
         tokens.append(result.prompt_tokens)
         hits.append(result.decision.hit_tokens)
@@ -176,8 +188,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1000,8000,32000", help="chat sizes in tokens")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the number of requests per row")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    assert set(modes) <= set(MODES), f"modes are {MODES}"
     rows = []
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -209,37 +224,40 @@ def main() -> int:
             # Earlier turns: routed once before (the router cached their pieces) and held by worker 0.
             prior = bundle.encode_chat(base)
             writer.add(0, chain_keys(prior, cfg.block_size, root))
-            seen = [body(next_turn(text, base, size)) for _ in range(n_seen + 10)]
-            fresh = [body(next_turn(text, conversation(text, size), size)) for _ in range(n_new + 3)]
-            for label, enc in (("segments", segmented), ("whole text", whole)):
-                router.segments = enc
+            for label in modes:
+                # Fresh bodies per mode: a tail finished in one mode caches pieces another mode would reuse.
+                seen = [body(next_turn(text, base, size)) for _ in range(n_seen + 10)]
+                fresh = [body(next_turn(text, conversation(text, size), size)) for _ in range(n_new + 3)]
+                router.segments = whole if label.startswith("whole") else segmented
+                full = label.endswith("full")
                 writer.heartbeat()
                 cluster.refresh()
                 router.route(parse_body("chat", body(base)), commit=False)  # the turn before
-                run(router, writer, timer, seen[:10])  # warm-up: allocator, caches, branch predictors
-                samples, toks, hits = run(router, writer, timer, seen[10:])
+                run(router, writer, timer, seen[:10], full)  # warm-up: allocator, caches, branch predictors
+                samples, toks, hits = run(router, writer, timer, seen[10:], full)
                 rows.append((size, "seen", label, samples, toks, hits))
-                run(router, writer, timer, fresh[:3])
-                samples, toks, hits = run(router, writer, timer, fresh[3:])
+                run(router, writer, timer, fresh[:3], full)
+                samples, toks, hits = run(router, writer, timer, fresh[3:], full)
                 rows.append((size, "all-new", label, samples, toks, hits))
             router.segments = segmented
         stats = segmented.get(bundle).stats()
         writer.close(unlink=True)
-    head = f"{'chat':>6} {'prompt':>8} {'text':>8} {'tokenizer':>10} {'hit':>6} |"
+    head = f"{'chat':>6} {'prompt':>8} {'text':>8} {'mode':>11} {'hit':>6} |"
     head += "".join(f" {s:>14}" for s in STAGES)
     print("extproc decision time per request, ms: p50 / p99  (one process, real view file, 4 workers; "
           f"load average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after)")
     print(head)
     print("-" * len(head))
     for size, scenario, label, samples, toks, hits in rows:
-        line = f"{size // 1000:>5}K {int(np.median(toks)):>8} {scenario:>8} {label:>10} {int(np.median(hits)):>6} |"
+        line = f"{size // 1000:>5}K {int(np.median(toks)):>8} {scenario:>8} {label:>11} {int(np.median(hits)):>6} |"
         for stage in STAGES:
             line += f" {pct(samples[stage], .5):>6.3f}/{pct(samples[stage], .99):<7.3f}"
         print(line)
     print(f"segment cache after the run: {stats.entries} entries, {stats.bytes / 2**20:.1f} MiB, "
           f"{stats.hits} piece hits / {stats.misses} misses ({stats.hit_chars / 2**20:.1f} / "
           f"{stats.miss_chars / 2**20:.1f} MiB of text), mode {segmented.get(bundle).mode}")
-    print("prompt = median prompt tokens; hit = median tokens the chosen worker is proven to hold")
+    print("prompt = median prompt tokens (estimated past the stop in early modes); hit = median tokens the chosen "
+          "worker is proven to hold; tail = work done after the answer (not in total)")
     return 0
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cortex.bundle import shipped_tokenizer_dir
 
 Engine = Literal["vllm", "sglang"]
+Role = Literal["both", "prefill", "decode"]
 Port = Annotated[int, Field(ge=1, le=65535)]
 
 
@@ -142,6 +143,26 @@ class SchedulerConfig(_Strict):
         return self
 
 
+class PdConfig(_Strict):
+    """Prefill/decode disaggregation for a model whose workers include `prefill` and `decode` roles (docs/pd.md)."""
+
+    skip_prefill_uncached_tokens: int = Field(256, ge=0)
+    """Send the request to a decode (or mixed) worker alone when fewer prompt tokens than this are left to
+    compute on the best prefill worker: a short prefill costs less than a KV transfer."""
+    skip_prefill_decode_hit_ratio: float = Field(0.8, ge=0, le=1)
+    """Also skip the prefill leg when a decode-capable worker already holds at least this share of the prompt
+    (vLLM decoders keep a prefix cache; SGLang decoders with --disaggregation-decode-enable-radix-cache)."""
+    prefill_timeout_s: float = Field(60.0, gt=0)
+    """vLLM: longest wait for the prefill leg's answer (it computes the whole prompt) before it counts as failed."""
+    bootstrap_timeout_s: float = Field(30.0, gt=0)
+    """SGLang: the pair's watchdog. A prefill leg not finished this long after dispatch (its decode never
+    bootstrapped, or the transfer stalled) is cancelled together with its decode, instead of both waiting for
+    the engines' own 300 s timeouts."""
+    dispatch_timeout_s: float = Field(2.0, gt=0)
+    """How long a prefill leg may take to be accepted by its worker (connection and request sent); slower
+    counts as a failed dispatch and the pair is re-picked."""
+
+
 class ModelConfig(_Strict):
     """A served model: the name clients send, the engine family, and the files that tokenize like it."""
 
@@ -161,6 +182,12 @@ class ModelConfig(_Strict):
     `sha256` and `sha256_cbor` are reproduced; any other value turns the check off."""
     hash_seed: str | None = None
     """The workers' PYTHONHASHSEED if they set one (vLLM derives its root hash from it); None = unset."""
+    scheduling: Literal["cortex", "transparent"] = "cortex"
+    """`cortex`: Cortex picks workers (KV ledger, load, PD pairs). `transparent`: another scheduler owns this
+    model's placement (a single scheduling authority, design §3); Cortex forwards by load alone, makes no KV or
+    PD decision and never claims a hit, but still observes (ledger, metrics, headers)."""
+    pd: PdConfig = PdConfig()
+    """Prefill/decode orchestration knobs (used when the model has prefill and decode workers)."""
 
     def engine_page_size(self) -> int:
         return self.page_size or (16 if self.engine == "vllm" else 1)
@@ -204,6 +231,11 @@ class WorkerConfig(_Strict):
     """ZMQ ROUTER replay endpoint (engine `replay_endpoint`), used to fill gaps."""
     kv_topic: str = ""
     """ZMQ topic prefix to subscribe to (the engine's `topic`; empty = all)."""
+    role: Role = "both"
+    """`both`: serves whole requests. `prefill` / `decode`: one side of a PD pool; Cortex pairs them per request
+    (SGLang: concurrent legs with a bootstrap room; vLLM: prefill first, then decode with its kv_transfer_params)."""
+    bootstrap_port: Port | None = None
+    """SGLang prefill only: its --disaggregation-bootstrap-port. None: read from the worker's /server_info."""
     dp_size: int = Field(1, ge=1, le=256)
     """Data-parallel ranks behind this URL. Rank r publishes on the kv_events (and kv_replay) port + r, keeps
     its own cache, and is routed to as its own target (`<id>@<r>`) with the engine's rank selector."""
@@ -282,6 +314,8 @@ class CortexConfig(_Strict):
             if by_name[w.model].engine != w.engine:
                 raise ValueError(f"workers[{w.id}].engine: {w.engine!r} but model {w.model!r} is served by "
                                  f"{by_name[w.model].engine!r}")
+            if w.bootstrap_port is not None and (w.role != "prefill" or w.engine != "sglang"):
+                raise ValueError(f"workers[{w.id}].bootstrap_port: only an SGLang prefill worker has one")
             if w.dp_size > 1 and w.kv_events is not None and not w.kv_events.startswith("tcp://"):
                 raise ValueError(f"workers[{w.id}].kv_events: data-parallel ranks need a tcp:// endpoint "
                                  "(rank r publishes on port + r)")

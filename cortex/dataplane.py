@@ -30,13 +30,15 @@ from cortex.config import CortexConfig, WorkerConfig
 
 POOL_HEADER = "x-cortex-pool"
 ENDPOINTS_HEADER = "x-gateway-destination-endpoint"
+PD_ROUTE_HEADER = "x-cortex-pd-route"
+"""Set by extproc on a PD pair's decode leg: the route that never retries after the request reached a worker."""
 ANY_CLUSTER = "cortex_any"
 EXTPROC_CLUSTER = "cortex_extproc"
 # Headers only Cortex may set on the request path; a client's copies are removed at the door.
 # x-data-parallel-rank pins a vLLM DP rank: Cortex's cache claims assume the rank it chose.
 RESERVED_REQUEST_HEADERS = (POOL_HEADER, ENDPOINTS_HEADER, "x-cortex-worker", "x-cortex-match-mode",
                             "x-cortex-cache-hit-tokens", "x-cortex-assigned-worker", "x-cortex-route-reason",
-                            "x-data-parallel-rank")
+                            "x-data-parallel-rank", PD_ROUTE_HEADER, "x-cortex-pd")
 
 
 def envoy_binary() -> str:
@@ -72,9 +74,13 @@ def _addr(host: str, port: int) -> dict[str, Any]:
 
 
 def _error_mapper(status: int, message: str) -> dict[str, Any]:
+    status_filter = {"status_code_filter": {"comparison": {
+        "op": "EQ", "value": {"default_value": status, "runtime_key": f"cortex.local_reply.{status}"}}}}
+    # Envoy's own 5xx (no healthy upstream, reset, timeout) carry a response flag; extproc's immediate responses
+    # carry none and already hold Cortex's precise OpenAI error, which must not be replaced by a generic one.
+    flagged = {"and_filter": {"filters": [status_filter, {"response_flag_filter": {}}]}}
     return {
-        "filter": {"status_code_filter": {"comparison": {
-            "op": "EQ", "value": {"default_value": status, "runtime_key": f"cortex.local_reply.{status}"}}}},
+        "filter": flagged if status >= 500 else status_filter,
         "body": {"inline_string": message},
         "body_format_override": {
             "json_format": {"error": {"message": "%LOCAL_REPLY_BODY%", "type": _error_type(status),
@@ -86,6 +92,12 @@ def _error_mapper(status: int, message: str) -> dict[str, Any]:
 
 def _error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "upstream_error"
+
+
+def max_message_timeout_s(cfg: CortexConfig) -> int:
+    """The longest a PD pair may take to start (a vLLM prefill leg is awaited twice at most), plus slack."""
+    longest = max((2 * max(m.pd.prefill_timeout_s, m.pd.dispatch_timeout_s) for m in cfg.models), default=0.0)
+    return int(max(longest + 10, cfg.extproc.message_timeout_ms / 1000 + 1))
 
 
 def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
@@ -104,6 +116,8 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
             "message_timeout": f"{ep.message_timeout_ms / 1000:.3f}s",
+            # extproc may extend one message's deadline up to this: a vLLM PD prefill leg runs inside it.
+            "max_message_timeout": f"{max_message_timeout_s(cfg)}s",
             # ext_proc down: keep serving through route 2 (Envoy's own balancing) instead of failing requests.
             "failure_mode_allow": True,
             "route_cache_action": "CLEAR",
@@ -136,7 +150,14 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
         }],
         "host_selection_retry_max_attempts": 5,
     }
+    # A PD decode leg carries its pair's room or transfer params: a decoder that never got the request (failed
+    # connect) can be replaced by the next one, but one that did may already hold the KV handoff, so a 5xx or a
+    # reset is not retried (the pair's failure is handled by extproc, docs/pd.md).
+    pd_retry = {**retry, "retry_on": "connect-failure,refused-stream"}
     routes = [
+        {"match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "present_match": True},
+                                              {"name": PD_ROUTE_HEADER, "present_match": True}]},
+         "route": {"cluster_header": POOL_HEADER, "timeout": "0s", "retry_policy": pd_retry}},
         {"match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "present_match": True}]},
          "route": {"cluster_header": POOL_HEADER, "timeout": "0s", "retry_policy": retry}},
         {"match": {"prefix": "/"},

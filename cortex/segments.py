@@ -66,6 +66,11 @@ _FRAGMENTS = (
 _AROUND = (("", ""), ("x", "y"), (" ", " "), ("Hello ", "\nworld"), ("\n", "\n"), ("héllo", "e\u0301"),
            ("don't ", " 12345"), ("  ", "x"), ("x", "  "), ("日本", "語"), ("\u0301", "\u0301"))
 _TOKEN_SAMPLE = 48
+PREFIX_MIN_CHARS = 2048
+"""An uncached piece at least this long is first encoded only in part (see SegmentEncoder._safe_prefix)."""
+PREFIX_CHARS = 256
+"""Characters encoded first from such a piece: 60-90 tokens of prose, a few blocks, enough to find a miss."""
+_PREFIX_MARGIN = 16
 # Conversations rendered with the model's chat template as probes: roles, whitespace edges, empty content.
 _PROBE_CHATS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("system", "You are a helpful assistant."), ("user", "Hi there!"), ("assistant", "Hello! How can I help?"),
@@ -78,6 +83,9 @@ _PROBE_CHATS: tuple[tuple[tuple[str, str], ...], ...] = (
 
 class _Mismatch(Exception):
     """An anchored piece did not start with its anchor: this request is encoded whole-text."""
+
+
+SegmentMismatch = _Mismatch  # what a TokenCursor's caller catches to start over whole-text
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +146,7 @@ class SegmentEncoder:
         self._cache: OrderedDict[Any, list[int]] = OrderedDict()
         self._bytes = 0
         self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
+        self.miss_tokens = 0
         self._batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
         self.mode = WHOLE_TEXT
         self.reason = ""
@@ -148,6 +157,13 @@ class SegmentEncoder:
         self._rx: re.Pattern[str] | None = None
         self._boundary: dict[str, list[int]] = {}
         self._merge = False
+        # Encoding a long piece's beginning alone (routing stops at the first block no worker holds).
+        self.prefix_min_chars = PREFIX_MIN_CHARS
+        self.prefix_chars = PREFIX_CHARS
+        self.prefix_reason = "segmenting is off"
+        self._prefix_ok = False
+        self._added_rx: re.Pattern[str] | None = None
+        self._added_len = 0
         if not enabled:
             self.reason = "segmenting turned off"
         else:
@@ -160,7 +176,8 @@ class SegmentEncoder:
         probes += _template_probes(bundle)
         enc = cls(bundle.tokenizer, probes=probes, **kwargs)
         if enc.mode == SEGMENTED:
-            log.info("model %r: segment-wise tokenization on (%d probes agree)", bundle.name, enc.probes_checked)
+            log.info("model %r: segment-wise tokenization on (%d probes agree); long pieces begun alone: %s",
+                     bundle.name, enc.probes_checked, enc.prefix_reason or "yes")
         elif enc.mode == ANCHORED:
             log.info("model %r: segment-wise tokenization on, anchored (%s)", bundle.name, enc.reason)
         else:
@@ -244,21 +261,38 @@ class SegmentEncoder:
 
     def _fill(self, todo: dict[Any, list[int]], chunks: list[list[int]]) -> None:
         keys = list(todo)
-        anchor = self._anchor
-        texts = keys if anchor is None else [k[0] if isinstance(k, tuple) else anchor[0] + k for k in keys]
-        encodings = self._batch(texts, add_special_tokens=False)
+        encodings = self._batch([self._raw_text(k) for k in keys], add_special_tokens=False)
         for key, enc in zip(keys, encodings, strict=True):
-            ids = enc.ids
-            text = key[0] if isinstance(key, tuple) else key
-            if anchor is not None and not isinstance(key, tuple):
-                if not ids or ids[0] != anchor[1]:
-                    raise _Mismatch
-                del ids[0]
-            self.misses += 1
-            self.miss_chars += len(text)
-            self._store(key, text, ids)
+            ids = self._accept(key, enc.ids)
             for pos in todo[key]:
                 chunks[pos] = ids
+
+    def _raw_text(self, key: Any) -> str:
+        """What the library is given for a piece's cache key (anchored pieces go behind their anchor)."""
+        if isinstance(key, tuple):
+            return str(key[0])
+        return key if self._anchor is None else self._anchor[0] + key
+
+    def _accept(self, key: Any, ids: list[int]) -> list[int]:
+        """A piece's ids from the library -> its ids in the prompt, counted and cached. Raises _Mismatch."""
+        anchor = self._anchor
+        text = key[0] if isinstance(key, tuple) else key
+        if anchor is not None and not isinstance(key, tuple):
+            if not ids or ids[0] != anchor[1]:
+                raise _Mismatch
+            del ids[0]
+        self.misses += 1
+        self.miss_chars += len(text)
+        self.miss_tokens += len(ids)
+        self._store(key, text, ids)
+        return ids
+
+    def cursor(self, text: str, *, add_special_tokens: bool = False) -> TokenCursor:
+        """The ids of `encode(text)` produced piece by piece, so a caller can stop before the end."""
+        if self.mode == WHOLE_TEXT or (add_special_tokens and self._affix is None):
+            return TokenCursor.of_ids(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        prefix, suffix = self._affix if add_special_tokens and self._affix is not None else ([], [])
+        return TokenCursor(self, self._split(text), prefix, suffix)
 
     def _store(self, key: Any, text: str, ids: list[int]) -> None:
         cost = len(text) + _BYTES_PER_ID * len(ids) + _BYTES_PER_ENTRY
@@ -323,8 +357,10 @@ class SegmentEncoder:
                 self.clear()
                 return
         self._setup_specials(probes)
+        self._setup_prefix(extra_probes)
         self.clear()
         self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
+        self.miss_tokens = 0
 
     def _check(self, probes: list[str], mode: str) -> str | None:
         """The first probe whose segment-wise ids differ from the whole-text ids, or None."""
@@ -339,6 +375,58 @@ class SegmentEncoder:
                 return _short(text)
             self.probes_checked = n
         return None
+
+    def _safe_prefix(self, text: str, cut: int) -> tuple[list[int], int] | None:
+        """The leading ids of `text` that encoding only text[:cut] already gets right, and the characters
+        they cover; None when there are none to trust.
+
+        The library normalizes, splits into words (pre-tokenizes) and runs the model on each word alone, and
+        the split is a left-to-right scan: only the words near the cut can come out differently from the whole
+        text's. So the tokens of the last two words, and any ending within a margin of the cut, are dropped;
+        an added token near the cut (or anywhere before it) makes the attempt give up. The load-time check
+        (`_setup_prefix`) verifies the rule on every cut of its probe texts before it is used.
+        """
+        rx = self._added_rx
+        if rx is not None and rx.search(text, 0, min(len(text), cut + self._added_len)):
+            return None
+        enc = self.tokenizer.encode(text[:cut], add_special_tokens=False)
+        words = enc.word_ids
+        if not words or None in words:
+            return None
+        last = words[-1] - 1
+        limit = cut - _PREFIX_MARGIN
+        keep = 0
+        for word, (_, end) in zip(words, enc.offsets, strict=True):
+            if word >= last or end > limit:
+                break
+            keep += 1
+        if not keep:
+            return None
+        return enc.ids[:keep], enc.offsets[keep - 1][1]
+
+    def _setup_prefix(self, extra_probes: list[str]) -> None:
+        """Check `_safe_prefix` at every cut of a set of probe pieces; turn it on only if every cut agrees."""
+        if self.mode != SEGMENTED:
+            self.prefix_reason = f"only for plainly segmented tokenizers (mode {self.mode})"
+            return
+        added = [a.content for a in self.tokenizer.get_added_tokens_decoder().values() if a.content]
+        if added:
+            self._added_rx = re.compile(_trie_pattern(added))
+            self._added_len = max(map(len, added))
+        texts = ["".join(_FRAGMENTS), " ".join(_FRAGMENTS), "\n".join(reversed(_FRAGMENTS)),
+                 "  ".join(f + f for f in _FRAGMENTS[::2])]
+        texts += sorted({p for probe in extra_probes for p in self._split(probe)[::2] if len(p) >= 16})[:40]
+        whole = self.tokenizer.encode
+        for text in texts:
+            ids = whole(text, add_special_tokens=False).ids
+            for cut in range(1, len(text) + 1):
+                got = self._safe_prefix(text, cut)
+                if got is not None and got[0] != ids[: len(got[0])]:
+                    self.prefix_reason = f"a piece's beginning encodes differently alone (probe {_short(text)!r}, " \
+                                         f"cut at {cut})"
+                    return
+        self._prefix_ok = True
+        self.prefix_reason = ""
 
     def _setup_specials(self, probes: list[str]) -> None:
         """Find the fixed prefix/suffix the post-processor adds (e.g. BOS) and check it on every probe."""
@@ -361,6 +449,212 @@ class SegmentEncoder:
                 self._affix = None
                 self.special_reason = f"special tokens are not a fixed prefix/suffix (probe {_short(text)!r})"
                 return
+
+
+class TokenCursor:
+    """The ids of one text in prompt order, tokenized piece by piece only as far as they are asked for.
+
+    The chunks of `next()` followed by `rest()` concatenate to `SegmentEncoder.encode(text)`. Each `next()`
+    returns every cached piece and boundary token up to and including the next uncached piece, which it
+    tokenizes then: routing stops asking once no worker can hold the next block, so text past that point
+    costs nothing before the answer. The rest is finished later: `missing()` lists what the library must
+    still encode, `raw_encode()` of those texts may run on another thread (it touches only the Rust
+    tokenizer, which releases the GIL in batch calls), and `rest()` assembles the remaining ids on the
+    encoder's own thread, caching them. A cursor raises SegmentMismatch where `encode()` would have fallen
+    back to whole-text; the caller starts over with a whole-text cursor.
+    """
+
+    __slots__ = ("_enc", "_partial", "_parts", "_pos", "_ready", "_suffix", "chars", "tokens", "total_chars")
+
+    def __init__(self, enc: SegmentEncoder | None, parts: list[str], prefix: Sequence[int],
+                 suffix: Sequence[int]) -> None:
+        self._enc = enc
+        self._parts = parts
+        self._pos = 0
+        self._ready: list[int] = list(prefix)
+        self._suffix: list[int] = list(suffix)
+        # A long piece whose beginning alone was returned: (cache key, text, ids returned, characters covered).
+        self._partial: tuple[Any, str, list[int], int] | None = None
+        self.chars = 0
+        """Characters of text turned into ids so far."""
+        self.tokens = 0
+        """Ids returned so far."""
+        self.total_chars = sum(map(len, parts))
+
+    @classmethod
+    def of_ids(cls, ids: list[int]) -> TokenCursor:
+        """A cursor over ids known already (whole-text encoding, or a prompt given as ids): one chunk."""
+        cur = cls(None, [], (), ())
+        cur._ready = ids
+        return cur
+
+    @property
+    def done(self) -> bool:
+        return not self._ready and self._pos >= len(self._parts) and not self._suffix and self._partial is None
+
+    @property
+    def remaining_chars(self) -> int:
+        return self.total_chars - self.chars
+
+    def tokens_per_char(self) -> float:
+        """This text's tokens per character so far, drawn toward the encoder's running ratio: a few hundred
+        characters alone vary by a third either way."""
+        enc = self._enc
+        prior = enc.miss_tokens / enc.miss_chars if enc is not None and enc.miss_chars else 0.25
+        weight = 4096
+        return (self.tokens + weight * prior) / (self.chars + weight)
+
+    @property
+    def backlog(self) -> int:
+        """Work left, in characters to tokenize plus ids produced but not returned."""
+        return self.total_chars - self.chars + len(self._ready)
+
+    def next(self) -> list[int] | None:
+        """The next chunk of ids (ending with at most one newly tokenized piece), None once all were returned."""
+        if self.done:
+            return None
+        out = self._ready
+        self._ready = []
+        parts = self._parts
+        n = len(parts)
+        i = self._pos
+        enc = self._enc
+        if self._partial is not None:
+            out += self._complete()  # the rest of the long piece begun last time: this call's new piece
+        elif i < n:
+            assert enc is not None
+            cache = enc._cache
+            boundary = enc._boundary
+            anchored = enc._anchor is not None
+            while i < n:
+                part = parts[i]
+                i += 1
+                if not i & 1:  # odd index in parts: a boundary token
+                    out += boundary[part]
+                    self.chars += len(part)
+                    continue
+                if not part:
+                    continue
+                key: Any = (part,) if anchored and i == 1 else part
+                ids = cache.get(key)
+                if ids is not None:
+                    cache.move_to_end(key)
+                    enc.hits += 1
+                    enc.hit_chars += len(part)
+                    self.chars += len(part)
+                    out += ids
+                    continue
+                if enc._prefix_ok and len(part) >= enc.prefix_min_chars:
+                    begun = enc._safe_prefix(part, enc.prefix_chars)
+                    if begun is not None:
+                        self._partial = (key, part, begun[0], begun[1])
+                        self.chars += begun[1]
+                        out += begun[0]
+                        break
+                self.chars += len(part)
+                out += enc._accept(key, enc._batch([enc._raw_text(key)], add_special_tokens=False)[0].ids)
+                break
+            self._pos = i
+        if i >= n and self._suffix and self._partial is None:
+            out += self._suffix
+            self._suffix = []
+        self.tokens += len(out)
+        return out
+
+    def _complete(self) -> list[int]:
+        """The ids of the begun piece after its returned beginning, the piece now encoded whole."""
+        assert self._partial is not None and self._enc is not None
+        key, part, begun, covered = self._partial
+        enc = self._enc
+        ids = enc._cache.get(key)
+        if ids is None:
+            ids = enc._accept(key, enc._batch([enc._raw_text(key)], add_special_tokens=False)[0].ids)
+        self._partial = None
+        self._verify(begun, ids)
+        self.chars += len(part) - covered
+        return ids[len(begun):]
+
+    def _verify(self, begun: list[int], ids: list[int]) -> None:
+        # Checked at load on every cut of the probes; if a real prompt still disagrees, stop using it.
+        if ids[: len(begun)] != begun:
+            assert self._enc is not None
+            self._enc._prefix_ok = False
+            self._enc.prefix_reason = "a piece's beginning encoded alone disagreed with the whole piece"
+            log.error("tokenizer: %s; encoding long pieces whole from now on", self._enc.prefix_reason)
+            raise _Mismatch
+
+    def _keys(self) -> Iterable[tuple[int, Any]]:
+        enc = self._enc
+        if enc is None:
+            return
+        anchored = enc._anchor is not None
+        parts = self._parts
+        for i in range(self._pos, len(parts)):
+            if i & 1:
+                yield i, None
+            elif parts[i]:
+                yield i, (parts[i],) if anchored and i == 0 else parts[i]
+
+    def missing(self) -> list[tuple[Any, str]]:
+        """(cache key, text for the library) of each remaining piece not cached, once each."""
+        enc = self._enc
+        out: dict[Any, str] = {}
+        if enc is not None:
+            if self._partial is not None and self._partial[0] not in enc._cache:
+                out[self._partial[0]] = enc._raw_text(self._partial[0])
+            for _, key in self._keys():
+                if key is not None and key not in enc._cache and key not in out:
+                    out[key] = enc._raw_text(key)
+        return list(out.items())
+
+    def raw_encode(self, texts: list[str]) -> list[list[int]]:
+        """The library's ids for `missing()` texts. Touches no Python state of the encoder: safe on a thread."""
+        if self._enc is None or not texts:
+            return []
+        return [e.ids for e in self._enc._batch(texts, add_special_tokens=False)]
+
+    def rest(self, encoded: dict[Any, list[int]] | None = None) -> list[int]:
+        """All ids not returned yet; `encoded` maps `missing()` keys to `raw_encode()` results (others are
+        encoded here). Raises SegmentMismatch like `next()`."""
+        out = self._ready
+        self._ready = []
+        enc = self._enc
+        partial = self._partial
+        if enc is not None and (self._pos < len(self._parts) or partial is not None):
+            cache = enc._cache
+            got: dict[Any, list[int]] = {}
+            for key, ids in (encoded or {}).items():
+                # Another request may have cached the piece meanwhile: keep that entry, counted once.
+                got[key] = cache[key] if key in cache else enc._accept(key, ids)
+            todo: dict[Any, list[int]] = {}
+            chunks: list[list[int]] = []
+            parts = self._parts
+            for i, key in ([(-1, partial[0])] if partial is not None else []) + list(self._keys()):
+                if key is None:
+                    chunks.append(enc._boundary[parts[i]])
+                    continue
+                ids = got.get(key)
+                if ids is None:
+                    ids = cache.get(key)
+                if ids is None:
+                    todo.setdefault(key, []).append(len(chunks))
+                    chunks.append([])
+                else:
+                    chunks.append(ids)
+            if todo:
+                enc._fill(todo, chunks)
+            if partial is not None:
+                self._partial = None
+                self._verify(partial[2], chunks[0])
+                chunks[0] = chunks[0][len(partial[2]):]
+            for chunk in chunks:
+                out += chunk
+            self.chars = self.total_chars
+            self._pos = len(parts)
+        out += self._suffix
+        self._suffix = []
+        self.tokens += len(out)
+        return out
 
 
 class EncoderSet:

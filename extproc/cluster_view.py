@@ -44,6 +44,14 @@ class TargetInfo:
     """Time since ingest added it (None until ingest has spoken)."""
     why: str = ""
     """Why its ledger is not trusted, as a reason code ('' when it is)."""
+    role: str = "both"
+    """`both`, `prefill` or `decode` (PD pools, docs/pd.md)."""
+    bootstrap_port: int | None = None
+    """SGLang prefill: the port its decode connects to (None until ingest has read it)."""
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0].strip("[]")
 
 
 class ClusterView:
@@ -69,7 +77,8 @@ class ClusterView:
             for rank in ranks:
                 docs.append({"id": w.id if rank is None else f"{w.id}@{rank}", "worker": w.id, "rank": rank,
                              "slot": len(docs), "model": w.model, "engine": w.engine, "address": w.address(),
-                             "exact_kv": False, "healthy": True, "load": {}})
+                             "exact_kv": False, "healthy": True, "load": {}, "role": w.role,
+                             "bootstrap_port": w.bootstrap_port})
         return docs
 
     def _set_targets(self, docs: list[dict[str, Any]]) -> None:
@@ -85,7 +94,8 @@ class ClusterView:
                               address=d["address"], exact_kv=bool(d.get("exact_kv")),
                               healthy=bool(d.get("healthy", True)), engine_load=engine_load,
                               engine_waiting=float(load.get("waiting", 0) or 0), age_s=d.get("age_s"),
-                              why=d.get("why", "" if d.get("exact_kv") else "ledger_unknown"))
+                              why=d.get("why", "" if d.get("exact_kv") else "ledger_unknown"),
+                              role=d.get("role", "both"), bootstrap_port=d.get("bootstrap_port"))
             by_model.setdefault(info.model, []).append(info)
             by_address.setdefault(info.address, info)
         self.targets = by_model

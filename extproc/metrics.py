@@ -17,6 +17,13 @@ _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1
 DECISION_SECONDS = Histogram("cortex_route_decision_seconds", "time to route one request inside extproc",
                              buckets=_BUCKETS)
 STAGE_SECONDS = Histogram("cortex_route_stage_seconds", "time per routing stage", ["stage"], buckets=_BUCKETS)
+PD_DECISIONS = Counter("cortex_pd_decisions", "requests of PD-served models by outcome: pair, pair_repicked, "
+                       "skipped:<why>, fallback:<why>", ["engine", "outcome"])
+PD_FAILURES = Counter("cortex_pd_failures", "PD leg failures (dispatch, HTTP status class, watchdog = bootstrap "
+                      "timeout, decode_failed ...)", ["engine", "leg", "event"])
+PD_LEG_SECONDS = Histogram("cortex_pd_leg_seconds", "PD transfer path: prefill leg dispatch to its answer",
+                           ["engine", "leg"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                                                       5.0, 10.0, 30.0))
 
 
 def observe_decision(result: RouteResult, total_s: float) -> None:

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from cortex.blockkeys import chain_keys, root_key
 from cortex.bundle import ModelBundle, TemplateError
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
-from cortex.segments import EncoderSet
-from extproc.cluster_view import ClusterView
+from cortex.segments import EncoderSet, SegmentMismatch, TokenCursor
+from extproc import pd
+from extproc.cluster_view import ClusterView, TargetInfo
+from extproc.early import DeferredTail, Tail, WalkResult, walk
 from extproc.predictions import Predictions
 from extproc.registry import ModelRegistry
 from extproc.request import ParsedRequest
@@ -37,16 +43,47 @@ class RouteResult:
     token_ids: list[int] | None
     timings: Timings = field(default_factory=Timings)
     truncated: bool = False
+    """The prompt was longer than extproc.max_tokenize_chars; prompt_tokens counts only the routed prefix."""
     model: str = ""
     """The configured model that serves it (differs from the request's when an alias was used)."""
     alias: str | None = None
+    """The public name the client used, when it was an alias."""
+    pd: pd.PdPlan | None = None
+    """Set when the model has a PD pool: the pair (prefill and decode decisions) or why the request skips it."""
+    prompt_tokens_estimated: bool = False
+    """Routing stopped before the end of the prompt (token_ids is None): prompt_tokens is an estimate."""
+
+
+@dataclass(slots=True)
+class Prepared:
+    """The prompt as routing sees it, computed once per request whatever pools then compete for it."""
+
+    model: str
+    alias: str | None
+    workers: list[TargetInfo]
+    ids: list[int]
+    truncated: bool
     """The prompt was longer than extproc.max_tokenize_chars; prompt_tokens counts only the routed prefix."""
+    keys: list[int]
+    matches: np.ndarray | None
+    why: str
+    timings: Timings
+    transparent: bool = False
+    body: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    walked: bool = False
+    """Tokenized only as far as routing needed (extproc/early.py): `ids` is empty, `prompt_tokens` may be an
+    estimate, and `tail` holds the rest, to become the chosen targets' predictions after the answer."""
+    estimated: bool = False
+    tail: Tail | None = None
 
 
 class Router:
     def __init__(self, cfg: CortexConfig, cluster: ClusterView, registry: ModelRegistry) -> None:
         self.cluster = cluster
         self.predictions = Predictions(cfg.extproc.prediction_ttl_s)
+        # Prompt tails past the first block no worker holds, finished into predictions after the answer.
+        self.deferred = DeferredTail(self.predictions)
         # Per tokenizer: the text between special tokens encoded piece by piece with a cache, checked once.
         self.segments = EncoderSet()
         self.reload(cfg, registry)
@@ -75,6 +112,15 @@ class Router:
         if req.prompt_ids is not None:
             return req.prompt_ids, False
         seg = self.segments.get(bundle)
+        text, special = self._text(req, bundle)
+        cap = self.cfg.extproc.max_tokenize_chars
+        if len(text) <= cap:
+            return seg.encode(text, add_special_tokens=special), False
+        ids = seg.encode(text[:cap], add_special_tokens=special)
+        return ids[: max(0, len(ids) - 2 * self.cluster.block_size)], True
+
+    def _text(self, req: ParsedRequest, bundle: ModelBundle) -> tuple[str, bool]:
+        """The prompt as text, and whether the tokenizer adds its special tokens (completions) or not (chat)."""
         try:
             if req.kind == "chat":
                 assert req.messages is not None
@@ -88,20 +134,79 @@ class Router:
                 text, special = req.prompt_text, True
         except TemplateError as exc:
             raise ClientError(400, str(exc), "messages") from None
-        cap = self.cfg.extproc.max_tokenize_chars
-        if len(text) <= cap:
-            return seg.encode(text, add_special_tokens=special), False
-        ids = seg.encode(text[:cap], add_special_tokens=special)
-        return ids[: max(0, len(ids) - 2 * self.cluster.block_size)], True
+        return text, special
 
-    def route(self, req: ParsedRequest, *, commit: bool = True) -> RouteResult:
-        """Decide. `commit` records the chosen target's coming blocks as predicted (real traffic only)."""
+    def _walk(self, req: ParsedRequest, bundle: ModelBundle, workers: list[TargetInfo],
+              timings: Timings) -> tuple[WalkResult, bool]:
+        """Tokenize, hash and look up only as far as some worker can hold the prompt (extproc/early.py)."""
+        t0 = time.perf_counter()
+        bs = self.cluster.block_size
+        truncated = False
+        if req.prompt_ids is not None:
+            ids = req.prompt_ids
+            cursor = TokenCursor.of_ids(ids)
+
+            def whole() -> list[int]:
+                return ids
+        else:
+            text, special = self._text(req, bundle)
+            cap = self.cfg.extproc.max_tokenize_chars
+            if len(text) > cap:
+                text, truncated = text[:cap], True
+            cursor = self.segments.get(bundle).cursor(text, add_special_tokens=special)
+
+            def whole() -> list[int]:
+                return bundle.tokenizer.encode(text, add_special_tokens=special).ids
+        timings.tokenize_s += time.perf_counter() - t0
+        root = root_key(None, req.cache_salt)
+        watched = [w.slot for w in workers]
+        trusted = [w.slot for w in workers if w.exact_kv]
+
+        def go(cursor: TokenCursor) -> WalkResult:
+            # Past a cut the last tokens may differ from the engine's: two more blocks are left out, as in tokens().
+            return walk(cursor, block_size=bs, root=root, holdback=1 + 2 * bs * truncated, lookup=self.cluster.match,
+                        predictions=self.predictions, watched=watched, trusted=trusted, timings=timings,
+                        catch_up=self.deferred.catch_up, whole=whole)
+        try:
+            result = go(cursor)
+        except SegmentMismatch:
+            # Where encode() falls back to whole-text ids for this prompt, the walk starts over with them.
+            t1 = time.perf_counter()
+            cursor = TokenCursor.of_ids(whole())
+            timings.tokenize_s += time.perf_counter() - t1
+            result = go(cursor)
+        if truncated:
+            result.prompt_tokens = max(0, result.prompt_tokens - 2 * bs)
+        return result, truncated
+
+    def prepare(self, req: ParsedRequest, *, full_tokens: bool = False) -> Prepared:
+        """Everything about the prompt that does not depend on which pool serves it: model, tokens, keys, and
+        how many leading blocks each routing target holds.
+
+        Unless `full_tokens`, tokenizing, hashing and lookup stop at the first block no worker holds or is
+        predicted to hold: every target's match is the same as with the whole prompt. A model with a PD pool
+        ready gets the whole prompt, since its skip rule needs the exact prompt length.
+        """
         resolved = self.registry.resolve(req.model, lambda m: bool(self.cluster.candidates(m)))
         bundle = self.bundles[resolved.model]
         workers = self.cluster.candidates(resolved.model)
         if not workers:
             raise ClientError(503, f"no healthy worker serves model `{req.model}`", "model")
         timings = Timings()
+        model_cfg = self.cfg.model(resolved.model)
+        transparent = model_cfg is not None and model_cfg.scheduling == "transparent"
+        if not (full_tokens or transparent or req.unroutable or not self.cluster.alive
+                or pd.split_pools(workers).pd_ready):
+            walked, truncated = self._walk(req, bundle, workers, timings)
+            why = "no_cached_prefix"
+            if not walked.keys:
+                why = "prompt_shorter_than_a_block"
+            elif walked.matches is None:
+                why = "ledger_unavailable"
+            return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=[], truncated=truncated,
+                            keys=walked.keys, matches=walked.matches, why=why, timings=timings, body=req.body,
+                            prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
+                            tail=walked.tail)
         t0 = time.perf_counter()
         ids, truncated = self.tokens(req, bundle)
         t1 = time.perf_counter()
@@ -112,7 +217,9 @@ class Router:
         why = "no_cached_prefix"
         matches = None
         keys: list[int] = []
-        if req.unroutable:
+        if transparent:
+            why = "transparent_proxy"
+        elif req.unroutable:
             why = req.unroutable
         elif not self.cluster.alive:
             why = "ledger_unavailable"
@@ -126,7 +233,19 @@ class Router:
             timings.lookup_s = time.perf_counter() - t2
             if matches is None:
                 why = "ledger_unavailable"
+        return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=ids, truncated=truncated,
+                        keys=keys, matches=matches, why=why, timings=timings, transparent=transparent,
+                        body=req.body, prompt_tokens=len(ids))
+
+    def choose(self, prep: Prepared, workers: Sequence[TargetInfo], *, commit: bool,
+               use_ledger: bool = True) -> Decision:
+        """One pool's decision for a prepared prompt. `use_ledger=False` routes by load alone (a pool whose
+        cache the request cannot use, e.g. SGLang decoders without a radix cache)."""
         t3 = time.perf_counter()
+        bs = self.cluster.block_size
+        matches = prep.matches if use_ledger else None
+        keys = prep.keys
+        why = prep.why if use_ledger or prep.why != "no_cached_prefix" else "pool_without_prefix_cache"
         inflight = self.cluster.inflight.totals()
         cands = []
         for w in workers:
@@ -158,8 +277,40 @@ class Router:
         else:
             decision = decide(cands, block_size=bs, ledger_usable=matches is not None, why_not_exact=why,
                               turn=turn, scoring=self.scoring)
-        timings.score_s = time.perf_counter() - t3
+        prep.timings.score_s += time.perf_counter() - t3
         if commit and keys and decision.chosen.ledger_trusted:
             self.predictions.record(decision.chosen.slot, keys)
-        return RouteResult(decision=decision, prompt_tokens=len(ids), token_ids=ids, timings=timings,
-                           truncated=truncated, model=resolved.model, alias=resolved.alias)
+            if prep.tail is not None and not prep.tail.done:
+                # The rest of the prompt becomes this target's predictions after the answer.
+                prep.tail.slot = decision.chosen.slot
+                self.deferred.submit(prep.tail)
+        return decision
+
+    def route(self, req: ParsedRequest, *, commit: bool = True, full_tokens: bool | None = None) -> RouteResult:
+        """Decide. `commit` records the chosen target's coming blocks as predicted (real traffic only).
+
+        Real traffic stops tokenizing, hashing and looking up at the first block no worker holds or is
+        predicted to hold; the decision is the same as with the whole prompt, prompt_tokens is then estimated
+        and the rest becomes predictions after the answer. `full_tokens` (default: when not committing, as the
+        explain endpoint does) computes the whole prompt and returns its token ids.
+        """
+        prep = self.prepare(req, full_tokens=not commit if full_tokens is None else full_tokens)
+        pd_plan = None
+        if prep.transparent:
+            workers: Sequence[TargetInfo] = prep.workers
+        else:
+            pools = pd.split_pools(prep.workers)
+            pd_plan = pd.plan(prep, pools, self, commit=commit) if pools.pd_ready else None
+            workers = pools.single
+            if pd_plan is not None and pd_plan.pair is None:
+                workers = pd_plan.single_pool
+            if not workers and (pd_plan is None or pd_plan.pair is None):
+                raise ClientError(503, pd.no_pool_message(prep.model, pools), "model")
+        if pd_plan is not None and pd_plan.pair is not None:
+            decision = pd_plan.pair.decode
+        else:
+            decision = self.choose(prep, workers, commit=commit)
+        return RouteResult(decision=decision, prompt_tokens=prep.prompt_tokens,
+                           token_ids=None if prep.walked else prep.ids, timings=prep.timings,
+                           truncated=prep.truncated, model=prep.model, alias=prep.alias, pd=pd_plan,
+                           prompt_tokens_estimated=prep.estimated)

@@ -24,16 +24,19 @@ import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.duration_pb2 import Duration
 
 from cortex.bundle import BundleError
 from cortex.config import ConfigError, CortexConfig, load_config
-from cortex.dataplane import ANY_CLUSTER, ENDPOINTS_HEADER, POOL_HEADER, pool_cluster
+from cortex.dataplane import ANY_CLUSTER, ENDPOINTS_HEADER, PD_ROUTE_HEADER, POOL_HEADER, pool_cluster
 from cortex.errors import ClientError
 from extproc import metrics
 from extproc.cluster_view import ClusterView
+from extproc.pd import PdPlan
+from extproc.pd_dispatch import PairResult, PdDispatcher, splice
 from extproc.registry import ModelRegistry
 from extproc.request import ROUTED_PATHS, parse_body
-from extproc.router import Router
+from extproc.router import Router, RouteResult
 from extproc.scheduler import EXACT, LOAD_AWARE, Candidate, Decision, decide
 
 log = logging.getLogger("cortex.extproc")
@@ -41,6 +44,7 @@ log = logging.getLogger("cortex.extproc")
 EXPLAIN_PATH = "/cortex/v1/route"
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/cortex/health"
+PD_HEADER = "x-cortex-pd"
 DP_RANK_HEADER = "x-data-parallel-rank"  # vLLM's selector of the engine inside a DP deployment
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 _EMPTY_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -59,6 +63,19 @@ def _immediate(status: int, body: bytes, content_type: str = "application/json")
 
 
 @dataclass(slots=True)
+class PendingPair:
+    """A routed request whose PD pair still has to be started (the only await on the request path)."""
+
+    result: RouteResult
+    plan: PdPlan
+    doc: dict[str, Any]
+    body: bytes
+    changes: dict[str, object]
+    wait_s: float
+    """How long starting the pair may take (Envoy's message deadline is extended when it is longer)."""
+
+
+@dataclass(slots=True)
 class StreamState:
     method: str = ""
     path: str = ""
@@ -66,6 +83,11 @@ class StreamState:
     decision: Decision | None = None
     counted_slot: int | None = None
     fallback_reason: str = ""
+    pd: PairResult | None = None
+    """The PD pair serving this request (its prefill leg is extproc's own)."""
+    pd_note: str = ""
+    """x-cortex-pd: pair, pair:repicked, skipped:<why>, fallback:<why> ('' for a model without a PD pool)."""
+    pd_prefill_decision: Decision | None = None
 
 
 class ExtProc:
@@ -73,6 +95,7 @@ class ExtProc:
         self.cfg = cfg
         self.cluster = cluster
         self.router = router
+        self.pd = PdDispatcher(cfg, cluster.inflight)
 
     # -- the gRPC method ----------------------------------------------------------------------------------
 
@@ -84,7 +107,14 @@ class ExtProc:
                 if which == "request_headers":
                     yield self.on_request_headers(st, req.request_headers)
                 elif which == "request_body":
-                    yield self.on_request_body(st, req.request_body.body)
+                    answer = self.on_request_body(st, req.request_body.body)
+                    if isinstance(answer, PendingPair):
+                        if answer.wait_s > self.cfg.extproc.message_timeout_ms / 1000:
+                            # A vLLM prefill leg can outlast Envoy's per-message deadline: extend it first.
+                            yield pb.ProcessingResponse(override_message_timeout=Duration(
+                                seconds=int(answer.wait_s) + 5))
+                        answer = await self._pd_pair(st, answer)
+                    yield answer
                 elif which == "response_headers":
                     yield self.on_response_headers(st, req)
                 elif which == "response_body":
@@ -97,6 +127,8 @@ class ExtProc:
             # Runs on a clean end, on cancellation and on GeneratorExit: the request is over either way.
             if st.counted_slot is not None:
                 self.cluster.inflight.dec(st.counted_slot)
+            if st.pd is not None:
+                st.pd.legs.event("stream_end")
 
     # -- phases ---------------------------------------------------------------------------------------------
 
@@ -122,7 +154,7 @@ class ExtProc:
             return self._routing_response(st, "request_headers")
         return _EMPTY_HEADERS
 
-    def on_request_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+    def on_request_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse | PendingPair:
         explain = st.path == EXPLAIN_PATH
         kind = ROUTED_PATHS.get(st.path)
         if kind is None and not explain:
@@ -140,26 +172,79 @@ class ExtProc:
             metrics.INTERNAL_ERRORS.inc()
             st.fallback_reason = "extproc_error"
             return _EMPTY_BODY
-        st.decision = result.decision
-        self._count(st, result.decision.chosen.slot)
         metrics.observe_decision(result, time.perf_counter() - t0)
-        response = self._routing_response(st, "request_body", pool_cluster(result.model))
-        chosen = result.decision.chosen
         changes: dict[str, object] = {}
         if result.alias is not None:
             changes["model"] = result.model  # the worker serves the model, not the public alias
+        plan = result.pd
+        if plan is not None and plan.pair is not None:
+            pd_cfg = self.pd.pd_config(result.model)
+            wait = pd_cfg.prefill_timeout_s if plan.engine == "vllm" else pd_cfg.dispatch_timeout_s
+            return PendingPair(result, plan, parsed.body or {}, body, changes, 2 * wait)
+        if plan is not None:
+            st.pd_note = f"skipped:{plan.skip}"
+            metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
+        return self._single(st, result.decision, result.model, body, changes)
+
+    def _single(self, st: StreamState, decision: Decision, model: str, body: bytes,
+                changes: dict[str, object]) -> pb.ProcessingResponse:
+        st.decision = decision
+        self._count(st, decision.chosen.slot)
+        response = self._routing_response(st, "request_body", pool_cluster(model))
+        chosen = decision.chosen
         if chosen.rank is not None and chosen.engine == "sglang":
-            changes["routed_dp_rank"] = chosen.rank  # SGLang pins a data-parallel rank from the body only
+            changes = {**changes, "routed_dp_rank": chosen.rank}  # SGLang pins a DP rank from the body only
         if changes:
-            # Append the fields to the validated object instead of re-serialising it: cheaper, and safe for
-            # bodies nested deeper than orjson serialises. Duplicate keys: the engines' parsers keep the last.
-            extra = b",".join(orjson.dumps(k) + b":" + orjson.dumps(v) for k, v in changes.items())
-            new_body = body.rstrip()[:-1] + b"," + extra + b"}"
-            common = response.request_body.response
-            common.body_mutation.body = new_body
-            # Envoy does not fix Content-Length after a body mutation; a stale one makes it answer 500.
-            common.header_mutation.set_headers.append(_set("content-length", str(len(new_body))))
+            self._set_body(response, splice(body, changes))
         return response
+
+    async def _pd_pair(self, st: StreamState, pending: PendingPair) -> pb.ProcessingResponse:
+        """Send the prefill leg, then hand Envoy the decode leg; a pair that cannot start falls back to a worker
+        that serves the request alone, or to a clear error when there is none."""
+        result, plan, body, changes = pending.result, pending.plan, pending.body, pending.changes
+        pair = plan.pair
+        assert pair is not None
+        try:
+            if plan.engine == "sglang":
+                started = await self.pd.sglang(plan, pair, body, st.path, changes)
+            else:
+                started = await self.pd.vllm(plan, pair, body, pending.doc, st.path, changes)
+        except Exception:  # never fail the request because orchestration raised: a single worker takes it
+            log.exception("PD dispatch failed")
+            metrics.INTERNAL_ERRORS.inc()
+            started = None
+        if started is None:
+            st.pd_note = "fallback:prefill_failed"
+            metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
+            if not plan.single_pool:
+                return self._error(ClientError(
+                    502, f"prefill/decode pair for model `{result.model}` could not start: prefill worker(s) "
+                         f"{', '.join(c.id for c in pair.prefill.order[:2])} failed and no worker serves the "
+                         "model alone"))
+            decision = self.router.choose(plan.prep, plan.single_pool, commit=True)
+            return self._single(st, decision, result.model, body, changes)
+        st.pd = started
+        st.pd_note = "pair:repicked" if started.repicked else "pair"
+        st.pd_prefill_decision = pair.prefill
+        metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
+        # The decode leg: the decode pool's order, so a failed connect goes to the next decoder with the same room
+        # or transfer params (the first never saw them); no retry on 5xx or reset (x-cortex-pd route).
+        st.decision = pair.decode
+        self._count(st, started.decode.slot)
+        response = self._routing_response(st, "request_body", pool_cluster(result.model))
+        common = response.request_body.response
+        common.header_mutation.set_headers.append(_set(PD_ROUTE_HEADER, "1"))
+        for k, v in started.decode_headers.items():
+            common.header_mutation.set_headers.append(_set(k, v))
+        self._set_body(response, started.decode_body)
+        return response
+
+    @staticmethod
+    def _set_body(response: pb.ProcessingResponse, new_body: bytes) -> None:
+        common = response.request_body.response
+        common.body_mutation.body = new_body
+        # Envoy does not fix Content-Length after a body mutation; a stale one makes it answer 500.
+        common.header_mutation.set_headers.append(_set("content-length", str(len(new_body))))
 
     def on_response_headers(self, st: StreamState, req: Any) -> pb.ProcessingResponse:
         served = ""
@@ -175,6 +260,8 @@ class ExtProc:
             headers.append(_set("x-cortex-cache-hit-tokens", "0"))
             if info is not None:
                 headers.append(_set("x-cortex-assigned-worker", info.id))
+        elif st.pd is not None:
+            return self._pd_response_headers(st, req, served)
         else:
             chosen = d.chosen
             worker = chosen
@@ -190,6 +277,28 @@ class ExtProc:
                 mode = mode if mode != EXACT else LOAD_AWARE
             headers += [_set("x-cortex-assigned-worker", worker.id), _set("x-cortex-cache-hit-tokens", str(hit))]
         headers += [_set("x-cortex-match-mode", mode), _set("x-cortex-route-reason", reason)]
+        if st.pd_note:
+            headers.append(_set(PD_HEADER, st.pd_note))
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
+
+    def _pd_response_headers(self, st: StreamState, req: Any, served: str) -> pb.ProcessingResponse:
+        pair, prefill = st.pd, st.pd_prefill_decision
+        assert pair is not None and prefill is not None and st.decision is not None
+        status = next((h.raw_value or h.value.encode() for h in req.response_headers.headers.headers
+                       if h.key == ":status"), b"200")
+        failed = not status.startswith(b"2")
+        pair.legs.event("decode_failed" if failed else "decode_ok")
+        decode = next((c for c in st.decision.order if c.address == served), pair.decode)
+        if decode is not pair.decode:
+            self._count(st, decode.slot)
+        # The hit is the prefill side's: it computes the prompt, and both engines report its cached tokens in
+        # the decode's usage. A re-picked prefill was not the one the ledger proved.
+        hit = prefill.hit_tokens if not pair.repicked else 0
+        mode = prefill.mode if not pair.repicked or prefill.mode != EXACT else LOAD_AWARE
+        headers = [_set("x-cortex-assigned-worker", f"prefill={pair.legs.prefill.id},decode={decode.id}"),
+                   _set("x-cortex-cache-hit-tokens", str(hit)), _set("x-cortex-match-mode", mode),
+                   _set("x-cortex-route-reason", f"pd:{prefill.reason}"), _set(PD_HEADER, st.pd_note)]
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
 
@@ -291,6 +400,7 @@ class ConfigWatcher:
             return
         router.reload(cfg, registry)
         self.app.cfg = cfg
+        self.app.pd.cfg = cfg
         self.app.cluster.cfg = cfg
         log.info("config reloaded: %d models, %d aliases", len(cfg.models), len(cfg.aliases))
 
@@ -339,6 +449,7 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await server.stop(grace=2)
+    await app.pd.close()
 
 
 def run(cfg: CortexConfig, index: int, config_path: Path | None = None) -> int:

@@ -106,7 +106,7 @@ class Target:
             "engine": w.cfg.engine, "address": w.address, "healthy": w.healthy, "exact_kv": self.exact_kv,
             "state": self.sync.state.value, "reason": self.why_not_exact(), "why": self.why_code(),
             "load": self.load.to_json(now),
-            "age_s": round(now - w.added_at, 1),
+            "age_s": round(now - w.added_at, 1), "role": w.cfg.role, "bootstrap_port": w.bootstrap_port,
         }
 
     def status(self, now: float) -> dict[str, Any]:
@@ -139,6 +139,15 @@ class Worker:
     added_at: float = field(default_factory=time.monotonic)
     token_parity: TokenParity = field(default_factory=TokenParity)
     parity_policy: str = "required"
+    bootstrap_port: int | None = None
+    """SGLang prefill: the bootstrap port a decode must reach (config, else the worker's /server_info)."""
+
+    def __post_init__(self) -> None:
+        self.bootstrap_port = self.cfg.bootstrap_port
+
+    @property
+    def needs_bootstrap_port(self) -> bool:
+        return self.cfg.engine == "sglang" and self.cfg.role == "prefill" and self.bootstrap_port is None
 
     @property
     def tokens_trusted(self) -> bool:
@@ -214,6 +223,17 @@ async def probe_health(session: aiohttp.ClientSession, worker: Worker, timeout: 
             ok = r.status == 200
     except (aiohttp.ClientError, TimeoutError, OSError):
         ok = False
+    if ok and worker.needs_bootstrap_port:
+        # Read, not assumed (engines.md §1.3): a decode told the wrong port waits for a KV that never comes.
+        try:
+            async with session.get(f"{worker.cfg.url}/server_info",
+                                   timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                info = await r.json(content_type=None) if r.status == 200 else {}
+            port = info.get("disaggregation_bootstrap_port") if isinstance(info, dict) else None
+            if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+                worker.bootstrap_port = port
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            pass  # asked again at the next probe; until then the worker is not paired
     if ok:
         worker.health_failures = 0
         worker.healthy = True

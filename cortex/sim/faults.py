@@ -14,6 +14,10 @@ are handed out exactly once. The wire contract, which other components' tests re
   faults, applied by the API layer.
 * ``load_endpoint_down``: the engine's load endpoint (vLLM ``/metrics``, SGLang ``/v1/loads`` and ``/metrics``)
   answers 503, as a worker whose metrics exporter broke.
+* ``pd_stall_bootstrap``: an SGLang PD decode never reaches its prefill's bootstrap server and waits out its
+  waiting timeout (the "bootstrap never arrives" failure a PD gateway must cut short).
+* ``pd_transfer_fail``: a vLLM PD prefill refuses every KV read (its NIXL side channel fails), so a decoder
+  with ``--kv-load-failure-policy fail`` rejects the transfer params with a 500.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 _PROBABILITIES = ("drop_events", "duplicate_events", "reorder_events", "http_5xx_rate")
 _MILLIS = ("stall_stream_ms", "slow_health_ms")
-_FLAGS = ("crash_mid_stream", "overload_503", "load_endpoint_down")
+_FLAGS = ("crash_mid_stream", "overload_503", "load_endpoint_down", "pd_stall_bootstrap", "pd_transfer_fail")
 
 
 class FaultError(ValueError):
@@ -46,6 +50,8 @@ class FaultState:
     overload_503: bool = False
     slow_health_ms: float = 0.0
     load_endpoint_down: bool = False
+    pd_stall_bootstrap: bool = False
+    pd_transfer_fail: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -183,7 +183,8 @@ class SimServer:
             for engine in self.engines:
                 self._engine_tasks.append(asyncio.create_task(
                     engine.run(lease_seconds=cfg.kv_lease_seconds), name=f"sim-engine-{self.worker_id}-{engine.rank}"))
-            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+            # Both engines abort a request whose client went away (a PD gateway cancels a leg that way).
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
             await self._runner.setup()
             await web.SockSite(self._runner, sock).start()
         except BaseException:

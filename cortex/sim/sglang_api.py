@@ -142,6 +142,7 @@ class SglangApi(OpenAIServing):
         self.bootstrap_waiting = [0] * n
         self.transfer_waiting = [0] * n
         self.bootstrap_failed = [0] * n
+        self._by_rid: dict[str, asyncio.Task[Any]] = {}
         self.transfer_failed = [0] * n
         self._flushing = False
         self.registry = CollectorRegistry(auto_describe=True)
@@ -166,6 +167,7 @@ class SglangApi(OpenAIServing):
             web.get("/ping", self.ready),
             web.get("/model_info", self.model_info),
             web.get("/get_model_info", self.model_info),
+            web.post("/abort_request", self.abort_request),
             web.get("/server_info", self.server_info),
             web.get("/get_server_info", self.server_info),
             web.get("/v1/loads", self.loads),
@@ -266,6 +268,9 @@ class SglangApi(OpenAIServing):
             self.bootstrap_waiting[engine.rank] += 1
             try:
                 arrived = await self.rooms.wait_for_decode(room, self.config.bootstrap_timeout)
+            except asyncio.CancelledError:
+                self.rooms.fail(room, "the prefill request was aborted")  # its decode must not wait for it
+                raise
             finally:
                 self.bootstrap_waiting[engine.rank] -= 1
             if not arrived:
@@ -290,6 +295,11 @@ class SglangApi(OpenAIServing):
                 port = self.config.bootstrap_port
             self.transfer_waiting[engine.rank] += 1
             try:
+                if self.faults.get("pd_stall_bootstrap"):
+                    # Fault: this decode never reaches its prefill's bootstrap server; it waits out its timeout.
+                    await asyncio.sleep(self.config.waiting_timeout)
+                    raise TransferError("transfer", f"no KV for bootstrap_room={room} within "
+                                                    f"{self.config.waiting_timeout}s (waiting timeout)")
                 info = await fetch_kv(host, int(port), room, self.config.waiting_timeout)
             except TransferError as exc:
                 counters = self.bootstrap_failed if exc.phase == "handshake" else self.transfer_failed
@@ -568,11 +578,33 @@ class SglangApi(OpenAIServing):
         salt, extra_key = self._salt(body), self._extra_key(body)
         self.validate_lengths(prompt, max_tokens)
         engine = self.pick_engine(request, body)
-        prepared = await self.prepare(request, body, prompt, engine)
-        prepared.extra = {**(prepared.extra or {}), "native": native}
-        req = self.new_request(uuid.uuid4().hex, prompt, max_tokens, engine, prepared, cache_salt=salt,
-                               lora=lora, extra_key=extra_key)
-        return await self.run(request, body, req, engine, prepared, stream=stream, chat=chat)
+        rid = body.get("rid") if isinstance(body.get("rid"), str) and body.get("rid") else uuid.uuid4().hex
+        # POST /abort_request finds the request by rid wherever it is (bootstrap queue, transfer wait, running).
+        task = asyncio.current_task()
+        if task is not None:
+            self._by_rid[rid] = task
+        try:
+            prepared = await self.prepare(request, body, prompt, engine)
+            prepared.extra = {**(prepared.extra or {}), "native": native}
+            req = self.new_request(rid, prompt, max_tokens, engine, prepared, cache_salt=salt,
+                                   lora=lora, extra_key=extra_key)
+            return await self.run(request, body, req, engine, prepared, stream=stream, chat=chat)
+        finally:
+            if self._by_rid.get(rid) is task:
+                del self._by_rid[rid]
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's /abort_request: `{"rid": ...}` or `{"abort_all": true}`. The request ends at once and its
+        connection closes (the simulator's stand-in for SGLang's abort finish); an unknown rid is a no-op."""
+        body = await read_json(request)
+        if body.get("abort_all") is True:
+            victims = list(self._by_rid.values())
+        else:
+            task = self._by_rid.get(body.get("rid")) if isinstance(body.get("rid"), str) else None
+            victims = [task] if task is not None else []
+        for task in victims:
+            task.cancel()
+        return web.Response(text="")
 
     def _usage(self, req: SimRequest, prepared: Prepared) -> dict[str, Any]:
         n_out = len(req.output_token_ids)

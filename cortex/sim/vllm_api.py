@@ -215,6 +215,8 @@ class VllmApi(OpenAIServing):
     async def kv_transfer_read(self, request: web.Request) -> web.Response:
         """Stand-in for the NIXL side channel: a decoder read the blocks, so they can be freed."""
         body = await read_json(request)
+        if self.faults.get("pd_transfer_fail"):
+            raise ApiError(500, "simulated KV transfer failure (fault injection)")
         try:
             rank = self._engine_ids.index(body.get("remote_engine_id"))
         except ValueError:

