@@ -15,6 +15,7 @@ commands:
   run      -c cortex.yaml   start the gateway (Envoy + ingest + extproc) for the configured workers
   demo                      start simulated workers and a gateway in front of them, print what to curl
   sim      [flags]          run one simulated engine (see `cortex sim --help`)
+  bench    [flags]          benchmark Cortex against other routers on simulated workers (`cortex bench --help`)
   check    -c cortex.yaml   validate a config file and print it with every default filled in
   envoy-config -c cortex.yaml  print the Envoy bootstrap Cortex generates from a config
   ingest / extproc          internal: the processes `cortex run` supervises
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         from cortex.sim.cli import main as sim_main
 
         return sim_main(rest)
+    if command == "bench":
+        from cortex.bench.cli import main as bench_main
+
+        return bench_main(rest)
     if command == "demo":
         from cortex.demo import main as demo_main
 

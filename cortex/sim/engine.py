@@ -54,6 +54,9 @@ class KVCache(Protocol):
     def prompt_hashes(self, token_ids: list[int], *, cache_salt: str | None = None,
                       lora: LoraRef | None = None) -> list[bytes]: ...
 
+    def prefix_match(self, token_ids: list[int], *, cache_salt: str | None = None, lora: LoraRef | None = None,
+                     extra_key: str | None = None) -> int: ...
+
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int = 1) -> None: ...
 
     def admit(self, request_id: str, token_ids: list[int], *, max_new_tokens: int = 1,

@@ -139,6 +139,11 @@ class PrefixCache:
         """Prefix-hit length in tokens, without side effects."""
         return len(self._hit_blocks(num_tokens, block_hashes)) * self.block_size
 
+    def prefix_match(self, token_ids: list[int], *, cache_salt: str | None = None, lora: LoraRef | None = None,
+                     extra_key: str | None = None) -> int:
+        """Tokens a request for `token_ids` would find cached right now (the `/sim/prefix_match` probe)."""
+        return self.lookup(len(token_ids), self.prompt_hashes(token_ids, cache_salt=cache_salt, lora=lora))
+
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int = 1) -> None:
         if num_prompt_tokens <= 0:
             raise CapacityError("the prompt must contain at least one token")

@@ -192,6 +192,28 @@ class RadixCache:
         matched, _ = self._match(token_ids, self._namespace(extra_key, cache_salt, lora), num_tokens - 1)
         return matched
 
+    def prefix_match(self, token_ids: list[int], *, cache_salt: str | None = None, lora: LoraRef | None = None,
+                     extra_key: str | None = None) -> int:
+        """Tokens a request for `token_ids` would find cached right now (the `/sim/prefix_match` probe).
+
+        Unlike `lookup` it neither splits a node nor refreshes access times: an observer asking must not
+        change which pages are evicted next."""
+        if not self.enabled:
+            return 0
+        ns, ps = self._namespace(extra_key, cache_salt, lora), self.block_size
+        limit = max(len(token_ids) - 1, 0) // ps * ps
+        node, pos = self.root, 0
+        while pos < limit:
+            child = node.children.get(self._child_key(ns, token_ids, pos))
+            if child is None:
+                break
+            common = _common_prefix(child.tokens, token_ids, pos, limit - pos) // ps * ps
+            pos += common
+            if common < len(child.tokens):
+                break
+            node = child
+        return pos
+
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int = 1) -> None:
         if num_prompt_tokens <= 0:
             raise CapacityError("the prompt must contain at least one token")

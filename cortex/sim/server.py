@@ -12,7 +12,8 @@ See docs/simulator.md for the full list.
 
 Layering: ``engine.EngineCore`` knows nothing of HTTP or wire names; caches and publishers are passed in;
 the flavour APIs are the only engine-specific HTTP code; this module wires one worker together and owns the
-fault-control endpoint (``GET|POST /sim/faults``) shared by both flavours.
+fault-control endpoint (``GET|POST /sim/faults``) and the read-only cache probe (``POST /sim/prefix_match``)
+shared by both flavours.
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ class SimServer:
                                      bootstrap_port=self.bootstrap_port, **common)
             app = web.Application(middlewares=[error_middleware(self.api.flavour)], client_max_size=64 * 1024 * 1024)
             app.add_routes(self.api.routes())
-            app.add_routes([web.get("/sim/faults", self._get_faults), web.post("/sim/faults", self._post_faults)])
+            app.add_routes([web.get("/sim/faults", self._get_faults), web.post("/sim/faults", self._post_faults),
+                            web.post("/sim/prefix_match", self._prefix_match)])
             app.on_response_prepare.append(self._tag_response)
             for engine in self.engines:
                 self._engine_tasks.append(asyncio.create_task(
@@ -212,6 +214,33 @@ class SimServer:
             await asyncio.to_thread(lambda: [p.flush(10.0) for p in self.publishers])
         return json_response(state)
 
+    async def _prefix_match(self, request: web.Request) -> web.Response:
+        """Read-only probe of what each rank's cache holds for a request body (benchmark oracles ask it)."""
+        assert self.api is not None
+        body = await read_json(request)
+        if isinstance(body.get("input_ids"), list):
+            prompt = [int(t) for t in body["input_ids"]]
+        elif "messages" in body:
+            prompt = self.api.encode_chat(body)
+        elif "prompt" in body:
+            prompt = self.api.completion_prompt(body)
+        else:
+            raise ApiError(400, "give messages, prompt or input_ids, as for a generation request")
+        salt = body.get("cache_salt")
+        extra_key = body.get("extra_key")
+        if not isinstance(salt, str | None) or not isinstance(extra_key, str | None):
+            raise ApiError(400, "cache_salt and extra_key must be strings")
+        lora = self.api.resolve_lora(body)
+        cached = [e.cache.prefix_match(prompt, cache_salt=salt or None, lora=lora, extra_key=extra_key)
+                  for e in self.engines]
+        # What in-flight requests will have cached once their prefill is done: an oracle that only saw
+        # `cached` would scatter a burst of siblings that arrive while the first is still computing.
+        inflight = [max((_common_prefix_len(r.prompt_token_ids, prompt) for r in (*e.waiting, *e.running)
+                         if r.cache_salt == (salt or None) and r.lora == lora and r.extra_key == extra_key),
+                        default=0) for e in self.engines]
+        return json_response({"prompt_tokens": len(prompt), "cached_tokens": cached,
+                              "inflight_tokens": [min(n, len(prompt) - 1) for n in inflight]})
+
     async def stop(self) -> None:
         """Fail what is in flight, stop serving, then flush and close the event sockets."""
         for task in self._engine_tasks:
@@ -235,6 +264,20 @@ class SimServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _port_of(endpoint: str | None) -> int | None:

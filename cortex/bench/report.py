@@ -1,0 +1,202 @@
+"""Turn a benchmark's figures (the dict `runner.run` returns) into Markdown tables, goal checks and PNG plots.
+
+`write_markdown` replaces what lies between the two result markers of a document (docs/benchmarks.md), so the
+hand-written reading around the tables stays put when the numbers are regenerated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+START = "<!-- bench:results:start -->"
+END = "<!-- bench:results:end -->"
+
+
+def _f(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _ok(r: dict[str, Any]) -> bool:
+    return "unavailable" not in r and "failed" not in r
+
+
+def workload_table(name: str, block: dict[str, Any]) -> str:
+    results = block["results"]
+    oracle = results.get("oracle", {}).get("hit_ratio") if _ok(results.get("oracle", {})) else None
+    lines = ["| contestant | hit ratio | × oracle | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p90 | req/s | "
+             "errors | imbalance | gateway CPU ms/req |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cname, r in results.items():
+        if "unavailable" in r:
+            lines.append(f"| {cname} | not available: {r['unavailable']} |" + " |" * 10)
+            continue
+        if "failed" in r:
+            lines.append(f"| {cname} | failed: {r['failed'][:120]} |" + " |" * 10)
+            continue
+        rel = r["hit_ratio"] / oracle if oracle and r["hit_ratio"] is not None else None
+        t, e = r["ttft_ms"], r["e2e_ms"]
+        lines.append(f"| {cname} | {_f(r['hit_ratio'], 3)} | {_f(rel, 2)} | {_f(t['p50'])} | {_f(t['p90'])} | "
+                     f"{_f(t['p99'])} | {_f(e['p50'])} | {_f(e['p90'])} | {_f(r['rps'], 2)} | "
+                     f"{r['errors']}/{r['requests']} | {_f(r['imbalance'], 2)} | "
+                     f"{_f(r.get('gateway_cpu_ms_per_request'))} |")
+    params = ", ".join(f"{k}={v}" for k, v in block["params"].items())
+    return f"**{name}** ({params}); times in ms\n\n" + "\n".join(lines) + "\n"
+
+
+def overhead_table(overhead: dict[str, Any]) -> str:
+    lines = ["| contestant | prompt | overhead p50 (ms) | overhead p90 (ms) | TTFT via gateway p50 | TTFT direct p50 | "
+             "pairs |", "|---|---|---|---|---|---|---|"]
+    for cname, sizes in overhead.items():
+        for size, o in sizes.items():
+            lines.append(f"| {cname} | {size}, ~{o['prompt_words']} tokens | {_f(o['p50_ms'])} | {_f(o['p90_ms'])} | "
+                         f"{_f(o['via_p50_ms'])} | {_f(o['direct_p50_ms'])} | {o['pairs']} |")
+    return "\n".join(lines) + "\n"
+
+
+def sweep_table(sweep: dict[str, Any]) -> str:
+    rates = sweep["rates"]
+    head = "| contestant | " + " | ".join(f"{r:g}/s: TTFT p50 / p90, hit" for r in rates) + " |"
+    lines = [head, "|---|" + "---|" * len(rates)]
+    for cname, rows in sweep["results"].items():
+        cells = []
+        for row in rows:
+            if not _ok(row):
+                cells.append("n/a")
+            else:
+                cells.append(f"{_f(row['ttft_ms']['p50'])} / {_f(row['ttft_ms']['p90'])}, {_f(row['hit_ratio'], 3)}")
+        lines.append(f"| {cname} | " + " | ".join(cells) + " |")
+    return f"**{sweep['workload']}**, request rate swept; times in ms\n\n" + "\n".join(lines) + "\n"
+
+
+def goals(out: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """(goal, measured, met) for the goals issue 6 sets; met is None when a figure is missing."""
+    rows: list[tuple[str, str, bool | None]] = []
+    res = out["workloads"].get("shared-prefix", {}).get("results", {})
+
+    def hit(name: str, r: dict[str, Any]) -> float | None:
+        v = r.get(name, {})
+        return v.get("hit_ratio") if _ok(v) else None
+
+    cx, orc, sg = hit("cortex", res), hit("oracle", res), hit("sglang-cache-aware", res)
+    if res:
+        rows.append(("shared-prefix: Cortex hit ratio ≥ 0.95 × oracle",
+                     f"{_f(cx, 3)} vs {_f(orc, 3)} ({_f(cx / orc if cx is not None and orc else None, 3)}×)",
+                     None if cx is None or not orc else cx >= 0.95 * orc))
+        rows.append(("shared-prefix: Cortex hit ratio ≥ 1.3 × sglang-router cache_aware",
+                     f"{_f(cx, 3)} vs {_f(sg, 3)} ({_f(cx / sg if cx is not None and sg else None, 3)}×)",
+                     None if cx is None or not sg else cx >= 1.3 * sg))
+    res = out["workloads"].get("unique", {}).get("results", {})
+    if res:
+        c, rr = res.get("cortex", {}), res.get("round-robin", {})
+        a = c.get("ttft_ms", {}).get("p50") if _ok(c) else None
+        b = rr.get("ttft_ms", {}).get("p50") if _ok(rr) else None
+        rel = a / b - 1 if a is not None and b else None
+        rows.append(("unique: Cortex TTFT p50 within 5 % of round-robin",
+                     f"{_f(a)} ms vs {_f(b)} ms ({_f(rel * 100 if rel is not None else None)} %)",
+                     None if rel is None else rel <= 0.05))
+    o = out.get("overhead", {})
+    if "cortex" in o:
+        sg_o = o.get("sglang-cache-aware") or o.get("sglang-round-robin")
+        measured = "; ".join(f"{size}: Cortex p50 {_f(v['p50_ms'])} ms vs sglang-router "
+                             f"{_f(sg_o[size]['p50_ms'] if sg_o else None)} ms" for size, v in o["cortex"].items())
+        rows.append(("gateway overhead reported beside sglang-router's", measured, None if sg_o is None else True))
+    return rows
+
+
+def goals_table(out: dict[str, Any]) -> str:
+    rows = goals(out)
+    if not rows:
+        return ""
+    mark = {True: "met", False: "**missed**", None: "n/a"}
+    return "| goal | measured | |\n|---|---|---|\n" + "".join(f"| {g} | {m} | {mark[ok]} |\n" for g, m, ok in rows)
+
+
+def markdown(out: dict[str, Any], command: str, images: list[Path] | None = None, rel_to: Path | None = None) -> str:
+    m, c = out["machine"], out["cluster"]
+    parts = [f"Command: `{command}`\n",
+             f"Run {out['started']} on {m['cpus']} × {m['cpu_model'] or 'CPU'} ({m['platform']}, Python "
+             f"{m['python']}; load average at start {m['loadavg_at_start']}), {_f(out.get('elapsed_s'))} s in all. "
+             f"Cluster: {c['workers']} simulated {c['engine']} workers, {c['kv_tokens_per_worker']} KV tokens each.\n"]
+    for name, block in out["workloads"].items():
+        parts.append(workload_table(name, block))
+    if out.get("overhead"):
+        parts.append("**Gateway overhead** (light load, one request at a time: TTFT through the contestant minus "
+                     "TTFT straight to the worker it chose, cold prompts of equal length)\n\n"
+                     + overhead_table(out["overhead"]))
+    if out.get("sweep"):
+        parts.append(sweep_table(out["sweep"]))
+    g = goals_table(out)
+    if g:
+        parts.append("**Goals**\n\n" + g)
+    for img in images or []:
+        shown = img.relative_to(rel_to) if rel_to is not None else img
+        parts.append(f"![{img.stem}]({shown})\n")
+    return "\n".join(parts)
+
+
+def write_markdown(path: Path, body: str) -> None:
+    """Put `body` between the result markers of `path` (appending the markers if the file lacks them)."""
+    text = path.read_text() if path.exists() else ""
+    block = f"{START}\n{body}\n{END}"
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = (text.rstrip() + "\n\n" if text else "") + block + "\n"
+    path.write_text(text)
+
+
+def plots(out: dict[str, Any], img_dir: Path) -> list[Path]:
+    """Hit ratio and TTFT p90 per contestant per workload; TTFT vs request rate when swept. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    workloads = list(out["workloads"])
+    names = list(out["contestants"])
+    for key, label, fname in (("hit_ratio", "prefix-cache hit ratio", "bench-hit-ratio.png"),
+                              ("ttft_p90", "TTFT p90 (ms)", "bench-ttft-p90.png")):
+        fig, ax = plt.subplots(figsize=(10, 4.2))
+        width = 0.8 / max(len(names), 1)
+        for i, cname in enumerate(names):
+            values = []
+            for w in workloads:
+                r = out["workloads"][w]["results"].get(cname, {})
+                v = None
+                if _ok(r):
+                    v = r["hit_ratio"] if key == "hit_ratio" else r["ttft_ms"]["p90"]
+                values.append(v if v is not None else 0.0)
+            ax.bar([j + i * width for j in range(len(workloads))], values, width, label=cname)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7, ncol=4)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        path = img_dir / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    sweep = out.get("sweep")
+    if sweep:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for cname, rows in sweep["results"].items():
+            pts = [(row["rate"], row["ttft_ms"]["p90"]) for row in rows if _ok(row) and row["ttft_ms"]["p90"]]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=cname)
+        ax.set_xlabel(f"request rate (req/s), {sweep['workload']}")
+        ax.set_ylabel("TTFT p90 (ms)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = img_dir / "bench-ttft-vs-rate.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
