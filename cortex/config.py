@@ -162,6 +162,11 @@ class PdConfig(_Strict):
     """How long a prefill leg may take to be accepted by its worker (connection and request sent); slower
     counts as a failed dispatch and the pair is re-picked."""
 
+    def start_budget_s(self, engine: str) -> float:
+        """The longest starting a pair may take: two attempts at the prefill leg (the first pick, one re-pick),
+        awaited whole for vLLM, until it is written for SGLang."""
+        return 2 * (self.prefill_timeout_s if engine == "vllm" else self.dispatch_timeout_s)
+
 
 class ModelConfig(_Strict):
     """A served model: the name clients send, the engine family, and the files that tokenize like it."""
@@ -339,6 +344,11 @@ class CortexConfig(_Strict):
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def pd(self, model: str) -> PdConfig:
+        """A model's PD settings (the defaults for a name that is not configured)."""
+        m = self.model(model)
+        return m.pd if m is not None else PdConfig()
 
 
 def parse_config(data: Any, source: str = "<config>") -> CortexConfig:

@@ -95,8 +95,8 @@ def _error_type(status: int) -> str:
 
 
 def max_message_timeout_s(cfg: CortexConfig) -> int:
-    """The longest a PD pair may take to start (a vLLM prefill leg is awaited twice at most), plus slack."""
-    longest = max((2 * max(m.pd.prefill_timeout_s, m.pd.dispatch_timeout_s) for m in cfg.models), default=0.0)
+    """The longest a PD pair may take to start, plus slack: extproc extends one message's deadline that far."""
+    longest = max((m.pd.start_budget_s(e) for m in cfg.models for e in ("vllm", "sglang")), default=0.0)
     return int(max(longest + 10, cfg.extproc.message_timeout_ms / 1000 + 1))
 
 

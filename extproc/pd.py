@@ -118,8 +118,7 @@ class PdPlan:
 
 
 def plan(prep: Prepared, pools: Pools, router: Router, *, commit: bool) -> PdPlan:
-    cfg = router.cfg.model(prep.model)
-    pd_cfg = cfg.pd if cfg is not None else PdConfig()
+    pd_cfg = router.cfg.pd(prep.model)
     bs = router.cluster.block_size
     single = pools.single
     shape = request_shape_skip(prep.body, pools.engine)
@@ -129,7 +128,7 @@ def plan(prep: Prepared, pools: Pools, router: Router, *, commit: bool) -> PdPla
     single_cached = 0
     if single and prep.matches is not None:
         single_cached = max((int(prep.matches[w.slot]) * bs for w in single if w.exact_kv), default=0)
-    why = skip_reason(prompt_tokens=len(prep.ids), prefill_cached_tokens=prefill.chosen.affinity_blocks * bs,
+    why = skip_reason(prompt_tokens=prep.prompt_tokens, prefill_cached_tokens=prefill.chosen.affinity_blocks * bs,
                       single_cached_tokens=single_cached, cfg=pd_cfg) if single else None
     if why is not None:
         return PdPlan(None, why, single, prep, pools.engine)

@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from cortex.config import CortexConfig, PdConfig
+from cortex.config import CortexConfig
 from cortex.inflight import InflightBoard
 from extproc.cluster_view import TargetInfo
 from extproc.metrics import PD_FAILURES, PD_LEG_SECONDS
@@ -184,10 +184,6 @@ class PdDispatcher:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def pd_config(self, model: str) -> PdConfig:
-        m = self.cfg.model(model)
-        return m.pd if m is not None else PdConfig()
-
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             trace = aiohttp.TraceConfig()
@@ -223,7 +219,7 @@ class PdDispatcher:
 
     async def sglang(self, plan: PdPlan, pair: Pair, body: bytes, path: str,
                      changes: Mapping[str, Any]) -> PairResult | None:
-        cfg = self.pd_config(plan.prep.model)
+        cfg = self.cfg.pd(plan.prep.model)
         decode = pair.decode.chosen
         d_info = pair.targets[decode.id]
         decodes = [pair.targets[c.id] for c in pair.decode.order[:2]]
@@ -278,7 +274,7 @@ class PdDispatcher:
 
     async def vllm(self, plan: PdPlan, pair: Pair, body: bytes, doc: Mapping[str, Any], path: str,
                    changes: Mapping[str, Any]) -> PairResult | None:
-        cfg = self.pd_config(plan.prep.model)
+        cfg = self.cfg.pd(plan.prep.model)
         decode = pair.decode.chosen
         d_info = pair.targets[decode.id]
         request_id = f"cortex-{uuid.uuid4().hex}"

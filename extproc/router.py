@@ -69,7 +69,6 @@ class Prepared:
     matches: np.ndarray | None
     why: str
     timings: Timings
-    transparent: bool = False
     body: dict[str, Any] | None = None
     prompt_tokens: int = 0
     walked: bool = False
@@ -77,6 +76,8 @@ class Prepared:
     estimate, and `tail` holds the rest, to become the chosen targets' predictions after the answer."""
     estimated: bool = False
     tail: Tail | None = None
+    pools: pd.Pools | None = None
+    """The model's workers by PD role (None in transparent mode, where roles are not Cortex's to use)."""
 
 
 class Router:
@@ -197,8 +198,8 @@ class Router:
         timings = Timings()
         model_cfg = self.cfg.model(resolved.model)
         transparent = model_cfg is not None and model_cfg.scheduling == "transparent"
-        if not (full_tokens or transparent or req.unroutable or not self.cluster.alive
-                or pd.split_pools(workers).pd_ready):
+        pools = None if transparent else pd.split_pools(workers)
+        if not (full_tokens or pools is None or req.unroutable or not self.cluster.alive or pools.pd_ready):
             walked, truncated = self._walk(req, bundle, workers, timings)
             why = "no_cached_prefix"
             if not walked.keys:
@@ -208,7 +209,7 @@ class Router:
             return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=[], truncated=truncated,
                             keys=walked.keys, matches=walked.matches, why=why, timings=timings, body=req.body,
                             prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
-                            tail=walked.tail)
+                            tail=walked.tail, pools=pools)
         t0 = time.perf_counter()
         ids, truncated = self.tokens(req, bundle)
         t1 = time.perf_counter()
@@ -236,18 +237,17 @@ class Router:
             if matches is None:
                 why = "ledger_unavailable"
         return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=ids, truncated=truncated,
-                        keys=keys, matches=matches, why=why, timings=timings, transparent=transparent,
-                        body=req.body, prompt_tokens=len(ids))
+                        keys=keys, matches=matches, why=why, timings=timings,
+                        body=req.body, prompt_tokens=len(ids), pools=pools)
 
-    def choose(self, prep: Prepared, workers: Sequence[TargetInfo], *, commit: bool,
-               use_ledger: bool = True) -> Decision:
-        """One pool's decision for a prepared prompt. `use_ledger=False` routes by load alone (a pool whose
-        cache the request cannot use, e.g. SGLang decoders without a radix cache)."""
+    def choose(self, prep: Prepared, workers: Sequence[TargetInfo], *, commit: bool) -> Decision:
+        """One pool's decision for a prepared prompt (a pool whose workers publish no events simply holds
+        nothing in the ledger, so it is chosen by load)."""
         t3 = time.perf_counter()
         bs = self.cluster.block_size
-        matches = prep.matches if use_ledger else None
+        matches = prep.matches
         keys = prep.keys
-        why = prep.why if use_ledger or prep.why != "no_cached_prefix" else "pool_without_prefix_cache"
+        why = prep.why
         inflight = self.cluster.inflight.totals()
         cands = []
         for w in workers:
@@ -299,20 +299,16 @@ class Router:
         explain endpoint does) computes the whole prompt and returns its token ids.
         """
         prep = self.prepare(req, full_tokens=not commit if full_tokens is None else full_tokens)
-        pd_plan = None
-        if prep.transparent:
-            workers: Sequence[TargetInfo] = prep.workers
-        else:
-            pools = pd.split_pools(prep.workers)
-            pd_plan = pd.plan(prep, pools, self, commit=commit) if pools.pd_ready else None
-            workers = pools.single
-            if pd_plan is not None and pd_plan.pair is None:
-                workers = pd_plan.single_pool
-            if not workers and (pd_plan is None or pd_plan.pair is None):
-                raise ClientError(503, pd.no_pool_message(prep.model, pools), "model")
+        pools = prep.pools
+        pd_plan = pd.plan(prep, pools, self, commit=commit) if pools is not None and pools.pd_ready else None
         if pd_plan is not None and pd_plan.pair is not None:
             decision = pd_plan.pair.decode
         else:
+            # No pair: the workers that serve a request alone (all of them in transparent mode).
+            workers = prep.workers if pools is None else pools.single
+            if not workers:
+                assert pools is not None  # prepare() refused a model without healthy workers
+                raise ClientError(503, pd.no_pool_message(prep.model, pools), "model")
             decision = self.choose(prep, workers, commit=commit)
         return RouteResult(decision=decision, prompt_tokens=prep.prompt_tokens,
                            token_ids=None if prep.walked else prep.ids, timings=prep.timings,

@@ -178,9 +178,8 @@ class ExtProc:
             changes["model"] = result.model  # the worker serves the model, not the public alias
         plan = result.pd
         if plan is not None and plan.pair is not None:
-            pd_cfg = self.pd.pd_config(result.model)
-            wait = pd_cfg.prefill_timeout_s if plan.engine == "vllm" else pd_cfg.dispatch_timeout_s
-            return PendingPair(result, plan, parsed.body or {}, body, changes, 2 * wait)
+            return PendingPair(result, plan, parsed.body or {}, body, changes,
+                               self.cfg.pd(result.model).start_budget_s(plan.engine))
         if plan is not None:
             st.pd_note = f"skipped:{plan.skip}"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()

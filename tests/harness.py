@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,20 +15,10 @@ from typing import Any
 import httpx
 import yaml
 
+from cortex.bench.launch import free_ports, stop_groups
+
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 PY = [sys.executable, "-m", "cortex.cli"]
-
-
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def free_consecutive(n: int) -> int:
@@ -194,16 +182,8 @@ def start_gateway(gw: Gateway) -> None:
 
 
 def stop(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
+    if proc is not None:
+        stop_groups([proc])
 
 
 @contextlib.contextmanager

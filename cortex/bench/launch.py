@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,23 @@ HOST = "127.0.0.1"
 
 class LaunchError(RuntimeError):
     pass
+
+
+def stop_groups(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each process's group (a `cortex run` takes Envoy, ingest and extproc with it), all at once, then
+    wait; a group still alive after 10 s is killed."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
 
 
 def free_ports(n: int) -> list[int]:
@@ -110,17 +127,7 @@ class Procs:
         return out
 
     def stop(self) -> None:
-        for _, proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for _, proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        stop_groups([proc for _, proc in self.procs])
         self.procs.clear()
 
     def __enter__(self) -> Procs:
