@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cortex.bundle import shipped_tokenizer_dir
+from cortex.engine_hashes import VllmHashAlgo
 
 Engine = Literal["vllm", "sglang"]
 Role = Literal["both", "prefill", "decode"]
@@ -182,9 +183,10 @@ class ModelConfig(_Strict):
     page_size: int | None = Field(None, ge=1)
     """The engine's KV block (page) size in tokens, as its events report it. Default: 16 for vLLM
     (`--block-size`), 1 for SGLang (`--page-size` on CUDA). A worker whose events disagree fails parity."""
-    hash_algo: str | None = None
-    """vLLM `--prefix-caching-hash-algo` of the workers (default `sha256`); used only to check hash parity.
-    `sha256` and `sha256_cbor` are reproduced; any other value turns the check off."""
+    hash_algo: VllmHashAlgo | None = None
+    """vLLM `--prefix-caching-hash-algo` of the workers: `sha256` (vLLM's default), `sha256_cbor`, `xxhash` or
+    `xxhash_cbor`; used only to check hash parity, all four are reproduced. xxhash* needs `hash_seed`:
+    without PYTHONHASHSEED vLLM seeds their root hash randomly per process and parity stays `unchecked`."""
     hash_seed: str | None = None
     """The workers' PYTHONHASHSEED if they set one (vLLM derives its root hash from it); None = unset."""
     scheduling: Literal["cortex", "transparent"] = "cortex"

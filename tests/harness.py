@@ -188,7 +188,8 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 @contextlib.contextmanager
 def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc_processes: int = 1,
-            replay: bool = False, extra_config: dict[str, Any] | None = None, events: bool = True) -> Any:
+            replay: bool = False, extra_config: dict[str, Any] | None = None, events: bool = True,
+            model_extra: dict[str, Any] | None = None) -> Any:
     ports = free_ports(3 * n_sims + 4)
     sims = [Sim(id=f"sim-{i + 1}", port=ports[3 * i], kv_port=ports[3 * i + 1],
                 replay_port=ports[3 * i + 2] if replay else None, events=events) for i in range(n_sims)]
@@ -197,7 +198,7 @@ def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc
     extproc_port = ports[base + 3] if extproc_processes == 1 else free_consecutive(extproc_processes)
     gw = Gateway(root=root, sims=sims, port=ports[base], admin_port=ports[base + 1], ingest_port=ports[base + 2],
                  extproc_port=extproc_port, extproc_processes=extproc_processes,
-                 extra_config=extra_config or {})
+                 extra_config=extra_config or {}, model_extra=model_extra or {})
     try:
         for s in sims:
             start_sim(s, root, *sim_args)
