@@ -19,6 +19,33 @@ import pytest
 
 VLLM = "vllm==0.33.0"
 SGLANG = "sglang==0.5.23"
+# The engines' KV-event publisher modules and the few names they import, stubbed (kv-events.md §8 C).
+PUBLISHER_FILES = {
+    "vllm": ["vllm/distributed/kv_events.py", "vllm/config/kv_events.py"],
+    "sglang": ["sglang/srt/disaggregation/kv_events.py", "sglang/srt/utils/network.py"],
+}
+PUBLISHER_STUBS = {
+    "vllm/__init__.py": "",
+    "vllm/distributed/__init__.py": "",
+    "vllm/config/__init__.py": "",
+    "vllm/config/utils.py": "from dataclasses import dataclass as config\n",
+    "vllm/logger.py": "import logging\ninit_logger = logging.getLogger\n",
+    "vllm/utils/__init__.py": "",
+    "vllm/utils/network_utils.py": (
+        "def get_ip():\n    return '127.0.0.1'\n"
+        "def get_tcp_uri(ip, port):\n    return f'tcp://{ip}:{port}'\n"
+        "def is_valid_ipv6_address(address):\n    return ':' in address\n"
+        "def split_zmq_path(path):\n    scheme, _, rest = path.partition('://')\n"
+        "    host, _, port = rest.rpartition(':')\n    return scheme, host, port\n"),
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/core/__init__.py": "",
+    "vllm/v1/core/kv_cache_utils.py": "ExternalBlockHash = bytes | int\n",
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/disaggregation/__init__.py": "",
+    "sglang/srt/utils/__init__.py": "",
+    "sglang/srt/runtime_context.py": "def get_parallel():\n    raise RuntimeError('not used by these tests')\n",
+}
 
 
 def cache_dir() -> Path:

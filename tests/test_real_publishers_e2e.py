@@ -26,38 +26,14 @@ import httpx
 import pytest
 
 from cortex.engine_hashes import VllmBlockHasher, vllm_wire_hash
-from tests.engine_wheels import SGLANG, VLLM, extract
+from tests.engine_wheels import PUBLISHER_FILES, PUBLISHER_STUBS, SGLANG, VLLM, extract
 from tests.harness import MODEL, Gateway, Sim, free_ports, long_chat, start_gateway, start_sim, stop, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
-SOURCES = {
-    "vllm": (VLLM, ["vllm/distributed/kv_events.py", "vllm/config/kv_events.py"], {
-        "vllm/__init__.py": "",
-        "vllm/distributed/__init__.py": "",
-        "vllm/config/__init__.py": "",
-        "vllm/config/utils.py": "from dataclasses import dataclass as config\n",
-        "vllm/logger.py": "import logging\ninit_logger = logging.getLogger\n",
-        "vllm/utils/__init__.py": "",
-        # Only used for tcp://*:0, which is not used here.
-        "vllm/utils/network_utils.py": (
-            "def get_ip():\n    return '127.0.0.1'\n"
-            "def get_tcp_uri(ip, port):\n    return f'tcp://{ip}:{port}'\n"
-            "def is_valid_ipv6_address(address):\n    return ':' in address\n"
-            "def split_zmq_path(path):\n    scheme, _, rest = path.partition('://')\n"
-            "    host, _, port = rest.rpartition(':')\n    return scheme, host, port\n"),
-        "vllm/v1/__init__.py": "",
-        "vllm/v1/core/__init__.py": "",
-        "vllm/v1/core/kv_cache_utils.py": "ExternalBlockHash = bytes | int\n",
-    }),
-    "sglang": (SGLANG, ["sglang/srt/disaggregation/kv_events.py", "sglang/srt/utils/network.py"], {
-        "sglang/__init__.py": "",
-        "sglang/srt/__init__.py": "",
-        "sglang/srt/disaggregation/__init__.py": "",
-        "sglang/srt/utils/__init__.py": "",
-        "sglang/srt/runtime_context.py": "def get_parallel():\n    raise RuntimeError('not used here')\n",
-    }),
-}
+SOURCES = {engine: (spec, PUBLISHER_FILES[engine],
+                   {k: v for k, v in PUBLISHER_STUBS.items() if k.startswith(f"{engine}/")})
+           for engine, spec in (("vllm", VLLM), ("sglang", SGLANG))}
 
 # The simulator's server with the engine's publisher class swapped in (run as a child interpreter).
 LAUNCHER = r'''
