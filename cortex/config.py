@@ -193,6 +193,22 @@ class ModelConfig(_Strict):
     PD decision and never claims a hit, but still observes (ledger, metrics, headers)."""
     pd: PdConfig = PdConfig()
     """Prefill/decode orchestration knobs (used when the model has prefill and decode workers)."""
+    loras: list[str] = Field(default_factory=list)
+    """LoRA adapters its workers serve, by name (vLLM `--lora-modules NAME=PATH`, SGLang `--lora-paths NAME=PATH`;
+    every worker of the model is expected to serve them). vLLM clients pick one with `model: NAME`, which only
+    works through Cortex when NAME is listed here. SGLang clients use `model: "<model>:NAME"` or `lora_path: NAME`,
+    routed by that adapter's blocks whether listed or not (SGLang loads adapters at run time). A LoRA request
+    only ever matches blocks the engine stored under the same adapter (docs/ledger.md)."""
+
+    @field_validator("loras")
+    @classmethod
+    def _loras(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not name or ":" in name:
+                raise ValueError(f"{name!r}: a LoRA adapter name must be non-empty and contain no ':'")
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate adapter name in {value}")
+        return value
 
     def engine_page_size(self) -> int:
         return self.page_size or (16 if self.engine == "vllm" else 1)
@@ -308,6 +324,12 @@ class CortexConfig(_Strict):
             for ref in [t.model for t in a.targets] + ([a.fallback] if a.fallback else []):
                 if ref not in names:
                     raise ValueError(f"aliases[{a.name}]: {ref!r} is not one of the models {names}")
+        # A vLLM adapter is named by `model` itself: each name must lead to one model (SGLang's are qualified).
+        adapters = [a for m in self.models if m.engine == "vllm" for a in m.loras]
+        taken = set(names) | set(alias_names)
+        clash = sorted({a for a in adapters if adapters.count(a) > 1 or a in taken})
+        if clash:
+            raise ValueError(f"models[].loras: vLLM adapter(s) {clash} also name another model, adapter or alias")
         ids = [w.id for w in self.workers]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
