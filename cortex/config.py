@@ -172,18 +172,19 @@ class TimeoutsConfig(_Strict):
     """Envoy's timeouts and keepalives between clients, Envoy and the workers (seed 004 §2.2/§5.2). A long prefill
     is silent (nothing is sent until the first token, and a non-streaming answer sends nothing until it is whole),
     so no timeout that counts silence applies once a request is routed, unless `routed_idle_s` is set: a dead worker
-    machine is found by TCP keepalive, a dead worker process by the refused connection or reset."""
+    machine (or client) is found by TCP keepalive, a dead worker process by the refused connection or reset."""
 
     worker_connect_s: float = Field(2.0, gt=0)
     """Longest wait for a TCP connection to a worker; a failed connect is retried once on the next-best worker."""
-    worker_keepalive_time_s: int = Field(30, ge=1)
-    """TCP keepalive on worker connections: seconds of silence before the first probe. Keeps NATs and load
-    balancers (which drop connections idle for 60-120 s) from cutting a request whose prefill sends nothing."""
-    worker_keepalive_interval_s: int = Field(10, ge=1)
+    keepalive_time_s: int = Field(30, ge=1)
+    """TCP keepalive on client and worker connections: seconds of silence before the first probe. Keeps NATs
+    and load balancers (which drop connections idle for 60-120 s) from cutting a request whose prefill sends
+    nothing, on either side of the gateway."""
+    keepalive_interval_s: int = Field(10, ge=1)
     """Seconds between unanswered keepalive probes."""
-    worker_keepalive_probes: int = Field(3, ge=1)
-    """Unanswered probes after which the connection counts as dead and its request fails (a worker machine gone
-    without a FIN is noticed after time + probes x interval, 60 s by default)."""
+    keepalive_probes: int = Field(3, ge=1)
+    """Unanswered probes after which the connection counts as dead and its request ends (a worker machine or a
+    client gone without closing is noticed after time + probes x interval, 60 s by default)."""
     worker_idle_connection_s: float = Field(4.0, gt=0)
     """A pooled worker connection with no request is closed after this long. Below uvicorn's 5 s on purpose: a
     connection Envoy reuses just as the worker closes it would reset the request."""

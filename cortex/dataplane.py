@@ -103,6 +103,19 @@ def _seconds(value: float) -> str:
     return f"{value:.3f}s"
 
 
+# Linux socket option numbers (Envoy's own tcp_keepalive uses the same ones).
+_SOL_SOCKET, _SO_KEEPALIVE, _IPPROTO_TCP, _TCP_KEEPIDLE, _TCP_KEEPINTVL, _TCP_KEEPCNT = 1, 9, 6, 4, 5, 6
+
+
+def client_keepalive(cfg: CortexConfig) -> list[dict[str, Any]]:
+    """TCP keepalive on client connections. Set on the listening socket, which accepted sockets inherit on Linux:
+    Envoy's listener has no tcp_keepalive field of its own."""
+    t = cfg.timeouts
+    return [{"level": level, "name": name, "int_value": value, "state": "STATE_PREBIND"} for level, name, value in (
+        (_SOL_SOCKET, _SO_KEEPALIVE, 1), (_IPPROTO_TCP, _TCP_KEEPIDLE, t.keepalive_time_s),
+        (_IPPROTO_TCP, _TCP_KEEPINTVL, t.keepalive_interval_s), (_IPPROTO_TCP, _TCP_KEEPCNT, t.keepalive_probes))]
+
+
 def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     xds = xds_dir(cfg)
     ep = cfg.extproc
@@ -214,6 +227,7 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
                 "address": _addr(cfg.listen.host, cfg.listen.port),
                 # BUFFERED bodies are capped by this limit; a larger one gets Envoy's 413 (rewritten as JSON).
                 "per_connection_buffer_limit_bytes": ep.max_body_bytes,
+                "socket_options": client_keepalive(cfg),
                 "filter_chains": [{"filters": [hcm]}],
             }],
             "clusters": [extproc_cluster],
@@ -244,8 +258,8 @@ def _worker_cluster(name: str, cfg: CortexConfig) -> dict[str, Any]:
         # A prefill sends nothing for as long as it runs: keepalive probes keep middleboxes from dropping the idle
         # connection, and find a worker machine that vanished without closing it.
         "upstream_connection_options": {"tcp_keepalive": {
-            "keepalive_time": t.worker_keepalive_time_s, "keepalive_interval": t.worker_keepalive_interval_s,
-            "keepalive_probes": t.worker_keepalive_probes}},
+            "keepalive_time": t.keepalive_time_s, "keepalive_interval": t.keepalive_interval_s,
+            "keepalive_probes": t.keepalive_probes}},
         "eds_cluster_config": {"eds_config": {
             "resource_api_version": "V3",
             "path_config_source": {"path": str(xds / f"eds_{name}.yaml"), "watched_directory": {"path": str(xds)}},

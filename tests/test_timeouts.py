@@ -45,6 +45,8 @@ def test_defaults(tmp_path: Path) -> None:
     assert extproc["connect_timeout"] == "0.250s"
     ext = h["http_filters"][1]["typed_config"]
     assert ext["message_timeout"] == "5.000s"
+    opts = {(o["level"], o["name"]): o["int_value"] for o in boot["static_resources"]["listeners"][0]["socket_options"]}
+    assert opts == {(1, 9): 1, (6, 4): 30, (6, 5): 10, (6, 6): 3}  # SO_KEEPALIVE, TCP_KEEPIDLE/INTVL/CNT
     for c in worker_clusters(cfg):
         assert c["connect_timeout"] == "2.000s"
         assert c["upstream_connection_options"]["tcp_keepalive"] == {
@@ -54,8 +56,8 @@ def test_defaults(tmp_path: Path) -> None:
 
 
 def test_every_value_is_configurable(tmp_path: Path) -> None:
-    cfg = config(tmp_path, worker_connect_s=1.5, worker_keepalive_time_s=45, worker_keepalive_interval_s=5,
-                 worker_keepalive_probes=4, worker_idle_connection_s=2, extproc_connect_s=0.5,
+    cfg = config(tmp_path, worker_connect_s=1.5, keepalive_time_s=45, keepalive_interval_s=5, keepalive_probes=4,
+                 worker_idle_connection_s=2, extproc_connect_s=0.5,
                  request_receive_s=600, stream_idle_s=120, routed_idle_s=900)
     h = hcm(bootstrap(cfg))
     assert (h["stream_idle_timeout"], h["request_timeout"]) == ("120.000s", "600.000s")
@@ -74,7 +76,7 @@ def test_request_receive_must_outlast_what_extproc_may_hold(tmp_path: Path) -> N
     assert config(tmp_path, request_receive_s=0).timeouts.request_receive_s == 0
 
 
-@pytest.mark.parametrize("bad", [{"worker_connect_s": 0}, {"stream_idle_s": 0}, {"worker_keepalive_probes": 0},
+@pytest.mark.parametrize("bad", [{"worker_connect_s": 0}, {"stream_idle_s": 0}, {"keepalive_probes": 0},
                                  {"routed_idle_s": -1}, {"connect": 2}])
 def test_bad_values_are_refused(tmp_path: Path, bad: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
