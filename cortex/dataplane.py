@@ -10,7 +10,10 @@ Layout (measured reasons in ../shared/reference/envoy-extproc.md):
   list, so a retry lands on the next-best worker; route 2 (no pool header: extproc down and
   failure_mode_allow) sends to `cortex_any`, all workers under least_request, so requests keep flowing;
 - membership lives in CDS/EDS files replaced by atomic rename (in-place writes are never picked up);
-- Envoy's own local replies (413 body too large, 503 no upstream, ...) are rewritten as OpenAI-style JSON.
+- Envoy's own local replies (413 body too large, 503 no upstream, ...) are rewritten as OpenAI-style JSON;
+- timeouts come from `timeouts:` (docs/configuration.md): every route sets its own idle_timeout (none by
+  default), replacing the connection manager's stream idle timeout once a request is routed, because Envoy
+  counts a prefill as silence; TCP keepalive runs on client and worker connections.
 """
 
 from __future__ import annotations
