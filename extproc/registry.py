@@ -6,6 +6,11 @@ between versions whenever the weights change, turning caches cold, while random 
 shares disturb little. The worker receives the model it serves, so the request body's `model` is
 rewritten when an alias was used.
 
+A LoRA adapter resolves to the model that serves it, the way that model's engine reads the request (vLLM:
+`model` is the adapter's name, from `models[].loras`; SGLang: `model: "<model>:<adapter>"` or `lora_path`), and
+the body is forwarded unchanged: the worker needs the adapter's name, and Cortex needs it to match the adapter's
+blocks (docs/ledger.md).
+
 A registry is immutable; a config reload builds a new one off the request path (reusing bundles whose
 files did not change) and swaps it in whole.
 """
