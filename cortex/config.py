@@ -169,6 +169,44 @@ class PdConfig(_Strict):
         return 2 * (self.prefill_timeout_s if engine == "vllm" else self.dispatch_timeout_s)
 
 
+class TimeoutsConfig(_Strict):
+    """Envoy's timeouts and keepalives between clients, Envoy and the workers (seed 004 §2.2/§5.2). A long prefill
+    is silent (nothing is sent until the first token, and a non-streaming answer sends nothing until it is whole),
+    so no timeout that counts silence applies once a request is routed, unless `routed_idle_s` is set: a dead worker
+    machine (or client) is found by TCP keepalive, a dead worker process by the refused connection or reset."""
+
+    worker_connect_s: float = Field(2.0, gt=0)
+    """Longest wait for a TCP connection to a worker; a failed connect is retried once on the next-best worker."""
+    keepalive_time_s: int = Field(30, ge=1)
+    """TCP keepalive on client and worker connections: seconds of silence before the first probe. Keeps NATs
+    and load balancers (which drop connections idle for 60-120 s) from cutting a request whose prefill sends
+    nothing, on either side of the gateway."""
+    keepalive_interval_s: int = Field(10, ge=1)
+    """Seconds between unanswered keepalive probes."""
+    keepalive_probes: int = Field(3, ge=1)
+    """Unanswered probes after which the connection counts as dead and its request ends (a worker machine or a
+    client gone without closing is noticed after time + probes x interval, 60 s by default)."""
+    worker_idle_connection_s: float = Field(4.0, gt=0)
+    """A pooled worker connection with no request is closed after this long. Below uvicorn's 5 s on purpose: a
+    connection Envoy reuses just as the worker closes it would reset the request."""
+    extproc_connect_s: float = Field(0.25, gt=0)
+    """Longest wait for a connection to an extproc process (local): a dead one is skipped quickly."""
+    request_receive_s: float = Field(300.0, ge=0)
+    """How long a client may take to send its whole request, headers and body, including Cortex's routing of it
+    (which may hold a PD pair's start, up to its start budget). Protects against clients that stall mid-upload.
+    0: no limit."""
+    stream_idle_s: float = Field(300.0, gt=0)
+    """Envoy's stream idle timeout: a stream with no bytes in either direction for this long is reset. It covers a
+    stream until its request headers are in (a client that opens a connection and goes silent); from then on the
+    route's `routed_idle_s` replaces it (every route leads to a worker), so a long silent prefill is never cut by
+    it, and a stalled body upload is bounded by `request_receive_s`."""
+    routed_idle_s: float = Field(0.0, ge=0)
+    """Idle timeout of a request once routed to a worker, in either direction. It counts from the moment the
+    request is sent, so the prefill (and queueing, and for a non-streaming request the whole generation) count as
+    silence. 0 (default): none, since a silent prefill of minutes is normal for long prompts under load. If set,
+    make it longer than your slowest prefill plus queueing (non-streaming: the whole generation)."""
+
+
 class ModelConfig(_Strict):
     """A served model: the name clients send, the engine family, and the files that tokenize like it."""
 
@@ -195,6 +233,22 @@ class ModelConfig(_Strict):
     PD decision and never claims a hit, but still observes (ledger, metrics, headers)."""
     pd: PdConfig = PdConfig()
     """Prefill/decode orchestration knobs (used when the model has prefill and decode workers)."""
+    loras: list[str] = Field(default_factory=list)
+    """LoRA adapters its workers serve, by name (vLLM `--lora-modules NAME=PATH`, SGLang `--lora-paths NAME=PATH`;
+    every worker of the model is expected to serve them). vLLM clients pick one with `model: NAME`, which only
+    works through Cortex when NAME is listed here. SGLang clients use `model: "<model>:NAME"` or `lora_path: NAME`,
+    routed by that adapter's blocks whether listed or not (SGLang loads adapters at run time). A LoRA request
+    only ever matches blocks the engine stored under the same adapter (docs/ledger.md)."""
+
+    @field_validator("loras")
+    @classmethod
+    def _loras(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not name or ":" in name:
+                raise ValueError(f"{name!r}: a LoRA adapter name must be non-empty and contain no ':'")
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate adapter name in {value}")
+        return value
 
     def engine_page_size(self) -> int:
         return self.page_size or (16 if self.engine == "vllm" else 1)
@@ -286,6 +340,7 @@ class CortexConfig(_Strict):
     ingest: IngestConfig = IngestConfig()
     extproc: ExtprocConfig = ExtprocConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
     runtime_dir: str | None = None
     """Where generated Envoy files, the shared ledger view and logs live (default /tmp/cortex-<listen port>)."""
     block_size: int = Field(16, ge=1, le=4096)
@@ -310,6 +365,12 @@ class CortexConfig(_Strict):
             for ref in [t.model for t in a.targets] + ([a.fallback] if a.fallback else []):
                 if ref not in names:
                     raise ValueError(f"aliases[{a.name}]: {ref!r} is not one of the models {names}")
+        # A vLLM adapter is named by `model` itself: each name must lead to one model (SGLang's are qualified).
+        adapters = [a for m in self.models if m.engine == "vllm" for a in m.loras]
+        taken = set(names) | set(alias_names)
+        clash = sorted({a for a in adapters if adapters.count(a) > 1 or a in taken})
+        if clash:
+            raise ValueError(f"models[].loras: vLLM adapter(s) {clash} also name another model, adapter or alias")
         ids = [w.id for w in self.workers]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
@@ -331,11 +392,22 @@ class CortexConfig(_Strict):
                 raise ValueError(f"models[{m.name}].page_size: {m.engine_page_size()} does not divide block_size "
                                  f"{self.block_size}; Cortex blocks must be whole engine pages (a Cortex hit must "
                                  "never claim part of a page the engine cannot reuse)")
+        hold = self.longest_extproc_hold_s()
+        if 0 < self.timeouts.request_receive_s <= hold:
+            raise ValueError(f"timeouts.request_receive_s: {self.timeouts.request_receive_s} s would cut requests "
+                             f"while extproc may still hold them (up to {hold} s: extproc.message_timeout_ms and "
+                             "the PD start budgets); raise it or set 0")
         targets = sum(w.dp_size for w in self.workers)
         if targets > self.ingest.max_workers:
             raise ValueError(f"workers: {targets} routing targets (workers x dp ranks) but ingest.max_workers is "
                              f"{self.ingest.max_workers}")
         return self
+
+    def longest_extproc_hold_s(self) -> int:
+        """How long extproc may hold one request message: a PD pair's start budget, plus slack (Envoy's
+        max_message_timeout)."""
+        longest = max((m.pd.start_budget_s(e) for m in self.models for e in ("vllm", "sglang")), default=0.0)
+        return int(max(longest + 10, self.extproc.message_timeout_ms / 1000 + 1))
 
     def runtime_path(self) -> Path:
         return Path(self.runtime_dir or f"/tmp/cortex-{self.listen.port}")

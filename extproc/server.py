@@ -351,6 +351,8 @@ class ExtProc:
         doc: dict[str, Any] = {
             "prompt_tokens": result.prompt_tokens,
             "prompt_truncated_for_routing": result.truncated,
+            "model": result.model,
+            "lora": result.lora,
             "block_size": self.cluster.block_size,
             "chosen": d.chosen.id,
             "order": [c.id for c in d.order],
