@@ -379,6 +379,25 @@ def load_config(path: str | os.PathLike[str]) -> CortexConfig:
     return parse_config(data, str(p))
 
 
+def reachable_host(host: str) -> str:
+    """Where this machine reaches a server bound to `host` (a wildcard bind answers on loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def check_models(cfg: CortexConfig) -> None:
+    """Load and exercise every model's bundle (tokenizer files, chat template, page size); raises BundleError
+    with one line naming the model and the path. `cortex check` and `cortex run` call it before anything starts."""
+    from cortex.bundle import BundleError, ModelBundle, verify_bundle
+
+    for m in cfg.models:
+        try:
+            where = m.tokenizer_dir()
+        except BundleError as exc:
+            raise BundleError(f"model {m.name!r}: tokenizer {m.tokenizer}: {exc}") from None
+        bundle = ModelBundle.load(m.name, where, m.chat_template)
+        verify_bundle(bundle, m.engine_page_size(), m.chat_template)
+
+
 def dump_config(cfg: CortexConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True), sort_keys=False)
 

