@@ -285,8 +285,9 @@ class CortexConfig(_Strict):
     extproc: ExtprocConfig = ExtprocConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     runtime_dir: str | None = None
-    """Where generated Envoy files, the shared ledger view, logs and workers.json (fleet changes made through the
-    admin API, restored at start; `cortex run --reset-workers` forgets them) live (default /tmp/cortex-<listen port>)."""
+    """Where generated Envoy files, the shared ledger view, logs and workers.json live (default
+    /tmp/cortex-<listen port>). workers.json keeps fleet changes made through the admin API across restarts;
+    `cortex run --reset-workers` forgets them."""
     block_size: int = Field(16, ge=1, le=4096)
     """Cortex's own key block size in tokens; engine blocks are mapped onto it."""
     models: list[ModelConfig] = Field(min_length=1)

@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import aiohttp
-import grpc
 
 from cortex import grpc_health
 from cortex.bundle import BundleError
@@ -56,7 +55,7 @@ async def wait_extprocs(cfg: CortexConfig, timeout_s: float = START_TIMEOUT_S) -
     """Return once every extproc process answers SERVING (it listens and has read ingest's view)."""
     ep = cfg.extproc
     addresses = [f"{reachable_host(ep.host)}:{ep.base_port + i}" for i in range(ep.process_count())]
-    channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    channels = [grpc_health.channel(a) for a in addresses]
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
         while True:

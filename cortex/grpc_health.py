@@ -54,6 +54,14 @@ def decode_response(raw: bytes) -> int:
     return UNKNOWN
 
 
+def channel(address: str) -> grpc.aio.Channel:
+    """A channel for health checks. Reconnects are retried within a second: gRPC's default backoff grows to
+    two minutes while a process is still starting, which would delay "ready" long after it serves."""
+    return grpc.aio.insecure_channel(address, options=[
+        ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000)])
+
+
 def handler(status_of: Callable[[str], int | None]) -> grpc.GenericRpcHandler:
     """A generic handler for Check; `status_of(service)` returns None for a service it does not know."""
 

@@ -57,7 +57,7 @@ class Readiness:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = grpc_health.channel(address)
         return ch
 
     async def _extproc(self, index: int) -> dict[str, Any]:

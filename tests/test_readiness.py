@@ -12,6 +12,7 @@ import httpx
 import pytest
 import yaml
 
+from cortex import grpc_health
 from tests.harness import MODEL, PY, Gateway, Sim, free_consecutive, free_ports, long_chat, start_sim, stop, wait_for
 
 
@@ -76,3 +77,21 @@ def test_ready_only_once_every_extproc_serves_and_envoy_routes(tmp_path: Path) -
     finally:
         stop(gw.proc)
         stop(sim.proc)
+
+
+@pytest.mark.parametrize(("service", "wire"), [
+    ("", b""),  # proto3: the default value is not sent
+    ("cortex.ledger_view", b"\x0a\x12cortex.ledger_view"),
+    ("s" * 200, b"\x0a\xc8\x01" + b"s" * 200),  # a two-byte length
+])
+def test_health_request_vectors(service: str, wire: bytes) -> None:
+    assert grpc_health.encode_request(service) == wire
+    assert grpc_health.decode_request(wire) == service
+
+
+def test_health_wire_edge_cases() -> None:
+    # An unknown varint field before the service is skipped; garbage reads as the whole-server check.
+    assert grpc_health.decode_request(b"\x10\x05\x0a\x01x") == "x"
+    assert grpc_health.decode_request(b"\xff") == ""
+    assert [grpc_health.encode_response(s) for s in (0, 1, 2)] == [b"", b"\x08\x01", b"\x08\x02"]
+    assert [grpc_health.decode_response(b) for b in (b"", b"\x08\x01", b"\x08\x02")] == [0, 1, 2]
