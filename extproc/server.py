@@ -28,7 +28,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from cortex import grpc_health
 from cortex.bundle import BundleError
-from cortex.config import ConfigError, CortexConfig, load_config
+from cortex.config import ConfigError, CortexConfig, check_models, load_config
 from cortex.dataplane import ANY_CLUSTER, ENDPOINTS_HEADER, PD_ROUTE_HEADER, POOL_HEADER, pool_cluster
 from cortex.errors import ClientError
 from extproc import metrics
@@ -394,6 +394,7 @@ class ConfigWatcher:
         try:
             # Loading tokenizers takes a while: do it off the event loop, then swap in one step.
             cfg = await asyncio.to_thread(load_config, self.path)
+            await asyncio.to_thread(check_models, cfg)  # the checks `cortex run` makes at start
             registry = await asyncio.to_thread(ModelRegistry, cfg, router.registry)
         except (ConfigError, BundleError) as exc:
             log.error("config change ignored, the running config stays: %s", exc)

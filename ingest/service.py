@@ -25,7 +25,7 @@ import orjson
 import zmq.asyncio
 
 from cortex.bundle import BundleError, ModelBundle
-from cortex.config import ConfigError, CortexConfig, WorkerConfig, load_config
+from cortex.config import ConfigError, CortexConfig, WorkerConfig, check_models, load_config
 from cortex.dataplane import atomic_write, write_xds
 from cortex.view import ViewWriter
 from ingest import token_parity
@@ -132,6 +132,7 @@ class Ingest:
             self._config_mtime = mtime
             try:
                 cfg = await asyncio.to_thread(load_config, self.config_path)
+                await asyncio.to_thread(check_models, cfg)  # the checks `cortex run` makes at start
                 probes = await asyncio.to_thread(self._load_probes, cfg)
             except (ConfigError, BundleError) as exc:
                 log.error("config change ignored, the running config stays: %s", exc)
