@@ -72,8 +72,9 @@ class Supervisor:
     async def _spawn(self, child: _Child) -> None:
         env = {**os.environ, **child.spec.env}
         # A process group of its own: the terminal's Ctrl-C goes to the supervisor alone, which then stops the
-        # children in order with one SIGTERM each (a second signal racing a child's shutdown made it print
-        # "Exception ignored when trying to write to the signal wakeup fd").
+        # children in order with one SIGTERM each. In the terminal's group every child also got the SIGINT, so
+        # the supervisor's SIGTERM raced its shutdown (uvloop leaves the signal wakeup fd set after its handlers
+        # are removed: "Exception ignored when trying to write to the signal wakeup fd").
         child.proc = await asyncio.create_subprocess_exec(*child.spec.argv, env=env, process_group=0,
                                                           preexec_fn=_die_with_parent)
         child.started_at = time.monotonic()
