@@ -421,9 +421,9 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
             app.process, request_deserializer=pb.ProcessingRequest.FromString,
             response_serializer=pb.ProcessingResponse.SerializeToString),
     })
+    # Latched once this process has read ingest's target list: from then on it routes (by load while ingest
+    # restarts), so Envoy keeps sending it streams; before, Envoy must not (cortex/grpc_health.py).
     served = cluster.synced
-    """Latched once this process has read ingest's target list: from then on it routes (by load while ingest
-    restarts), so Envoy keeps sending it streams; before, Envoy must not (grpc_health)."""
 
     def health(service: str) -> int | None:
         if service == "":
