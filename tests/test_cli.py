@@ -297,6 +297,7 @@ def test_demo_runs_routes_and_stops_cleanly(tmp_path: Path) -> None:
     assert not leftovers
 
     # The next demo in the same runtime directory starts with its own two workers only.
+    log = tmp_path / "demo2.log"
     proc, gw, ingest, sim1 = _demo(tmp_path, runtime, log)
     try:
         ids = wait_for(lambda: [w["id"] for w in httpx.get(f"http://127.0.0.1:{ingest}/cortex/workers",
