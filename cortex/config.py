@@ -342,7 +342,9 @@ class CortexConfig(_Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     runtime_dir: str | None = None
-    """Where generated Envoy files, the shared ledger view and logs live (default /tmp/cortex-<listen port>)."""
+    """Where generated Envoy files, the shared ledger view, logs and workers.json live (default
+    /tmp/cortex-<listen port>). workers.json keeps fleet changes made through the admin API across restarts;
+    `cortex run --reset-workers` forgets them."""
     block_size: int = Field(16, ge=1, le=4096)
     """Cortex's own key block size in tokens; engine blocks are mapped onto it."""
     models: list[ModelConfig] = Field(min_length=1)
@@ -451,6 +453,25 @@ def load_config(path: str | os.PathLike[str]) -> CortexConfig:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     return parse_config(data, str(p))
+
+
+def reachable_host(host: str) -> str:
+    """Where this machine reaches a server bound to `host` (a wildcard bind answers on loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def check_models(cfg: CortexConfig) -> None:
+    """Load and exercise every model's bundle (tokenizer files, chat template, page size); raises BundleError
+    with one line naming the model and the path. `cortex check` and `cortex run` call it before anything starts."""
+    from cortex.bundle import BundleError, ModelBundle, verify_bundle
+
+    for m in cfg.models:
+        try:
+            where = m.tokenizer_dir()
+        except BundleError as exc:
+            raise BundleError(f"model {m.name!r}: tokenizer {m.tokenizer}: {exc}") from None
+        bundle = ModelBundle.load(m.name, where, m.chat_template)
+        verify_bundle(bundle, m.engine_page_size(), m.chat_template)
 
 
 def dump_config(cfg: CortexConfig) -> str:

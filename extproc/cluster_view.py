@@ -63,6 +63,7 @@ class ClusterView:
         self.inflight = InflightBoard(cfg.runtime_path() / "inflight", index, cfg.extproc.process_count(),
                                       cfg.ingest.max_workers)
         self.alive = False
+        self._lost = False
         self.block_size = cfg.block_size
         self._meta_version = -1
         self.targets: dict[str, list[TargetInfo]] = {}
@@ -122,8 +123,13 @@ class ClusterView:
             self._set_targets(doc["targets"])
 
     def _mark(self, alive: bool, why: str) -> None:
-        if alive != self.alive:
-            log.warning("ledger view %s", "available" if alive else f"unavailable: {why}")
+        # The first sight of the view is the normal start (the server logs that it serves); a loss and a
+        # recovery are what an operator must see.
+        if alive and not self.alive:
+            (log.warning if self._lost else log.debug)("ledger view available%s", " again" if self._lost else "")
+        elif self.alive and not alive:
+            self._lost = True
+            log.warning("ledger view unavailable: %s", why)
         self.alive = alive
 
     @property

@@ -26,8 +26,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
+from cortex import grpc_health
 from cortex.bundle import BundleError
-from cortex.config import ConfigError, CortexConfig, load_config
+from cortex.config import ConfigError, CortexConfig, check_models, load_config
 from cortex.dataplane import ANY_CLUSTER, ENDPOINTS_HEADER, PD_ROUTE_HEADER, POOL_HEADER, pool_cluster
 from cortex.errors import ClientError
 from extproc import metrics
@@ -395,6 +396,7 @@ class ConfigWatcher:
         try:
             # Loading tokenizers takes a while: do it off the event loop, then swap in one step.
             cfg = await asyncio.to_thread(load_config, self.path)
+            await asyncio.to_thread(check_models, cfg)  # the checks `cortex run` makes at start
             registry = await asyncio.to_thread(ModelRegistry, cfg, router.registry)
         except (ConfigError, BundleError) as exc:
             log.error("config change ignored, the running config stays: %s", exc)
@@ -421,19 +423,35 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
             app.process, request_deserializer=pb.ProcessingRequest.FromString,
             response_serializer=pb.ProcessingResponse.SerializeToString),
     })
-    server.add_generic_rpc_handlers((handler,))
+    # Latched once this process has read ingest's target list: from then on it routes (by load while ingest
+    # restarts), so Envoy keeps sending it streams; before, Envoy must not (cortex/grpc_health.py).
+    served = cluster.synced
+
+    def health(service: str) -> int | None:
+        if service == "":
+            return grpc_health.SERVING if served else grpc_health.NOT_SERVING
+        if service == grpc_health.LEDGER_VIEW:
+            return grpc_health.SERVING if cluster.synced else grpc_health.NOT_SERVING
+        return None
+
+    server.add_generic_rpc_handlers((handler, grpc_health.handler(health)))
     port = cfg.extproc.base_port + index
     server.add_insecure_port(f"{cfg.extproc.host}:{port}")
     await server.start()
-    log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port, len(registry.bundles))
+    log.debug("extproc %d listening on %s:%d", index, cfg.extproc.host, port)
 
     async def upkeep() -> None:
+        nonlocal served
         tick = 0
         while True:
             await asyncio.sleep(0.1)
             tick += 1
             try:
                 cluster.refresh()
+                if not served and cluster.synced:
+                    served = True
+                    log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port,
+                             len(registry.bundles))
                 app.router.predictions.expire()
                 if tick % 10 == 0:
                     await watcher.poll()

@@ -25,12 +25,13 @@ import orjson
 import zmq.asyncio
 
 from cortex.bundle import BundleError, ModelBundle
-from cortex.config import ConfigError, CortexConfig, WorkerConfig, load_config
+from cortex.config import ConfigError, CortexConfig, WorkerConfig, check_models, load_config
 from cortex.dataplane import atomic_write, write_xds
 from cortex.view import ViewWriter
 from ingest import token_parity
 from ingest.ledger import Ledger
 from ingest.parity import ParityCheck
+from ingest.readiness import subscription
 from ingest.source import EventSource, cancel_quietly
 from ingest.sync import SourceSync, SyncState
 from ingest.workers import Target, Worker, probe_health, read_load
@@ -60,6 +61,8 @@ class Ingest:
         self._meta_dirty = True
         self._parity_wakeup = asyncio.Event()
         self.state_file = cfg.runtime_path() / "workers.json"
+        self.heartbeat_at = 0.0
+        """When the view was last stamped (monotonic; 0 before the first): /health/ready's "ledger view live"."""
         # Cortex's own ids for the tokenizer parity probes, per model (rendered once, at start).
         self._probes = self._load_probes(cfg)
 
@@ -97,6 +100,12 @@ class Ingest:
         out = [(w, "config") for w in self.cfg.workers if w.id not in removed]
         ids = {w.id for w, _ in out}
         out += [(w, "api") for w in added if w.id not in ids]
+        restored = [w.id for w, src in out if src == "api"]
+        if restored or removed:
+            # Persistence is deliberate (a restarted ingest keeps its fleet), but must never surprise anyone.
+            log.info("fleet changes made through the admin API restored from %s: added %s, removed %s "
+                     "(`cortex run --reset-workers` forgets them)", self.state_file, restored or "none",
+                     sorted(removed) or "none")
         return out
 
     @staticmethod
@@ -123,6 +132,7 @@ class Ingest:
             self._config_mtime = mtime
             try:
                 cfg = await asyncio.to_thread(load_config, self.config_path)
+                await asyncio.to_thread(check_models, cfg)  # the checks `cortex run` makes at start
                 probes = await asyncio.to_thread(self._load_probes, cfg)
             except (ConfigError, BundleError) as exc:
                 log.error("config change ignored, the running config stays: %s", exc)
@@ -247,6 +257,7 @@ class Ingest:
             self.view.heartbeat()
             if self._meta_dirty:
                 self.publish_meta()
+            self.heartbeat_at = time.monotonic()
             await asyncio.sleep(self.cfg.ingest.heartbeat_interval_s)
 
     async def _load_loop(self) -> None:
@@ -345,5 +356,5 @@ class Ingest:
             "healthy": w.healthy, "health_failures": w.health_failures, "dp_size": w.cfg.dp_size,
             "token_parity": {"status": w.token_parity.status, "reason": w.token_parity.reason,
                              "checks": w.token_parity.checks},
-            "targets": [t.status(now) for t in w.targets],
+            "targets": [{**t.status(now), "subscription": subscription(t)} for t in w.targets],
         } for w in self.workers.values()], "pid": os.getpid()}
