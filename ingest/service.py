@@ -314,7 +314,7 @@ class Ingest:
         assert self._session is not None
         icfg = self.cfg.ingest
         while True:
-            was_healthy, was_suspect = worker.healthy, worker.suspect
+            was_healthy = worker.healthy
             try:
                 await probe_health(self._session, worker, icfg.health_timeout_s, icfg.health_failures)
             except Exception:  # probe_health counts every expected failure itself; keep probing whatever else
@@ -327,8 +327,7 @@ class Ingest:
                     t.ledger.clear(self.view)
             elif worker.healthy and not was_healthy:
                 log.info("worker %s is up again", worker.id)
-            if worker.suspect != was_suspect or worker.healthy != was_healthy:
-                self._meta_dirty = True
+            self._meta_dirty = True  # health, standing or an SGLang prefill's bootstrap port may have changed
             await asyncio.sleep(icfg.health_interval_s)
 
     async def _token_parity_loop(self) -> None:
