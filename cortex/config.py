@@ -66,7 +66,9 @@ class IngestConfig(_Strict):
     health_timeout_s: float = Field(3.0, gt=0)
     """A probe slower than this counts as a failure."""
     health_failures: int = Field(3, ge=1)
-    """Consecutive failed probes before a worker is marked down (tolerant on purpose: a busy GPU answers late)."""
+    """Consecutive failed probes (timeout, refused, non-200) before a worker is marked down, for ingest and Envoy's
+    active checks alike (tolerant on purpose: a busy GPU answers late). Until then a worker whose latest probe
+    failed stays routable but gets no first attempt while one in good standing exists (docs/architecture.md)."""
     token_parity: Literal["required", "best_effort", "off"] = "required"
     """Tokenizer parity self-test against each worker's tokenize endpoint. required: exact-KV routing only
     once the worker tokenized the probes exactly as Cortex does; best_effort: only a proven mismatch turns it

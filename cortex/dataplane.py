@@ -269,14 +269,26 @@ def _worker_cluster(name: str, cfg: CortexConfig) -> dict[str, Any]:
             "resource_api_version": "V3",
             "path_config_source": {"path": str(xds / f"eds_{name}.yaml"), "watched_directory": {"path": str(xds)}},
         }},
+        # The same tolerance as ingest's probes (docs/architecture.md, "Worker health"): down after
+        # `health_failures` failures in a row. Without retriable_statuses Envoy marks a host down at the first
+        # non-200 answer, e.g. an SGLang /health that answers 503 while its health generation waits in a busy queue.
         "health_checks": [{
             "timeout": f"{cfg.ingest.health_timeout_s}s", "interval": f"{cfg.ingest.health_interval_s}s",
             "unhealthy_threshold": cfg.ingest.health_failures, "healthy_threshold": 1,
             "no_traffic_interval": f"{cfg.ingest.health_interval_s}s",
-            "http_health_check": {"path": "/health"},
+            "http_health_check": {"path": "/health", "retriable_statuses": [{"start": 500, "end": 600}]},
         }],
-        "outlier_detection": {"consecutive_5xx": 5, "interval": "5s", "base_ejection_time": "10s",
-                              "max_ejection_percent": 50},
+        # Only failures to reach a worker (connect failure, reset, timeout) eject it. An answered 5xx does not:
+        # a 503 is a busy engine's backpressure, retried once on the next-best worker, and ejecting the worker
+        # would move its whole share (and its cache) onto the others just when the fleet is loaded.
+        "outlier_detection": {"split_external_local_origin_errors": True,
+                              "consecutive_local_origin_failure": 5,
+                              "enforcing_consecutive_local_origin_failure": 100,
+                              "enforcing_local_origin_success_rate": 0,
+                              "enforcing_consecutive_5xx": 0, "enforcing_consecutive_gateway_failure": 0,
+                              "enforcing_success_rate": 0, "enforcing_failure_percentage": 0,
+                              "enforcing_failure_percentage_local_origin": 0,
+                              "interval": "5s", "base_ejection_time": "10s", "max_ejection_percent": 50},
         # vLLM's uvicorn closes idle keep-alive connections after 5 s; a pooled connection Envoy reuses just as
         # the worker closes it resets, and the retry then lands on another worker. Close ours first.
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {

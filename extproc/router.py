@@ -268,7 +268,7 @@ class Router:
                 id=w.id, slot=w.slot, address=w.address, matched_blocks=matched, ledger_trusted=trusted,
                 predicted_blocks=self.predictions.extend(keys, w.slot, matched) if trusted else 0,
                 engine_load=engine_load, engine_waiting=w.engine_waiting if engine_load is not None else 0.0,
-                inflight=n_inflight, hot=hot, rank=w.rank, engine=w.engine,
+                inflight=n_inflight, hot=hot, rank=w.rank, engine=w.engine, suspect=w.suspect,
                 new=w.age_s is not None and w.age_s < self.cfg.scheduler.cold_start_s,
             ))
         if matches is not None:

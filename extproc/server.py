@@ -318,7 +318,7 @@ class ExtProc:
         inflight = self.cluster.inflight.totals()
         cands = [Candidate(id=t.worker, slot=t.slot, address=t.address,
                            engine_load=t.engine_load if self.cluster.alive else None,
-                           inflight=int(inflight[t.slot])) for t in targets]
+                           inflight=int(inflight[t.slot]), suspect=t.suspect) for t in targets]
         st.decision = decide(cands, block_size=self.cluster.block_size, ledger_usable=False,
                              why_not_exact="not_an_inference_request", turn=int(time.monotonic_ns() >> 10))
         self._count(st, st.decision.chosen.slot)
@@ -363,7 +363,7 @@ class ExtProc:
             "workers": [{"id": c.id, "matched_tokens": d.matched_tokens.get(c.id),
                          "predicted_tokens": c.predicted_blocks * self.cluster.block_size,
                          "ledger_trusted": c.ledger_trusted, "engine_load": c.engine_load,
-                         "inflight": c.inflight} for c in d.order],
+                         "inflight": c.inflight, "suspect": c.suspect} for c in d.order],
             "timings_ms": {k: round(getattr(result.timings, k) * 1000, 3)
                            for k in ("tokenize_s", "hash_s", "lookup_s", "score_s")},
         }
