@@ -95,8 +95,10 @@ def _error_type(status: int) -> str:
 
 
 def max_message_timeout_s(cfg: CortexConfig) -> int:
-    """The longest a PD pair may take to start, plus slack: extproc extends one message's deadline that far."""
-    longest = max((m.pd.start_budget_s(e) for m in cfg.models for e in ("vllm", "sglang")), default=0.0)
+    """The longest a PD pair may take to start, or its single-worker fallback to answer, plus slack: extproc
+    extends one message's deadline that far."""
+    longest = max((max(m.pd.start_budget_s(e), m.pd.fallback_timeout_s) for m in cfg.models
+                   for e in ("vllm", "sglang")), default=0.0)
     return int(max(longest + 10, cfg.extproc.message_timeout_ms / 1000 + 1))
 
 

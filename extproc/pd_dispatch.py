@@ -142,11 +142,14 @@ class PairLegs:
         self.prefill_task: asyncio.Task[int] | None = None
         self.watchdog: asyncio.Task[None] | None = None
         self.started = time.monotonic()
+        self.failure = ""
+        """The event that failed the pair ('' while it has not failed): names the fallback (x-cortex-pd)."""
 
     def event(self, event: str) -> None:
         before = self.phase
         self.phase, actions = on_event(self.phase, event)
         if self.phase is Phase.FAILED and before is not Phase.FAILED:
+            self.failure = event
             leg = "decode" if event == "decode_failed" else "prefill"
             PD_FAILURES.labels(self.engine, leg, event).inc()
             log.warning("PD pair prefill=%s decode=%s failed (%s); %s", self.prefill.id,
