@@ -327,10 +327,11 @@ class ExtProc:
                        if h.key == ":status"), b"200")
         failed = not status.startswith(b"2")
         pair.legs.event("decode_failed" if failed else "decode_ok")
-        if failed and st.pd_pending is not None:
+        if status.startswith(b"5") and st.pd_pending is not None:
             # Seed 000 §2.4: a decode or KV-transfer failure before the first byte falls back to one worker from a
-            # cold start. The decoder(s) that answered are left out when others exist; so is the prefill worker
-            # when the pair failed on its side.
+            # cold start (a 4xx is the request's own fault: another worker would refuse it too). The decoder(s)
+            # that answered are left out when others exist; so is the prefill worker when the pair failed on its
+            # side.
             why = _FALLBACK_WHY.get(pair.legs.failure, "decode_failed")
             exclude = {d.worker for d in pair.legs.decodes}
             if why != "decode_failed":

@@ -410,6 +410,22 @@ def test_sglang_stalled_bootstrap_falls_back_before_the_first_byte(sglang_mixed:
     assert 'cortex_pd_decisions_total{engine="sglang",outcome="fallback:bootstrap_timeout"}' in metrics
 
 
+def test_sglang_unreachable_prefill_falls_back_to_the_mixed_worker(sglang_mixed: Gateway) -> None:
+    gw = sglang_mixed
+    p1, d1, _ = gw.sims
+    assert p1.proc is not None
+    os.killpg(p1.proc.pid, signal.SIGKILL)  # last test of this fixture: the prefill stays dead
+    p1.proc.wait(5)
+    # The prefill leg cannot be written: no decode leg is sent at all, and Envoy serves the request on the mixed
+    # worker as any single-worker request (streamed as usual).
+    for stream in (False, True):
+        resp = chat(gw, seed=74 + stream, stream=stream)
+        served_alone(resp, "prefill_failed", "m1")
+        if stream:
+            assert resp.text.rstrip().endswith("data: [DONE]")
+    assert sglang_queues(d1) == (0, 0)
+
+
 VLLM_MIXED = [
     ("vp1", "vllm", "prefill", True, ()),
     ("vp2", "vllm", "prefill", True, ()),
@@ -495,3 +511,15 @@ def test_vllm_failed_transfer_falls_back_before_the_first_byte(vllm_mixed: Gatew
         set_faults(prefills, pd_transfer_fail=False)
     metrics = httpx.get(f"{gw.ingest_url}/metrics", timeout=5).text
     assert 'cortex_pd_decisions_total{engine="vllm",outcome="fallback:decode_failed"}' in metrics
+
+
+def test_a_fallback_longer_than_envoys_message_deadline_still_answers(tmp_path: Path) -> None:
+    specs = [("vp1", "vllm", "prefill", True, ()),
+             ("vd1", "vllm", "decode", True, ("--kv-load-failure-policy", "fail")),
+             ("vm1", "vllm", "both", True, ("--prefill-ms-per-token", "3"))]  # ~600 tokens: ~1.8 s
+    with pd_cluster(tmp_path, specs, extra_config={"extproc": {"message_timeout_ms": 400}}) as gw:
+        set_faults([gw.sims[0]], pd_transfer_fail=True)
+        resp = chat(gw, seed=90, words=450)
+        # extproc extended Envoy's deadline for the response-headers message before serving the request alone;
+        # without that, Envoy would have given up on extproc and passed the decoder's 500 to the client.
+        served_alone(resp, "decode_failed", "vm1")
