@@ -404,7 +404,7 @@ class ExtProc:
             log.info("PD pair prefill=%s failed (%s); served alone on %s", pair.legs.prefill.id, fb.why, cand.id)
             chosen = cand is decision.chosen
             mode = decision.mode if chosen or decision.mode != EXACT else LOAD_AWARE
-            out = [_set(k, v) for k, v in resp_headers.items() if k.lower() not in _NOT_COPIED]
+            out = [_set(k.lower(), v) for k, v in resp_headers.items() if k.lower() not in _NOT_COPIED]
             out += [_set("x-cortex-assigned-worker", cand.id),
                     _set("x-cortex-cache-hit-tokens", str(decision.hit_tokens if chosen else 0)),
                     _set("x-cortex-match-mode", mode),
