@@ -95,10 +95,11 @@ def _error_type(status: int) -> str:
 
 
 def max_message_timeout_s(cfg: CortexConfig) -> int:
-    """The longest a PD pair may take to start, or its single-worker fallback to answer, plus slack: extproc
-    extends one message's deadline that far."""
-    longest = max((max(m.pd.start_budget_s(e), m.pd.fallback_timeout_s) for m in cfg.models
-                   for e in ("vllm", "sglang")), default=0.0)
+    """The longest a PD pair may take to start, an SGLang decode's headers may wait for its prefill (the
+    watchdog), or a single-worker fallback may take to answer, plus slack: extproc extends one message's deadline
+    that far."""
+    longest = max((max(m.pd.start_budget_s(e), m.pd.bootstrap_timeout_s + 5, m.pd.fallback_timeout_s)
+                   for m in cfg.models for e in ("vllm", "sglang")), default=0.0)
     return int(max(longest + 10, cfg.extproc.message_timeout_ms / 1000 + 1))
 
 

@@ -144,6 +144,12 @@ class PairLegs:
         self.started = time.monotonic()
         self.failure = ""
         """The event that failed the pair ('' while it has not failed): names the fallback (x-cortex-pd)."""
+        self.settled = asyncio.Event()
+        """Set once the prefill side is over: its leg finished, or the pair failed or ended."""
+        self.defer_abort = False
+        """The decode's headers are held by extproc: aborting it now would make Envoy answer the client itself
+        (a reset before the headers went out). The abort waits for `release_abort`."""
+        self._abort_deferred = False
 
     def event(self, event: str) -> None:
         before = self.phase
@@ -159,9 +165,22 @@ class PairLegs:
                 # Closing the connection is how both engines learn to abort a request.
                 self.prefill_task.cancel()
             elif action == ABORT_DECODE:
-                self.dispatcher.spawn(self.dispatcher.abort_decode(self.decodes, self.rid))
-        if self.phase in (Phase.PREFILLED, Phase.DONE, Phase.FAILED) and self.watchdog is not None:
-            self.watchdog.cancel()
+                if self.defer_abort:
+                    self._abort_deferred = True
+                else:
+                    self.dispatcher.spawn(self.dispatcher.abort_decode(self.decodes, self.rid))
+        if self.phase in (Phase.PREFILLED, Phase.DONE, Phase.FAILED):
+            self.settled.set()
+            if self.watchdog is not None:
+                self.watchdog.cancel()
+
+    def release_abort(self, delay_s: float = 0.0) -> None:
+        """Carry out a decode abort deferred while its headers were held, after `delay_s` (time for Envoy to act on
+        extproc's answer first: its own reset of the upstream aborts the decode too; this one makes sure)."""
+        self.defer_abort = False
+        if self._abort_deferred:
+            self._abort_deferred = False
+            self.dispatcher.spawn(self.dispatcher.abort_decode(self.decodes, self.rid, delay_s))
 
     def prefill_finished(self, task: asyncio.Task[int]) -> None:
         if task.cancelled():
@@ -209,9 +228,11 @@ class PdDispatcher:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def abort_decode(self, decodes: list[TargetInfo], rid: str) -> None:
+    async def abort_decode(self, decodes: list[TargetInfo], rid: str, delay_s: float = 0.0) -> None:
         """SGLang's /abort_request on every decode that may hold the request (Envoy may have retried it on the
         next one); an unknown rid is a no-op there."""
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
         for d in decodes:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                 async with self.session().post(f"http://{d.address}/abort_request", json={"rid": rid},

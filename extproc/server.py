@@ -34,7 +34,7 @@ from cortex.errors import ClientError
 from extproc import metrics
 from extproc.cluster_view import ClusterView, TargetInfo
 from extproc.pd import PdPlan, fallback_pool
-from extproc.pd_dispatch import PairResult, PdDispatcher, splice
+from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
 from extproc.registry import ModelRegistry
 from extproc.request import ROUTED_PATHS, parse_body
 from extproc.router import Router, RouteResult
@@ -74,6 +74,14 @@ class PendingPair:
     changes: dict[str, object]
     wait_s: float
     """How long starting the pair may take (Envoy's message deadline is extended when it is longer)."""
+
+
+@dataclass(slots=True)
+class HoldHeaders:
+    """An SGLang decode answered its headers before its prefill leg finished: they wait for it (bounded)."""
+
+    until: float
+    """time.monotonic() past which the headers go out anyway."""
 
 
 @dataclass(slots=True)
@@ -136,6 +144,21 @@ class ExtProc:
                     yield answer
                 elif which == "response_headers":
                     answer = self.on_response_headers(st, req)
+                    if isinstance(answer, HoldHeaders):
+                        # SGLang streams answer 200 before the KV arrives; a failed bootstrap would then reach the
+                        # client inside the stream. Holding the headers until the prefill leg is over costs nothing
+                        # (the first token needs that KV) and keeps a failure before the first byte.
+                        assert st.pd is not None
+                        legs = st.pd.legs
+                        wait = max(0.0, answer.until - time.monotonic())
+                        if wait > self.cfg.extproc.message_timeout_ms / 1000:
+                            yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=int(wait) + 5))
+                        legs.defer_abort = True
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(legs.settled.wait(), wait)
+                        answer = self._pd_settled(st, req)
+                        if not isinstance(answer, DecodeFallback):
+                            legs.release_abort()  # no fallback: the decode must not wait for a KV that never comes
                     if isinstance(answer, DecodeFallback):
                         # The pair failed and nothing reached the client yet: extproc serves the request on one
                         # worker and answers with it. Envoy's deadline for this message is extended first.
@@ -145,6 +168,8 @@ class ExtProc:
                         if timeout > self.cfg.extproc.message_timeout_ms / 1000:
                             yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=int(timeout) + 5))
                         answer = await self._decode_fallback(st, req, answer)
+                        if st.pd is not None:
+                            st.pd.legs.release_abort(delay_s=1.0)  # after Envoy took the answer above
                     yield answer
                 elif which == "response_body":
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -283,11 +308,9 @@ class ExtProc:
         pools = plan.prep.pools
         return fallback_pool(pools, exclude) if pools is not None else plan.single_pool
 
-    def on_response_headers(self, st: StreamState, req: Any) -> pb.ProcessingResponse | DecodeFallback:
-        served = ""
-        attrs = req.attributes.get("envoy.filters.http.ext_proc")
-        if attrs is not None and "upstream.address" in attrs.fields:
-            served = attrs.fields["upstream.address"].string_value
+    def on_response_headers(self, st: StreamState,
+                            req: Any) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
+        served = _served(req)
         headers = []
         d = st.decision
         if d is None:
@@ -320,26 +343,47 @@ class ExtProc:
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
 
     def _pd_response_headers(self, st: StreamState, req: Any,
-                             served: str) -> pb.ProcessingResponse | DecodeFallback:
+                             served: str) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
         pair, prefill = st.pd, st.pd_prefill_decision
         assert pair is not None and prefill is not None and st.decision is not None
         status = next((h.raw_value or h.value.encode() for h in req.response_headers.headers.headers
                        if h.key == ":status"), b"200")
         failed = not status.startswith(b"2")
         pair.legs.event("decode_failed" if failed else "decode_ok")
-        if status.startswith(b"5") and st.pd_pending is not None:
-            # Seed 000 §2.4: a decode or KV-transfer failure before the first byte falls back to one worker from a
-            # cold start (a 4xx is the request's own fault: another worker would refuse it too). The decoder(s)
-            # that answered are left out when others exist; so is the prefill worker when the pair failed on its
-            # side.
-            why = _FALLBACK_WHY.get(pair.legs.failure, "decode_failed")
-            exclude = {d.worker for d in pair.legs.decodes}
-            if why != "decode_failed":
-                exclude.add(pair.legs.prefill.worker)
-            pool = self._fallback_pool(st.pd_pending.plan, frozenset(exclude))
-            if pool:
-                return DecodeFallback(why, pool)
+        if status.startswith(b"5") or (not failed and pair.legs.phase is Phase.FAILED):
+            # A 4xx is the request's own fault: another worker would refuse it too. A 2xx from a pair that already
+            # failed (its decode was aborted) would end early: that falls back too.
+            fallback = self._pd_fallback(st)
+            if fallback is not None:
+                return fallback
+        elif not failed and pair.legs.phase is Phase.DECODE_STARTED and st.pd_pending is not None:
+            cfg = self.cfg.pd(st.pd_pending.result.model)
+            # The watchdog settles the pair by then; one second more covers its scheduling.
+            return HoldHeaders(pair.legs.started + cfg.bootstrap_timeout_s + 1.0)
         return self._pd_pair_headers(st, served)
+
+    def _pd_settled(self, st: StreamState, req: Any) -> pb.ProcessingResponse | DecodeFallback:
+        """Held decode headers, once the prefill side is over: a failed pair falls back, a good one streams."""
+        assert st.pd is not None
+        if st.pd.legs.phase is Phase.FAILED:
+            fallback = self._pd_fallback(st)
+            if fallback is not None:
+                return fallback
+        return self._pd_pair_headers(st, _served(req))
+
+    def _pd_fallback(self, st: StreamState) -> DecodeFallback | None:
+        """Seed 000 §2.4: a pair that failed before the first byte falls back to one worker from a cold start. The
+        decoder(s) that answered are left out when others exist; so is the prefill worker when the pair failed
+        on its side."""
+        pair, pending = st.pd, st.pd_pending
+        if pair is None or pending is None:
+            return None
+        why = _FALLBACK_WHY.get(pair.legs.failure, "decode_failed")
+        exclude = {d.worker for d in pair.legs.decodes}
+        if why != "decode_failed":
+            exclude.add(pair.legs.prefill.worker)
+        pool = self._fallback_pool(pending.plan, frozenset(exclude))
+        return DecodeFallback(why, pool) if pool else None
 
     def _pd_pair_headers(self, st: StreamState, served: str) -> pb.ProcessingResponse:
         pair, prefill = st.pd, st.pd_prefill_decision
@@ -367,10 +411,6 @@ class ExtProc:
         own error goes to the client."""
         pending, pair = st.pd_pending, st.pd
         assert pending is not None and pair is not None
-        served = ""
-        attrs = req.attributes.get("envoy.filters.http.ext_proc")
-        if attrs is not None and "upstream.address" in attrs.fields:
-            served = attrs.fields["upstream.address"].string_value
         plan, model = pending.plan, pending.result.model
         st.pd_note = f"fallback:{fb.why}"
         metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
@@ -417,7 +457,7 @@ class ExtProc:
                     pair.legs.prefill.id, fb.why)
         st.pd_note = f"fallback_failed:{fb.why}"
         metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
-        return self._pd_pair_headers(st, served)
+        return self._pd_pair_headers(st, _served(req))
 
     # -- helpers --------------------------------------------------------------------------------------------
 
@@ -485,6 +525,14 @@ class ExtProc:
         if "tokens=1" in st.query.split("&"):
             doc["token_ids"] = result.token_ids
         return _immediate(200, orjson.dumps(doc))
+
+
+def _served(req: Any) -> str:
+    """The upstream address that answered (Envoy's `upstream.address` attribute; '' for a local reply)."""
+    attrs = req.attributes.get("envoy.filters.http.ext_proc")
+    if attrs is not None and "upstream.address" in attrs.fields:
+        return str(attrs.fields["upstream.address"].string_value)
+    return ""
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:

@@ -398,12 +398,17 @@ def test_sglang_stalled_bootstrap_falls_back_before_the_first_byte(sglang_mixed:
     p1, d1, _ = gw.sims
     set_faults([d1], pd_stall_bootstrap=True)
     try:
-        t0 = time.monotonic()
-        resp = chat(gw, seed=73, timeout=60)
-        # The watchdog (3 s) cut the pair, aborted both legs, and the mixed worker served the request from scratch.
-        served_alone(resp, "bootstrap_timeout", "m1")
-        assert time.monotonic() - t0 < 30
-        wait_for(lambda: all(sglang_queues(s) == (0, 0) for s in (p1, d1)), timeout=10, what="queues drained")
+        for stream in (False, True):
+            t0 = time.monotonic()
+            resp = chat(gw, seed=73 + 10 * stream, stream=stream, timeout=60)
+            # The watchdog (3 s) cut the pair, aborted both legs, and the mixed worker served the request from
+            # scratch. A streamed decode answers its 200 at once (as SGLang does): Cortex holds those headers until
+            # the prefill leg settles, so the failure is still before the client's first byte.
+            served_alone(resp, "bootstrap_timeout", "m1")
+            assert time.monotonic() - t0 < 30
+            if stream:
+                assert resp.text.rstrip().endswith("data: [DONE]") and '"error"' not in resp.text
+            wait_for(lambda: all(sglang_queues(s) == (0, 0) for s in (p1, d1)), timeout=10, what="queues drained")
     finally:
         set_faults([d1], pd_stall_bootstrap=False)
     metrics = httpx.get(f"{gw.ingest_url}/metrics", timeout=5).text
