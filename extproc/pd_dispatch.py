@@ -132,7 +132,7 @@ class PairLegs:
     """One pair's legs and phase. Everything runs on the extproc event loop; nothing here blocks."""
 
     def __init__(self, dispatcher: PdDispatcher, *, engine: str, prefill: TargetInfo, decodes: list[TargetInfo],
-                 rid: str, phase: Phase) -> None:
+                 rid: str, phase: Phase, early_headers_s: float = 0.0) -> None:
         self.dispatcher = dispatcher
         self.engine = engine
         self.prefill = prefill
@@ -146,10 +146,15 @@ class PairLegs:
         """The event that failed the pair ('' while it has not failed): names the fallback (x-cortex-pd)."""
         self.settled = asyncio.Event()
         """Set once the prefill side is over: its leg finished, or the pair failed or ended."""
+        self.early_headers_s = early_headers_s
+        """> 0: the decode answers its headers at once (an SGLang stream), within about this long."""
         self.defer_abort = False
-        """The decode's headers are held by extproc: aborting it now would make Envoy answer the client itself
-        (a reset before the headers went out). The abort waits for `release_abort`."""
+        """extproc holds the decode's headers: an abort now would reset the upstream before the headers went out,
+        and Envoy would answer the client its own 502 instead of extproc's fallback. It waits for
+        `release_abort`."""
         self._abort_deferred = False
+        self._headers_seen = False
+        self._grace: asyncio.Task[None] | None = None
 
     def event(self, event: str) -> None:
         before = self.phase
@@ -167,12 +172,31 @@ class PairLegs:
             elif action == ABORT_DECODE:
                 if self.defer_abort:
                     self._abort_deferred = True
+                elif self.early_headers_s > 0 and not self._headers_seen:
+                    # Its headers are about to reach extproc, which can still fall back if the decode is left
+                    # alone until then; if they do not come, the abort goes out anyway.
+                    self._abort_deferred = True
+                    if self._grace is None:
+                        self._grace = self.dispatcher.spawn(self._abort_after_grace())
                 else:
                     self.dispatcher.spawn(self.dispatcher.abort_decode(self.decodes, self.rid))
         if self.phase in (Phase.PREFILLED, Phase.DONE, Phase.FAILED):
             self.settled.set()
             if self.watchdog is not None:
                 self.watchdog.cancel()
+
+    async def _abort_after_grace(self) -> None:
+        await asyncio.sleep(self.early_headers_s)
+        if self._abort_deferred and not self._headers_seen:
+            self._abort_deferred = False
+            await self.dispatcher.abort_decode(self.decodes, self.rid)
+
+    def headers_arrived(self) -> None:
+        """The decode's response headers are at extproc: an abort waits until extproc answered them."""
+        self._headers_seen = True
+        self.defer_abort = True
+        if self._grace is not None and not self._grace.done():
+            self._grace.cancel()
 
     def release_abort(self, delay_s: float = 0.0) -> None:
         """Carry out a decode abort deferred while its headers were held, after `delay_s` (time for Envoy to act on
@@ -247,6 +271,8 @@ class PdDispatcher:
         decode = pair.decode.chosen
         d_info = pair.targets[decode.id]
         decodes = [pair.targets[c.id] for c in pair.decode.order[:2]]
+        # SGLang answers a streamed request's headers at once (StreamingResponse), before its bootstrap.
+        streamed = isinstance(plan.prep.body, dict) and plan.prep.body.get("stream") is True
         for attempt, cand in enumerate(pair.prefill.order[:2]):
             p = pair.targets[cand.id]
             dp_size = sum(1 for t in pair.targets.values() if t.worker == p.worker)
@@ -256,7 +282,8 @@ class PdDispatcher:
                                       "bootstrap_room": room, "rid": rid}
             if p.rank is not None:
                 fields["disagg_prefill_dp_rank"] = p.rank
-            legs = PairLegs(self, engine="sglang", prefill=p, decodes=decodes, rid=rid, phase=Phase.WAITING)
+            legs = PairLegs(self, engine="sglang", prefill=p, decodes=decodes, rid=rid, phase=Phase.WAITING,
+                            early_headers_s=cfg.dispatch_timeout_s if streamed else 0.0)
             sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             task = self.spawn(self._send(p, path, splice(body, fields), sent))
             done, _ = await asyncio.wait({sent, task}, timeout=cfg.dispatch_timeout_s,

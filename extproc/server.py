@@ -143,6 +143,8 @@ class ExtProc:
                         answer = await self._pd_pair(st, answer)
                     yield answer
                 elif which == "response_headers":
+                    if st.pd is not None:
+                        st.pd.legs.headers_arrived()  # aborts of the decode wait until extproc answered
                     answer = self.on_response_headers(st, req)
                     if isinstance(answer, HoldHeaders):
                         # SGLang streams answer 200 before the KV arrives; a failed bootstrap would then reach the
@@ -153,12 +155,9 @@ class ExtProc:
                         wait = max(0.0, answer.until - time.monotonic())
                         if wait > self.cfg.extproc.message_timeout_ms / 1000:
                             yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=int(wait) + 5))
-                        legs.defer_abort = True
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(legs.settled.wait(), wait)
                         answer = self._pd_settled(st, req)
-                        if not isinstance(answer, DecodeFallback):
-                            legs.release_abort()  # no fallback: the decode must not wait for a KV that never comes
                     if isinstance(answer, DecodeFallback):
                         # The pair failed and nothing reached the client yet: extproc serves the request on one
                         # worker and answers with it. Envoy's deadline for this message is extended first.
@@ -168,8 +167,10 @@ class ExtProc:
                         if timeout > self.cfg.extproc.message_timeout_ms / 1000:
                             yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=int(timeout) + 5))
                         answer = await self._decode_fallback(st, req, answer)
-                        if st.pd is not None:
-                            st.pd.legs.release_abort(delay_s=1.0)  # after Envoy took the answer above
+                    if st.pd is not None:
+                        # After an immediate response, Envoy resets the decode itself; the abort follows once Envoy
+                        # took that answer. Otherwise a failed pair's decode must not wait for a KV that never comes.
+                        st.pd.legs.release_abort(delay_s=1.0 if answer.HasField("immediate_response") else 0.0)
                     yield answer
                 elif which == "response_body":
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -182,6 +183,7 @@ class ExtProc:
             if st.counted_slot is not None:
                 self.cluster.inflight.dec(st.counted_slot)
             if st.pd is not None:
+                st.pd.legs.release_abort()  # the client left while the decode's headers were held
                 st.pd.legs.event("stream_end")
 
     # -- phases ---------------------------------------------------------------------------------------------
