@@ -132,7 +132,7 @@ class PairLegs:
     """One pair's legs and phase. Everything runs on the extproc event loop; nothing here blocks."""
 
     def __init__(self, dispatcher: PdDispatcher, *, engine: str, prefill: TargetInfo, decodes: list[TargetInfo],
-                 rid: str, phase: Phase, early_headers_s: float = 0.0) -> None:
+                 rid: str, phase: Phase, early_headers_s: float = 0.0, abort_window_s: float = 30.0) -> None:
         self.dispatcher = dispatcher
         self.engine = engine
         self.prefill = prefill
@@ -152,9 +152,11 @@ class PairLegs:
         """extproc holds the decode's headers: an abort now would reset the upstream before the headers went out,
         and Envoy would answer the client its own 502 instead of extproc's fallback. It waits for
         `release_abort`."""
+        self.abort_window_s = abort_window_s
+        """How long an abort is repeated while the decode's answer has not come (see `_abort`)."""
         self._abort_deferred = False
-        self._headers_seen = False
-        self._grace: asyncio.Task[None] | None = None
+        self._headers = asyncio.Event()
+        self._aborting: asyncio.Task[None] | None = None
 
     def event(self, event: str) -> None:
         before = self.phase
@@ -172,31 +174,40 @@ class PairLegs:
             elif action == ABORT_DECODE:
                 if self.defer_abort:
                     self._abort_deferred = True
-                elif self.early_headers_s > 0 and not self._headers_seen:
-                    # Its headers are about to reach extproc, which can still fall back if the decode is left
-                    # alone until then; if they do not come, the abort goes out anyway.
-                    self._abort_deferred = True
-                    if self._grace is None:
-                        self._grace = self.dispatcher.spawn(self._abort_after_grace())
-                else:
-                    self.dispatcher.spawn(self.dispatcher.abort_decode(self.decodes, self.rid))
+                elif self._aborting is None:
+                    self._aborting = self.dispatcher.spawn(self._abort())
         if self.phase in (Phase.PREFILLED, Phase.DONE, Phase.FAILED):
             self.settled.set()
             if self.watchdog is not None:
                 self.watchdog.cancel()
 
-    async def _abort_after_grace(self) -> None:
-        await asyncio.sleep(self.early_headers_s)
-        if self._abort_deferred and not self._headers_seen:
-            self._abort_deferred = False
+    async def _abort(self) -> None:
+        """Abort the decode of a failed pair, until its answer shows it took effect.
+
+        The decode leg is sent by Envoy, so a pair can fail before the decode has the request: an abort then finds
+        no such rid (a no-op in SGLang), and the decode would wait for a KV that never comes until the engine's
+        own timeout (300 s). So the abort is repeated until the decode's answer reaches extproc (a reset shows as
+        Envoy's local error), within `abort_window_s`. An SGLang stream's decode answers its headers at once:
+        those are awaited first (`early_headers_s`), since a reset while they are on their way to extproc would
+        let Envoy answer the client itself instead of extproc's fallback."""
+        deadline = time.monotonic() + self.abort_window_s
+        if self.early_headers_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._headers.wait(), self.early_headers_s)
+        while self.phase is not Phase.DONE:
+            if self._headers.is_set() and self.defer_abort:
+                self._abort_deferred = True  # extproc holds the headers: release_abort sends it
+                return
             await self.dispatcher.abort_decode(self.decodes, self.rid)
+            if self._headers.is_set() or time.monotonic() > deadline:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._headers.wait(), 0.5)
 
     def headers_arrived(self) -> None:
         """The decode's response headers are at extproc: an abort waits until extproc answered them."""
-        self._headers_seen = True
+        self._headers.set()
         self.defer_abort = True
-        if self._grace is not None and not self._grace.done():
-            self._grace.cancel()
 
     def release_abort(self, delay_s: float = 0.0) -> None:
         """Carry out a decode abort deferred while its headers were held, after `delay_s` (time for Envoy to act on
@@ -283,7 +294,8 @@ class PdDispatcher:
             if p.rank is not None:
                 fields["disagg_prefill_dp_rank"] = p.rank
             legs = PairLegs(self, engine="sglang", prefill=p, decodes=decodes, rid=rid, phase=Phase.WAITING,
-                            early_headers_s=cfg.dispatch_timeout_s if streamed else 0.0)
+                            early_headers_s=cfg.dispatch_timeout_s if streamed else 0.0,
+                            abort_window_s=cfg.bootstrap_timeout_s)
             sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             task = self.spawn(self._send(p, path, splice(body, fields), sent))
             done, _ = await asyncio.wait({sent, task}, timeout=cfg.dispatch_timeout_s,
