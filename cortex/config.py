@@ -150,8 +150,8 @@ class PdConfig(_Strict):
     """Prefill/decode disaggregation for a model whose workers include `prefill` and `decode` roles (docs/pd.md)."""
 
     skip_prefill_uncached_tokens: int = Field(256, ge=0)
-    """Send the request to a decode (or mixed) worker alone when fewer prompt tokens than this are left to
-    compute on the best prefill worker: a short prefill costs less than a KV transfer."""
+    """A KV handoff's cost in prompt tokens, for the skip rule: a request is served alone when that costs no more
+    than the pair (docs/pd.md; with nothing cached, a prompt of at most this many tokens goes alone)."""
     skip_prefill_decode_hit_ratio: float = Field(0.8, ge=0, le=1)
     """Also skip the prefill leg when a decode-capable worker already holds at least this share of the prompt
     (vLLM decoders keep a prefix cache; SGLang decoders with --disaggregation-decode-enable-radix-cache)."""
@@ -164,6 +164,10 @@ class PdConfig(_Strict):
     dispatch_timeout_s: float = Field(2.0, gt=0)
     """How long a prefill leg may take to be accepted by its worker (connection and request sent); slower
     counts as a failed dispatch and the pair is re-picked."""
+
+    fallback_timeout_s: float = Field(120.0, gt=0)
+    """Longest wait for a single-worker answer after the decode leg or its KV transfer failed before the client
+    got a byte (extproc sends that request itself and answers with it whole, docs/pd.md)."""
 
     def start_budget_s(self, engine: str) -> float:
         """The longest starting a pair may take: two attempts at the prefill leg (the first pick, one re-pick),
@@ -408,9 +412,11 @@ class CortexConfig(_Strict):
         return self
 
     def longest_extproc_hold_s(self) -> int:
-        """How long extproc may hold one request message: a PD pair's start budget, plus slack (Envoy's
-        max_message_timeout)."""
-        longest = max((m.pd.start_budget_s(e) for m in self.models for e in ("vllm", "sglang")), default=0.0)
+        """How long extproc may hold one request message, plus slack (Envoy's max_message_timeout): a PD pair's
+        start budget, an SGLang decode's headers waiting for its prefill (the watchdog), or a single-worker
+        fallback answering."""
+        longest = max((max(m.pd.start_budget_s(e), m.pd.bootstrap_timeout_s + 5, m.pd.fallback_timeout_s)
+                       for m in self.models for e in ("vllm", "sglang")), default=0.0)
         return int(max(longest + 10, self.extproc.message_timeout_ms / 1000 + 1))
 
     def runtime_path(self) -> Path:
