@@ -107,9 +107,10 @@ class Procs:
         raise LaunchError(f"{name} not ready after {timeout:.0f} s (last error: {last})")
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system) used so far by these processes and everything in their process groups
-        (Cortex's Envoy, ingest and extproc are children of `cortex run`), by part."""
-        groups = {proc.pid for _, proc in self.procs if proc.poll() is None}
+        """CPU time (user + system) used so far by these processes and everything in their sessions, by part.
+        Sessions, not process groups: `cortex run` puts each child (Envoy, ingest, extproc) in a group of its own
+        so a terminal's Ctrl-C reaches only the supervisor, but they stay in the session started here."""
+        groups = {proc.pid for _, proc in self.procs if proc.poll() is None}  # each started a session
         tick = os.sysconf("SC_CLK_TCK")
         out: dict[str, float] = {}
         for entry in Path("/proc").iterdir():
@@ -120,7 +121,7 @@ class Procs:
                 cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue  # exited meanwhile
-            if int(fields[2]) not in groups:  # fields[2] is the process group id; utime, stime at 11, 12
+            if int(fields[3]) not in groups:  # fields[3] is the session id; utime, stime at 11, 12
                 continue
             part = next((k for k in ("envoy", "extproc", "ingest", "router", "oracle") if k in cmd), "other")
             out[part] = out.get(part, 0.0) + (int(fields[11]) + int(fields[12])) / tick
