@@ -38,6 +38,7 @@ class Outcome:
     """HTTP status; 0 when no response headers arrived."""
     worker: str | None = None
     mode: str = ""
+    reason: str = ""
     claimed: int | None = None
     cached: int | None = None
     completed: bool = False
@@ -131,6 +132,7 @@ def _headers(o: Outcome, r: httpx.Response) -> None:
     o.status = r.status_code
     o.worker = r.headers.get("x-cortex-assigned-worker")
     o.mode = r.headers.get("x-cortex-match-mode", "")
+    o.reason = r.headers.get("x-cortex-route-reason", "")
     hit = r.headers.get("x-cortex-cache-hit-tokens")
     o.claimed = int(hit) if hit is not None else None
 
