@@ -374,9 +374,9 @@ class Ingest:
         return {"workers": [{
             "id": w.id, "url": w.cfg.url, "model": w.cfg.model, "engine": w.cfg.engine, "source": w.source,
             "healthy": w.healthy, "health_failures": w.health_failures, "dp_size": w.cfg.dp_size,
-            "events": _worker_events(w),
             "token_parity": {"status": w.token_parity.status, "reason": w.token_parity.reason,
                              "checks": w.token_parity.checks},
+            "events": _worker_events(w),
             "targets": [t.status(now) for t in w.targets],
         } for w in self.workers.values()], "pid": os.getpid()}
 
