@@ -123,6 +123,8 @@ def main() -> int:
     ap.add_argument("--fault-every", type=float, default=60.0, help="seconds between injected faults")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
+    # A stop signal still stops the fleet (the context managers below), not only this process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     with tempfile.TemporaryDirectory(prefix="cortex-soak-") as tmp, \
             cluster(Path(tmp), n_sims=3, replay=True, extproc_processes=2,
