@@ -297,6 +297,10 @@ def test_hanging_worker_added(gw: SuiteGateway) -> None:
     try:
         r = httpx.post(f"{gw.ingest_url}/cortex/workers", json=cfg, timeout=10)
         assert r.status_code == 201, r.text
+        probe = {"model": MODEL, "messages": long_chat(50, seed=7)}
+        wait_for(lambda: "sim-hang" in {w["id"] for w in httpx.post(
+            f"{gw.url}/cortex/v1/route", json=probe, timeout=30).json()["workers"]}, timeout=30,
+            what="extproc to see the hanging worker")
         # Requests take well under a second here; 20 s is far beyond any healthy answer, and short of
         # Envoy's 300 s idle timeout, which a request sent to the hanging worker would wait out.
         traffic = Traffic(gw.url, total=40, threads=4, seed=6, deadline_s=20.0).start()
