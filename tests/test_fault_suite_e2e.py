@@ -183,8 +183,8 @@ def test_worker_added_and_removed_under_load(gw: SuiteGateway, extra_sim: Sim) -
     outcomes = traffic.join(timeout=180)
     check([*outcomes, landed])  # nothing was killed: nothing may fail
     assert landed.claimed and landed.claimed <= landed.cached
-    # Removal is immediate in extproc's view: nothing new is assigned to the removed worker.
-    late = [o for o in outcomes if o.worker == "sim-extra" and o.started > removed_at + 0.5]
+    # Removal reaches extproc within its view upkeep (100-250 ms): nothing new is assigned to it after.
+    late = [o for o in outcomes if o.worker == "sim-extra" and o.started > removed_at + 1.0]
     assert not late, late[:3]
     assert "sim-extra" not in gw.workers()
 
