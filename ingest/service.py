@@ -284,7 +284,9 @@ class Ingest:
         """Name the workers that serve requests but publish no KV events (ingest.silence): reported in
         /cortex/workers, the metrics and the log, and kept out of exact-KV routing while silent."""
         for w in self.workers.values():
-            if not w.events_usable:
+            # A decode-only worker publishes only if its engine keeps a prefix cache for the KV it receives
+            # (SGLang's --disaggregation-decode-enable-radix-cache is off by default): its quiet proves nothing.
+            if not w.events_usable or w.cfg.role == "decode":
                 continue
             for t in w.targets:
                 # Counted, not timed: _check_silence above moves last_event_at without any batch arriving.
