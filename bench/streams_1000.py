@@ -78,6 +78,7 @@ class Run:
             async with asyncio.timeout(self.args.deadline_s), \
                     session.post(f"{self.gw.url}/v1/chat/completions", json=body) as r:
                 s.status = r.status
+                opened = time.monotonic()
                 self.open_now += 1
                 self.open_peak = max(self.open_peak, self.open_now)
                 try:
@@ -97,7 +98,10 @@ class Run:
                                 s.cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
                         if read_every_s:
                             await asyncio.sleep(read_every_s)
-                    s.ok = r.status == 200 and done and (s.claimed or 0) <= (s.cached or 0)
+                            if self.args.slow_hold_s and time.monotonic() - opened >= self.args.slow_hold_s:
+                                break  # the client gives up (closes) with most of the stream unread
+                    held = read_every_s and self.args.slow_hold_s and not done
+                    s.ok = r.status == 200 and (done or bool(held)) and (s.claimed or 0) <= (s.cached or 0)
                 finally:
                     self.open_now -= 1
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -139,7 +143,7 @@ async def main_async(gw: Gateway, args: argparse.Namespace) -> list[dict[str, An
     run = Run(gw, args)
     # Warm each process once (first-use allocations are not what this measures).
     await run.phase("warmup", 20, 0.0)
-    rows = [await run.phase("streams", args.streams, 0.0)]
+    rows = [await run.phase("streams", args.streams, 0.0)] if args.streams else []
     if args.slow:
         rows.append(await run.phase("slow_clients", args.slow, 1.0))
     return rows
@@ -153,6 +157,9 @@ def main() -> int:
     ap.add_argument("--slow-max-tokens", type=int, default=60,
                     help="tokens per slow stream: the worker sends them in half the time the client reads them")
     ap.add_argument("--decode-ms-per-token", type=float, default=500.0)
+    ap.add_argument("--slow-hold-s", type=float, default=0.0,
+                    help="slow clients close after this many seconds (0: read to the end); with a long fast "
+                         "stream, what the client left unread piles up somewhere: not in the gateway, we check")
     ap.add_argument("--ramp-s", type=float, default=10.0, help="streams are opened evenly over this many seconds")
     ap.add_argument("--deadline-s", type=float, default=180.0)
     ap.add_argument("--settle-s", type=float, default=5.0, help="wait after a phase before the 'after' reading")
