@@ -101,7 +101,9 @@ class Run:
                             if self.args.slow_hold_s and time.monotonic() - opened >= self.args.slow_hold_s:
                                 break  # the client gives up (closes) with most of the stream unread
                     held = read_every_s and self.args.slow_hold_s and not done
-                    s.ok = r.status == 200 and (done or bool(held)) and (s.claimed or 0) <= (s.cached or 0)
+                    # A stream given up before its usage chunk has no engine figure to compare the claim with.
+                    claim_ok = (s.claimed or 0) <= (s.cached or 0) or (bool(held) and s.cached is None)
+                    s.ok = r.status == 200 and (done or bool(held)) and claim_ok
                 finally:
                     self.open_now -= 1
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
