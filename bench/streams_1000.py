@@ -66,7 +66,7 @@ class Run:
         self.open_peak = 0
         bases = [long_chat(150, seed=9000 + i) for i in range(10)]
         self.prompts = [[*bases[i % 10][:1], {"role": "user", "content": f"Question {i}: say something."}]
-                        for i in range(max(args.streams, args.slow))]
+                        for i in range(max(args.streams, args.slow, 20))]
 
     async def stream(self, session: aiohttp.ClientSession, i: int, delay: float, read_every_s: float) -> Stream:
         await asyncio.sleep(delay)
