@@ -247,14 +247,14 @@ def test_gateway_process_killed_under_load(gw: SuiteGateway, child: str) -> None
     outcomes = traffic.join(timeout=180)
     # extproc and ingest: Envoy keeps serving (fail-open route, or by load while the ledger view is stale),
     # so nothing may fail. Envoy: every connection it held dies with it, so a request in flight at the kill
-    # may fail, and so may one sent before the new Envoy listens on a keep-alive connection the old one held
-    # (the client sees a reset; it cannot know the request went nowhere). A refused connection is retried
-    # by the client, as a load balancer in front of the gateway does. So: failures only within
-    # [kill, listening again], at most one per client connection, and every request after that succeeds.
+    # may fail, and so may one sent in the few milliseconds the dying process's listening socket still
+    # completes handshakes, or on a keep-alive connection it held (the client sees a reset and cannot know
+    # the request went nowhere). A refused connection is retried by the client, as a load balancer in front
+    # of the gateway does. So: failures only within [kill, listening again]; every request after succeeds.
     check(outcomes, in_flight_during([(killed_at, back_at)]) if child == "envoy" else lambda o: False)
     if child == "envoy":
-        lost = [o for o in outcomes if not o.completed]
-        assert len(lost) <= traffic.threads, lost
+        # The requests after the new listener are the proof that the gateway is back; there must be some.
+        assert sum(o.started > back_at for o in outcomes) >= 10, "traffic ended before Envoy came back"
     assert re.search(rf"{child}(-\d)? exited with code -9; restarting", gw.log.read_text())
     settle(gw)
     messages = long_chat(300, seed=int(time.time()) % 10_000 + 3)
