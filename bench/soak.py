@@ -10,8 +10,10 @@ injected:
 * extproc_kill: one extproc process is SIGKILLed (the supervisor restarts it).
 
 Every minute it prints the RSS of each Cortex process and the counts so far; `errors` counts every broken
-promise (tests/faultkit.py: a failed request other than one in flight on a killed worker, or a claimed hit
-above the engine's own `cached_tokens`). The last line is a JSON summary.
+promise (tests/faultkit.py), split into `failed` (a request failed other than one in flight on a killed
+worker) and `overclaims` (a claimed hit above the engine's own `cached_tokens`). Chats grow by a turn now
+and then and end after `--max-turns` turns (a new one takes their place), so the working set stays about
+the size of the KV pools. The last line is a JSON summary.
 
     python bench/soak.py [--minutes 30] [--threads 4] [--fault-every 60]
 
@@ -49,7 +51,8 @@ class Soak:
         self.gw, self.args = gw, args
         self.kills: dict[str, list[float]] = {}
         self.counts = {"requests": 0, "ok": 0, "excused": 0, "errors": 0, "exact_kv": 0, "claimed_tokens": 0,
-                       "cached_tokens": 0, "connect_retries": 0, "unrouted": 0}
+                       "cached_tokens": 0, "connect_retries": 0, "unrouted": 0, "failed": 0, "overclaims": 0,
+                       "overclaimed_tokens": 0}
         self.faults: dict[str, int] = dict.fromkeys(FAULTS, 0)
         self.examples: list[str] = []
         self.rng = random.Random(args.seed)
@@ -64,6 +67,11 @@ class Soak:
             v = violation(o, excuse)
             if v is not None:
                 c["errors"] += 1
+                if o.completed:  # (b): the claim exceeded what the engine reported
+                    c["overclaims"] += 1
+                    c["overclaimed_tokens"] += (o.claimed or 0) - (o.cached or 0)
+                else:  # (a): a request failed that no fault excuses
+                    c["failed"] += 1
                 if len(self.examples) < 10:
                     self.examples.append(v)
                     log(f"ERROR {v}")
@@ -111,7 +119,7 @@ class Soak:
         row = {"minute": minute, "rss_mib": {k: round(v / 1024, 1) for k, v in sorted(rss.items())}, **c,
                "faults": dict(self.faults)}
         log(f"minute {minute}: rss MiB {row['rss_mib']} | requests {c['requests']} ok {c['ok']} "
-            f"excused {c['excused']} errors {c['errors']} exact_kv {c['exact_kv']} unrouted {c['unrouted']} "
+            f"excused {c['excused']} errors {c['errors']} (failed {c['failed']}, overclaims {c['overclaims']}) exact_kv {c['exact_kv']} unrouted {c['unrouted']} "
             f"| faults {self.faults}")
         return row
 
@@ -122,6 +130,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--fault-every", type=float, default=60.0, help="seconds between injected faults")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-turns", type=int, default=40,
+                    help="a chat ends after this many added turns and a new one starts (0: chats grow forever)")
     args = ap.parse_args()
     # A stop signal still stops the fleet (the context managers below), not only this process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -132,7 +142,7 @@ def main() -> int:
         soak = Soak(gw, args)
         rows = [soak.report(0)]
         traffic = Traffic(gw.url, total=10**9, threads=args.threads, prompts=12, words=(150, 900), max_tokens=24,
-                          seed=args.seed, deadline_s=120.0).start()
+                          seed=args.seed, deadline_s=120.0, max_turns=args.max_turns).start()
         t0 = time.monotonic()
         end = t0 + args.minutes * 60
         next_fault, next_report, k = t0 + args.fault_every / 2, t0 + 60.0, 0

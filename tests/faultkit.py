@@ -174,6 +174,9 @@ class Traffic:
     max_tokens: int = 16
     stream_every: int = 2
     """Every n-th request streams (1: all SSE)."""
+    max_turns: int = 0
+    """A chat that grew by this many turns ends and a new one takes its place (0: chats grow forever). A long
+    run needs it: unbounded chats outgrow any KV pool, and the cache thrashes."""
     pause_s: float = 0.0
     deadline_s: float = 60.0
     seed: int = 0
@@ -183,7 +186,10 @@ class Traffic:
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
         base = rng.randint(0, 10**6)
+        self._rng = rng
         self._chats = [conversation(base + i, rng.randint(*self.words)) for i in range(self.prompts)]
+        self._turns = [0] * self.prompts
+        self._new_seed = base + self.prompts
         self._lock = threading.Lock()
         self._next = 0
         self._stop = threading.Event()
@@ -206,6 +212,10 @@ class Traffic:
             if n and n % 7 == 0:  # the conversation goes on: the next turn shares the whole earlier prefix
                 chat = [*chat, {"role": "assistant", "content": f"noted {n}"},
                         {"role": "user", "content": f"and point {n}?"}]
+                self._turns[k] += 1
+                if self.max_turns and self._turns[k] > self.max_turns:
+                    chat, self._turns[k] = conversation(self._new_seed, self._rng.randint(*self.words)), 0
+                    self._new_seed += 1
                 self._chats[k] = chat
             return n, chat
 
