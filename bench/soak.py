@@ -119,7 +119,8 @@ class Soak:
         row = {"minute": minute, "rss_mib": {k: round(v / 1024, 1) for k, v in sorted(rss.items())}, **c,
                "faults": dict(self.faults)}
         log(f"minute {minute}: rss MiB {row['rss_mib']} | requests {c['requests']} ok {c['ok']} "
-            f"excused {c['excused']} errors {c['errors']} (failed {c['failed']}, overclaims {c['overclaims']}) exact_kv {c['exact_kv']} unrouted {c['unrouted']} "
+            f"excused {c['excused']} errors {c['errors']} (failed {c['failed']}, overclaims {c['overclaims']}) "
+            f"exact_kv {c['exact_kv']} unrouted {c['unrouted']} "
             f"| faults {self.faults}")
         return row
 
