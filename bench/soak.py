@@ -131,6 +131,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--fault-every", type=float, default=60.0, help="seconds between injected faults")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--num-blocks", type=int, default=3000, help="KV pool of each worker, in 16-token blocks")
     ap.add_argument("--max-turns", type=int, default=40,
                     help="a chat ends after this many added turns and a new one starts (0: chats grow forever)")
     args = ap.parse_args()
@@ -139,7 +140,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="cortex-soak-") as tmp, \
             cluster(Path(tmp), n_sims=3, replay=True, extproc_processes=2,
-                    sim_args=("--num-blocks", "3000")) as gw:
+                    sim_args=("--num-blocks", str(args.num_blocks))) as gw:
         soak = Soak(gw, args)
         rows = [soak.report(0)]
         traffic = Traffic(gw.url, total=10**9, threads=args.threads, prompts=12, words=(150, 900), max_tokens=24,
