@@ -4,7 +4,8 @@ Starts four simulated vLLM workers (slow decode, so a stream stays open: `--deco
 500 ms, i.e. 2 tokens/s per stream) behind a real `cortex run` (Envoy + ingest + 2 extproc processes), then:
 
 1. streams: `--streams` (1,000) SSE chat streams opened within `--ramp-s` seconds and held until the
-   worker finishes (`--max-tokens`, default 40: about 20 s each); every stream is read to `[DONE]`.
+   worker finishes (`--max-tokens`, default 40: about 20 s each); every stream is read to `[DONE]`; then
+   the same again (`--rounds`, default 2), to tell memory kept for reuse from a leak.
    RSS of envoy, each extproc and ingest is read before, every second while they are held (peak), and
    after they closed.
 2. slow clients: `--slow` (200) streams of `--slow-max-tokens` (60) whose client reads one SSE chunk a
@@ -145,7 +146,9 @@ async def main_async(gw: Gateway, args: argparse.Namespace) -> list[dict[str, An
     run = Run(gw, args)
     # Warm each process once (first-use allocations are not what this measures).
     await run.phase("warmup", 20, 0.0)
-    rows = [await run.phase("streams", args.streams, 0.0)] if args.streams else []
+    # A second round shows whether what a round leaves behind is kept for reuse (flat) or leaks (grows).
+    rows = [await run.phase(f"streams_round_{k + 1}", args.streams, 0.0) for k in range(args.rounds)
+            if args.streams]
     if args.slow:
         rows.append(await run.phase("slow_clients", args.slow, 1.0))
     return rows
@@ -154,6 +157,7 @@ async def main_async(gw: Gateway, args: argparse.Namespace) -> list[dict[str, An
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of --streams streams, one after the other")
     ap.add_argument("--slow", type=int, default=200, help="slow clients reading one chunk a second (0: skip)")
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--slow-max-tokens", type=int, default=60,
