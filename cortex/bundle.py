@@ -77,6 +77,8 @@ class ModelBundle:
     def load(cls, name: str, tokenizer_path: str | Path, chat_template_path: str | Path | None = None
              ) -> ModelBundle:
         path = Path(tokenizer_path)
+        if not path.exists():
+            raise BundleError(f"model {name!r}: tokenizer path {path} does not exist")
         tok_file = path / "tokenizer.json" if path.is_dir() else path
         if not tok_file.is_file():
             raise BundleError(f"model {name!r}: no tokenizer.json at {tok_file}")
@@ -99,8 +101,12 @@ class ModelBundle:
         special["additional_special_tokens"] = [
             _token_text(t) for t in config.get("additional_special_tokens", []) or []
         ]
-        return cls(name=name, tokenizer=tokenizer, chat_template=template, special_tokens=special,
-                   source=str(tok_file))
+        try:
+            return cls(name=name, tokenizer=tokenizer, chat_template=template, special_tokens=special,
+                       source=str(tok_file))
+        except jinja2.TemplateError as exc:  # a syntax error: the template cannot even be compiled
+            where = chat_template_path or tok_file.parent
+            raise BundleError(f"model {name!r}: the chat template of {where} does not compile: {exc}") from exc
 
     @property
     def has_chat_template(self) -> bool:
@@ -133,6 +139,36 @@ class ModelBundle:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+PROBE_CHAT = ({"role": "system", "content": "You are a helpful assistant."},
+              {"role": "user", "content": "Hello!"},
+              {"role": "assistant", "content": "Hi. How can I help?"},
+              {"role": "user", "content": "Say hello."})
+"""A plain conversation every chat template must render: one that cannot is broken, not merely strict."""
+
+
+def verify_bundle(bundle: ModelBundle, page_size: int, template_path: str | Path | None = None) -> None:
+    """Exercise a loaded bundle as a request would: encode text, render and encode a chat. Raises BundleError
+    naming the model and the file at fault, so a broken model is refused at start, not on its first request."""
+    where = template_path or bundle.source
+    try:
+        if not bundle.encode("Hello, world.", add_special_tokens=True):
+            raise BundleError(f"model {bundle.name!r}: {bundle.source} encodes text to no tokens")
+    except BundleError:
+        raise
+    except Exception as exc:  # tokenizers raises plain Exception subclasses
+        raise BundleError(f"model {bundle.name!r}: {bundle.source} cannot encode text: {exc}") from exc
+    if page_size < 1:
+        raise BundleError(f"model {bundle.name!r}: page size {page_size} is not a positive number of tokens")
+    if bundle.has_chat_template:
+        try:
+            ids = bundle.encode_chat(list(PROBE_CHAT))
+        except TemplateError as exc:
+            raise BundleError(f"model {bundle.name!r}: the chat template of {where} does not render a plain "
+                              f"chat: {exc}") from exc
+        if not ids:
+            raise BundleError(f"model {bundle.name!r}: the chat template of {where} renders to nothing")
 
 
 def _trim_after_final_message(rendered: str, final: Mapping[str, Any]) -> str:

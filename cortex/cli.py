@@ -16,7 +16,7 @@ commands:
   demo                      start simulated workers and a gateway in front of them, print what to curl
   sim      [flags]          run one simulated engine (see `cortex sim --help`)
   bench    [flags]          benchmark Cortex against other routers on simulated workers (`cortex bench --help`)
-  check    -c cortex.yaml   validate a config file and print it with every default filled in
+  check    -c cortex.yaml   validate a config file and its model files, print it with every default filled in
   envoy-config -c cortex.yaml  print the Envoy bootstrap Cortex generates from a config
   ingest / extproc          internal: the processes `cortex run` supervises
 """
@@ -33,6 +33,19 @@ def _load(path: str) -> CortexConfig:
     except ConfigError as exc:
         print(f"cortex: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _models_ok(cfg: CortexConfig) -> bool:
+    """Every model's files load and work; otherwise one line naming the model and the path."""
+    from cortex.bundle import BundleError
+    from cortex.config import check_models
+
+    try:
+        check_models(cfg)
+    except BundleError as exc:
+        print(f"cortex: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,10 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     if command == "extproc":
         parser.add_argument("--index", type=int, default=0)
+    if command == "run":
+        parser.add_argument("--reset-workers", action="store_true",
+                            help="forget the workers added or removed through the admin API (runtime_dir/workers.json)")
     args = parser.parse_args(rest)
     _logging(args.verbose)
     cfg = _load(args.config)
     if command == "check":
+        if not _models_ok(cfg):
+            return 2
         print(dump_config(cfg), end="")
         return 0
     if command == "envoy-config":
@@ -72,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(bootstrap(cfg), sort_keys=False), end="")
         return 0
     if command == "run":
-        from cortex.gateway import run_gateway
+        from cortex.gateway import reset_workers, run_gateway
 
+        if args.reset_workers:
+            reset_workers(cfg)
         return run_gateway(cfg, Path(args.config).resolve())
     if command == "ingest":
         from ingest.main import run

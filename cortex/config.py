@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cortex.bundle import shipped_tokenizer_dir
+from cortex.engine_hashes import VllmHashAlgo
 
 Engine = Literal["vllm", "sglang"]
 Role = Literal["both", "prefill", "decode"]
@@ -65,7 +66,9 @@ class IngestConfig(_Strict):
     health_timeout_s: float = Field(3.0, gt=0)
     """A probe slower than this counts as a failure."""
     health_failures: int = Field(3, ge=1)
-    """Consecutive failed probes before a worker is marked down (tolerant on purpose: a busy GPU answers late)."""
+    """Consecutive failed probes (timeout, refused, non-200) before a worker is marked down, for ingest and Envoy's
+    active checks alike (tolerant on purpose: a busy GPU answers late). Until then a worker whose latest probe
+    failed stays routable but gets no first attempt while one in good standing exists (docs/architecture.md)."""
     token_parity: Literal["required", "best_effort", "off"] = "required"
     """Tokenizer parity self-test against each worker's tokenize endpoint. required: exact-KV routing only
     once the worker tokenized the probes exactly as Cortex does; best_effort: only a proven mismatch turns it
@@ -147,8 +150,8 @@ class PdConfig(_Strict):
     """Prefill/decode disaggregation for a model whose workers include `prefill` and `decode` roles (docs/pd.md)."""
 
     skip_prefill_uncached_tokens: int = Field(256, ge=0)
-    """Send the request to a decode (or mixed) worker alone when fewer prompt tokens than this are left to
-    compute on the best prefill worker: a short prefill costs less than a KV transfer."""
+    """A KV handoff's cost in prompt tokens, for the skip rule: a request is served alone when that costs no more
+    than the pair (docs/pd.md; with nothing cached, a prompt of at most this many tokens goes alone)."""
     skip_prefill_decode_hit_ratio: float = Field(0.8, ge=0, le=1)
     """Also skip the prefill leg when a decode-capable worker already holds at least this share of the prompt
     (vLLM decoders keep a prefix cache; SGLang decoders with --disaggregation-decode-enable-radix-cache)."""
@@ -162,10 +165,52 @@ class PdConfig(_Strict):
     """How long a prefill leg may take to be accepted by its worker (connection and request sent); slower
     counts as a failed dispatch and the pair is re-picked."""
 
+    fallback_timeout_s: float = Field(120.0, gt=0)
+    """Longest wait for a single-worker answer after the decode leg or its KV transfer failed before the client
+    got a byte (extproc sends that request itself and answers with it whole, docs/pd.md)."""
+
     def start_budget_s(self, engine: str) -> float:
         """The longest starting a pair may take: two attempts at the prefill leg (the first pick, one re-pick),
         awaited whole for vLLM, until it is written for SGLang."""
         return 2 * (self.prefill_timeout_s if engine == "vllm" else self.dispatch_timeout_s)
+
+
+class TimeoutsConfig(_Strict):
+    """Envoy's timeouts and keepalives between clients, Envoy and the workers (seed 004 §2.2/§5.2). A long prefill
+    is silent (nothing is sent until the first token, and a non-streaming answer sends nothing until it is whole),
+    so no timeout that counts silence applies once a request is routed, unless `routed_idle_s` is set: a dead worker
+    machine (or client) is found by TCP keepalive, a dead worker process by the refused connection or reset."""
+
+    worker_connect_s: float = Field(2.0, gt=0)
+    """Longest wait for a TCP connection to a worker; a failed connect is retried once on the next-best worker."""
+    keepalive_time_s: int = Field(30, ge=1)
+    """TCP keepalive on client and worker connections: seconds of silence before the first probe. Keeps NATs
+    and load balancers (which drop connections idle for 60-120 s) from cutting a request whose prefill sends
+    nothing, on either side of the gateway."""
+    keepalive_interval_s: int = Field(10, ge=1)
+    """Seconds between unanswered keepalive probes."""
+    keepalive_probes: int = Field(3, ge=1)
+    """Unanswered probes after which the connection counts as dead and its request ends (a worker machine or a
+    client gone without closing is noticed after time + probes x interval, 60 s by default)."""
+    worker_idle_connection_s: float = Field(4.0, gt=0)
+    """A pooled worker connection with no request is closed after this long. Below uvicorn's 5 s on purpose: a
+    connection Envoy reuses just as the worker closes it would reset the request."""
+    extproc_connect_s: float = Field(0.25, gt=0)
+    """Longest wait for a connection to an extproc process (local): a dead one is skipped quickly."""
+    request_receive_s: float = Field(300.0, ge=0)
+    """How long a client may take to send its whole request, headers and body, including Cortex's routing of it
+    (which may hold a PD pair's start, up to its start budget). Protects against clients that stall mid-upload.
+    0: no limit."""
+    stream_idle_s: float = Field(300.0, gt=0)
+    """Envoy's stream idle timeout: a stream with no bytes in either direction for this long is reset. It covers a
+    stream until its request headers are in (a client that opens a connection and goes silent); from then on the
+    route's `routed_idle_s` replaces it (every route leads to a worker), so a long silent prefill is never cut by
+    it, and a stalled body upload is bounded by `request_receive_s`."""
+    routed_idle_s: float = Field(0.0, ge=0)
+    """Idle timeout of a request once routed to a worker, in either direction. It counts from the moment the
+    request is sent, so the prefill (and queueing, and for a non-streaming request the whole generation) count as
+    silence. 0 (default): none, since a silent prefill of minutes is normal for long prompts under load. If set,
+    make it longer than your slowest prefill plus queueing (non-streaming: the whole generation)."""
 
 
 class ModelConfig(_Strict):
@@ -182,9 +227,10 @@ class ModelConfig(_Strict):
     page_size: int | None = Field(None, ge=1)
     """The engine's KV block (page) size in tokens, as its events report it. Default: 16 for vLLM
     (`--block-size`), 1 for SGLang (`--page-size` on CUDA). A worker whose events disagree fails parity."""
-    hash_algo: str | None = None
-    """vLLM `--prefix-caching-hash-algo` of the workers (default `sha256`); used only to check hash parity.
-    `sha256` and `sha256_cbor` are reproduced; any other value turns the check off."""
+    hash_algo: VllmHashAlgo | None = None
+    """vLLM `--prefix-caching-hash-algo` of the workers: `sha256` (vLLM's default), `sha256_cbor`, `xxhash` or
+    `xxhash_cbor`; used only to check hash parity, all four are reproduced. xxhash* needs `hash_seed`:
+    without PYTHONHASHSEED vLLM seeds their root hash randomly per process and parity stays `unchecked`."""
     hash_seed: str | None = None
     """The workers' PYTHONHASHSEED if they set one (vLLM derives its root hash from it); None = unset."""
     scheduling: Literal["cortex", "transparent"] = "cortex"
@@ -193,6 +239,22 @@ class ModelConfig(_Strict):
     PD decision and never claims a hit, but still observes (ledger, metrics, headers)."""
     pd: PdConfig = PdConfig()
     """Prefill/decode orchestration knobs (used when the model has prefill and decode workers)."""
+    loras: list[str] = Field(default_factory=list)
+    """LoRA adapters its workers serve, by name (vLLM `--lora-modules NAME=PATH`, SGLang `--lora-paths NAME=PATH`;
+    every worker of the model is expected to serve them). vLLM clients pick one with `model: NAME`, which only
+    works through Cortex when NAME is listed here. SGLang clients use `model: "<model>:NAME"` or `lora_path: NAME`,
+    routed by that adapter's blocks whether listed or not (SGLang loads adapters at run time). A LoRA request
+    only ever matches blocks the engine stored under the same adapter (docs/ledger.md)."""
+
+    @field_validator("loras")
+    @classmethod
+    def _loras(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not name or ":" in name:
+                raise ValueError(f"{name!r}: a LoRA adapter name must be non-empty and contain no ':'")
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate adapter name in {value}")
+        return value
 
     def engine_page_size(self) -> int:
         return self.page_size or (16 if self.engine == "vllm" else 1)
@@ -284,8 +346,11 @@ class CortexConfig(_Strict):
     ingest: IngestConfig = IngestConfig()
     extproc: ExtprocConfig = ExtprocConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
     runtime_dir: str | None = None
-    """Where generated Envoy files, the shared ledger view and logs live (default /tmp/cortex-<listen port>)."""
+    """Where generated Envoy files, the shared ledger view, logs and workers.json live (default
+    /tmp/cortex-<listen port>). workers.json keeps fleet changes made through the admin API across restarts;
+    `cortex run --reset-workers` forgets them."""
     block_size: int = Field(16, ge=1, le=4096)
     """Cortex's own key block size in tokens; engine blocks are mapped onto it."""
     models: list[ModelConfig] = Field(min_length=1)
@@ -308,6 +373,12 @@ class CortexConfig(_Strict):
             for ref in [t.model for t in a.targets] + ([a.fallback] if a.fallback else []):
                 if ref not in names:
                     raise ValueError(f"aliases[{a.name}]: {ref!r} is not one of the models {names}")
+        # A vLLM adapter is named by `model` itself: each name must lead to one model (SGLang's are qualified).
+        adapters = [a for m in self.models if m.engine == "vllm" for a in m.loras]
+        taken = set(names) | set(alias_names)
+        clash = sorted({a for a in adapters if adapters.count(a) > 1 or a in taken})
+        if clash:
+            raise ValueError(f"models[].loras: vLLM adapter(s) {clash} also name another model, adapter or alias")
         ids = [w.id for w in self.workers]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
@@ -329,11 +400,24 @@ class CortexConfig(_Strict):
                 raise ValueError(f"models[{m.name}].page_size: {m.engine_page_size()} does not divide block_size "
                                  f"{self.block_size}; Cortex blocks must be whole engine pages (a Cortex hit must "
                                  "never claim part of a page the engine cannot reuse)")
+        hold = self.longest_extproc_hold_s()
+        if 0 < self.timeouts.request_receive_s <= hold:
+            raise ValueError(f"timeouts.request_receive_s: {self.timeouts.request_receive_s} s would cut requests "
+                             f"while extproc may still hold them (up to {hold} s: extproc.message_timeout_ms and "
+                             "the PD start budgets); raise it or set 0")
         targets = sum(w.dp_size for w in self.workers)
         if targets > self.ingest.max_workers:
             raise ValueError(f"workers: {targets} routing targets (workers x dp ranks) but ingest.max_workers is "
                              f"{self.ingest.max_workers}")
         return self
+
+    def longest_extproc_hold_s(self) -> int:
+        """How long extproc may hold one request message, plus slack (Envoy's max_message_timeout): a PD pair's
+        start budget, an SGLang decode's headers waiting for its prefill (the watchdog), or a single-worker
+        fallback answering."""
+        longest = max((max(m.pd.start_budget_s(e), m.pd.bootstrap_timeout_s + 5, m.pd.fallback_timeout_s)
+                       for m in self.models for e in ("vllm", "sglang")), default=0.0)
+        return int(max(longest + 10, self.extproc.message_timeout_ms / 1000 + 1))
 
     def runtime_path(self) -> Path:
         return Path(self.runtime_dir or f"/tmp/cortex-{self.listen.port}")
@@ -377,6 +461,25 @@ def load_config(path: str | os.PathLike[str]) -> CortexConfig:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     return parse_config(data, str(p))
+
+
+def reachable_host(host: str) -> str:
+    """Where this machine reaches a server bound to `host` (a wildcard bind answers on loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def check_models(cfg: CortexConfig) -> None:
+    """Load and exercise every model's bundle (tokenizer files, chat template, page size); raises BundleError
+    with one line naming the model and the path. `cortex check` and `cortex run` call it before anything starts."""
+    from cortex.bundle import BundleError, ModelBundle, verify_bundle
+
+    for m in cfg.models:
+        try:
+            where = m.tokenizer_dir()
+        except BundleError as exc:
+            raise BundleError(f"model {m.name!r}: tokenizer {m.tokenizer}: {exc}") from None
+        bundle = ModelBundle.load(m.name, where, m.chat_template)
+        verify_bundle(bundle, m.engine_page_size(), m.chat_template)
 
 
 def dump_config(cfg: CortexConfig) -> str:

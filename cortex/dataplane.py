@@ -10,7 +10,10 @@ Layout (measured reasons in ../shared/reference/envoy-extproc.md):
   list, so a retry lands on the next-best worker; route 2 (no pool header: extproc down and
   failure_mode_allow) sends to `cortex_any`, all workers under least_request, so requests keep flowing;
 - membership lives in CDS/EDS files replaced by atomic rename (in-place writes are never picked up);
-- Envoy's own local replies (413 body too large, 503 no upstream, ...) are rewritten as OpenAI-style JSON.
+- Envoy's own local replies (413 body too large, 503 no upstream, ...) are rewritten as OpenAI-style JSON;
+- timeouts come from `timeouts:` (docs/configuration.md): every route sets its own idle_timeout (none by
+  default), replacing the connection manager's stream idle timeout once a request is routed, because Envoy
+  counts a prefill as silence; TCP keepalive runs on client and worker connections.
 """
 
 from __future__ import annotations
@@ -96,8 +99,24 @@ def _error_type(status: int) -> str:
 
 def max_message_timeout_s(cfg: CortexConfig) -> int:
     """The longest a PD pair may take to start, plus slack: extproc extends one message's deadline that far."""
-    longest = max((m.pd.start_budget_s(e) for m in cfg.models for e in ("vllm", "sglang")), default=0.0)
-    return int(max(longest + 10, cfg.extproc.message_timeout_ms / 1000 + 1))
+    return cfg.longest_extproc_hold_s()
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}s"
+
+
+# Linux socket option numbers (Envoy's own tcp_keepalive uses the same ones).
+_SOL_SOCKET, _SO_KEEPALIVE, _IPPROTO_TCP, _TCP_KEEPIDLE, _TCP_KEEPINTVL, _TCP_KEEPCNT = 1, 9, 6, 4, 5, 6
+
+
+def client_keepalive(cfg: CortexConfig) -> list[dict[str, Any]]:
+    """TCP keepalive on client connections. Set on the listening socket, which accepted sockets inherit on Linux:
+    Envoy's listener has no tcp_keepalive field of its own."""
+    t = cfg.timeouts
+    return [{"level": level, "name": name, "int_value": value, "state": "STATE_PREBIND"} for level, name, value in (
+        (_SOL_SOCKET, _SO_KEEPALIVE, 1), (_IPPROTO_TCP, _TCP_KEEPIDLE, t.keepalive_time_s),
+        (_IPPROTO_TCP, _TCP_KEEPINTVL, t.keepalive_interval_s), (_IPPROTO_TCP, _TCP_KEEPCNT, t.keepalive_probes))]
 
 
 def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
@@ -154,14 +173,18 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     # connect) can be replaced by the next one, but one that did may already hold the KV handoff, so a 5xx or a
     # reset is not retried (the pair's failure is handled by extproc, docs/pd.md).
     pd_retry = {**retry, "retry_on": "connect-failure,refused-stream"}
+    t = cfg.timeouts
+    # No overall deadline (a generation may run for minutes), and the route's own idle timeout replaces the
+    # connection manager's once the request is routed: a prefill sends nothing, and that silence is normal.
+    routed = {"timeout": "0s", "idle_timeout": _seconds(t.routed_idle_s)}
     routes = [
         {"match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "present_match": True},
                                               {"name": PD_ROUTE_HEADER, "present_match": True}]},
-         "route": {"cluster_header": POOL_HEADER, "timeout": "0s", "retry_policy": pd_retry}},
+         "route": {"cluster_header": POOL_HEADER, **routed, "retry_policy": pd_retry}},
         {"match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "present_match": True}]},
-         "route": {"cluster_header": POOL_HEADER, "timeout": "0s", "retry_policy": retry}},
+         "route": {"cluster_header": POOL_HEADER, **routed, "retry_policy": retry}},
         {"match": {"prefix": "/"},
-         "route": {"cluster": ANY_CLUSTER, "timeout": "0s", "retry_policy": retry}},
+         "route": {"cluster": ANY_CLUSTER, **routed, "retry_policy": retry}},
     ]
     hcm = {
         "name": "envoy.filters.network.http_connection_manager",
@@ -170,9 +193,10 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
                      "HttpConnectionManager",
             "stat_prefix": "cortex",
             "codec_type": "AUTO",
-            # Long generations: no overall stream deadline; stalls are caught by the idle timeout.
-            "stream_idle_timeout": "300s",
-            "request_timeout": "0s",
+            # Until routed, a stream silent this long is reset; routed streams follow the route's idle_timeout.
+            "stream_idle_timeout": _seconds(t.stream_idle_s),
+            # The whole request (headers, body, extproc's routing of it) must be in within this.
+            "request_timeout": _seconds(t.request_receive_s),
             "route_config": {"name": "cortex", "validate_clusters": False, "virtual_hosts": [
                 {"name": "all", "domains": ["*"], "routes": routes}]},
             "http_filters": [strip, ext_proc, {
@@ -185,14 +209,16 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     extproc_cluster = {
         "name": EXTPROC_CLUSTER,
         "type": "STATIC",
-        "connect_timeout": "0.25s",
+        "connect_timeout": _seconds(t.extproc_connect_s),
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {}},
         }},
-        # A dead extproc process is skipped quickly; the others (or the fallback route) take its streams.
+        # A dead extproc process is skipped quickly; the others (or the fallback route) take its streams. The
+        # gRPC health check (not a bare TCP connect) also keeps a restarted process out until it has read
+        # ingest's view: one that merely listens would route without knowing the fleet.
         "health_checks": [{"timeout": "0.25s", "interval": "0.5s", "unhealthy_threshold": 1,
-                           "healthy_threshold": 1, "no_traffic_interval": "0.5s", "tcp_health_check": {}}],
+                           "healthy_threshold": 1, "no_traffic_interval": "0.5s", "grpc_health_check": {}}],
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
         "load_assignment": {"cluster_name": EXTPROC_CLUSTER, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _addr(ep.host, ep.base_port + i)}} for i in range(ep.process_count())]}]},
@@ -206,6 +232,7 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
                 "address": _addr(cfg.listen.host, cfg.listen.port),
                 # BUFFERED bodies are capped by this limit; a larger one gets Envoy's 413 (rewritten as JSON).
                 "per_connection_buffer_limit_bytes": ep.max_body_bytes,
+                "socket_options": client_keepalive(cfg),
                 "filter_chains": [{"filters": [hcm]}],
             }],
             "clusters": [extproc_cluster],
@@ -227,28 +254,46 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
 
 def _worker_cluster(name: str, cfg: CortexConfig) -> dict[str, Any]:
     xds = xds_dir(cfg)
+    t = cfg.timeouts
     cluster: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster",
         "name": name,
         "type": "EDS",
-        "connect_timeout": "1s",
+        "connect_timeout": _seconds(t.worker_connect_s),
+        # A prefill sends nothing for as long as it runs: keepalive probes keep middleboxes from dropping the idle
+        # connection, and find a worker machine that vanished without closing it.
+        "upstream_connection_options": {"tcp_keepalive": {
+            "keepalive_time": t.keepalive_time_s, "keepalive_interval": t.keepalive_interval_s,
+            "keepalive_probes": t.keepalive_probes}},
         "eds_cluster_config": {"eds_config": {
             "resource_api_version": "V3",
             "path_config_source": {"path": str(xds / f"eds_{name}.yaml"), "watched_directory": {"path": str(xds)}},
         }},
+        # The same tolerance as ingest's probes (docs/architecture.md, "Worker health"): down after
+        # `health_failures` failures in a row. Without retriable_statuses Envoy marks a host down at the first
+        # non-200 answer, e.g. an SGLang /health that answers 503 while its health generation waits in a busy queue.
         "health_checks": [{
             "timeout": f"{cfg.ingest.health_timeout_s}s", "interval": f"{cfg.ingest.health_interval_s}s",
             "unhealthy_threshold": cfg.ingest.health_failures, "healthy_threshold": 1,
             "no_traffic_interval": f"{cfg.ingest.health_interval_s}s",
-            "http_health_check": {"path": "/health"},
+            "http_health_check": {"path": "/health", "retriable_statuses": [{"start": 500, "end": 600}]},
         }],
-        "outlier_detection": {"consecutive_5xx": 5, "interval": "5s", "base_ejection_time": "10s",
-                              "max_ejection_percent": 50},
+        # Only failures to reach a worker (connect failure, reset, timeout) eject it. An answered 5xx does not:
+        # a 503 is a busy engine's backpressure, retried once on the next-best worker, and ejecting the worker
+        # would move its whole share (and its cache) onto the others just when the fleet is loaded.
+        "outlier_detection": {"split_external_local_origin_errors": True,
+                              "consecutive_local_origin_failure": 5,
+                              "enforcing_consecutive_local_origin_failure": 100,
+                              "enforcing_local_origin_success_rate": 0,
+                              "enforcing_consecutive_5xx": 0, "enforcing_consecutive_gateway_failure": 0,
+                              "enforcing_success_rate": 0, "enforcing_failure_percentage": 0,
+                              "enforcing_failure_percentage_local_origin": 0,
+                              "interval": "5s", "base_ejection_time": "10s", "max_ejection_percent": 50},
         # vLLM's uvicorn closes idle keep-alive connections after 5 s; a pooled connection Envoy reuses just as
         # the worker closes it resets, and the retry then lands on another worker. Close ours first.
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "common_http_protocol_options": {"idle_timeout": "4s"},
+            "common_http_protocol_options": {"idle_timeout": _seconds(t.worker_idle_connection_s)},
             "explicit_http_config": {"http_protocol_options": {}},
         }},
     }

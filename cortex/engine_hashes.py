@@ -2,10 +2,14 @@
 
 Two families (kv-events.md §3 and §4.3):
 
-* vLLM 0.33: ``hash_fn((parent_bytes or NONE_HASH, tuple(block_tokens), extra_keys))`` with ``hash_fn`` the
-  SHA-256 of either a pickle (``sha256``, vLLM's default) or a canonical CBOR encoding (``sha256_cbor``) of
-  that tuple. ``NONE_HASH = hash_fn(seed)`` where the seed is ``PYTHONHASHSEED``'s string value if set, else
-  ``"vllm-none-hash"``. On the wire a hash is its last 8 bytes as an unsigned int.
+* vLLM 0.33: ``hash_fn((parent_bytes or NONE_HASH, tuple(block_tokens), extra_keys))`` with ``hash_fn`` one
+  of ``--prefix-caching-hash-algo`` (``vllm/utils/hashing.py``): the SHA-256 (32-byte digest) or the
+  XXH3-128 (``xxhash.xxh3_128_digest``, 16 bytes, no xxhash seed) of either a pickle (protocol
+  HIGHEST_PROTOCOL: ``sha256``, vLLM's default, and ``xxhash``) or a canonical CBOR encoding (``sha256_cbor``,
+  ``xxhash_cbor``) of that tuple. ``NONE_HASH = hash_fn(seed)`` where the seed is ``PYTHONHASHSEED``'s string
+  value if set, else ``"vllm-none-hash"`` for the SHA-256 pair and ``os.urandom(32).hex()`` (random per
+  engine process, so not reproducible by anyone else) for the xxhash pair. On the wire a hash is its last
+  8 bytes as an unsigned int.
 * SGLang 0.5.23: a per-page SHA-256 chain over little-endian uint32 token ids, optionally seeded by a salt
   prior; on the wire the first 8 digest bytes as a signed int64.
 
@@ -23,9 +27,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import cbor2
+import xxhash
 
-VllmHashAlgo = Literal["sha256", "sha256_cbor"]
-VLLM_HASH_ALGOS: tuple[VllmHashAlgo, ...] = ("sha256", "sha256_cbor")
+VllmHashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+VLLM_HASH_ALGOS: tuple[VllmHashAlgo, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+# vLLM's _NON_CRYPTO_HASH_FUNCTIONS: without PYTHONHASHSEED their NONE_HASH seed is random per process.
+VLLM_RANDOM_SEED_ALGOS: frozenset[str] = frozenset({"xxhash", "xxhash_cbor"})
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 _U64_MASK = (1 << 64) - 1
@@ -44,7 +51,18 @@ def sha256_cbor(obj: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
-_HASH_FNS: dict[str, Callable[[Any], bytes]] = {"sha256": sha256_pickle, "sha256_cbor": sha256_cbor}
+def xxhash_pickle(obj: Any) -> bytes:
+    """vLLM ``xxhash``: XXH3-128 (default xxhash seed 0) of the object's pickle, 16 digest bytes."""
+    return xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def xxhash_cbor(obj: Any) -> bytes:
+    """vLLM ``xxhash_cbor``: XXH3-128 of the canonical CBOR encoding, 16 digest bytes."""
+    return xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
+
+
+_HASH_FNS: dict[str, Callable[[Any], bytes]] = {
+    "sha256": sha256_pickle, "sha256_cbor": sha256_cbor, "xxhash": xxhash_pickle, "xxhash_cbor": xxhash_cbor}
 
 
 def vllm_hash_fn(algo: str) -> Callable[[Any], bytes]:
@@ -55,8 +73,10 @@ def vllm_hash_fn(algo: str) -> Callable[[Any], bytes]:
                          f"expected one of {', '.join(VLLM_HASH_ALGOS)}") from None
 
 
-def resolve_none_hash_seed(seed: str | None = None, env: Mapping[str, str] | None = None) -> str:
-    """The seed string vLLM hashes into NONE_HASH: an explicit seed, else PYTHONHASHSEED, else the default.
+def resolve_none_hash_seed(seed: str | None = None, env: Mapping[str, str] | None = None,
+                           algo: str = "sha256") -> str:
+    """The seed string vLLM hashes into NONE_HASH: an explicit seed, else PYTHONHASHSEED, else the default
+    (``"vllm-none-hash"``; a fresh random one for the xxhash pair, as vLLM's ``resolve_none_hash_seed``).
 
     vLLM reads PYTHONHASHSEED from its own environment; passing `env` lets a caller mirror that for a
     particular worker without touching this process's environment.
@@ -65,12 +85,21 @@ def resolve_none_hash_seed(seed: str | None = None, env: Mapping[str, str] | Non
         return seed
     environ = os.environ if env is None else env
     from_env = environ.get("PYTHONHASHSEED")
-    return from_env if from_env is not None else DEFAULT_NONE_HASH_SEED
+    if from_env is not None:
+        return from_env
+    return os.urandom(32).hex() if algo in VLLM_RANDOM_SEED_ALGOS else DEFAULT_NONE_HASH_SEED
+
+
+def none_hash_reproducible(algo: str, seed: str | None) -> bool:
+    """Whether a worker's NONE_HASH can be recomputed outside it: `seed` is its PYTHONHASHSEED (None =
+    unset), and without one the xxhash pair draws a random seed per engine process."""
+    return seed is not None or algo not in VLLM_RANDOM_SEED_ALGOS
 
 
 def vllm_none_hash(algo: str = "sha256", seed: str | None = None) -> bytes:
-    """NONE_HASH, the parent of every chain's first block. `seed` is used verbatim (None = the default)."""
-    return vllm_hash_fn(algo)(DEFAULT_NONE_HASH_SEED if seed is None else seed)
+    """NONE_HASH, the parent of every chain's first block. `seed` is used verbatim; None resolves as an
+    engine with PYTHONHASHSEED unset would (the fixed default, or a random seed for the xxhash pair)."""
+    return vllm_hash_fn(algo)(resolve_none_hash_seed(seed, env={}, algo=algo))
 
 
 def vllm_hash_block_tokens(hash_fn: Callable[[Any], bytes], parent: bytes | None, none_hash: bytes,
@@ -125,9 +154,10 @@ class VllmBlockHasher:
     """A vLLM worker's block hasher: algorithm plus NONE_HASH, fixed at engine start like vLLM's."""
 
     def __init__(self, algo: str = "sha256", seed: str | None = None) -> None:
+        """`seed` is the NONE_HASH seed string; None resolves as vLLM does with PYTHONHASHSEED unset."""
         self.algo = algo
         self.hash_fn = vllm_hash_fn(algo)
-        self.seed = DEFAULT_NONE_HASH_SEED if seed is None else seed
+        self.seed = resolve_none_hash_seed(seed, env={}, algo=algo)
         self.none_hash = self.hash_fn(self.seed)
 
     def hash_block(self, parent: bytes | None, tokens: Sequence[int],

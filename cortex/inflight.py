@@ -24,6 +24,9 @@ class InflightBoard:
         self._size = max_workers * 8
         self._maps: dict[int, mmap.mmap] = {}
         self._rows: dict[int, np.ndarray] = {}
+        # (st_dev, st_ino) of the file each row was mapped from: a restarted peer replaces its file
+        # (os.replace), so a different identity at the path means the mapped row is an orphan.
+        self._ids: dict[int, tuple[int, int]] = {}
         path = self._path(index)
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(b"\x00" * self._size)
@@ -43,12 +46,14 @@ class InflightBoard:
         except FileNotFoundError:
             return None
         try:
-            if os.fstat(fd).st_size < self._size:
+            st = os.fstat(fd)
+            if st.st_size < self._size:
                 return None
             mm = mmap.mmap(fd, self._size)
         finally:
             os.close(fd)
         self._maps[index] = mm
+        self._ids[index] = (st.st_dev, st.st_ino)
         row = np.ndarray((self.max_workers,), dtype=np.int64, buffer=mm)
         self._rows[index] = row
         return row
@@ -75,9 +80,15 @@ class InflightBoard:
             if i == self.index:
                 continue
             try:
-                same = os.stat(self._path(i)).st_ino == os.fstat(self._maps[i].fileno()).st_ino
-            except (OSError, ValueError):
-                same = False
-            if not same:
-                self._rows.pop(i)
-                self._maps.pop(i).close()
+                st = os.stat(self._path(i))
+                same = (st.st_dev, st.st_ino) == self._ids[i]
+            except OSError:
+                same = False  # the file is gone: stop counting a row nobody owns any more
+            if same:
+                continue
+            # Drop our references and never close() the mapping: numpy does not keep the buffer exported,
+            # so close() would unmap under any array still viewing the row (a segfault on its next read).
+            # The array holds the mmap as its base; the mapping goes when the last reference does.
+            self._rows.pop(i)
+            self._maps.pop(i)
+            self._ids.pop(i, None)

@@ -1,9 +1,13 @@
 """Run Envoy, ingest and the extproc processes as one supervised group.
 
-A child that dies is reported and restarted with backoff; one that keeps dying (more than `max_restarts`
-in `window_s`) stops the whole group, which then exits non-zero with a message naming it. SIGINT/SIGTERM
-stop every child (SIGTERM, then SIGKILL after a grace period). Children also get PR_SET_PDEATHSIG, so
-even a SIGKILLed supervisor leaves no orphans behind.
+Children start in stages (ChildSpec.stage, ascending); a stage may wait on a gate first (Envoy waits until
+every extproc process serves, so it never fails open on a cold ext_proc cluster). A child that dies is
+reported and restarted with backoff; one that keeps dying (more than `max_restarts` in `window_s`) stops
+the whole group, which then exits non-zero with a message naming it. SIGINT/SIGTERM stop every child, stage
+by stage in reverse (Envoy first, so no request meets a half-stopped gateway; simulated workers last, so
+ingest never sees its publishers vanish): SIGTERM, then SIGKILL after a grace period. Each child runs in its
+own process group, so a terminal's Ctrl-C reaches only the supervisor and each child gets exactly one
+signal. Children also get PR_SET_PDEATHSIG, so even a SIGKILLed supervisor leaves no orphans behind.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger("cortex.supervisor")
@@ -35,6 +39,10 @@ class ChildSpec:
     argv: Sequence[str]
     env: dict[str, str] = field(default_factory=dict)
     restart: bool = True
+    stage: int = 0
+    """Start order: every child of a lower stage is started (and its gate passed) first; stop is the reverse."""
+    gate: Callable[[], Awaitable[None]] | None = None
+    """Awaited before this child starts; raises (TimeoutError, RuntimeError) with the reason to give up."""
 
 
 @dataclass
@@ -63,7 +71,11 @@ class Supervisor:
 
     async def _spawn(self, child: _Child) -> None:
         env = {**os.environ, **child.spec.env}
-        child.proc = await asyncio.create_subprocess_exec(*child.spec.argv, env=env,
+        # A process group of its own: the terminal's Ctrl-C goes to the supervisor alone, which then stops the
+        # children in order with one SIGTERM each. In the terminal's group every child also got the SIGINT, so
+        # the supervisor's SIGTERM raced its shutdown (uvloop leaves the signal wakeup fd set after its handlers
+        # are removed: "Exception ignored when trying to write to the signal wakeup fd").
+        child.proc = await asyncio.create_subprocess_exec(*child.spec.argv, env=env, process_group=0,
                                                           preexec_fn=_die_with_parent)
         child.started_at = time.monotonic()
         log.info("started %s (pid %d)", child.spec.name, child.proc.pid)
@@ -100,6 +112,8 @@ class Supervisor:
         self._done.set()
 
     def stop(self) -> None:
+        if not self._done.is_set():
+            self.on_event("stopping")
         self._done.set()
 
     def pid_of(self, name: str) -> int | None:
@@ -108,29 +122,56 @@ class Supervisor:
                 return c.proc.pid
         return None
 
+    def _stages(self) -> list[list[_Child]]:
+        stages: dict[int, list[_Child]] = {}
+        for c in self.children:
+            stages.setdefault(c.spec.stage, []).append(c)
+        return [stages[k] for k in sorted(stages)]
+
+    async def _start(self, watchers: list[asyncio.Task[None]], ready: Callable[[], object] | None) -> None:
+        for stage in self._stages():
+            for child in stage:
+                if child.spec.gate is not None:
+                    try:
+                        await child.spec.gate()
+                    except (TimeoutError, RuntimeError) as exc:
+                        self._fail(f"{child.spec.name} not started: {exc}")
+                        return
+                if self._done.is_set():
+                    return
+            for child in stage:
+                await self._spawn(child)
+                watchers.append(asyncio.create_task(self._watch(child)))
+        if ready is not None:
+            await ready()  # type: ignore[misc]
+
     async def run(self, ready: Callable[[], object] | None = None) -> int:
         """Start everything, wait for a signal or a fatal failure, stop everything. Returns the exit code."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop)
-        watchers = []
+        watchers: list[asyncio.Task[None]] = []
+        starter = asyncio.create_task(self._start(watchers, ready))
+        starter.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
         try:
-            for child in self.children:
-                await self._spawn(child)
-            watchers = [asyncio.create_task(self._watch(c)) for c in self.children]
-            if ready is not None:
-                ready_task = asyncio.ensure_future(ready())  # type: ignore[arg-type]
-                ready_task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
             await self._done.wait()
         finally:
             self._stopping = True
+            starter.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await starter
             await self._terminate_all()
             for w in watchers:
                 w.cancel()
+        if not self._failed:
+            self.on_event("stopped")
         return 1 if self._failed else 0
 
     async def _terminate_all(self) -> None:
-        live = [c.proc for c in self.children if c.proc is not None and c.proc.returncode is None]
+        for stage in reversed(self._stages()):
+            await self._terminate([c.proc for c in stage if c.proc is not None and c.proc.returncode is None])
+
+    async def _terminate(self, live: list[asyncio.subprocess.Process]) -> None:
         for p in live:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)

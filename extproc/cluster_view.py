@@ -48,6 +48,9 @@ class TargetInfo:
     """`both`, `prefill` or `decode` (PD pools, docs/pd.md)."""
     bootstrap_port: int | None = None
     """SGLang prefill: the port its decode connects to (None until ingest has read it)."""
+    suspect: bool = False
+    """Not in good standing with ingest (never probed yet, or its latest probe failed): routable, but never
+    first while a worker in good standing exists. False for the config's list (nothing is known yet)."""
 
     @property
     def host(self) -> str:
@@ -63,8 +66,10 @@ class ClusterView:
         self.inflight = InflightBoard(cfg.runtime_path() / "inflight", index, cfg.extproc.process_count(),
                                       cfg.ingest.max_workers)
         self.alive = False
+        self._lost = False
         self.block_size = cfg.block_size
         self._meta_version = -1
+        self._inflight_failed = False
         self.targets: dict[str, list[TargetInfo]] = {}
         self.by_address: dict[str, TargetInfo] = {}
         self._set_targets(self._config_targets())
@@ -95,7 +100,8 @@ class ClusterView:
                               healthy=bool(d.get("healthy", True)), engine_load=engine_load,
                               engine_waiting=float(load.get("waiting", 0) or 0), age_s=d.get("age_s"),
                               why=d.get("why", "" if d.get("exact_kv") else "ledger_unknown"),
-                              role=d.get("role", "both"), bootstrap_port=d.get("bootstrap_port"))
+                              role=d.get("role", "both"), bootstrap_port=d.get("bootstrap_port"),
+                              suspect=bool(d.get("suspect", False)))
             by_model.setdefault(info.model, []).append(info)
             by_address.setdefault(info.address, info)
         self.targets = by_model
@@ -107,7 +113,17 @@ class ClusterView:
             self.reader = ViewReader.open(self.view_path)
         elif self.reader.refresh():
             self._meta_version = -1
-        self.inflight.refresh()
+        try:
+            self.inflight.refresh()
+        except Exception:
+            # The peers' in-flight rows are an extra signal; a failure there must not freeze the worker list,
+            # health and load this process routes by (issue 11: a dead worker stayed first after it was
+            # marked down because this call raised on every tick before the list was re-read).
+            if not self._inflight_failed:
+                log.exception("in-flight board refresh failed; the ledger view is still refreshed")
+            self._inflight_failed = True
+        else:
+            self._inflight_failed = False
         if self.reader is None:
             self._mark(False, "no ledger view yet")
             return
@@ -122,8 +138,13 @@ class ClusterView:
             self._set_targets(doc["targets"])
 
     def _mark(self, alive: bool, why: str) -> None:
-        if alive != self.alive:
-            log.warning("ledger view %s", "available" if alive else f"unavailable: {why}")
+        # The first sight of the view is the normal start (the server logs that it serves); a loss and a
+        # recovery are what an operator must see.
+        if alive and not self.alive:
+            (log.warning if self._lost else log.debug)("ledger view available%s", " again" if self._lost else "")
+        elif self.alive and not alive:
+            self._lost = True
+            log.warning("ledger view unavailable: %s", why)
         self.alive = alive
 
     @property

@@ -74,15 +74,60 @@ def skip_reason(*, prompt_tokens: int, prefill_cached_tokens: int, single_cached
     """Why the prefill leg would not help this request (None: use the pair). Pure; tested with vectors.
 
     `prefill_cached_tokens`: what the chosen prefill worker holds (proven or just sent); `single_cached_tokens`:
-    the most any worker that can serve alone holds.
+    what the worker that would serve the request alone holds. The rule compares costs in prompt tokens
+    (docs/pd.md, "Skipping the prefill leg"):
+
+        alone = prompt - single_cached                       tokens the lone worker computes
+        pair  = (prompt - prefill_cached) + transfer         the prefill's uncached tokens, plus the handoff
+        skip when  INTERFERENCE * alone <= pair
+
+    `transfer` is `pd.skip_prefill_uncached_tokens`: a handoff's fixed cost, in prompt tokens. A token computed
+    alone is weighed INTERFERENCE (2) times: the lone worker is also decoding, and its prefill stalls those
+    decode steps, the cost a pair exists to remove. With nothing cached anywhere this is the old threshold (a
+    prompt of at most `transfer` tokens goes alone); the uncached part is measured on the worker that would
+    serve, so a prompt cached only on the prefill side keeps its pair instead of landing on a cold worker.
     """
     if prompt_tokens <= 0:
         return SKIP_SHORT
     if single_cached_tokens / prompt_tokens >= cfg.skip_prefill_decode_hit_ratio:
         return SKIP_HELD
-    if prompt_tokens - prefill_cached_tokens < cfg.skip_prefill_uncached_tokens:
+    if skip_by_cost(prompt_tokens=prompt_tokens, prefill_cached_tokens=prefill_cached_tokens,
+                    single_cached_tokens=single_cached_tokens, transfer_tokens=cfg.skip_prefill_uncached_tokens):
         return SKIP_SHORT
     return None
+
+
+INTERFERENCE = 2
+"""How much a prompt token computed by a worker that also decodes costs, against one computed by a prefill
+worker: its compute, plus the decode steps of that worker's other requests it holds up."""
+
+
+def skip_by_cost(*, prompt_tokens: int, prefill_cached_tokens: int, single_cached_tokens: int,
+                 transfer_tokens: int) -> bool:
+    """True when serving alone costs no more than the pair (see skip_reason)."""
+    alone = max(0, prompt_tokens - single_cached_tokens)
+    pair = max(0, prompt_tokens - prefill_cached_tokens) + transfer_tokens
+    return INTERFERENCE * alone <= pair
+
+
+def fallback_pool(pools: Pools, exclude: frozenset[str] = frozenset()) -> list[TargetInfo]:
+    """Where a request whose pair failed before its first byte is served alone, from a cold start (seed 000
+    §2.4). Pure. `exclude`: workers (ids without a rank) of the failed pair, used only when nothing else is left.
+
+    A `both` worker first. Without one: vLLM decode and prefill workers can each serve alone (NIXL workers are
+    `kv_both`; a request without `kv_transfer_params` is an ordinary request, and a prefill worker may still hold
+    the prompt it just computed); SGLang PD servers cannot (a decode-mode server waits for a bootstrap that never
+    comes, a prefill-mode one computes the prompt, samples one token and waits for its decode), so an SGLang
+    model without a `both` worker has no fallback and the client gets the pair's error.
+    """
+    if pools.whole:
+        candidates = pools.whole
+    elif pools.engine == "vllm":
+        candidates = pools.decode + pools.prefill
+    else:
+        return []
+    kept = [w for w in candidates if w.worker not in exclude]
+    return kept or list(candidates)
 
 
 def request_shape_skip(body: dict[str, Any] | None, engine: str) -> str | None:
@@ -125,11 +170,13 @@ def plan(prep: Prepared, pools: Pools, router: Router, *, commit: bool) -> PdPla
     if shape is not None and single:
         return PdPlan(None, shape, single, prep, pools.engine)
     prefill = router.choose(prep, pools.prefill, commit=False)
-    single_cached = 0
-    if single and prep.matches is not None:
-        single_cached = max((int(prep.matches[w.slot]) * bs for w in single if w.exact_kv), default=0)
-    why = skip_reason(prompt_tokens=prep.prompt_tokens, prefill_cached_tokens=prefill.chosen.affinity_blocks * bs,
-                      single_cached_tokens=single_cached, cfg=pd_cfg) if single else None
+    why = None
+    if single:
+        # The uncached part is measured on the worker that would serve alone (the one the scheduler picks, load
+        # included), not on the best holder: a skip to a cold worker computes the whole prompt again.
+        alone = router.choose(prep, single, commit=False).chosen
+        why = skip_reason(prompt_tokens=prep.prompt_tokens, prefill_cached_tokens=prefill.chosen.affinity_blocks * bs,
+                          single_cached_tokens=alone.affinity_blocks * bs, cfg=pd_cfg)
     if why is not None:
         return PdPlan(None, why, single, prep, pools.engine)
     if commit and prep.keys and prefill.chosen.ledger_trusted:

@@ -132,7 +132,7 @@ class PairLegs:
     """One pair's legs and phase. Everything runs on the extproc event loop; nothing here blocks."""
 
     def __init__(self, dispatcher: PdDispatcher, *, engine: str, prefill: TargetInfo, decodes: list[TargetInfo],
-                 rid: str, phase: Phase) -> None:
+                 rid: str, phase: Phase, early_headers_s: float = 0.0, abort_window_s: float = 30.0) -> None:
         self.dispatcher = dispatcher
         self.engine = engine
         self.prefill = prefill
@@ -142,11 +142,27 @@ class PairLegs:
         self.prefill_task: asyncio.Task[int] | None = None
         self.watchdog: asyncio.Task[None] | None = None
         self.started = time.monotonic()
+        self.failure = ""
+        """The event that failed the pair ('' while it has not failed): names the fallback (x-cortex-pd)."""
+        self.settled = asyncio.Event()
+        """Set once the prefill side is over: its leg finished, or the pair failed or ended."""
+        self.early_headers_s = early_headers_s
+        """> 0: the decode answers its headers at once (an SGLang stream), within about this long."""
+        self.defer_abort = False
+        """extproc holds the decode's headers: an abort now would reset the upstream before the headers went out,
+        and Envoy would answer the client its own 502 instead of extproc's fallback. It waits for
+        `release_abort`."""
+        self.abort_window_s = abort_window_s
+        """How long an abort is repeated while the decode's answer has not come (see `_abort`)."""
+        self._abort_deferred = False
+        self._headers = asyncio.Event()
+        self._aborting: asyncio.Task[None] | None = None
 
     def event(self, event: str) -> None:
         before = self.phase
         self.phase, actions = on_event(self.phase, event)
         if self.phase is Phase.FAILED and before is not Phase.FAILED:
+            self.failure = event
             leg = "decode" if event == "decode_failed" else "prefill"
             PD_FAILURES.labels(self.engine, leg, event).inc()
             log.warning("PD pair prefill=%s decode=%s failed (%s); %s", self.prefill.id,
@@ -156,9 +172,50 @@ class PairLegs:
                 # Closing the connection is how both engines learn to abort a request.
                 self.prefill_task.cancel()
             elif action == ABORT_DECODE:
-                self.dispatcher.spawn(self.dispatcher.abort_decode(self.decodes, self.rid))
-        if self.phase in (Phase.PREFILLED, Phase.DONE, Phase.FAILED) and self.watchdog is not None:
-            self.watchdog.cancel()
+                if self.defer_abort:
+                    self._abort_deferred = True
+                elif self._aborting is None:
+                    self._aborting = self.dispatcher.spawn(self._abort())
+        if self.phase in (Phase.PREFILLED, Phase.DONE, Phase.FAILED):
+            self.settled.set()
+            if self.watchdog is not None:
+                self.watchdog.cancel()
+
+    async def _abort(self) -> None:
+        """Abort the decode of a failed pair, until its answer shows it took effect.
+
+        The decode leg is sent by Envoy, so a pair can fail before the decode has the request: an abort then finds
+        no such rid (a no-op in SGLang), and the decode would wait for a KV that never comes until the engine's
+        own timeout (300 s). So the abort is repeated until the decode's answer reaches extproc (a reset shows as
+        Envoy's local error), within `abort_window_s`. An SGLang stream's decode answers its headers at once:
+        those are awaited first (`early_headers_s`), since a reset while they are on their way to extproc would
+        let Envoy answer the client itself instead of extproc's fallback."""
+        deadline = time.monotonic() + self.abort_window_s
+        if self.early_headers_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._headers.wait(), self.early_headers_s)
+        while self.phase is not Phase.DONE:
+            if self._headers.is_set() and self.defer_abort:
+                self._abort_deferred = True  # extproc holds the headers: release_abort sends it
+                return
+            await self.dispatcher.abort_decode(self.decodes, self.rid)
+            if self._headers.is_set() or time.monotonic() > deadline:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._headers.wait(), 0.5)
+
+    def headers_arrived(self) -> None:
+        """The decode's response headers are at extproc: an abort waits until extproc answered them."""
+        self._headers.set()
+        self.defer_abort = True
+
+    def release_abort(self, delay_s: float = 0.0) -> None:
+        """Carry out a decode abort deferred while its headers were held, after `delay_s` (time for Envoy to act on
+        extproc's answer first: its own reset of the upstream aborts the decode too; this one makes sure)."""
+        self.defer_abort = False
+        if self._abort_deferred:
+            self._abort_deferred = False
+            self.dispatcher.spawn(self.dispatcher.abort_decode(self.decodes, self.rid, delay_s))
 
     def prefill_finished(self, task: asyncio.Task[int]) -> None:
         if task.cancelled():
@@ -206,9 +263,11 @@ class PdDispatcher:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def abort_decode(self, decodes: list[TargetInfo], rid: str) -> None:
+    async def abort_decode(self, decodes: list[TargetInfo], rid: str, delay_s: float = 0.0) -> None:
         """SGLang's /abort_request on every decode that may hold the request (Envoy may have retried it on the
         next one); an unknown rid is a no-op there."""
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
         for d in decodes:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                 async with self.session().post(f"http://{d.address}/abort_request", json={"rid": rid},
@@ -223,6 +282,8 @@ class PdDispatcher:
         decode = pair.decode.chosen
         d_info = pair.targets[decode.id]
         decodes = [pair.targets[c.id] for c in pair.decode.order[:2]]
+        # SGLang answers a streamed request's headers at once (StreamingResponse), before its bootstrap.
+        streamed = isinstance(plan.prep.body, dict) and plan.prep.body.get("stream") is True
         for attempt, cand in enumerate(pair.prefill.order[:2]):
             p = pair.targets[cand.id]
             dp_size = sum(1 for t in pair.targets.values() if t.worker == p.worker)
@@ -232,7 +293,9 @@ class PdDispatcher:
                                       "bootstrap_room": room, "rid": rid}
             if p.rank is not None:
                 fields["disagg_prefill_dp_rank"] = p.rank
-            legs = PairLegs(self, engine="sglang", prefill=p, decodes=decodes, rid=rid, phase=Phase.WAITING)
+            legs = PairLegs(self, engine="sglang", prefill=p, decodes=decodes, rid=rid, phase=Phase.WAITING,
+                            early_headers_s=cfg.dispatch_timeout_s if streamed else 0.0,
+                            abort_window_s=cfg.bootstrap_timeout_s)
             sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             task = self.spawn(self._send(p, path, splice(body, fields), sent))
             done, _ = await asyncio.wait({sent, task}, timeout=cfg.dispatch_timeout_s,

@@ -6,6 +6,11 @@ between versions whenever the weights change, turning caches cold, while random 
 shares disturb little. The worker receives the model it serves, so the request body's `model` is
 rewritten when an alias was used.
 
+A LoRA adapter resolves to the model that serves it, the way that model's engine reads the request (vLLM:
+`model` is the adapter's name, from `models[].loras`; SGLang: `model: "<model>:<adapter>"` or `lora_path`), and
+the body is forwarded unchanged: the worker needs the adapter's name, and Cortex needs it to match the adapter's
+blocks (docs/ledger.md).
+
 A registry is immutable; a config reload builds a new one off the request path (reusing bundles whose
 files did not change) and swaps it in whole.
 """
@@ -30,6 +35,8 @@ class Resolved:
     """The configured model that will serve the request."""
     alias: str | None
     """The public name the client used, when it was an alias."""
+    lora: str | None = None
+    """The LoRA adapter the request runs with (its blocks are namespaced by it), None for the base model."""
 
 
 class ModelRegistry:
@@ -44,17 +51,33 @@ class ModelRegistry:
             self._bundles_by_source[key] = bundle
         self.aliases = {a.name: ([t.model for t in a.targets], [t.weight for t in a.targets], a.fallback)
                         for a in cfg.aliases}
+        self.engines = {m.name: m.engine for m in cfg.models}
+        # vLLM names an adapter by `model` itself; SGLang never does (its `model` is "<model>:<adapter>").
+        self.vllm_loras = {a: m.name for m in cfg.models if m.engine == "vllm" for a in m.loras}
         created = int(time.time())
         self.models_body = orjson.dumps({"object": "list", "data": [
             *({"id": m.name, "object": "model", "created": created, "owned_by": "cortex"} for m in cfg.models),
+            *({"id": a, "object": "model", "created": created, "owned_by": "cortex", "root": a, "parent": m.name}
+              for m in cfg.models for a in m.loras if m.engine == "vllm"),
             *({"id": a.name, "object": "model", "created": created, "owned_by": "cortex",
                "root": a.targets[0].model} for a in cfg.aliases),
         ]})
 
-    def resolve(self, name: str, serves: Callable[[str], bool], rng: random.Random | None = None) -> Resolved:
-        """The model for a request naming `name`; `serves(model)` says whether it has a healthy worker."""
+    def resolve(self, name: str, serves: Callable[[str], bool], rng: random.Random | None = None,
+                lora_path: str | None = None) -> Resolved:
+        """The model (and LoRA adapter) for a request naming `name`; `serves(model)` says whether it has a healthy
+        worker. The adapter is read the way the model's engine reads it, so the blocks Cortex looks up are the
+        ones the engine will reuse: vLLM, `model` is the adapter's name (`lora_path` means nothing to vLLM);
+        SGLang, `model: "<model>:<adapter>"`, else `lora_path`."""
         if name in self.bundles:
-            return Resolved(name, None)
+            lora = lora_path if self.engines.get(name) == "sglang" else None
+            return Resolved(name, None, lora)
+        base = self.vllm_loras.get(name)
+        if base is not None:
+            return Resolved(base, None, name)
+        head, sep, adapter = name.partition(":")
+        if sep and adapter and self.engines.get(head) == "sglang":
+            return Resolved(head, None, adapter)
         alias = self.aliases.get(name)
         if alias is None:
             raise ClientError(404, f"The model `{name}` does not exist.", "model")
@@ -62,4 +85,4 @@ class ModelRegistry:
         drawn = (rng or random).choices(models, weights)[0]
         if not serves(drawn) and fallback is not None:
             drawn = fallback
-        return Resolved(drawn, name)
+        return Resolved(drawn, name, lora_path if self.engines.get(drawn) == "sglang" else None)

@@ -132,6 +132,8 @@ class ParsedRequest:
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     cache_salt: str | None = None
+    lora_path: str | None = None
+    """SGLang's adapter selector (a vLLM worker ignores the field); see ModelRegistry.resolve."""
     unroutable: str | None = None
     """Why exact-KV routing cannot apply to an otherwise valid request (e.g. image content)."""
     body: dict[str, Any] | None = None
@@ -149,6 +151,15 @@ def _cache_salt(value: Any) -> str | None:
     if any(c in value for c in "@/\\\x00"):
         raise ClientError(400, "'cache_salt' must not contain '@', '/', '\\' or NUL", "cache_salt")
     return value
+
+
+def _lora_path(value: Any) -> str | None:
+    """SGLang's `lora_path`: an adapter name, or one per prompt of a batch (routed by the first, as the prompt is).
+    Anything else is left to the engine to judge (vLLM ignores the field, so it is never refused here); it is
+    then routed as a base-model request, which can only miss, never claim a wrong hit."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, str) and value else None
 
 
 def _nests_deeper(value: Any, limit: int) -> bool:
@@ -288,7 +299,8 @@ def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
     if body.get("stream_options") and not body.get("stream"):
         raise ClientError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
     req = ParsedRequest(kind=kind, model=model, stream=bool(fields.stream),
-                        cache_salt=_cache_salt(body.get("cache_salt")), body=body)
+                        cache_salt=_cache_salt(body.get("cache_salt")), lora_path=_lora_path(body.get("lora_path")),
+                        body=body)
     if isinstance(fields, _Chat):
         _chat(req, body, fields)
     else:

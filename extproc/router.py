@@ -49,6 +49,8 @@ class RouteResult:
     """The configured model that serves it (differs from the request's when an alias was used)."""
     alias: str | None = None
     """The public name the client used, when it was an alias."""
+    lora: str | None = None
+    """The LoRA adapter whose blocks the prompt was matched against (None: the base model's)."""
     pd: pd.PdPlan | None = None
     """Set when the model has a PD pool: the pair (prefill and decode decisions) or why the request skips it."""
     prompt_tokens_estimated: bool = False
@@ -78,6 +80,7 @@ class Prepared:
     tail: Tail | None = None
     pools: pd.Pools | None = None
     """The model's workers by PD role (None in transparent mode, where roles are not Cortex's to use)."""
+    lora: str | None = None
 
 
 class Router:
@@ -139,7 +142,7 @@ class Router:
             raise ClientError(400, str(exc), "messages") from None
         return text, special
 
-    def _walk(self, req: ParsedRequest, bundle: ModelBundle, workers: list[TargetInfo],
+    def _walk(self, req: ParsedRequest, bundle: ModelBundle, workers: list[TargetInfo], root: int,
               timings: Timings) -> tuple[WalkResult, bool]:
         """Tokenize, hash and look up only as far as some worker can hold the prompt (extproc/early.py)."""
         t0 = time.perf_counter()
@@ -161,7 +164,6 @@ class Router:
             def whole() -> list[int]:
                 return bundle.tokenizer.encode(text, add_special_tokens=special).ids
         timings.tokenize_s += time.perf_counter() - t0
-        root = root_key(None, req.cache_salt)
         watched = [w.slot for w in workers]
         trusted = [w.slot for w in workers if w.exact_kv]
 
@@ -190,7 +192,11 @@ class Router:
         predicted to hold: every target's match is the same as with the whole prompt. A model with a PD pool
         ready gets the whole prompt, since its skip rule needs the exact prompt length.
         """
-        resolved = self.registry.resolve(req.model, lambda m: bool(self.cluster.candidates(m)))
+        resolved = self.registry.resolve(req.model, lambda m: bool(self.cluster.candidates(m)),
+                                         lora_path=req.lora_path)
+        # The chain starts where the engine's does: an adapter's blocks and a salted prompt's blocks are their own
+        # namespaces, keyed by the ledger from the adapter name and salt the engine publishes with them.
+        root = root_key(resolved.lora, req.cache_salt)
         bundle = self.bundles[resolved.model]
         workers = self.cluster.candidates(resolved.model)
         if not workers:
@@ -200,7 +206,7 @@ class Router:
         transparent = model_cfg is not None and model_cfg.scheduling == "transparent"
         pools = None if transparent else pd.split_pools(workers)
         if not (full_tokens or pools is None or req.unroutable or not self.cluster.alive or pools.pd_ready):
-            walked, truncated = self._walk(req, bundle, workers, timings)
+            walked, truncated = self._walk(req, bundle, workers, root, timings)
             why = "no_cached_prefix"
             if not walked.keys:
                 why = "prompt_shorter_than_a_block"
@@ -209,7 +215,7 @@ class Router:
             return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=[], truncated=truncated,
                             keys=walked.keys, matches=walked.matches, why=why, timings=timings, body=req.body,
                             prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
-                            tail=walked.tail, pools=pools)
+                            tail=walked.tail, pools=pools, lora=resolved.lora)
         t0 = time.perf_counter()
         ids, truncated = self.tokens(req, bundle)
         t1 = time.perf_counter()
@@ -229,7 +235,7 @@ class Router:
         elif usable_blocks == 0:
             why = "prompt_shorter_than_a_block"
         else:
-            keys = chain_keys(ids, bs, root_key(None, req.cache_salt), max_blocks=usable_blocks)
+            keys = chain_keys(ids, bs, root, max_blocks=usable_blocks)
             t2 = time.perf_counter()
             timings.hash_s = t2 - t1
             matches = self.cluster.match(keys)
@@ -238,7 +244,7 @@ class Router:
                 why = "ledger_unavailable"
         return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=ids, truncated=truncated,
                         keys=keys, matches=matches, why=why, timings=timings,
-                        body=req.body, prompt_tokens=len(ids), pools=pools)
+                        body=req.body, prompt_tokens=len(ids), pools=pools, lora=resolved.lora)
 
     def choose(self, prep: Prepared, workers: Sequence[TargetInfo], *, commit: bool) -> Decision:
         """One pool's decision for a prepared prompt (a pool whose workers publish no events simply holds
@@ -262,7 +268,7 @@ class Router:
                 id=w.id, slot=w.slot, address=w.address, matched_blocks=matched, ledger_trusted=trusted,
                 predicted_blocks=self.predictions.extend(keys, w.slot, matched) if trusted else 0,
                 engine_load=engine_load, engine_waiting=w.engine_waiting if engine_load is not None else 0.0,
-                inflight=n_inflight, hot=hot, rank=w.rank, engine=w.engine,
+                inflight=n_inflight, hot=hot, rank=w.rank, engine=w.engine, suspect=w.suspect,
                 new=w.age_s is not None and w.age_s < self.cfg.scheduler.cold_start_s,
             ))
         if matches is not None:
@@ -312,5 +318,5 @@ class Router:
             decision = self.choose(prep, workers, commit=commit)
         return RouteResult(decision=decision, prompt_tokens=prep.prompt_tokens,
                            token_ids=None if prep.walked else prep.ids, timings=prep.timings,
-                           truncated=prep.truncated, model=prep.model, alias=prep.alias, pd=pd_plan,
+                           truncated=prep.truncated, model=prep.model, alias=prep.alias, lora=prep.lora, pd=pd_plan,
                            prompt_tokens_estimated=prep.estimated)

@@ -2,9 +2,22 @@
 
 The fallback chain is fixed and always named in the decision (design §2.3):
   exact_kv_events       the chosen worker's ledger is trusted and proves a cached prefix of this prompt
-  load_aware            every candidate's load is known; no proven hit on the chosen one (reason says why)
-  fallback_p2c          load partly unknown: power of two choices on Cortex's own in-flight counts
+  load_aware            the chosen worker's load is known; no proven hit on it (reason says why)
+  fallback_p2c          no candidate's load is known: power of two choices on Cortex's own in-flight counts
   fallback_round_robin  only liveness is known
+
+One bad worker never takes the rest of the fleet down a step of the chain. The candidates are ranked in
+tiers, and only the first non-empty tier competes for the first attempt:
+  1. standing: a worker in good standing (its last health probe passed, `suspect` false) goes before any
+     worker that failed its latest probe or was never probed yet, while one in good standing exists;
+  2. load: inside that tier, candidates whose engine load is known are scored as below (the decision's
+     mode and reason come from them alone); candidates whose load is unknown (a dead or unreachable
+     worker, a broken metrics endpoint, a reading older than LOAD_MAX_AGE_S) follow them, fewest Cortex
+     in-flight requests first. Only when no candidate of the tier has a known load is it `fallback_p2c`
+     (reason `load_unknown`);
+  3. the other tier follows, known load before unknown, least active first, as retry targets only.
+So an unknown or failing worker can be a retry target but never takes a first attempt, nor a hit, from a
+worker that is known to be up.
 
 Scoring (design §2.3), in milliseconds of expected time to first token saved or lost:
 
@@ -31,7 +44,7 @@ Envoy's single retry lands on the next-best worker.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 EXACT = "exact_kv_events"
@@ -76,6 +89,8 @@ class Candidate:
     rank: int | None = None
     """Data-parallel rank to pin on the worker, or None."""
     engine: str = "vllm"
+    suspect: bool = False
+    """Not in good standing: its latest health probe failed, or it was never probed yet (ingest's view)."""
 
     @property
     def affinity_blocks(self) -> int:
@@ -119,20 +134,37 @@ def _by_load(cands: Sequence[Candidate], start: int) -> list[Candidate]:
 
 def decide(cands: Sequence[Candidate], *, block_size: int, ledger_usable: bool, why_not_exact: str,
            turn: int, scoring: Scoring | None = None, rng: random.Random | None = None) -> Decision:
-    """`why_not_exact` names the reason used when no proven hit decides; `turn` rotates ties."""
+    """`why_not_exact` names the reason used when no proven hit decides; `turn` rotates ties.
+
+    Tiers (module docstring): workers in good standing first, known load before unknown inside a tier.
+    """
     if not cands:
         raise ValueError("no candidates")
     s = scoring or Scoring()
     r = rng or random
     matched = {c.id: c.matched_blocks * block_size for c in cands if c.ledger_trusted}
-    if all(c.load is not None for c in cands):
-        return _scored(cands, s, block_size, ledger_usable, why_not_exact, turn, r, matched)
-    if len(cands) == 1:
-        return Decision(tuple(cands), P2C, "load_unknown_single_candidate", 0, matched)
-    a, b = r.sample(list(cands), 2)
-    first = a if a.inflight <= b.inflight else b
-    rest = sorted((c for c in cands if c is not first), key=lambda c: c.inflight)
-    return Decision((first, *rest), P2C, "load_unknown", 0, matched)
+    good = [c for c in cands if not c.suspect]
+    tier = good or list(cands)  # nobody in good standing: they all compete alike
+    known = [c for c in tier if c.load is not None]
+    if known:
+        lead = _scored(known, s, block_size, ledger_usable, why_not_exact, turn, r, matched)
+    elif len(tier) == 1:
+        lead = Decision(tuple(tier), P2C, "load_unknown_single_candidate", 0, matched)
+    else:
+        a, b = r.sample(tier, 2)
+        first = a if a.inflight <= b.inflight else b
+        lead = Decision((first, *_by_activity(c for c in tier if c is not first)), P2C, "load_unknown", 0, matched)
+    ranked = {id(c) for c in lead.order}
+    rest = _by_activity(c for c in cands if id(c) not in ranked)
+    if not rest:
+        return lead
+    return Decision((*lead.order, *rest), lead.mode, lead.reason, lead.hit_tokens, matched)
+
+
+def _by_activity(cands: Iterable[Candidate]) -> list[Candidate]:
+    """Retry targets behind the competing ones: good standing first, then known load, then least active."""
+    return sorted(cands, key=lambda c: (c.suspect, c.load is None,
+                                        c.load if c.load is not None else float(c.inflight)))
 
 
 def _scored(cands: Sequence[Candidate], s: Scoring, bs: int, ledger_usable: bool, why: str, turn: int,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
@@ -26,14 +27,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
+from cortex import grpc_health
 from cortex.bundle import BundleError
-from cortex.config import ConfigError, CortexConfig, load_config
+from cortex.config import ConfigError, CortexConfig, check_models, load_config
 from cortex.dataplane import ANY_CLUSTER, ENDPOINTS_HEADER, PD_ROUTE_HEADER, POOL_HEADER, pool_cluster
 from cortex.errors import ClientError
 from extproc import metrics
-from extproc.cluster_view import ClusterView
-from extproc.pd import PdPlan
-from extproc.pd_dispatch import PairResult, PdDispatcher, splice
+from extproc.cluster_view import ClusterView, TargetInfo
+from extproc.pd import PdPlan, fallback_pool
+from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
 from extproc.registry import ModelRegistry
 from extproc.request import ROUTED_PATHS, parse_body
 from extproc.router import Router, RouteResult
@@ -76,6 +78,29 @@ class PendingPair:
 
 
 @dataclass(slots=True)
+class HoldHeaders:
+    """An SGLang decode answered its headers before its prefill leg finished: they wait for it (bounded)."""
+
+    until: float
+    """time.monotonic() past which the headers go out anyway."""
+
+
+@dataclass(slots=True)
+class DecodeFallback:
+    """A pair that failed before the client got a byte, to be served by one worker from a cold start."""
+
+    why: str
+    pool: list[TargetInfo]
+
+
+# The event that failed a pair -> the x-cortex-pd fallback reason.
+_FALLBACK_WHY = {"watchdog": "bootstrap_timeout", "prefill_failed": "prefill_failed", "decode_failed": "decode_failed"}
+# Hop-by-hop or recomputed by Envoy: never copied from the fallback worker's answer.
+_NOT_COPIED = frozenset({"content-length", "transfer-encoding", "content-encoding", "connection", "keep-alive",
+                         "date", "server"})
+
+
+@dataclass(slots=True)
 class StreamState:
     method: str = ""
     path: str = ""
@@ -88,6 +113,9 @@ class StreamState:
     pd_note: str = ""
     """x-cortex-pd: pair, pair:repicked, skipped:<why>, fallback:<why> ('' for a model without a PD pool)."""
     pd_prefill_decision: Decision | None = None
+    pd_pending: PendingPair | None = None
+    """The request as the client sent it, kept while a pair serves it: a pair that fails before the first byte
+    is served again by one worker."""
 
 
 class ExtProc:
@@ -116,7 +144,35 @@ class ExtProc:
                         answer = await self._pd_pair(st, answer)
                     yield answer
                 elif which == "response_headers":
-                    yield self.on_response_headers(st, req)
+                    if st.pd is not None:
+                        st.pd.legs.headers_arrived()  # aborts of the decode wait until extproc answered
+                    answer = self.on_response_headers(st, req)
+                    if isinstance(answer, HoldHeaders):
+                        # SGLang streams answer 200 before the KV arrives; a failed bootstrap would then reach the
+                        # client inside the stream. Holding the headers until the prefill leg is over costs nothing
+                        # (the first token needs that KV) and keeps a failure before the first byte.
+                        assert st.pd is not None
+                        legs = st.pd.legs
+                        wait = max(0.0, answer.until - time.monotonic())
+                        if wait > self.cfg.extproc.message_timeout_ms / 1000:
+                            yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=int(wait) + 5))
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(legs.settled.wait(), wait)
+                        answer = self._pd_settled(st, req)
+                    if isinstance(answer, DecodeFallback):
+                        # The pair failed and nothing reached the client yet: extproc serves the request on one
+                        # worker and answers with it. Envoy's deadline for this message is extended first.
+                        pending = st.pd_pending
+                        assert pending is not None
+                        timeout = self.cfg.pd(pending.result.model).fallback_timeout_s
+                        if timeout > self.cfg.extproc.message_timeout_ms / 1000:
+                            yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=int(timeout) + 5))
+                        answer = await self._decode_fallback(st, req, answer)
+                    if st.pd is not None:
+                        # After an immediate response, Envoy resets the decode itself; the abort follows once Envoy
+                        # took that answer. Otherwise a failed pair's decode must not wait for a KV that never comes.
+                        st.pd.legs.release_abort(delay_s=1.0 if answer.HasField("immediate_response") else 0.0)
+                    yield answer
                 elif which == "response_body":
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                 elif which == "request_trailers":
@@ -128,6 +184,7 @@ class ExtProc:
             if st.counted_slot is not None:
                 self.cluster.inflight.dec(st.counted_slot)
             if st.pd is not None:
+                st.pd.legs.release_abort()  # the client left while the decode's headers were held
                 st.pd.legs.event("stream_end")
 
     # -- phases ---------------------------------------------------------------------------------------------
@@ -215,14 +272,18 @@ class ExtProc:
         if started is None:
             st.pd_note = "fallback:prefill_failed"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
-            if not plan.single_pool:
+            tried = frozenset(pair.targets[c.id].worker for c in pair.prefill.order[:2])
+            pool = self._fallback_pool(plan, tried)
+            if not pool:
                 return self._error(ClientError(
                     502, f"prefill/decode pair for model `{result.model}` could not start: prefill worker(s) "
                          f"{', '.join(c.id for c in pair.prefill.order[:2])} failed and no worker serves the "
                          "model alone"))
-            decision = self.router.choose(plan.prep, plan.single_pool, commit=True)
+            # Nothing was sent to a decoder yet: Envoy serves the request on one worker, streaming as usual.
+            decision = self.router.choose(plan.prep, pool, commit=True)
             return self._single(st, decision, result.model, body, changes)
         st.pd = started
+        st.pd_pending = pending
         st.pd_note = "pair:repicked" if started.repicked else "pair"
         st.pd_prefill_decision = pair.prefill
         metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
@@ -245,11 +306,14 @@ class ExtProc:
         # Envoy does not fix Content-Length after a body mutation; a stale one makes it answer 500.
         common.header_mutation.set_headers.append(_set("content-length", str(len(new_body))))
 
-    def on_response_headers(self, st: StreamState, req: Any) -> pb.ProcessingResponse:
-        served = ""
-        attrs = req.attributes.get("envoy.filters.http.ext_proc")
-        if attrs is not None and "upstream.address" in attrs.fields:
-            served = attrs.fields["upstream.address"].string_value
+    @staticmethod
+    def _fallback_pool(plan: PdPlan, exclude: frozenset[str]) -> list[TargetInfo]:
+        pools = plan.prep.pools
+        return fallback_pool(pools, exclude) if pools is not None else plan.single_pool
+
+    def on_response_headers(self, st: StreamState,
+                            req: Any) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
+        served = _served(req)
         headers = []
         d = st.decision
         if d is None:
@@ -281,13 +345,52 @@ class ExtProc:
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
 
-    def _pd_response_headers(self, st: StreamState, req: Any, served: str) -> pb.ProcessingResponse:
+    def _pd_response_headers(self, st: StreamState, req: Any,
+                             served: str) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
         pair, prefill = st.pd, st.pd_prefill_decision
         assert pair is not None and prefill is not None and st.decision is not None
         status = next((h.raw_value or h.value.encode() for h in req.response_headers.headers.headers
                        if h.key == ":status"), b"200")
         failed = not status.startswith(b"2")
         pair.legs.event("decode_failed" if failed else "decode_ok")
+        if status.startswith(b"5") or (not failed and pair.legs.phase is Phase.FAILED):
+            # A 4xx is the request's own fault: another worker would refuse it too. A 2xx from a pair that already
+            # failed (its decode was aborted) would end early: that falls back too.
+            fallback = self._pd_fallback(st)
+            if fallback is not None:
+                return fallback
+        elif not failed and pair.legs.phase is Phase.DECODE_STARTED and st.pd_pending is not None:
+            cfg = self.cfg.pd(st.pd_pending.result.model)
+            # The watchdog settles the pair by then; one second more covers its scheduling.
+            return HoldHeaders(pair.legs.started + cfg.bootstrap_timeout_s + 1.0)
+        return self._pd_pair_headers(st, served)
+
+    def _pd_settled(self, st: StreamState, req: Any) -> pb.ProcessingResponse | DecodeFallback:
+        """Held decode headers, once the prefill side is over: a failed pair falls back, a good one streams."""
+        assert st.pd is not None
+        if st.pd.legs.phase is Phase.FAILED:
+            fallback = self._pd_fallback(st)
+            if fallback is not None:
+                return fallback
+        return self._pd_pair_headers(st, _served(req))
+
+    def _pd_fallback(self, st: StreamState) -> DecodeFallback | None:
+        """Seed 000 §2.4: a pair that failed before the first byte falls back to one worker from a cold start. The
+        decoder(s) that answered are left out when others exist; so is the prefill worker when the pair failed
+        on its side."""
+        pair, pending = st.pd, st.pd_pending
+        if pair is None or pending is None:
+            return None
+        why = _FALLBACK_WHY.get(pair.legs.failure, "decode_failed")
+        exclude = {d.worker for d in pair.legs.decodes}
+        if why != "decode_failed":
+            exclude.add(pair.legs.prefill.worker)
+        pool = self._fallback_pool(pending.plan, frozenset(exclude))
+        return DecodeFallback(why, pool) if pool else None
+
+    def _pd_pair_headers(self, st: StreamState, served: str) -> pb.ProcessingResponse:
+        pair, prefill = st.pd, st.pd_prefill_decision
+        assert pair is not None and prefill is not None and st.decision is not None
         decode = next((c for c in st.decision.order if c.address == served), pair.decode)
         if decode is not pair.decode:
             self._count(st, decode.slot)
@@ -300,6 +403,64 @@ class ExtProc:
                    _set("x-cortex-route-reason", f"pd:{prefill.reason}"), _set(PD_HEADER, st.pd_note)]
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
+
+    async def _decode_fallback(self, st: StreamState, req: Any, fb: DecodeFallback) -> pb.ProcessingResponse:
+        """Serve a request whose pair failed before the client got a byte on one worker, from a cold start.
+
+        Envoy cannot send a request upstream again once it answered (ext_proc has no restart), so extproc sends it
+        itself, with the client's own body (no room, no transfer params), and answers with the worker's whole
+        response as an immediate response: a streamed request gets its SSE events at once, at the end. One more
+        worker is tried after a failed connect or a 5xx, as Envoy's route does. When none answers, the pair's
+        own error goes to the client."""
+        pending, pair = st.pd_pending, st.pd
+        assert pending is not None and pair is not None
+        plan, model = pending.plan, pending.result.model
+        st.pd_note = f"fallback:{fb.why}"
+        metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
+        decision = self.router.choose(plan.prep, fb.pool, commit=True)
+        timeout = aiohttp.ClientTimeout(total=self.cfg.pd(model).fallback_timeout_s, sock_connect=2.0)
+        tried: set[str] = set()
+        for cand in decision.order:
+            if cand.address in tried or len(tried) == 2:
+                continue
+            tried.add(cand.address)
+            self._count(st, cand.slot)
+            changes = dict(pending.changes)
+            headers = {"content-type": "application/json"}
+            if cand.rank is not None:
+                if cand.engine == "sglang":
+                    changes["routed_dp_rank"] = cand.rank
+                else:
+                    headers[DP_RANK_HEADER] = str(cand.rank)
+            try:
+                async with self.pd.session().post(f"http://{cand.address}{st.path}", data=splice(pending.body, changes),
+                                                  headers=headers, timeout=timeout) as resp:
+                    status, resp_headers = resp.status, resp.headers
+                    body = await _read_capped(resp, self.cfg.extproc.max_body_bytes)
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                log.warning("PD fallback on %s failed: %r", cand.id, exc)
+                continue
+            if status >= 500 or body is None:
+                log.warning("PD fallback on %s answered HTTP %d%s", cand.id, status,
+                            "" if body is not None else " larger than extproc.max_body_bytes")
+                continue
+            log.info("PD pair prefill=%s failed (%s); served alone on %s", pair.legs.prefill.id, fb.why, cand.id)
+            chosen = cand is decision.chosen
+            mode = decision.mode if chosen or decision.mode != EXACT else LOAD_AWARE
+            out = [_set(k.lower(), v) for k, v in resp_headers.items() if k.lower() not in _NOT_COPIED]
+            out += [_set("x-cortex-assigned-worker", cand.id),
+                    _set("x-cortex-cache-hit-tokens", str(decision.hit_tokens if chosen else 0)),
+                    _set("x-cortex-match-mode", mode),
+                    _set("x-cortex-route-reason", decision.reason if chosen else f"retried:{decision.reason}"),
+                    _set(PD_HEADER, st.pd_note)]
+            return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+                status=HttpStatus(code=status),  # type: ignore[arg-type]
+                headers=pb.HeaderMutation(set_headers=out), body=body, details="cortex_pd_fallback"))
+        log.warning("PD pair prefill=%s failed (%s) and no single worker answered; the pair's error stands",
+                    pair.legs.prefill.id, fb.why)
+        st.pd_note = f"fallback_failed:{fb.why}"
+        metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
+        return self._pd_pair_headers(st, _served(req))
 
     # -- helpers --------------------------------------------------------------------------------------------
 
@@ -317,7 +478,7 @@ class ExtProc:
         inflight = self.cluster.inflight.totals()
         cands = [Candidate(id=t.worker, slot=t.slot, address=t.address,
                            engine_load=t.engine_load if self.cluster.alive else None,
-                           inflight=int(inflight[t.slot])) for t in targets]
+                           inflight=int(inflight[t.slot]), suspect=t.suspect) for t in targets]
         st.decision = decide(cands, block_size=self.cluster.block_size, ledger_usable=False,
                              why_not_exact="not_an_inference_request", turn=int(time.monotonic_ns() >> 10))
         self._count(st, st.decision.chosen.slot)
@@ -351,6 +512,8 @@ class ExtProc:
         doc: dict[str, Any] = {
             "prompt_tokens": result.prompt_tokens,
             "prompt_truncated_for_routing": result.truncated,
+            "model": result.model,
+            "lora": result.lora,
             "block_size": self.cluster.block_size,
             "chosen": d.chosen.id,
             "order": [c.id for c in d.order],
@@ -360,13 +523,33 @@ class ExtProc:
             "workers": [{"id": c.id, "matched_tokens": d.matched_tokens.get(c.id),
                          "predicted_tokens": c.predicted_blocks * self.cluster.block_size,
                          "ledger_trusted": c.ledger_trusted, "engine_load": c.engine_load,
-                         "inflight": c.inflight} for c in d.order],
+                         "inflight": c.inflight, "suspect": c.suspect} for c in d.order],
             "timings_ms": {k: round(getattr(result.timings, k) * 1000, 3)
                            for k in ("tokenize_s", "hash_s", "lookup_s", "score_s")},
         }
         if "tokens=1" in st.query.split("&"):
             doc["token_ids"] = result.token_ids
         return _immediate(200, orjson.dumps(doc))
+
+
+def _served(req: Any) -> str:
+    """The upstream address that answered (Envoy's `upstream.address` attribute; '' for a local reply)."""
+    attrs = req.attributes.get("envoy.filters.http.ext_proc")
+    if attrs is not None and "upstream.address" in attrs.fields:
+        return str(attrs.fields["upstream.address"].string_value)
+    return ""
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The whole body, or None past `limit` bytes (it could not travel back to Envoy in one message)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class ConfigWatcher:
@@ -393,6 +576,7 @@ class ConfigWatcher:
         try:
             # Loading tokenizers takes a while: do it off the event loop, then swap in one step.
             cfg = await asyncio.to_thread(load_config, self.path)
+            await asyncio.to_thread(check_models, cfg)  # the checks `cortex run` makes at start
             registry = await asyncio.to_thread(ModelRegistry, cfg, router.registry)
         except (ConfigError, BundleError) as exc:
             log.error("config change ignored, the running config stays: %s", exc)
@@ -419,19 +603,35 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
             app.process, request_deserializer=pb.ProcessingRequest.FromString,
             response_serializer=pb.ProcessingResponse.SerializeToString),
     })
-    server.add_generic_rpc_handlers((handler,))
+    # Latched once this process has read ingest's target list: from then on it routes (by load while ingest
+    # restarts), so Envoy keeps sending it streams; before, Envoy must not (cortex/grpc_health.py).
+    served = cluster.synced
+
+    def health(service: str) -> int | None:
+        if service == "":
+            return grpc_health.SERVING if served else grpc_health.NOT_SERVING
+        if service == grpc_health.LEDGER_VIEW:
+            return grpc_health.SERVING if cluster.synced else grpc_health.NOT_SERVING
+        return None
+
+    server.add_generic_rpc_handlers((handler, grpc_health.handler(health)))
     port = cfg.extproc.base_port + index
     server.add_insecure_port(f"{cfg.extproc.host}:{port}")
     await server.start()
-    log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port, len(registry.bundles))
+    log.debug("extproc %d listening on %s:%d", index, cfg.extproc.host, port)
 
     async def upkeep() -> None:
+        nonlocal served
         tick = 0
         while True:
             await asyncio.sleep(0.1)
             tick += 1
             try:
                 cluster.refresh()
+                if not served and cluster.synced:
+                    served = True
+                    log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port,
+                             len(registry.bundles))
                 app.router.predictions.expire()
                 if tick % 10 == 0:
                     await watcher.poll()

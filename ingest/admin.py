@@ -1,5 +1,8 @@
 """Ingest's HTTP surface on 127.0.0.1:9090: liveness, readiness, Prometheus metrics and worker state.
 
+/health/ready is the gateway's readiness (ingest/readiness.py): 200 only once a request sent now is routed by
+Cortex (Envoy listening, every extproc process serving, the ledger view live), else 503 with the reason.
+
 /metrics serves ingest's own series (read live from its state by a collector, so nothing is kept twice)
 plus every extproc process's series, which prometheus_client's multiprocess mode keeps in files under
 PROMETHEUS_MULTIPROC_DIR; one scrape target covers the whole gateway.
@@ -20,6 +23,7 @@ from pydantic import ValidationError
 
 from cortex.config import WorkerConfig
 from cortex.errors import error_body
+from ingest.readiness import Readiness
 from ingest.service import Ingest, MembershipError
 from ingest.silence import SILENT
 from ingest.sync import SyncState
@@ -119,18 +123,15 @@ def build_app(ingest: Ingest) -> web.Application:
     async def live(_: web.Request) -> web.Response:
         return web.json_response({"status": "live"})
 
+    readiness = Readiness(ingest)
+
     async def ready(_: web.Request) -> web.Response:
-        # Ready means "safe to take traffic"; a degraded ledger still routes safely (by load) and says so.
-        targets = ingest.targets()
-        exact = [t.id for t in targets if t.exact_kv and t.worker.healthy]
-        degraded = len(exact) < len(targets)
-        return web.json_response({
-            "status": "ready", "degraded": degraded,
-            "detail": ("targets routed by load only: " + ", ".join(
-                f"{t.id} ({t.why_not_exact() if t.worker.healthy else 'unhealthy'})"
-                for t in targets if t.id not in exact)) if degraded else "all targets on exact-KV routing",
-            "targets": len(targets), "targets_exact_kv": len(exact),
-        })
+        # Ready means "a request sent now is routed by Cortex" (ingest/readiness.py); 503 names what is missing.
+        ok, body = await readiness.check()
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def close_readiness(_: web.Application) -> None:
+        await readiness.close()
 
     async def metrics(_: web.Request) -> web.Response:
         body = generate_latest(own)
@@ -161,6 +162,7 @@ def build_app(ingest: Ingest) -> web.Application:
         return web.json_response(ingest.status())
 
     app = web.Application()
+    app.on_cleanup.append(close_readiness)
     app.router.add_get("/health/live", live)
     app.router.add_get("/health/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -24,7 +24,7 @@ async def serve(cfg: CortexConfig, config_path: Path | None = None) -> None:
     await runner.setup()
     site = web.TCPSite(runner, cfg.ingest.host, cfg.ingest.port, reuse_address=True)
     await site.start()
-    log.info("ingest ready on http://%s:%d (%d workers)", cfg.ingest.host, cfg.ingest.port, len(ingest.workers))
+    log.info("ingest listening on http://%s:%d (%d workers)", cfg.ingest.host, cfg.ingest.port, len(ingest.workers))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from cortex.engine_hashes import (
     VLLM_HASH_ALGOS,
     VllmBlockHasher,
+    none_hash_reproducible,
     sglang_page_hashes,
     sglang_wire_hash,
     vllm_wire_hash,
@@ -45,10 +46,16 @@ class ParityCheck:
     def __post_init__(self) -> None:
         self._vllm: VllmBlockHasher | None = None
         if self.engine == "vllm":
-            if self.hash_algo in VLLM_HASH_ALGOS:
-                self._vllm = VllmBlockHasher(self.hash_algo, self.hash_seed)
-            else:
+            if self.hash_algo not in VLLM_HASH_ALGOS:
                 self.status, self.reason = UNCHECKED, f"hash algorithm {self.hash_algo!r} is not reproduced"
+            elif not none_hash_reproducible(self.hash_algo, self.hash_seed):
+                # vLLM seeds the xxhash pair's NONE_HASH from os.urandom unless PYTHONHASHSEED is set: no
+                # one outside the engine process can recompute a chain start (the page size is still checked).
+                self.status, self.reason = UNCHECKED, (
+                    f"{self.hash_algo} without PYTHONHASHSEED has a random NONE_HASH per engine process; set "
+                    "PYTHONHASHSEED on the workers and the model's hash_seed to check hash parity")
+            else:
+                self._vllm = VllmBlockHasher(self.hash_algo, self.hash_seed)
 
     @property
     def failed(self) -> bool:

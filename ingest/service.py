@@ -25,12 +25,13 @@ import orjson
 import zmq.asyncio
 
 from cortex.bundle import BundleError, ModelBundle
-from cortex.config import ConfigError, CortexConfig, WorkerConfig, load_config
+from cortex.config import ConfigError, CortexConfig, WorkerConfig, check_models, load_config
 from cortex.dataplane import atomic_write, write_xds
 from cortex.view import ViewWriter
 from ingest import silence, token_parity
 from ingest.ledger import Ledger
 from ingest.parity import ParityCheck
+from ingest.readiness import subscription
 from ingest.source import EventSource, cancel_quietly
 from ingest.sync import SourceSync, SyncState
 from ingest.workers import Target, Worker, probe_health, read_load
@@ -54,12 +55,18 @@ class Ingest:
         self.zmq = zmq.asyncio.Context.instance()
         self.workers: dict[str, Worker] = {}
         self._sources: dict[str, tuple[EventSource, asyncio.Task[None]]] = {}
+        # Each worker's load poll and health probe run on their own, so a worker that hangs (up to a
+        # timeout per request) slows only its own readings, never the others' (issue 11).
+        self._probe_tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._parity_tasks: dict[str, asyncio.Task[None]] = {}
         self._background: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._epochs = itertools.count(1)
         self._meta_dirty = True
         self._parity_wakeup = asyncio.Event()
         self.state_file = cfg.runtime_path() / "workers.json"
+        self.heartbeat_at = 0.0
+        """When the view was last stamped (monotonic; 0 before the first): /health/ready's "ledger view live"."""
         # Cortex's own ids for the tokenizer parity probes, per model (rendered once, at start).
         self._probes = self._load_probes(cfg)
 
@@ -73,12 +80,12 @@ class Ingest:
         self.publish_meta()
         self._background = [asyncio.create_task(self._heartbeat_loop()),
                             asyncio.create_task(self._load_loop()),
-                            asyncio.create_task(self._health_loop()),
                             asyncio.create_task(self._token_parity_loop()),
                             asyncio.create_task(self._config_loop())]
 
     async def stop(self) -> None:
-        for task in [*self._background, *(task for _, task in self._sources.values())]:
+        for task in [*self._background, *(task for _, task in self._sources.values()),
+                     *(t for ts in self._probe_tasks.values() for t in ts), *self._parity_tasks.values()]:
             await cancel_quietly(task)
         if self._session is not None:
             await self._session.close()
@@ -97,6 +104,12 @@ class Ingest:
         out = [(w, "config") for w in self.cfg.workers if w.id not in removed]
         ids = {w.id for w, _ in out}
         out += [(w, "api") for w in added if w.id not in ids]
+        restored = [w.id for w, src in out if src == "api"]
+        if restored or removed:
+            # Persistence is deliberate (a restarted ingest keeps its fleet), but must never surprise anyone.
+            log.info("fleet changes made through the admin API restored from %s: added %s, removed %s "
+                     "(`cortex run --reset-workers` forgets them)", self.state_file, restored or "none",
+                     sorted(removed) or "none")
         return out
 
     @staticmethod
@@ -123,6 +136,7 @@ class Ingest:
             self._config_mtime = mtime
             try:
                 cfg = await asyncio.to_thread(load_config, self.config_path)
+                await asyncio.to_thread(check_models, cfg)  # the checks `cortex run` makes at start
                 probes = await asyncio.to_thread(self._load_probes, cfg)
             except (ConfigError, BundleError) as exc:
                 log.error("config change ignored, the running config stays: %s", exc)
@@ -177,6 +191,10 @@ class Ingest:
         if worker is None:
             raise MembershipError(404, f"no worker {worker_id!r}")
         del self.workers[worker_id]
+        tasks = self._probe_tasks.pop(worker_id, [])
+        parity = self._parity_tasks.pop(worker_id, None)
+        for task in tasks if parity is None else [*tasks, parity]:
+            await cancel_quietly(task)
         for t in worker.targets:
             t.epoch = next(self._epochs)  # fences any callback still in flight for the old incarnation
             entry = self._sources.pop(t.id, None)
@@ -223,6 +241,9 @@ class Ingest:
                 self._sources[target.id] = (src, asyncio.get_running_loop().create_task(src.run(),
                                                                                          name=f"src-{target.id}"))
         self.workers[wcfg.id] = worker
+        loop = asyncio.get_running_loop()
+        self._probe_tasks[wcfg.id] = [loop.create_task(self._watch_health(worker), name=f"health-{wcfg.id}"),
+                                      loop.create_task(self._poll_load(worker), name=f"load-{wcfg.id}")]
         self._parity_wakeup.set()
         self._meta_dirty = True
         log.info("worker %s added (%s, %s, %d target(s))", wcfg.id, wcfg.url, source, len(worker.targets))
@@ -247,22 +268,30 @@ class Ingest:
             self.view.heartbeat()
             if self._meta_dirty:
                 self.publish_meta()
+            self.heartbeat_at = time.monotonic()
             await asyncio.sleep(self.cfg.ingest.heartbeat_interval_s)
 
     async def _load_loop(self) -> None:
-        assert self._session is not None
+        """Fleet-wide upkeep at the load-poll cadence; the readings themselves come from _poll_load, one task
+        per worker. Publishing on this clock (not after each reading) keeps every target's published load age
+        moving, so a worker whose reads stopped turns `unknown` in extproc after LOAD_MAX_AGE_S."""
         interval = self.cfg.ingest.load_poll_interval_s
         while True:
-            workers = [w for w in self.workers.values() if w.healthy]
-            results = await asyncio.gather(
-                *(read_load(self._session, w, timeout=max(interval * 5, 0.5)) for w in workers),
-                return_exceptions=True)
-            for w, res in zip(workers, results, strict=True):
-                if isinstance(res, Exception):
-                    log.debug("load read failed for %s: %s", w.id, res)
             self._check_silence()
             self._check_tails()
             self.publish_meta()
+            await asyncio.sleep(interval)
+
+    async def _poll_load(self, worker: Worker) -> None:
+        """One worker's load readings. A read that hangs holds back this worker's next read only."""
+        assert self._session is not None
+        interval = self.cfg.ingest.load_poll_interval_s
+        while True:
+            if worker.healthy:
+                try:
+                    await read_load(self._session, worker, timeout=max(interval * 5, 0.5))
+                except Exception as exc:  # a worker's bad answer must not end its polling
+                    log.debug("load read failed for %s: %s", worker.id, exc)
             await asyncio.sleep(interval)
 
     def _check_silence(self) -> None:
@@ -323,63 +352,77 @@ class Ingest:
                 src.check_tail()
             t.was_busy = busy
 
-    async def _health_loop(self) -> None:
+    async def _watch_health(self, worker: Worker) -> None:
+        """One worker's health probes: the first at once (a new worker is not in good standing until it
+        passed one), then every health_interval_s after the previous probe ended."""
         assert self._session is not None
         icfg = self.cfg.ingest
         while True:
-            workers = list(self.workers.values())
-            before = [w.healthy for w in workers]
-            await asyncio.gather(*(probe_health(self._session, w, icfg.health_timeout_s, icfg.health_failures)
-                                   for w in workers))
-            for w, was_healthy in zip(workers, before, strict=True):
-                if was_healthy and not w.healthy and w.id in self.workers:
-                    # A dead engine's cache is gone, or soon will be: prune what the ledger lists for it.
-                    log.warning("worker %s is down (%d failed probes): its ledger entries are pruned",
-                                w.id, w.health_failures)
-                    for t in w.targets:
-                        t.ledger.clear(self.view)
-            self._meta_dirty = True
+            was_healthy = worker.healthy
+            try:
+                await probe_health(self._session, worker, icfg.health_timeout_s, icfg.health_failures)
+            except Exception:  # probe_health counts every expected failure itself; keep probing whatever else
+                log.exception("health probe of %s failed unexpectedly", worker.id)
+            if was_healthy and not worker.healthy and self.workers.get(worker.id) is worker:
+                # A dead engine's cache is gone, or soon will be: prune what the ledger lists for it.
+                log.warning("worker %s is down (%d failed probes): its ledger entries are pruned",
+                            worker.id, worker.health_failures)
+                for t in worker.targets:
+                    t.ledger.clear(self.view)
+            elif worker.healthy and not was_healthy:
+                log.info("worker %s is up again", worker.id)
+            self._meta_dirty = True  # health, standing or an SGLang prefill's bootstrap port may have changed
             await asyncio.sleep(icfg.health_interval_s)
 
     async def _token_parity_loop(self) -> None:
-        assert self._session is not None
         if self.cfg.ingest.token_parity == "off":
             return
         interval = self.cfg.ingest.token_parity_interval_s
         while True:
             now = time.monotonic()
-            due = [w for w in self.workers.values() if w.healthy and now >= w.token_parity.checked_at + (
-                interval if w.token_parity.status == token_parity.OK else 10.0)]
-            results = await asyncio.gather(*(token_parity.check(
-                self._session, w.cfg.url, w.cfg.engine, w.cfg.model, self._probes[w.cfg.model],
-                self.cfg.ingest.health_timeout_s) for w in due), return_exceptions=True)
-            for w, res in zip(due, results, strict=True):
-                tp = w.token_parity
-                status, reason = res if isinstance(res, tuple) else (token_parity.UNKNOWN, repr(res))
-                tp.checks += 1
-                tp.checked_at = time.monotonic()
-                if status != tp.status:
-                    level = logging.ERROR if status == token_parity.FAILED else logging.INFO
-                    log.log(level, "worker %s: tokenizer parity %s: %s", w.id, status, reason)
-                    self._meta_dirty = True
-                if status == token_parity.FAILED and tp.status != token_parity.FAILED:
-                    tp.failures += 1
-                tp.status, tp.reason = status, reason
+            for w in list(self.workers.values()):
+                task = self._parity_tasks.get(w.id)
+                if task is not None and not task.done():
+                    continue  # a worker that does not answer holds up its own check only
+                if w.healthy and now >= w.token_parity.checked_at + (
+                        interval if w.token_parity.status == token_parity.OK else 10.0):
+                    self._parity_tasks[w.id] = asyncio.create_task(self._check_tokens(w), name=f"parity-{w.id}")
             pending = any(w.token_parity.status != token_parity.OK for w in self.workers.values())
             self._parity_wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 # A new worker wakes the loop at once: its exact-KV routing waits on this check.
                 await asyncio.wait_for(self._parity_wakeup.wait(), 1.0 if pending else 5.0)
 
+    async def _check_tokens(self, w: Worker) -> None:
+        assert self._session is not None
+        try:
+            res: tuple[str, str] | Exception = await token_parity.check(
+                self._session, w.cfg.url, w.cfg.engine, w.cfg.model, self._probes[w.cfg.model],
+                self.cfg.ingest.health_timeout_s)
+        except Exception as exc:  # counted as unanswered; checked again in 10 s
+            res = exc
+        tp = w.token_parity
+        status, reason = res if isinstance(res, tuple) else (token_parity.UNKNOWN, repr(res))
+        tp.checks += 1
+        tp.checked_at = time.monotonic()
+        if status != tp.status:
+            level = logging.ERROR if status == token_parity.FAILED else logging.INFO
+            log.log(level, "worker %s: tokenizer parity %s: %s", w.id, status, reason)
+            self._meta_dirty = True
+        if status == token_parity.FAILED and tp.status != token_parity.FAILED:
+            tp.failures += 1
+        tp.status, tp.reason = status, reason
+
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         return {"workers": [{
             "id": w.id, "url": w.cfg.url, "model": w.cfg.model, "engine": w.cfg.engine, "source": w.source,
-            "healthy": w.healthy, "health_failures": w.health_failures, "dp_size": w.cfg.dp_size,
+            "healthy": w.healthy, "health_failures": w.health_failures, "suspect": w.suspect,
+            "dp_size": w.cfg.dp_size,
             "token_parity": {"status": w.token_parity.status, "reason": w.token_parity.reason,
                              "checks": w.token_parity.checks},
             "events": _worker_events(w),
-            "targets": [t.status(now) for t in w.targets],
+            "targets": [{**t.status(now), "subscription": subscription(t)} for t in w.targets],
         } for w in self.workers.values()], "pid": os.getpid()}
 
 

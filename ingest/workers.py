@@ -121,7 +121,8 @@ class Target:
         w = self.worker
         return {
             "id": self.id, "worker": w.id, "rank": self.rank, "slot": self.slot, "model": w.cfg.model,
-            "engine": w.cfg.engine, "address": w.address, "healthy": w.healthy, "exact_kv": self.exact_kv,
+            "engine": w.cfg.engine, "address": w.address, "healthy": w.healthy, "suspect": w.suspect,
+            "exact_kv": self.exact_kv,
             "state": self.sync.state.value, "reason": self.why_not_exact(), "why": self.why_code(),
             "load": self.load.to_json(now),
             "age_s": round(now - w.added_at, 1), "role": w.cfg.role, "bootstrap_port": w.bootstrap_port,
@@ -153,7 +154,11 @@ class Worker:
     address: str
     targets: list[Target] = field(default_factory=list)
     healthy: bool = True
+    """Routable: false after `ingest.health_failures` consecutive failed probes, true again at one success."""
     health_failures: int = 0
+    """Consecutive failed probes so far (0 after a success)."""
+    probed_ok: bool = False
+    """Has passed a health probe since it was added (probes start at once)."""
     events_usable: bool = True
     events_reason: str = ""
     source: str = "config"
@@ -165,6 +170,12 @@ class Worker:
 
     def __post_init__(self) -> None:
         self.bootstrap_port = self.cfg.bootstrap_port
+
+    @property
+    def suspect(self) -> bool:
+        """Not in good standing: never probed yet, or its latest probe failed. Still routable while healthy,
+        but a worker in good standing gets the first attempt (extproc/scheduler.py)."""
+        return not self.probed_ok or self.health_failures > 0
 
     @property
     def needs_bootstrap_port(self) -> bool:
@@ -258,6 +269,7 @@ async def probe_health(session: aiohttp.ClientSession, worker: Worker, timeout: 
     if ok:
         worker.health_failures = 0
         worker.healthy = True
+        worker.probed_ok = True
     else:
         worker.health_failures += 1
         if worker.health_failures >= failures:

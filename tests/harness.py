@@ -188,16 +188,18 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 @contextlib.contextmanager
 def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc_processes: int = 1,
-            replay: bool = False, extra_config: dict[str, Any] | None = None, events: bool = True) -> Any:
+            replay: bool = False, extra_config: dict[str, Any] | None = None, events: bool = True,
+            engine: str = "vllm", model_extra: dict[str, Any] | None = None) -> Any:
     ports = free_ports(3 * n_sims + 4)
     sims = [Sim(id=f"sim-{i + 1}", port=ports[3 * i], kv_port=ports[3 * i + 1],
-                replay_port=ports[3 * i + 2] if replay else None, events=events) for i in range(n_sims)]
+                replay_port=ports[3 * i + 2] if replay else None, events=events, engine=engine)
+            for i in range(n_sims)]
     base = 3 * n_sims
     # Process i listens on extproc_port + i: more than one process needs a free run of ports.
     extproc_port = ports[base + 3] if extproc_processes == 1 else free_consecutive(extproc_processes)
     gw = Gateway(root=root, sims=sims, port=ports[base], admin_port=ports[base + 1], ingest_port=ports[base + 2],
                  extproc_port=extproc_port, extproc_processes=extproc_processes,
-                 extra_config=extra_config or {})
+                 extra_config=extra_config or {}, model_extra=model_extra or {})
     try:
         for s in sims:
             start_sim(s, root, *sim_args)

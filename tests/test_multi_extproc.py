@@ -3,13 +3,16 @@ the ledger view and in-flight counts, so routing stays exact whichever process d
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.harness import Gateway, cluster, long_chat
+from tests.harness import Gateway, cluster, long_chat, wait_for
 from tests.test_gateway import chat
 
 pytestmark = pytest.mark.timeout(240)
@@ -36,3 +39,27 @@ def test_two_processes_share_the_ledger(gw: Gateway) -> None:
     totals = [int(n) for n in re.findall(r"^cortex_extproc::127\.0\.0\.1:\d+::rq_total::(\d+)$", clusters, re.M)]
     assert len(totals) == 2 and all(n > 0 for n in totals), totals
     assert {p.name for p in (gw.root / "rt" / "inflight").glob("*.bin")} == {"0.bin", "1.bin"}
+
+
+def test_inflight_upkeep_survives_a_restarted_peer(gw: Gateway) -> None:
+    """Issue 11, defect 3: each upkeep re-maps peers' in-flight rows; it raised (mmap has no fileno()) and
+    logged a traceback several times a second once a peer's row was mapped, and never followed a restart."""
+    messages = long_chat(300, seed=78)
+    for _ in range(4):  # streams on both processes: each maps the other's row
+        chat(gw, messages)
+    old = set(gw.child_pids("cortex.cli extproc"))
+    rows = sorted((gw.root / "rt" / "inflight").glob("*.bin"))
+    inodes = [p.stat().st_ino for p in rows]
+    victim = max(old)
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: len(set(gw.child_pids("cortex.cli extproc")) - {victim}) == 2, timeout=60,
+             what="extproc restarted by the supervisor")
+    # The restarted process wrote a fresh row file over its old one (a new inode for the survivor to map).
+    wait_for(lambda: [p.stat().st_ino for p in rows] != inodes, what="the restarted process's new row")
+    for _ in range(6):
+        h, usage = chat(gw, messages)
+        assert int(h["x-cortex-cache-hit-tokens"]) == usage["prompt_tokens_details"]["cached_tokens"]
+    # Several upkeep ticks (100 ms each) on both processes, with the peer's row mapped.
+    time.sleep(1.0)
+    log = gw.log.read_text()
+    assert "extproc upkeep failed" not in log, log[log.find("extproc upkeep failed") - 200:][:2000]

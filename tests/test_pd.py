@@ -8,7 +8,18 @@ import orjson
 import pytest
 
 from cortex.config import PdConfig
-from extproc.pd import SKIP_BATCH, SKIP_HELD, SKIP_N, SKIP_SHORT, request_shape_skip, skip_reason, split_pools
+from extproc.cluster_view import TargetInfo
+from extproc.pd import (
+    SKIP_BATCH,
+    SKIP_HELD,
+    SKIP_N,
+    SKIP_SHORT,
+    fallback_pool,
+    request_shape_skip,
+    skip_by_cost,
+    skip_reason,
+    split_pools,
+)
 from extproc.pd_dispatch import (
     ABORT_DECODE,
     CANCEL_PREFILL,
@@ -23,17 +34,65 @@ from extproc.pd_dispatch import (
 CFG = PdConfig(skip_prefill_uncached_tokens=256, skip_prefill_decode_hit_ratio=0.8)
 
 
+# Cost rule (docs/pd.md): skip when 2 * (prompt - single_cached) <= (prompt - prefill_cached) + 256.
 @pytest.mark.parametrize(("prompt", "prefill_cached", "single_cached", "want"), [
-    (100, 0, 0, SKIP_SHORT),         # the whole prompt is shorter than the threshold
-    (2000, 1800, 0, SKIP_SHORT),     # 200 tokens left to compute on the prefill side: not worth a transfer
-    (2000, 1744, 0, None),           # exactly 256 left: the pair pays off
-    (2000, 0, 1600, SKIP_HELD),      # a decoder already holds 80 %
-    (2000, 0, 1599, None),           # just under the ratio
+    (100, 0, 0, SKIP_SHORT),         # nothing cached anywhere: a short prompt is cheaper alone (200 <= 356)
+    (256, 0, 0, SKIP_SHORT),         # the old threshold, unchanged when nothing is cached (512 <= 512)
+    (257, 0, 0, None),               # 514 > 513: a long new prompt gets its pair (the prefill off the decoder)
+    (2000, 0, 0, None),
+    # Issue 11 #12: the prefill worker holds the prompt, the worker serving alone holds none of it. The old rule
+    # saw 200 uncached tokens on the prefill side and skipped to the cold worker, which computed all 2000.
+    (2000, 1800, 0, None),           # alone 2*2000 > 200+256
+    (2000, 2000, 0, None),
+    (300, 300, 0, None),             # even a short prompt: 600 > 0+256, the prefill's copy is cheaper
+    (120, 120, 0, SKIP_SHORT),       # 240 <= 256: a handoff costs more than computing it alone
+    (2000, 0, 1200, SKIP_SHORT),     # the lone worker holds more: 2*800 <= 2000+256
+    (2000, 1000, 1000, None),        # equal copies: 2*1000 > 1000+256, the pair keeps the prefill off the decoder
+    (2000, 1500, 1400, None),        # 2*600 > 500+256
+    (2000, 1000, 1400, SKIP_SHORT),  # 2*600 <= 1000+256
+    (2000, 0, 1600, SKIP_HELD),      # a worker serving alone already holds 80 %
+    (2000, 1999, 1600, SKIP_HELD),
+    (2000, 1999, 1599, None),        # just under the ratio; 2*401 > 1+256
     (0, 0, 0, SKIP_SHORT),
 ])
 def test_skip_reason_vectors(prompt: int, prefill_cached: int, single_cached: int, want: str | None) -> None:
     assert skip_reason(prompt_tokens=prompt, prefill_cached_tokens=prefill_cached,
                        single_cached_tokens=single_cached, cfg=CFG) == want
+
+
+@pytest.mark.parametrize(("prompt", "prefill_cached", "single_cached", "transfer", "want"), [
+    (1000, 0, 0, 0, False),          # a free handoff: a new prompt always pairs
+    (1000, 1000, 1000, 0, True),     # nothing to compute on either side: serve alone
+    (1000, 0, 0, 1000, True),        # a handoff as dear as the prompt: 2000 <= 2000
+    (1000, 0, 0, 999, False),
+    (1000, 1200, 0, 0, False),       # a claim past the prompt counts as the whole prompt
+    (1000, 0, 1200, 0, True),
+])
+def test_skip_by_cost_vectors(prompt: int, prefill_cached: int, single_cached: int, transfer: int,
+                              want: bool) -> None:
+    assert skip_by_cost(prompt_tokens=prompt, prefill_cached_tokens=prefill_cached,
+                        single_cached_tokens=single_cached, transfer_tokens=transfer) is want
+
+
+def _target(tid: str, role: str, engine: str, slot: int) -> TargetInfo:
+    return TargetInfo(id=tid, worker=tid.split("@")[0], rank=None, slot=slot, model="m", engine=engine,
+                      address=f"127.0.0.1:{9000 + slot}", exact_kv=True, healthy=True, engine_load=0.0, role=role,
+                      bootstrap_port=8998 if role == "prefill" else None)
+
+
+@pytest.mark.parametrize(("engine", "roles", "exclude", "want"), [
+    ("sglang", ["prefill", "decode", "both"], set(), ["m"]),        # a mixed worker first
+    ("vllm", ["prefill", "decode", "both"], {"m"}, ["m"]),          # ... even one of the pair's, if it is all
+    ("vllm", ["prefill", "decode"], set(), ["d", "p"]),             # NIXL workers serve alone: decoder first
+    ("vllm", ["prefill", "decode"], {"p"}, ["d"]),                  # not the prefill that just failed
+    ("vllm", ["prefill", "decode"], {"d"}, ["p"]),                  # not the decoder that just failed
+    ("vllm", ["prefill", "decode"], {"p", "d"}, ["d", "p"]),        # all failed: still try rather than refuse
+    ("sglang", ["prefill", "decode"], set(), []),                   # SGLang PD servers cannot serve alone
+])
+def test_fallback_pool(engine: str, roles: list[str], exclude: set[str], want: list[str]) -> None:
+    ids = {"prefill": "p", "decode": "d", "both": "m"}
+    workers = [_target(ids[r], r, engine, k) for k, r in enumerate(roles)]
+    assert [w.id for w in fallback_pool(split_pools(workers), frozenset(exclude))] == want
 
 
 def test_request_shapes_a_pair_cannot_carry() -> None:

@@ -258,7 +258,7 @@ def test_vllm_skip_prefill_for_a_short_prompt_saves_the_transfer(vllm_gw: Gatewa
     assert prompt_tokens_total(gw.sims[0]) == before  # the prefill worker never saw it
 
 
-def test_vllm_decode_rejecting_the_transfer_ends_cleanly(vllm_gw: Gateway) -> None:
+def test_vllm_decode_rejecting_the_transfer_falls_back_to_a_worker_of_the_pair(vllm_gw: Gateway) -> None:
     gw = vllm_gw
     vp1 = gw.sims[0]
     httpx.post(f"{vp1.url}/sim/faults", json={"pd_transfer_fail": True}, timeout=5).raise_for_status()
@@ -266,8 +266,12 @@ def test_vllm_decode_rejecting_the_transfer_ends_cleanly(vllm_gw: Gateway) -> No
         t0 = time.monotonic()
         resp = chat(gw, seed=20, timeout=30)
         assert time.monotonic() - t0 < 20
-        assert resp.status_code >= 500 and "error" in resp.json()
-        assert resp.headers.get("x-cortex-pd") == "pair"
+        # No mixed worker: NIXL workers serve alone, and the decoder that failed is left out, so the prefill worker
+        # answers the request itself (before, the client got the decoder's 500).
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-cortex-pd"] == "fallback:decode_failed"
+        assert resp.headers["x-cortex-assigned-worker"] == "vp1"
+        assert int(resp.headers["x-cortex-cache-hit-tokens"]) <= usage_cached(resp)
     finally:
         httpx.post(f"{vp1.url}/sim/faults", json={"pd_transfer_fail": False}, timeout=5)
     assert chat(gw, seed=21).status_code == 200
@@ -325,3 +329,202 @@ def test_both_pools_empty_is_a_clear_error(tmp_path: Path) -> None:
             wait_for(paired, timeout=20, interval=0.5, what="the new decoder paired")
         finally:
             stop(dec.proc)
+
+
+# -- Mixed pools: a `both` worker beside the pair (issue 11 #9 and #12) ---------------------------------------------
+
+def set_faults(sims: list[Sim], **faults: Any) -> None:
+    for s in sims:
+        httpx.post(f"{s.url}/sim/faults", json=faults, timeout=5).raise_for_status()
+
+
+def served_alone(resp: httpx.Response, why: str, worker: str) -> None:
+    """A fallback answer: 200 from one worker, named in the headers, with no claim the engine did not make."""
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-cortex-pd"] == f"fallback:{why}"
+    assert resp.headers["x-cortex-assigned-worker"] == worker
+    assert int(resp.headers["x-cortex-cache-hit-tokens"]) <= usage_cached(resp)
+
+
+SGLANG_MIXED = [
+    ("p1", "sglang", "prefill", True, ("--disaggregation-bootstrap-port", "0")),
+    ("d1", "sglang", "decode", False, ("--waiting-timeout", "120")),
+    ("m1", "sglang", "both", True, ()),
+]
+
+
+@pytest.fixture(scope="module")
+def sglang_mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with pd_cluster(tmp_path_factory.mktemp("pd-sglang-mixed"), SGLANG_MIXED,
+                    {"pd": {"bootstrap_timeout_s": 3.0}}) as gw:
+        yield gw
+
+
+def test_sglang_repeat_cached_on_the_prefill_keeps_its_pair(sglang_mixed: Gateway) -> None:
+    gw = sglang_mixed
+    first = chat(gw, seed=70)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-cortex-pd"] == "pair"
+    assert first.headers["x-cortex-assigned-worker"] == "prefill=p1,decode=d1"
+    wait_for(lambda: gw.targets()["p1"]["cached_blocks"] > 0, what="prefill blocks in the ledger")
+    # Only p1 holds the prompt; the mixed worker m1 holds none of it. Serving alone on m1 would compute the whole
+    # prompt again (the old rule skipped to it: 'skipped:short_uncached_part', hit 0, cached_tokens 0).
+    for stream in (False, True):
+        again = chat(gw, seed=70, stream=stream)
+        assert again.status_code == 200, again.text
+        assert again.headers["x-cortex-pd"] == "pair"
+        assert again.headers["x-cortex-assigned-worker"] == "prefill=p1,decode=d1"
+        hit = int(again.headers["x-cortex-cache-hit-tokens"])
+        assert hit > 0 and hit <= usage_cached(again) < hit + 16
+
+
+def test_sglang_failed_prefill_falls_back_to_the_mixed_worker(sglang_mixed: Gateway) -> None:
+    gw = sglang_mixed
+    p1, d1, _ = gw.sims
+    set_faults([p1], http_5xx_rate=1.0)
+    try:
+        for stream in (False, True):
+            resp = chat(gw, seed=71 + stream, stream=stream)
+            served_alone(resp, "prefill_failed", "m1")
+            if stream:
+                assert resp.text.rstrip().endswith("data: [DONE]")
+        wait_for(lambda: all(sglang_queues(s) == (0, 0) for s in (p1, d1)), timeout=10, what="queues drained")
+    finally:
+        set_faults([p1], http_5xx_rate=0.0)
+
+
+def test_sglang_stalled_bootstrap_falls_back_before_the_first_byte(sglang_mixed: Gateway) -> None:
+    gw = sglang_mixed
+    p1, d1, _ = gw.sims
+    set_faults([d1], pd_stall_bootstrap=True)
+    try:
+        for stream in (False, True):
+            t0 = time.monotonic()
+            resp = chat(gw, seed=73 + 10 * stream, stream=stream, timeout=60)
+            # The watchdog (3 s) cut the pair, aborted both legs, and the mixed worker served the request from
+            # scratch. A streamed decode answers its 200 at once (as SGLang does): Cortex holds those headers until
+            # the prefill leg settles, so the failure is still before the client's first byte.
+            served_alone(resp, "bootstrap_timeout", "m1")
+            assert time.monotonic() - t0 < 30
+            if stream:
+                assert resp.text.rstrip().endswith("data: [DONE]") and '"error"' not in resp.text
+            wait_for(lambda: all(sglang_queues(s) == (0, 0) for s in (p1, d1)), timeout=10, what="queues drained")
+    finally:
+        set_faults([d1], pd_stall_bootstrap=False)
+    metrics = httpx.get(f"{gw.ingest_url}/metrics", timeout=5).text
+    assert 'cortex_pd_decisions_total{engine="sglang",outcome="fallback:bootstrap_timeout"}' in metrics
+
+
+def test_sglang_unreachable_prefill_falls_back_to_the_mixed_worker(sglang_mixed: Gateway) -> None:
+    gw = sglang_mixed
+    p1, d1, _ = gw.sims
+    assert p1.proc is not None
+    os.killpg(p1.proc.pid, signal.SIGKILL)  # last test of this fixture: the prefill stays dead
+    p1.proc.wait(5)
+    # The prefill leg cannot be written: no decode leg is sent at all, and Envoy serves the request on the mixed
+    # worker as any single-worker request (streamed as usual).
+    for stream in (False, True):
+        resp = chat(gw, seed=74 + stream, stream=stream)
+        served_alone(resp, "prefill_failed", "m1")
+        if stream:
+            assert resp.text.rstrip().endswith("data: [DONE]")
+    assert sglang_queues(d1) == (0, 0)
+
+
+VLLM_MIXED = [
+    ("vp1", "vllm", "prefill", True, ()),
+    ("vp2", "vllm", "prefill", True, ()),
+    # The decoder's own copy of transferred blocks is not in the ledger: only the prefill side proves a hit.
+    ("vd1", "vllm", "decode", False, ("--kv-load-failure-policy", "fail")),
+    ("vm1", "vllm", "both", True, ()),
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with pd_cluster(tmp_path_factory.mktemp("pd-vllm-mixed"), VLLM_MIXED) as gw:
+        yield gw
+
+
+def test_vllm_repeat_cached_on_the_prefill_keeps_its_pair(vllm_mixed: Gateway) -> None:
+    gw = vllm_mixed
+    first = chat(gw, seed=80)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-cortex-pd"] == "pair"
+    prefill = first.headers["x-cortex-assigned-worker"].split(",")[0].removeprefix("prefill=")
+    wait_for(lambda: gw.targets()[prefill]["cached_blocks"] > 0, what="prefill blocks in the ledger")
+    again = chat(gw, seed=80)
+    assert again.status_code == 200, again.text
+    assert again.headers["x-cortex-pd"] == "pair"
+    assert again.headers["x-cortex-assigned-worker"] == f"prefill={prefill},decode=vd1"
+    hit = int(again.headers["x-cortex-cache-hit-tokens"])
+    assert hit > 0 and hit <= usage_cached(again) < hit + 16
+
+
+def test_vllm_failed_prefill_is_repicked(vllm_mixed: Gateway) -> None:
+    gw = vllm_mixed
+    first = chat(gw, seed=81)
+    assert first.status_code == 200, first.text
+    holder = first.headers["x-cortex-assigned-worker"].split(",")[0].removeprefix("prefill=")
+    wait_for(lambda: gw.targets()[holder]["cached_blocks"] > 0, what="holder in the ledger")
+    other = "vp2" if holder == "vp1" else "vp1"
+    sims = {s.id: s for s in gw.sims}
+    before = prompt_tokens_total(sims[other])
+    # The ledger sends the prompt to its holder, which now fails: a new pair on the other prefill, before the
+    # decode leg is sent; the hit claimed is 0 (the new prefill was not the one the ledger proved).
+    set_faults([sims[holder]], http_5xx_rate=1.0)
+    try:
+        resp = chat(gw, seed=81)
+    finally:
+        set_faults([sims[holder]], http_5xx_rate=0.0)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-cortex-pd"] == "pair:repicked"
+    assert resp.headers["x-cortex-assigned-worker"] == f"prefill={other},decode=vd1"
+    assert resp.headers["x-cortex-cache-hit-tokens"] == "0"
+    assert prompt_tokens_total(sims[other]) > before + 400
+
+
+def test_vllm_failed_prefills_fall_back_to_the_mixed_worker(vllm_mixed: Gateway) -> None:
+    gw = vllm_mixed
+    prefills = [s for s in gw.sims if s.role == "prefill"]
+    set_faults(prefills, http_5xx_rate=1.0)
+    try:
+        for stream in (False, True):
+            resp = chat(gw, seed=82 + stream, stream=stream)
+            served_alone(resp, "prefill_failed", "vm1")
+    finally:
+        set_faults(prefills, http_5xx_rate=0.0)
+
+
+def test_vllm_failed_transfer_falls_back_before_the_first_byte(vllm_mixed: Gateway) -> None:
+    gw = vllm_mixed
+    prefills = [s for s in gw.sims if s.role == "prefill"]
+    vm1 = gw.sims[3]
+    set_faults(prefills, pd_transfer_fail=True)
+    try:
+        for stream in (False, True):
+            before = prompt_tokens_total(vm1)
+            resp = chat(gw, seed=84 + stream, stream=stream)
+            # The decoder could not read the KV and answered 500; nothing had reached the client, so the mixed
+            # worker computed the prompt itself and its answer is the client's.
+            served_alone(resp, "decode_failed", "vm1")
+            assert prompt_tokens_total(vm1) > before + 400
+            if stream:
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                assert resp.text.rstrip().endswith("data: [DONE]")
+    finally:
+        set_faults(prefills, pd_transfer_fail=False)
+    metrics = httpx.get(f"{gw.ingest_url}/metrics", timeout=5).text
+    assert 'cortex_pd_decisions_total{engine="vllm",outcome="fallback:decode_failed"}' in metrics
+
+
+def test_a_fallback_longer_than_envoys_message_deadline_still_answers(tmp_path: Path) -> None:
+    specs = [("vp1", "vllm", "prefill", True, ()),
+             ("vd1", "vllm", "decode", True, ("--kv-load-failure-policy", "fail")),
+             ("vm1", "vllm", "both", True, ("--prefill-ms-per-token", "3"))]  # ~600 tokens: ~1.8 s
+    with pd_cluster(tmp_path, specs, extra_config={"extproc": {"message_timeout_ms": 400}}) as gw:
+        set_faults([gw.sims[0]], pd_transfer_fail=True)
+        resp = chat(gw, seed=90, words=450)
+        # extproc extended Envoy's deadline for the response-headers message before serving the request alone;
+        # without that, Envoy would have given up on extproc and passed the decoder's 500 to the client.
+        served_alone(resp, "decode_failed", "vm1")

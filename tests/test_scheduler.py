@@ -7,6 +7,7 @@ request, watermarks 48/32, near-minimum window 2, block size 16 (one block = 0.8
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -121,9 +122,59 @@ def test_ties_rotate_between_equal_workers() -> None:
     assert {run(*cands, turn=t).chosen.id for t in range(3)} == {"w0", "w1", "w2"}
 
 
-def test_partly_unknown_load_uses_p2c_on_inflight() -> None:
-    d = run(c("w0", load=None, inflight=9), c("w1", load=1, inflight=0), rng=random.Random(1))
-    assert d.mode == P2C and d.chosen.id == "w1" and [x.id for x in d.order] == ["w1", "w0"]
+def test_unknown_load_follows_the_known_ones() -> None:
+    # Before: one candidate without a load reading turned the whole decision into P2C (issue 11, defect 1).
+    d = run(c("w0", load=None, inflight=0), c("w1", load=1, inflight=0), rng=random.Random(1))
+    assert d.mode == LOAD_AWARE and d.reason == "no_cached_prefix" and [x.id for x in d.order] == ["w1", "w0"]
+
+
+def test_a_dead_worker_does_not_take_the_hit_away() -> None:
+    # w2 is unreachable: no load, nothing in flight (nobody routed to it), so it looks idle to P2C.
+    d = run(c("w0", load=1), c("w1", matched=80, load=2), c("w2", load=None))
+    assert d.mode == EXACT and d.reason == "longest_cached_prefix" and d.hit_tokens == 80 * 16
+    assert [x.id for x in d.order] == ["w1", "w0", "w2"]
+    # The same, over every tie-break: the unknown worker is never first, whatever the draw.
+    for seed in range(50):
+        d = run(c("w0", load=0), c("w1", load=0), c("w2", load=None), rng=random.Random(seed), turn=seed)
+        assert d.order[-1].id == "w2" and d.mode == LOAD_AWARE
+
+
+def test_unknown_load_workers_follow_by_inflight() -> None:
+    d = run(c("w0", load=None, inflight=5), c("w1", load=3), c("w2", load=None, inflight=1))
+    assert [x.id for x in d.order] == ["w1", "w2", "w0"] and d.mode == LOAD_AWARE
+
+
+def test_a_proven_hit_on_an_unknown_load_worker_is_not_claimed() -> None:
+    # Its load cannot be weighed against the hit: it follows, and nothing is claimed for it.
+    d = run(c("w0", matched=50, load=None), c("w1", load=2))
+    assert d.chosen.id == "w1" and d.mode == LOAD_AWARE and d.hit_tokens == 0
+    assert d.matched_tokens == {"w0": 800, "w1": 0}
+
+
+def test_p2c_only_when_no_load_is_known() -> None:
+    d = run(c("w0", load=None, inflight=9), c("w1", load=None, inflight=0), rng=random.Random(1))
+    assert d.mode == P2C and d.reason == "load_unknown" and [x.id for x in d.order] == ["w1", "w0"]
+    d = run(c("w0", load=None, inflight=2))
+    assert d.mode == P2C and d.reason == "load_unknown_single_candidate"
+
+
+def test_a_suspect_worker_gets_no_first_attempt_while_one_in_good_standing_exists() -> None:
+    def s(id: str, **kw: object) -> Candidate:
+        return replace(c(id, **kw), suspect=True)  # type: ignore[arg-type]
+
+    # w1 holds the prompt and is idle, but its last health probe failed: w0 serves, w1 is the retry target.
+    d = run(c("w0", load=5), s("w1", matched=80, load=0))
+    assert d.chosen.id == "w0" and d.mode == LOAD_AWARE and d.hit_tokens == 0
+    assert [x.id for x in d.order] == ["w0", "w1"]
+    # Good standing outranks a known load: w0 (unknown load) before w1 (known, failing probes).
+    d = run(c("w0", load=None), s("w1", load=0), rng=random.Random(3))
+    assert [x.id for x in d.order] == ["w0", "w1"] and d.mode == P2C
+    # Behind the competing tier: good standing, then known load, then least active.
+    d = run(c("w0", load=1), s("w1", load=None, inflight=0), s("w2", load=4), c("w3", load=None, inflight=3))
+    assert [x.id for x in d.order] == ["w0", "w3", "w2", "w1"]
+    # All suspect (e.g. at start, before the first probe): they compete alike, as before.
+    d = run(s("w0", load=3), s("w1", matched=80, load=0))
+    assert d.chosen.id == "w1" and d.mode == EXACT and d.hit_tokens == 1280
 
 
 def test_round_robin_rotates() -> None:

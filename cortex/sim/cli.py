@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hash-algo", choices=VLLM_HASH_ALGOS, default=d.hash_algo,
                    help="prefix-caching hash, as vLLM's --prefix-caching-hash-algo (default %(default)s)")
     p.add_argument("--hash-seed", default=None,
-                   help="NONE_HASH seed string (default: $PYTHONHASHSEED if set, else 'vllm-none-hash')")
+                   help="NONE_HASH seed string (default: $PYTHONHASHSEED if set, else 'vllm-none-hash' for "
+                        "sha256*, a random one per process for xxhash*, as vLLM)")
     p.add_argument("--kv-events-port", type=int, default=d.kv_events_port,
                    help="ZMQ PUB port of DP rank 0 (rank r: port + r); 0 disables (default %(default)s)")
     p.add_argument("--kv-replay-port", type=int, default=None,
@@ -143,7 +144,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         worker_id=args.worker_id, block_size=args.block_size, num_blocks=num_blocks,
         hash_algo=args.hash_algo,
         # vLLM takes the seed from its own PYTHONHASHSEED; so does the simulator unless told otherwise.
-        hash_seed=resolve_none_hash_seed(args.hash_seed),
+        hash_seed=resolve_none_hash_seed(args.hash_seed, algo=args.hash_algo),
         kv_events_port=args.kv_events_port or None, kv_replay_port=args.kv_replay_port,
         kv_topic=args.kv_topic, kv_events_format=args.kv_events_format,
         prefill_ms_per_token=args.prefill_ms_per_token, decode_ms_per_token=args.decode_ms_per_token,

@@ -41,7 +41,8 @@ class SimConfig:
     """KV pool size in blocks; None = vLLM 2048 (block 0 being the null block) / SGLang 32768 tokens' worth."""
     hash_algo: str = "sha256"
     hash_seed: str | None = None
-    """vLLM NONE_HASH seed string, already resolved (the CLI applies PYTHONHASHSEED); None = "vllm-none-hash"."""
+    """vLLM NONE_HASH seed string, already resolved (the CLI applies PYTHONHASHSEED); None = as vLLM with
+    PYTHONHASHSEED unset: "vllm-none-hash" for sha256/sha256_cbor, a random seed per process for xxhash*."""
     kv_events_port: int | None = 5557
     """None disables events; 0 binds an OS-chosen port. DP rank r publishes on port + r."""
     kv_replay_port: int | None = None

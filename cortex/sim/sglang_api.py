@@ -16,8 +16,9 @@ PD (``--role prefill|decode``, see ``pd``): both legs need ``bootstrap_room``. A
 bootstrap queue for the room's decode, prefills, answers one token and hands the decode the prompt length and
 its cached-token count; a decode fetches that from ``bootstrap_host:bootstrap_port`` (the port falling back to
 its own ``--disaggregation-bootstrap-port``), skips the prefill and reports the prefill's cached tokens, or
-answers 500 "Decode handshake/transfer failed" after the waiting timeout. A decode keeps no radix cache unless
-``--disaggregation-decode-enable-radix-cache``.
+answers 500 "Decode handshake/transfer failed" after the waiting timeout (a streamed request: its 200 and headers
+go out at once, as SGLang's StreamingResponse does, and the failure is an error event in the stream). A decode
+keeps no radix cache unless ``--disaggregation-decode-enable-radix-cache``.
 """
 
 from __future__ import annotations
@@ -584,7 +585,22 @@ class SglangApi(OpenAIServing):
         if task is not None:
             self._by_rid[rid] = task
         try:
-            prepared = await self.prepare(request, body, prompt, engine)
+            early: web.StreamResponse | None = None
+            if stream and self.config.role == "decode":
+                # Real SGLang answers a streamed request with a StreamingResponse at once (serving_chat.py), so a
+                # decode's 200 and headers go out before its bootstrap; a failed handshake or transfer then comes
+                # as an error event inside the stream.
+                early = self.stream_response()
+                await early.prepare(request)
+                request["sim_stream_response"] = early
+            try:
+                prepared = await self.prepare(request, body, prompt, engine)
+            except ApiError as exc:
+                if early is None:
+                    raise
+                await early.write(b"data: " + json.dumps(exc.body("sglang")).encode() + b"\n\ndata: [DONE]\n\n")
+                await early.write_eof()
+                return early
             prepared.extra = {**(prepared.extra or {}), "native": native}
             req = self.new_request(rid, prompt, max_tokens, engine, prepared, cache_salt=salt,
                                    lora=lora, extra_key=extra_key)
@@ -642,8 +658,8 @@ class SglangApi(OpenAIServing):
 
     async def stream(self, request: web.Request, body: Mapping[str, Any], req: SimRequest, engine: EngineCore,
                      prepared: Prepared, *, chat: bool) -> web.StreamResponse:
-        resp = self.stream_response()
-        await resp.prepare(request)
+        resp = request.get("sim_stream_response") or self.stream_response()
+        await resp.prepare(request)  # a no-op for a response already answered (a PD decode's early headers)
         native = bool((prepared.extra or {}).get("native"))
         head = {"id": req.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": self.now(), "model": body.get("model") or self.model}

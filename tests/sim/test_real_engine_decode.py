@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -27,35 +26,10 @@ from cortex.engine_hashes import LoraRef
 from cortex.sim.kv_events import decode_batch, decode_sglang_batch, encode_batch, now_batch
 from cortex.sim.prefix_cache import PrefixCache
 from cortex.sim.radix_cache import RadixCache
+from tests.engine_wheels import PUBLISHER_FILES as FILES
+from tests.engine_wheels import PUBLISHER_STUBS as STUBS
+from tests.engine_wheels import SGLANG, VLLM, extract
 
-VLLM = "vllm==0.33.0"
-SGLANG = "sglang==0.5.23"
-FILES = {
-    "vllm": ["vllm/distributed/kv_events.py", "vllm/config/kv_events.py"],
-    "sglang": ["sglang/srt/disaggregation/kv_events.py", "sglang/srt/utils/network.py"],
-}
-STUBS = {
-    "vllm/__init__.py": "",
-    "vllm/distributed/__init__.py": "",
-    "vllm/config/__init__.py": "",
-    "vllm/config/utils.py": "from dataclasses import dataclass as config\n",
-    "vllm/logger.py": "import logging\ninit_logger = logging.getLogger\n",
-    "vllm/utils/__init__.py": "",
-    "vllm/utils/network_utils.py": (
-        "def get_ip():\n    return '127.0.0.1'\n"
-        "def get_tcp_uri(ip, port):\n    return f'tcp://{ip}:{port}'\n"
-        "def is_valid_ipv6_address(address):\n    return ':' in address\n"
-        "def split_zmq_path(path):\n    scheme, _, rest = path.partition('://')\n"
-        "    host, _, port = rest.rpartition(':')\n    return scheme, host, port\n"),
-    "vllm/v1/__init__.py": "",
-    "vllm/v1/core/__init__.py": "",
-    "vllm/v1/core/kv_cache_utils.py": "ExternalBlockHash = bytes | int\n",
-    "sglang/__init__.py": "",
-    "sglang/srt/__init__.py": "",
-    "sglang/srt/disaggregation/__init__.py": "",
-    "sglang/srt/utils/__init__.py": "",
-    "sglang/srt/runtime_context.py": "def get_parallel():\n    raise RuntimeError('not used by the decode test')\n",
-}
 # Runs in a child interpreter so the stub packages never shadow anything in the test process.
 CHECK = r"""
 import json, sys, types
@@ -78,43 +52,11 @@ print(json.dumps(out))
 """
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("CORTEX_ENGINE_WHEELS", Path.home() / ".cache" / "cortex" / "engine-wheels"))
-
-
-def _wheel(spec: str) -> Path:
-    name, version = spec.split("==")
-    cache = _cache_dir()
-    found = sorted(cache.glob(f"{name}-{version}-*.whl"))
-    if found:
-        return found[0]
-    cache.mkdir(parents=True, exist_ok=True)
-    try:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                               "--dest", str(cache), spec], capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot download {spec} for the real-engine decode test: {exc}")
-    found = sorted(cache.glob(f"{name}-{version}-*.whl"))
-    if proc.returncode != 0 or not found:
-        pytest.skip(f"cannot download {spec} for the real-engine decode test: {proc.stderr.strip()[-300:]}")
-    return found[0]
-
-
 @pytest.fixture(scope="module")
 def engine_sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("engine-src")
-    for spec, key in ((VLLM, "vllm"), (SGLANG, "sglang")):
-        with zipfile.ZipFile(_wheel(spec)) as whl:
-            for member in FILES[key]:
-                target = root / member
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(whl.read(member))
-    for rel, text in STUBS.items():
-        target = root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if not target.exists():
-            target.write_text(text)
-    return root
+    extract(root, VLLM, FILES["vllm"], {k: v for k, v in STUBS.items() if k.startswith("vllm/")})
+    return extract(root, SGLANG, FILES["sglang"], {k: v for k, v in STUBS.items() if k.startswith("sglang/")})
 
 
 def _vllm_payloads() -> list[bytes]:

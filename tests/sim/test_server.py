@@ -327,7 +327,8 @@ def test_repeated_long_prompt_hits_and_reset_clears() -> None:
     serve(scenario)
 
 
-@pytest.mark.parametrize(("algo", "seed"), [("sha256", None), ("sha256_cbor", "0")])
+@pytest.mark.parametrize(("algo", "seed"), [("sha256", None), ("sha256_cbor", "0"), ("xxhash", "0"),
+                                           ("xxhash_cbor", "vllm-none-hash")])
 def test_output_blocks_are_published_as_they_fill(algo: str, seed: str | None) -> None:
     async def scenario(srv: SimServer, http: aiohttp.ClientSession) -> None:
         prompt = list(range(2000, 2020))
