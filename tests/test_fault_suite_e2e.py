@@ -6,7 +6,8 @@ request; shared-prefix multi-turn chats, SSE and JSON) through the gateway while
 asserts with one checker (tests/faultkit.py `violation`):
 
 (a) no request fails, except one in flight on a worker that was killed (its stream is cut; Envoy retries
-    what had not started answering) or, for the Envoy case, one in flight on the Envoy that was killed;
+    what had not started answering) or, for the Envoy case, one in flight between Envoy's death and its
+    replacement listening;
 (b) no response claims more cached tokens (`x-cortex-cache-hit-tokens`) than the engine itself reports
     (`usage.prompt_tokens_details.cached_tokens`).
 
@@ -47,6 +48,7 @@ from tests.harness import (
 pytestmark = pytest.mark.timeout(300)
 
 SILENCE_BOUND_S = 2.0
+"""ingest.event_silence_s for this gateway: the silent-publisher case waits it out (the default is 10 s)."""
 
 
 @dataclass
