@@ -25,6 +25,7 @@ from cortex.config import WorkerConfig
 from cortex.errors import error_body
 from ingest.readiness import Readiness
 from ingest.service import Ingest, MembershipError
+from ingest.silence import SILENT
 from ingest.sync import SyncState
 
 
@@ -52,6 +53,9 @@ class IngestCollector(Collector):
         tokens = GaugeMetricFamily("cortex_worker_tokenizer_parity",
                                    "1 for the worker's tokenizer parity status (ok, failed, unknown)",
                                    labels=["worker", "status"])
+        silent = GaugeMetricFamily("cortex_target_events_silent",
+                                   "1 if the target serves requests but publishes no KV events (ingest.silence)",
+                                   labels=labels)
         blocks = GaugeMetricFamily("cortex_ledger_blocks", "Cortex blocks the ledger lists for the target",
                                    labels=labels)
         running = GaugeMetricFamily("cortex_target_running_requests", "engine-reported running requests",
@@ -85,6 +89,8 @@ class IngestCollector(Collector):
                 for s in SyncState:
                     state.add_metric([*key, s.value], 1.0 if t.sync.state is s else 0.0)
                 exact.add_metric(key, 1.0 if t.exact_kv else 0.0)
+                if w.events_usable:
+                    silent.add_metric(key, 1.0 if t.events_status == SILENT else 0.0)
                 parity.add_metric([*key, t.parity.status], 1.0)
                 blocks.add_metric(key, t.ledger.blocks)
                 running.add_metric(key, t.load.running)
@@ -100,8 +106,8 @@ class IngestCollector(Collector):
                     counters[name].add_metric(key, value)
                 for reason, n in t.ledger.dropped.items():
                     dropped.add_metric([*key, reason], n)
-        yield from (state, exact, parity, healthy, tokens, blocks, running, waiting, event_age, lag, *counters.values(),
-                    dropped)
+        yield from (state, exact, silent, parity, healthy, tokens, blocks, running, waiting, event_age, lag,
+                    *counters.values(), dropped)
         yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view",
                                 value=self.ingest.view.size)
 

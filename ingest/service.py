@@ -28,7 +28,7 @@ from cortex.bundle import BundleError, ModelBundle
 from cortex.config import ConfigError, CortexConfig, WorkerConfig, check_models, load_config
 from cortex.dataplane import atomic_write, write_xds
 from cortex.view import ViewWriter
-from ingest import token_parity
+from ingest import silence, token_parity
 from ingest.ledger import Ledger
 from ingest.parity import ParityCheck
 from ingest.readiness import subscription
@@ -307,6 +307,39 @@ class Ingest:
                 if entry and t.busy_since and t.sync.state is SyncState.READY and now - quiet_since > limit:
                     entry[0].perform(t.sync.silent(f"no event batch for {limit:.0f}s while the worker was busy"))
                     t.last_event_at = now  # one resync per silent period
+        self._check_publishers(now)
+
+    def _check_publishers(self, now: float) -> None:
+        """Name the workers that serve requests but publish no KV events (ingest.silence): reported in
+        /cortex/workers, the metrics and the log, and kept out of exact-KV routing while silent."""
+        for w in self.workers.values():
+            # A decode-only worker publishes only if its engine keeps a prefix cache for the KV it receives
+            # (SGLang's --disaggregation-decode-enable-radix-cache is off by default): its quiet proves nothing.
+            if not w.events_usable or w.cfg.role == "decode":
+                continue
+            for t in w.targets:
+                # Counted, not timed: _check_silence above moves last_event_at without any batch arriving.
+                received = t.batches + t.decode_errors + t.sync.duplicates
+                if received != t.received_base:
+                    # A batch (live or replayed) arrived: whatever work came before is accounted for.
+                    t.received_base, t.batch_at = received, now
+                    t.work_at, t.activity_base = 0.0, t.activity if t.load.at else None
+                elif t.load.at:
+                    if t.activity_base is None or t.activity < t.activity_base:
+                        t.activity_base = t.activity  # first reading, or a restarted engine's counter
+                    if not t.work_at and (t.activity > t.activity_base or t.load.running > 0):
+                        t.work_at = now
+                status, reason = silence.verdict(silence.Observation(
+                    now=now, healthy=w.healthy, connected=t.link_up, link_since=t.link_since,
+                    last_batch_at=t.batch_at, work_at=t.work_at, bound_s=self.cfg.ingest.event_silence_s))
+                if status == silence.SILENT and t.events_status != silence.SILENT:
+                    log.warning("worker %s (target %s) publishes no KV events: %s; routed by load only until "
+                                "its events arrive", w.id, t.id, reason)
+                elif status != silence.SILENT and t.events_status == silence.SILENT:
+                    log.info("worker %s (target %s): KV events %s again", w.id, t.id, status)
+                if (status, reason) != (t.events_status, t.silence_reason):
+                    self._meta_dirty = status != t.events_status or self._meta_dirty
+                    t.events_status, t.silence_reason = status, reason
 
     def _check_tails(self) -> None:
         """The engine worked since the last poll (its counter moved, or requests ran or just finished): its
@@ -388,5 +421,14 @@ class Ingest:
             "dp_size": w.cfg.dp_size,
             "token_parity": {"status": w.token_parity.status, "reason": w.token_parity.reason,
                              "checks": w.token_parity.checks},
+            "events": _worker_events(w),
             "targets": [{**t.status(now), "subscription": subscription(t)} for t in w.targets],
         } for w in self.workers.values()], "pid": os.getpid()}
+
+
+def _worker_events(w: Worker) -> str:
+    """The worker's KV-event status: the worst of its targets' (silent > waiting > flowing), or off."""
+    if not w.events_usable:
+        return silence.OFF
+    statuses = {t.events_status for t in w.targets}
+    return next((s for s in (silence.SILENT, silence.WAITING) if s in statuses), silence.FLOWING)

@@ -116,6 +116,10 @@ class EventSource:
                 ready = dict(await poller.poll())
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                    if event in (zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED):
+                        # ingest.silence tells a worker whose publisher never accepts us from an idle one.
+                        self.target.link_up = event == zmq.EVENT_CONNECTED
+                        self.target.link_since = time.monotonic()
                     if event == zmq.EVENT_CONNECTED:
                         # Batches published before the SUB handshake completes are lost (slow joiner):
                         # exactly what the initial replay fills.

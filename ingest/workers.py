@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from cortex.config import WorkerConfig
+from ingest import silence
 from ingest.ledger import Ledger
 from ingest.parity import ParityCheck
 from ingest.sync import SourceSync, SyncState
@@ -60,6 +61,19 @@ class Target:
     was_busy: bool = False
     lag_s: float = 0.0
     """Age of the newest applied batch when it was applied (engine timestamp to ingest clock)."""
+    link_up: bool = False
+    """The KV-event SUB socket is connected to the publisher (ZMQ's socket monitor)."""
+    link_since: float = field(default_factory=time.monotonic)
+    """When the connection last came up or went down (or the target was created)."""
+    events_status: str = silence.WAITING
+    """ingest.silence: flowing, waiting, silent (or off when no kv_events endpoint is configured)."""
+    silence_reason: str = ""
+    work_at: float = 0.0
+    """When the engine was first seen working since the newest batch (0: not seen)."""
+    activity_base: float | None = None
+    batch_at: float = 0.0
+    """When ingest.silence last saw a batch arrive (live or replayed); 0: never."""
+    received_base: int = 0
 
     @property
     def id(self) -> str:
@@ -75,7 +89,7 @@ class Target:
     @property
     def exact_kv(self) -> bool:
         return (self.sync.state is SyncState.READY and not self.parity.failed and self.worker.events_usable
-                and self.worker.tokens_trusted)
+                and self.worker.tokens_trusted and self.events_status != silence.SILENT)
 
     def why_code(self) -> str:
         """A short, stable reason code for headers and metrics ('' while exact-KV routing is allowed)."""
@@ -85,6 +99,8 @@ class Target:
             return "hash_parity_failed"
         if not self.worker.tokens_trusted:
             return "tokenizer_mismatch" if self.worker.token_parity.status == TOKENS_FAILED else "tokenizer_unverified"
+        if self.events_status == silence.SILENT:
+            return "events_silent"
         if self.sync.state is SyncState.READY:
             return ""
         return f"ledger_{self.sync.state.value.lower()}"
@@ -96,6 +112,8 @@ class Target:
             return f"hash parity failed: {self.parity.reason}"
         if not self.worker.tokens_trusted:
             return f"tokenizer parity {self.worker.token_parity.status}: {self.worker.token_parity.reason}"
+        if self.events_status == silence.SILENT:
+            return f"publishes no KV events: {self.silence_reason}"
         return self.sync.reason
 
     def routable_meta(self, now: float) -> dict[str, Any]:
@@ -116,6 +134,9 @@ class Target:
             **self.routable_meta(now),
             "kv_events": self.endpoint(self.worker.cfg.kv_events),
             "kv_replay": self.endpoint(self.worker.cfg.kv_replay),
+            "events": self.events_status if self.worker.events_usable else silence.OFF,
+            "events_reason": self.silence_reason,
+            "events_connected": self.link_up,
             "last_seq": s.last_applied,
             "last_event_age_s": round(now - self.last_event_at, 3) if self.last_event_at else None,
             "batches": self.batches, "gaps": s.gaps, "replays": s.replays, "resyncs": s.resyncs,
