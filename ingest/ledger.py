@@ -109,6 +109,23 @@ class Ledger:
         else:
             sink.clear_worker(self.slot)
 
+    def hide(self, sink: KeySink) -> None:
+        """Show nothing for this target in the view, keeping what the ledger knows. While a stream is not in
+        sync (a gap, a silence probe), batches it has not applied yet may hold removals: the view must not
+        offer those blocks to a reader that has not yet seen the target turn untrusted (extproc re-reads trust
+        a refresh later)."""
+        with self.deferred(sink):
+            assert self._delta is not None
+            self._delta.clear()
+
+    def reveal(self, sink: KeySink) -> None:
+        """Show the ledger's whole key set again (the stream is back in sync)."""
+        with self.deferred(sink):
+            delta = self._delta
+            assert delta is not None
+            delta.clear()
+            delta.added = dict.fromkeys(self.key_refs)
+
     def _forget(self) -> None:
         self.key_of.clear()
         self.pending_of.clear()

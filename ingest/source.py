@@ -76,6 +76,8 @@ class EventSource:
         self.epoch = target.epoch
         self._replay_task: asyncio.Task[None] | None = None
         self._tail_task: asyncio.Task[None] | None = None
+        self._shown = False
+        """Whether the view shows this target's keys: only while its stream is in sync (READY)."""
         cfg = target.worker.cfg
         self.endpoint = target.endpoint(cfg.kv_events)
         self.replay_endpoint = target.endpoint(cfg.kv_replay)
@@ -188,18 +190,31 @@ class EventSource:
         if self.epoch != t.epoch:  # a late callback from a removed incarnation: fenced off
             return
         changed = False
-        for action in actions:
-            if isinstance(action, Apply):
-                self._apply(action.payload)
-            elif isinstance(action, Clear):
-                log.warning("target %s: %s", t.id, action.reason)
-                t.ledger.clear(self.sink)
-                if action.publisher_restart:
-                    t.parity.reset()
+        # One net view write for the whole list: a reader never sees a batch's additions without the
+        # removals of the next one, nor a target shown again before its catch-up batches are in.
+        with t.ledger.deferred(self.sink):
+            for action in actions:
+                if isinstance(action, Apply):
+                    self._apply(action.payload)
+                elif isinstance(action, Clear):
+                    log.warning("target %s: %s", t.id, action.reason)
+                    t.ledger.clear(self.sink)
+                    if action.publisher_restart:
+                        t.parity.reset()
+                    changed = True
+                elif isinstance(action, RequestReplay):
+                    self._start_replay(action.from_seq)
+                    changed = True
+            ready = t.sync.state is SyncState.READY
+            if self._shown and not ready:
+                # Out of sync: a batch held back behind a hole, or not received yet, may remove what the ledger
+                # lists. Readers learn of the state a refresh (~100 ms) later, so the view hides the target now
+                # (issue 11: a claim above cached_tokens right after a sequence gap).
+                t.ledger.hide(self.sink)
                 changed = True
-            elif isinstance(action, RequestReplay):
-                self._start_replay(action.from_seq)
-                changed = True
+            elif ready and not self._shown:
+                t.ledger.reveal(self.sink)
+            self._shown = ready
         if changed:
             self.on_change()
 

@@ -178,6 +178,13 @@ class SourceSync:
             if self.last_applied is not None and seq > self.last_applied and seq not in self.buffer:
                 self.tail_recoveries += 1
             actions += self.replayed(seq, payload)
+        if self.state is SyncState.READY and self.buffer and self.last_applied is not None:
+            # The answer skips numbers after last_applied: the publisher's buffer, which holds every batch in
+            # order, has none of them (never sent, or gone from its ring), so no replay can fill the hole. Left
+            # READY, the ledger would stay trusted without the buffered batches' removals, and their late live
+            # copies would be dropped as duplicates.
+            self.gaps += 1
+            actions += self._give_up(f"replay skips batches {self.last_applied + 1}..{min(self.buffer) - 1}")
         return actions
 
     def silent(self, why: str) -> list[Action]:

@@ -40,6 +40,25 @@ def test_prompt_keys_meet_event_keys() -> None:
     assert led.blocks == 2
 
 
+def test_hide_shows_nothing_and_reveal_shows_what_the_ledger_kept() -> None:
+    """An out-of-sync stream hides its target from the view at once, keeping the ledger; back in sync, the
+    view shows the ledger's keys again, with the catch-up batches applied in the same net write."""
+    sink, led = SetSink(), Ledger(slot=1, engine="vllm", block_size=16)
+    led.apply([stored([11, 22], TOKENS)], sink)
+    keys = chain_keys(TOKENS, 16, root_key())
+    led.hide(sink)
+    assert not sink.held.get(1) and led.blocks == 2
+    with led.deferred(sink):  # a catch-up batch removes one block, then the target is shown again
+        led.apply([BlockRemoved([22], "GPU")], sink)
+        led.reveal(sink)
+        assert not sink.held.get(1)  # nothing is written until the section ends
+    assert sink.held[1] == {keys[0]}
+    with led.deferred(sink):  # hiding inside a batch drops the batch's pending additions too
+        led.apply([stored([22], TOKENS[16:], parent=11)], sink)
+        led.hide(sink)
+    assert not sink.held.get(1) and led.blocks == 2
+
+
 def test_parent_chain_resolves_through_engine_hashes() -> None:
     sink, led = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
     led.apply([stored([11], TOKENS[:16]), stored([22], TOKENS[16:], parent=11)], sink)

@@ -76,6 +76,23 @@ def test_replay_that_cannot_fill_the_hole() -> None:
     assert s.state is SyncState.READY and s.resyncs == 1
 
 
+def test_tail_check_that_skips_numbers_is_a_hole_not_ready() -> None:
+    """A tail check answers from the publisher's buffer, which may be ahead of the live stream: here it
+    returns 4 and 5 while the live 4 is still on its way, and 1..3 never existed (a skipped range, or batches
+    gone from the ring). Applying nothing and staying READY would keep the ledger trusted without batch 4's
+    removals, and the live 4 would then be dropped as a duplicate (issue 11: a claim above cached_tokens
+    right after a sequence gap). The publisher's answer is complete from 1 on, so the hole cannot fill."""
+    s = SourceSync(has_replay=True)
+    s.connected()
+    s.replay_done()
+    s.live(0, b"a")
+    out = s.tail_checked([(4, b"e"), (5, b"f")])
+    assert isinstance(out[0], Clear) and acts(out[1:]) == [("Apply", 4), ("Apply", 5)]
+    assert s.state is SyncState.READY and s.gaps == 1 and s.resyncs == 1 and not s.buffer
+    assert s.live(4, b"e") == [] and s.duplicates == 1  # the late live copy changes nothing
+    assert acts(s.live(6, b"g")) == [("Apply", 6)]
+
+
 def test_publisher_restart() -> None:
     s = SourceSync(has_replay=False)
     s.connected()
@@ -179,7 +196,7 @@ class TruePublisher:
         self.incarnation += 1
 
 
-FAULTS = st.sampled_from(["ok"] * 6 + ["drop", "dup", "hold", "restart", "replay"])
+FAULTS = st.sampled_from(["ok"] * 6 + ["drop", "dup", "hold", "restart", "replay", "tail", "skip"])
 
 
 @settings(max_examples=150, deadline=None)
@@ -229,6 +246,17 @@ def test_ready_ledger_never_claims_a_block_the_worker_lacks(seed: int, has_repla
                     check()
             run(sync.replay_done(complete=True))
             check()
+            continue
+        if fault == "tail":
+            # A tail check (EventSource._tail_check): asked only while READY with no replay pending, answered
+            # from the publisher's buffer, which may be ahead of the live stream (a held-back batch).
+            if sync.state is SyncState.READY and not sync.replay_pending and sync.last_applied is not None:
+                start = sync.last_applied + 1
+                run(sync.tail_checked([(q, p) for q, p in pub.buffer if q >= start]))
+                check()
+            continue
+        if fault == "skip":
+            pub.seq += 3  # numbers that never exist (the simulator's seq_gap fault)
             continue
         seq, payload = pub.batch()
         deliveries = {"ok": [(seq, payload)], "drop": [], "dup": [(seq, payload)] * 2, "hold": [],
