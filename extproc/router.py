@@ -278,6 +278,10 @@ class Router:
                 why = max(untrusted)[1]
             elif not any(c.ledger_trusted for c in cands):
                 why = "no_worker_ledger_ready"
+            elif any(w.why == "ledger_stale" for w in workers):
+                # A STALE target is hidden in the view until its stream is back in sync (docs/ledger.md,
+                # "Windows"), so whether it holds this prompt is unknown: say that, not "nothing cached".
+                why = "ledger_stale"
         if not self.cluster.alive and not any(c.inflight for c in cands):
             # No engine load and no in-flight signal tells the workers apart: only liveness is known.
             decision = round_robin(cands, next(self._turn), why)
