@@ -17,8 +17,12 @@ from cortex.bench.launch import MODEL, Procs, Worker, start_cortex, start_oracle
 class Contestant:
     name: str
     what: str
-    start: Callable[[Procs, list[Worker]], list[str]]
-    """Start whatever runs in front of the workers; return the URLs the client sends to."""
+    start: Callable[[Procs, list[Worker], int], list[str]]
+    """Start whatever runs in front of the workers, as `replicas` independent gateways; return the URLs the
+    client sends to: one per replica for a gateway (the client spreads requests over them as an L4 balancer
+    would); for the gateway-less round-robin, the workers themselves; the oracle is never replicated."""
+    replicable: bool = True
+    """False: started once whatever --replicas says (the oracle, round-robin)."""
     gateway: bool = True
     """False: the client talks to the workers itself (no gateway overhead to measure)."""
     module: str | None = None
@@ -32,16 +36,26 @@ class Contestant:
         return None
 
 
-def _router(module: str, policy: str, name: str) -> Callable[[Procs, list[Worker]], list[str]]:
-    return lambda procs, workers: [start_router(procs, workers, module=module, policy=policy, name=name)]
+def _replicated(start_one: Callable[[Procs, list[Worker], str], str], name: str
+                ) -> Callable[[Procs, list[Worker], int], list[str]]:
+    """N independent copies of a gateway, none aware of the others (each named name, name-2, ...)."""
+    return lambda procs, workers, n: [start_one(procs, workers, name if i == 0 else f"{name}-{i + 1}")
+                                      for i in range(n)]
+
+
+def _router(module: str, policy: str, name: str, extra: Callable[[list[Worker]], tuple[str, ...]] = lambda w: ()
+            ) -> Callable[[Procs, list[Worker], int], list[str]]:
+    return _replicated(lambda procs, workers, n: start_router(procs, workers, module=module, policy=policy, name=n,
+                                                              extra=extra(workers)), name)
 
 
 CONTESTANTS: tuple[Contestant, ...] = (
     Contestant("cortex", "Cortex: Envoy + ext_proc, routing on the engines' KV events and load (defaults)",
-               lambda procs, workers: [start_cortex(procs, workers, events=True)]),
+               _replicated(lambda procs, workers, n: start_cortex(procs, workers, events=True, name=n), "cortex")),
     Contestant("cortex-load-only", "Cortex with exact-KV routing off: no KV-event endpoints configured, so it "
                "routes on load alone (its fallback mode)",
-               lambda procs, workers: [start_cortex(procs, workers, events=False, name="cortex-load-only")]),
+               _replicated(lambda procs, workers, n: start_cortex(procs, workers, events=False, name=n),
+                           "cortex-load-only")),
     Contestant("sglang-cache-aware", "sglang-router --policy cache_aware (approximate radix tree of past "
                "requests per worker, load-balance thresholds; router defaults)",
                _router("sglang_router", "cache_aware", "sglang-cache-aware"), module="sglang_router",
@@ -55,17 +69,15 @@ CONTESTANTS: tuple[Contestant, ...] = (
                package="vllm-router"),
     Contestant("vllm-router-kv-aware", "vllm-router --policy kv_aware, fed the workers' KV events (ZMQ, block "
                "size 16): like Cortex, routes on what the engines report they cache",
-               lambda procs, workers: [start_router(
-                   procs, workers, module="vllm_router", policy="kv_aware", name="vllm-router-kv-aware",
-                   extra=(*(a for w in workers for a in ("--kv-event-source", f"{w.url}={w.kv_events}")),
-                          "--kv-event-block-size", "16" if workers[0].engine == "vllm" else "1",
-                          "--kv-event-model", MODEL))],
+               _router("vllm_router", "kv_aware", "vllm-router-kv-aware", lambda workers: (
+                   *(a for w in workers for a in ("--kv-event-source", f"{w.url}={w.kv_events}")),
+                   "--kv-event-block-size", "16" if workers[0].engine == "vllm" else "1", "--kv-event-model", MODEL)),
                module="vllm_router", package="vllm-router"),
     Contestant("round-robin", "no gateway: the client itself sends request i to worker i mod N",
-               lambda procs, workers: [w.url for w in workers], gateway=False),
+               lambda procs, workers, n: [w.url for w in workers], gateway=False, replicable=False),
     Contestant("oracle", "the harness's oracle: asks every worker its true cached prefix for the prompt and "
                "applies Cortex's scoring rule with exact in-flight counts (ceiling for hits)",
-               lambda procs, workers: [start_oracle(procs, workers)]),
+               lambda procs, workers, n: [start_oracle(procs, workers)], replicable=False),
 )
 
 BY_NAME = {c.name: c for c in CONTESTANTS}

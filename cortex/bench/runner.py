@@ -40,6 +40,8 @@ class Plan:
     sweep_contestants: list[Contestant] = field(default_factory=list)
     work_dir: Path | None = None
     keep_records: bool = False
+    replicas: int = 1
+    """Independent copies of each gateway contestant; the client spreads requests over them."""
 
 
 def machine() -> dict[str, Any]:
@@ -59,7 +61,7 @@ def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], 
              probe: bool, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     reset_caches(workers)
     with Procs(root) as procs:
-        targets = contestant.start(procs, workers)
+        targets = contestant.start(procs, workers, plan.replicas if contestant.replicable else 1)
         over = None
         if probe and contestant.gateway and plan.overhead_probes > 0:
             over = {}
