@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, help="requests per workload (default: per workload, smaller --quick)")
     p.add_argument("--rate", type=float, help="open-loop arrival rate per second (default: per workload)")
     p.add_argument("--concurrency", type=int, help="closed loop: this many sessions at a time instead of a rate")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="start each gateway contestant this many times over the same workers; the client "
+                        "spreads requests over them round-robin, as an L4 balancer would (default %(default)s)")
     p.add_argument("--seed", type=int, default=1, help="workload seed (default %(default)s)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="no new session after this many seconds of a run (default 120, --quick 40)")
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         max_seconds=args.max_seconds or (40.0 if args.quick else 120.0),
         overhead_probes=args.overhead_probes if args.overhead_probes is not None else (8 if args.quick else 20),
         sweep=sweep, sweep_contestants=[c for c in contestants if c.name in SWEEP_CONTESTANTS],
-        work_dir=Path(args.work_dir) if args.work_dir else None, keep_records=args.records)
+        work_dir=Path(args.work_dir) if args.work_dir else None, keep_records=args.records,
+        replicas=args.replicas)
     if args.from_json:
         out = json.loads(Path(args.from_json).read_text())
         command = out["command"]
