@@ -13,19 +13,22 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from cortex.bench import report, runner, workloads
 from cortex.bench.contestants import BY_NAME, CONTESTANTS
 from cortex.bench.launch import ClusterSpec
 
 SWEEP_SECONDS = 15.0
+# `--workload all`: the original single-gateway four (the scenarios of the fleet matrix are asked for by name).
+DEFAULT_WORKLOADS = ("shared-prefix", "multi-turn", "unique", "burst")
 SWEEP_CONTESTANTS = ("cortex", "cortex-load-only", "sglang-cache-aware", "round-robin", "oracle")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cortex bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", action="append", choices=[*workloads.BUILDERS, "all"],
-                   help="workload to run (repeatable; default all four)")
+                   help="workload to run (repeatable; default 'all': shared-prefix, multi-turn, unique, burst)")
     p.add_argument("--contestant", action="append", choices=list(BY_NAME),
                    help="contestant to measure (repeatable; default all)")
     p.add_argument("--quick", action="store_true", help="small request counts, no rate sweep (under 3 minutes)")
@@ -34,16 +37,31 @@ def _parser() -> argparse.ArgumentParser:
                                                     "file (docs/benchmarks.md)")
     p.add_argument("--img-dir", metavar="DIR", help="write PNG plots here (needs matplotlib)")
     p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="simulated worker flavour")
-    p.add_argument("--workers", type=int, default=4, help="simulated workers (default %(default)s)")
-    p.add_argument("--kv-tokens", type=int, default=12288,
-                   help="KV pool per worker in tokens (default %(default)s: the shared prefixes do not fit one)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="simulated workers (default: what each workload is designed for; 4 for the original four)")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="KV pool per worker in tokens (default: per workload; 12288 for the original four, so the "
+                        "shared prefixes do not fit one worker)")
     p.add_argument("--requests", type=int, help="requests per workload (default: per workload, smaller --quick)")
     p.add_argument("--rate", type=float, help="open-loop arrival rate per second (default: per workload)")
     p.add_argument("--concurrency", type=int, help="closed loop: this many sessions at a time instead of a rate")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="start each gateway contestant this many times over the same workers; the client "
-                        "spreads requests over them round-robin, as an L4 balancer would (default %(default)s)")
+    p.add_argument("--replicas", default="1", metavar="N[,N...]",
+                   help="start each gateway contestant N times over the same workers; the client spreads requests "
+                        "over them round-robin, as an L4 balancer would; a list (1,2,4) runs each (default 1)")
+    p.add_argument("--sticky", action="store_true",
+                   help="with replicas: keep each session (conversation, trace session) on one replica, as a "
+                        "balancer with session affinity would (default: no stickiness)")
+    p.add_argument("--bypass", type=float, default=0.0, metavar="FRACTION",
+                   help="send this share of sessions straight to a worker, past the gateway, as batch jobs or "
+                        "another gateway would (the hit ratio is reported for the rest)")
+    p.add_argument("--restart-workers", default="", metavar="KIND@S[:W],...",
+                   help="disrupt the fleet mid-run: 'restart' (the worker crashes and comes back empty) or 'flush' "
+                        "(it drops its cache) at S seconds, on worker W (default: the next in turn), e.g. "
+                        "restart@15,flush@30")
+    p.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace for the 'trace' workload")
     p.add_argument("--seed", type=int, default=1, help="workload seed (default %(default)s)")
+    p.add_argument("--seeds", metavar="S[,S...]",
+                   help="repeat each cell with these seeds and report the mean and spread (overrides --seed)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="no new session after this many seconds of a run (default 120, --quick 40)")
     p.add_argument("--sweep-rates", default=None,
@@ -53,9 +71,35 @@ def _parser() -> argparse.ArgumentParser:
                    help="light-load request pairs per gateway for the overhead figure (default 20, --quick 8)")
     p.add_argument("--work-dir", metavar="DIR", help="keep logs and configs here instead of a temporary directory")
     p.add_argument("--records", action="store_true", help="include every request's record in the JSON")
-    p.add_argument("--from-json", metavar="PATH", help="render the report and plots of a saved --json run "
-                                                       "instead of running")
+    p.add_argument("--from-json", metavar="PATH", action="append",
+                   help="render the report and plots of saved --json runs instead of running (repeatable: the "
+                        "runs' tables are put together)")
     return p
+
+
+def _ints(spec: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"cortex bench: {what} takes comma-separated integers, not {spec!r}") from None
+    if not values:
+        raise SystemExit(f"cortex bench: {what} is empty")
+    return values
+
+
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several saved runs as one report: the first run's header, every run's tables (a later run's table of the
+    same name wins), every command."""
+    out = dict(runs[0])
+    out["workloads"], out["overhead"], out["contestants"] = {}, {}, {}
+    for r in runs:
+        out["workloads"].update(r["workloads"])
+        out["overhead"].update(r.get("overhead") or {})
+        out["contestants"].update(r["contestants"])
+        out["sweep"] = r.get("sweep") or out.get("sweep")
+    out["command"] = "\n".join(r["command"] for r in runs)
+    out["elapsed_s"] = round(sum(r.get("elapsed_s") or 0 for r in runs), 1)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,26 +107,39 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     names = args.workload or ["all"]
     if "all" in names:
-        names = list(workloads.BUILDERS)
-    built = [workloads.build(n, quick=args.quick, seed=args.seed, requests=args.requests, rate=args.rate)
-             for n in names]
+        names = list(DEFAULT_WORKLOADS)
+    if "trace" in names and not args.trace:
+        raise SystemExit("cortex bench: the trace workload needs --trace FILE (e.g. bench/traces/mooncake-small.jsonl)")
+    if not 0.0 <= args.bypass < 1.0:
+        raise SystemExit("cortex bench: --bypass is a fraction in [0, 1)")
+    try:
+        disruptions = runner.parse_disruptions(args.restart_workers)
+    except ValueError as exc:
+        raise SystemExit(f"cortex bench: {exc}") from None
+    replicas = _ints(args.replicas, "--replicas")
+    if any(not 1 <= r <= 16 for r in replicas):
+        raise SystemExit("cortex bench: --replicas counts from 1 to 16")
+    seeds = _ints(args.seeds, "--seeds") if args.seeds else (args.seed,)
+    built = [[workloads.build(n, quick=args.quick, seed=seed, requests=args.requests, rate=args.rate,
+                              trace_path=args.trace) for seed in seeds] for n in names]
     contestants = [BY_NAME[n] for n in args.contestant] if args.contestant else list(CONTESTANTS)
     sweep_spec = args.sweep_rates or ("off" if args.quick else "4,8,16")
     # Each sweep point lasts about SWEEP_SECONDS of arrivals, so a high rate does not take longer than a low one.
     sweep = [] if sweep_spec == "off" else [
-        workloads.build("shared-prefix", quick=args.quick, seed=args.seed,
+        workloads.build("shared-prefix", quick=args.quick, seed=seeds[0],
                         requests=args.requests or max(8, round(float(r) * SWEEP_SECONDS)), rate=float(r))
         for r in sweep_spec.split(",")]
     plan = runner.Plan(
-        cluster=ClusterSpec(workers=args.workers, engine=args.engine, kv_tokens=args.kv_tokens),
+        cluster=ClusterSpec(workers=args.workers or 4, engine=args.engine, kv_tokens=args.kv_tokens or 12288),
+        fleet_override=args.workers is not None or args.kv_tokens is not None,
         workloads=built, contestants=contestants, concurrency=args.concurrency,
         max_seconds=args.max_seconds or (40.0 if args.quick else 120.0),
         overhead_probes=args.overhead_probes if args.overhead_probes is not None else (8 if args.quick else 20),
         sweep=sweep, sweep_contestants=[c for c in contestants if c.name in SWEEP_CONTESTANTS],
         work_dir=Path(args.work_dir) if args.work_dir else None, keep_records=args.records,
-        replicas=args.replicas)
+        replicas=replicas, sticky=args.sticky, bypass=args.bypass, disruptions=disruptions)
     if args.from_json:
-        out = json.loads(Path(args.from_json).read_text())
+        out = merge([json.loads(Path(p).read_text()) for p in args.from_json])
         command = out["command"]
     else:
         out = runner.run(plan)
@@ -98,4 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and not args.from_json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     print(text)
-    return 0 if all("failed" not in r for b in out["workloads"].values() for r in b["results"].values()) else 1
+    failed = any("failed" in r or r.get("failed_seeds")
+                 for b in out["workloads"].values() for r in b["results"].values())
+    return 1 if failed else 0

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -34,6 +36,8 @@ class Record:
     worker: str | None = None
     status: int = 0
     error: str | None = None
+    bypass: bool = False
+    """Sent straight to a worker, past the gateway (the --bypass share of sessions)."""
 
 
 @dataclass(slots=True)
@@ -84,11 +88,48 @@ async def one(http: aiohttp.ClientSession, url: str, messages: list[dict[str, st
     return "".join(parts)
 
 
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How the client reaches the contestant: which URL each request goes to."""
+
+    targets: list[str]
+    """One URL: a gateway. Several: gateway replicas (or, for round-robin, the workers themselves)."""
+    sticky: bool = False
+    """Several targets: keep each session on one (a balancer with session affinity); default: every request
+    goes to the next target, as an L4 balancer spreading connections would."""
+    bypass: float = 0.0
+    """This share of sessions goes straight to a worker, as batch jobs or another gateway would."""
+    seed: int = 0
+
+    def picker(self, workers: list[Worker]) -> Callable[[Session], tuple[Callable[[], str], bool]]:
+        """A function giving, per session, how to pick each request's URL and whether it bypasses."""
+        cycle = itertools.cycle(self.targets)
+        rng = random.Random(self.seed)
+        # Bypass draws come from their own stream, so the same seed bypasses the same sessions for every
+        # contestant, whatever the number of replicas.
+        urls = [w.url for w in workers]
+
+        def per_session(s: Session) -> tuple[Callable[[], str], bool]:
+            if self.bypass > 0 and rng.random() < self.bypass:
+                url = rng.choice(urls)
+                return (lambda: url), True
+            if len(self.targets) == 1:
+                only = self.targets[0]
+                return (lambda: only), False
+            if self.sticky:
+                key = s.affinity if s.affinity is not None else str(s.id)
+                home = self.targets[zlib.crc32(key.encode()) % len(self.targets)]
+                return (lambda: home), False
+            return (lambda: next(cycle)), False
+
+        return per_session
+
+
 async def _session(http: aiohttp.ClientSession, pick: Callable[[], str], s: Session, out: list[Record],
-                   t0: float) -> None:
+                   t0: float, bypass: bool = False) -> None:
     history: list[dict[str, str]] = []
     for turn in range(len(s.turns)):
-        rec = Record(s.id, turn, 0.0)
+        rec = Record(s.id, turn, 0.0, bypass=bypass)
         out.append(rec)
         answer = await one(http, pick(), s.messages(history, turn), s.max_tokens, rec, t0)
         if rec.error is not None:
@@ -121,29 +162,41 @@ async def _sample_loads(http: aiohttp.ClientSession, workers: list[Worker], out:
         await asyncio.sleep(interval)
 
 
-async def run(workload: Workload, targets: list[str], workers: list[Worker], *, concurrency: int | None = None,
-              max_seconds: float = 120.0, grace_s: float = 60.0, sample_interval: float = 0.25) -> RunResult:
-    """Send every session to `targets` (one URL: a gateway; several: the client itself round-robins).
+async def _at(t0: float, when: float, action: Callable[[], object]) -> None:
+    await asyncio.sleep(max(when - (time.monotonic() - t0), 0.0))
+    await asyncio.to_thread(action)
+
+
+async def run(workload: Workload, routing: Routing | list[str], workers: list[Worker], *,
+              concurrency: int | None = None, max_seconds: float = 120.0, grace_s: float = 60.0,
+              sample_interval: float = 0.25,
+              schedule: Sequence[tuple[float, Callable[[], object]]] = ()) -> RunResult:
+    """Send every session as `routing` says (a list of URLs: one gateway, or several the client round-robins).
 
     Open loop (default): each session starts at its arrival time. Closed loop (`concurrency`): that many
     sessions at a time, the next starting as one ends. No new session starts after `max_seconds`; what is
-    still running `grace_s` later is cancelled and counted as an error."""
+    still running `grace_s` later is cancelled and counted as an error. `schedule`: (seconds after the start,
+    action) pairs run in a thread at those times while traffic flows (a worker restarting mid-run)."""
+    if isinstance(routing, list):
+        routing = Routing(routing)
     records: list[Record] = []
     samples: list[dict[str, float]] = []
-    cycle = itertools.cycle(targets)
-    pick = (lambda: targets[0]) if len(targets) == 1 else (lambda: next(cycle))
+    per_session = routing.picker(workers)
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=max_seconds + grace_s)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
         sampler = asyncio.create_task(_sample_loads(http, workers, samples, sample_interval))
         t0 = time.monotonic()
+        actions = [asyncio.create_task(_at(t0, when, action)) for when, action in schedule]
         tasks: list[asyncio.Task[None]] = []
         if concurrency:
             queue = list(workload.sessions)
 
             async def slot() -> None:
                 while queue and time.monotonic() - t0 < max_seconds:
-                    await _session(http, pick, queue.pop(0), records, t0)
+                    s = queue.pop(0)
+                    pick, bypass = per_session(s)
+                    await _session(http, pick, s, records, t0, bypass)
 
             tasks = [asyncio.create_task(slot()) for _ in range(concurrency)]
         else:
@@ -153,7 +206,8 @@ async def run(workload: Workload, targets: list[str], workers: list[Worker], *, 
                     await asyncio.sleep(delay)
                 if time.monotonic() - t0 > max_seconds:
                     break
-                tasks.append(asyncio.create_task(_session(http, pick, s, records, t0)))
+                pick, bypass = per_session(s)
+                tasks.append(asyncio.create_task(_session(http, pick, s, records, t0, bypass)))
         remaining = max(max_seconds - (time.monotonic() - t0), 0.0) + grace_s
         _, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
         for task in pending:
@@ -162,6 +216,14 @@ async def run(workload: Workload, targets: list[str], workers: list[Worker], *, 
         wall = time.monotonic() - t0
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
+        # A disruption still pending (scheduled after the last session) is not waited for; one that ran and
+        # failed is the run's failure, not a silent no-op.
+        for task in actions:
+            if not task.done():
+                task.cancel()
+        for result in await asyncio.gather(*actions, return_exceptions=True):
+            if isinstance(result, Exception):
+                raise result
     for rec in records:
         if rec.e2e is None and rec.error is None:
             rec.error = "cancelled at the time bound"

@@ -81,8 +81,10 @@ class Procs:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.argv: dict[str, tuple[list[str], dict[str, str] | None]] = {}
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        self.argv[name] = (argv, env)
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
@@ -105,6 +107,17 @@ class Procs:
                 last = exc
             time.sleep(0.1)
         raise LaunchError(f"{name} not ready after {timeout:.0f} s (last error: {last})")
+
+    def crash_and_restart(self, name: str) -> subprocess.Popen[bytes]:
+        """SIGKILL the named process's group (a crash: no goodbye, in-flight work lost), then start it again with
+        the same command line; the caller waits for it to be ready."""
+        old = dict(self.procs)[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(old.pid, signal.SIGKILL)
+        old.wait(10)
+        self.procs = [(n, p) for n, p in self.procs if p is not old]
+        argv, env = self.argv[name]
+        return self.start(name, argv, env)
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system) used so far by these processes and everything in their sessions, by part.
@@ -174,20 +187,31 @@ def start_workers(procs: Procs, spec: ClusterSpec) -> list[Worker]:
 
 def reset_caches(workers: list[Worker], timeout: float = 30.0) -> None:
     """Empty every worker's prefix cache (each publishes AllBlocksCleared); waits for in-flight work to end."""
-    deadline = time.monotonic() + timeout
     for w in workers:
-        while True:
-            if w.engine == "vllm":
-                status, body = http("POST", f"{w.url}/reset_prefix_cache")
-                ok = status == 200 and bool(body and body.get("success"))
-            else:
-                status, _ = http("POST", f"{w.url}/flush_cache?timeout=5", timeout=10)
-                ok = status == 200
-            if ok:
-                break
-            if time.monotonic() > deadline:
-                raise LaunchError(f"{w.id}: cache reset refused for {timeout:.0f} s")
-            time.sleep(0.2)
+        if not flush_worker(w, timeout):
+            raise LaunchError(f"{w.id}: cache reset refused for {timeout:.0f} s")
+
+
+def restart_worker(procs: Procs, worker: Worker, timeout: float = 60.0) -> None:
+    """The worker crashes and comes back on the same ports: an empty cache, its event sequence starting over."""
+    procs.crash_and_restart(worker.id)
+    procs.wait(worker.id, lambda: http("GET", f"{worker.url}/health")[0] == 200, timeout)
+
+
+def flush_worker(worker: Worker, timeout: float = 10.0) -> bool:
+    """Ask the worker to drop its prefix cache, as an operator would; a busy vLLM refuses while blocks are in
+    use, so keep asking until `timeout`. True when it flushed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if worker.engine == "vllm":
+            status, body = http("POST", f"{worker.url}/reset_prefix_cache")
+            ok = status == 200 and bool(body and body.get("success"))
+        else:
+            status, _ = http("POST", f"{worker.url}/flush_cache?timeout=5", timeout=10)
+            ok = status == 200
+        if ok or time.monotonic() > deadline:
+            return ok
+        time.sleep(0.1)
 
 
 def chat_ok(url: str) -> bool:

@@ -1,7 +1,8 @@
 """The figures reported per contestant and workload, computed from the client's records.
 
 * hit ratio: sum of the cached tokens the workers reported (`usage.prompt_tokens_details.cached_tokens`) over
-  the sum of prompt tokens, across completed requests;
+  the sum of prompt tokens, across completed requests that went through the contestant (with --bypass, the
+  sessions sent straight to a worker are reported apart, as `bypass_hit_ratio`);
 * TTFT and end-to-end latency percentiles (completed requests), in milliseconds;
 * completed requests per second of the run's wall time (first send to last completion);
 * errors: requests that failed, were cut, or lacked a token or usage;
@@ -40,8 +41,15 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
     return {f"p{q}": _ms(percentile(values, q)) for q in (50, 90, 99)}
 
 
+def _hit(records: list[Record]) -> float | None:
+    prompt = sum(r.prompt_tokens for r in records)
+    return round(sum(r.cached_tokens for r in records) / prompt, 4) if prompt else None
+
+
 def summarize(result: RunResult) -> dict[str, Any]:
-    done = [r for r in result.records if r.error is None and r.ttft is not None and r.e2e is not None]
+    finished = [r for r in result.records if r.error is None and r.ttft is not None and r.e2e is not None]
+    bypassed = [r for r in finished if r.bypass]
+    done = [r for r in finished if not r.bypass]
     prompt = sum(r.prompt_tokens for r in done)
     cached = sum(r.cached_tokens for r in done)
     ttft = [r.ttft for r in done if r.ttft is not None]
@@ -55,8 +63,13 @@ def summarize(result: RunResult) -> dict[str, Any]:
     per_worker: dict[str, int] = {}
     for r in done:
         per_worker[r.worker or "?"] = per_worker.get(r.worker or "?", 0) + 1
+    routed = [r for r in result.records if not r.bypass]
+    extra: dict[str, Any] = {}
+    if bypassed or len(routed) < len(result.records):
+        extra = {"bypass_requests": len(result.records) - len(routed), "bypass_hit_ratio": _hit(bypassed)}
     return {
-        "requests": len(result.records), "completed": len(done), "errors": len(result.records) - len(done),
+        **extra,
+        "requests": len(routed), "completed": len(done), "errors": len(routed) - len(done),
         "error_examples": sorted({r.error for r in result.records if r.error})[:3],
         "prompt_tokens": prompt, "cached_tokens": cached, "hit_ratio": round(cached / prompt, 4) if prompt else None,
         "ttft_ms": _percentiles(ttft),
@@ -66,6 +79,49 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "imbalance": imbalance,
         "per_worker": dict(sorted(per_worker.items())),
     }
+
+
+# The figures a multi-seed cell reports as a mean with its spread (half the range over seeds).
+_SPREAD_KEYS = ("hit_ratio", "ttft_ms.p50", "ttft_ms.p90", "ttft_ms.p99", "e2e_ms.p50", "e2e_ms.p90",
+                "gateway_cpu_ms_per_request", "imbalance", "rps")
+
+
+def _get(d: dict[str, Any], dotted: str) -> Any:
+    for k in dotted.split("."):
+        d = d.get(k) if isinstance(d, dict) else None  # type: ignore[assignment]
+    return d
+
+
+def combine(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One cell over several seeds: the mean of each figure, its spread (half the range: a difference between
+    two contestants is a win only when it exceeds both spreads together), counts summed, and every seed's own
+    summary under `seeds`. One seed: that summary unchanged, with zero spreads."""
+    ok = {s: r for s, r in per_seed.items() if "unavailable" not in r and "failed" not in r}
+    if not ok:
+        return next(iter(per_seed.values()))
+    if len(per_seed) == 1:
+        (only,) = ok.values()
+        return {**only, "spread": dict.fromkeys(_SPREAD_KEYS, 0.0)}
+    base = dict(next(iter(ok.values())))
+    spread: dict[str, float | None] = {}
+    for key in _SPREAD_KEYS:
+        values = [v for v in (_get(r, key) for r in ok.values()) if isinstance(v, int | float)]
+        mean = round(sum(values) / len(values), 4) if values else None
+        spread[key] = round((max(values) - min(values)) / 2, 4) if values else None
+        head, _, leaf = key.partition(".")
+        if leaf:
+            base[head] = {**base[head], leaf: mean}
+        else:
+            base[head] = mean
+    for key in ("requests", "completed", "errors", "prompt_tokens", "cached_tokens"):
+        base[key] = sum(r[key] for r in ok.values())
+    base["error_examples"] = sorted({e for r in ok.values() for e in r.get("error_examples", [])})[:3]
+    base.pop("records", None)
+    base["spread"] = spread
+    base["seeds"] = {str(s): r for s, r in per_seed.items()}
+    if len(ok) < len(per_seed):
+        base["failed_seeds"] = sorted(str(s) for s in per_seed if s not in ok)
+    return base
 
 
 def overhead(pairs: list[tuple[float, float]], words: int) -> dict[str, Any]:

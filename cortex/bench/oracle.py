@@ -46,22 +46,31 @@ class Oracle:
         if self.http is not None:
             await self.http.close()
 
-    async def _matched(self, url: str, body: bytes) -> tuple[int, int]:
-        """(tokens cached now, tokens a request in flight there shares with this prompt)."""
+    async def _matched(self, url: str, body: bytes) -> tuple[int, int] | None:
+        """(tokens cached now, tokens a request in flight there shares with this prompt); None: the worker is
+        down (restarting), so it is no candidate."""
         assert self.http is not None
-        async with self.http.post(f"{url}/sim/prefix_match", data=body,
-                                  headers={"content-type": "application/json"}) as resp:
-            if resp.status != 200:
-                return 0, 0  # the worker will judge the request itself; no cache claim
-            doc = await resp.json()
-            return max(doc["cached_tokens"]), max(doc["inflight_tokens"])
+        try:
+            async with self.http.post(f"{url}/sim/prefix_match", data=body,
+                                      headers={"content-type": "application/json"},
+                                      timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status != 200:
+                    return 0, 0  # the worker will judge the request itself; no cache claim
+                doc = await resp.json()
+                return max(doc["cached_tokens"]), max(doc["inflight_tokens"])
+        except (aiohttp.ClientError, TimeoutError):
+            return None
 
     async def choose(self, body: bytes) -> tuple[str, int]:
-        ids = list(self.workers)
-        probes = await asyncio.gather(*(self._matched(self.workers[i], body) for i in ids))
+        answers = await asyncio.gather(*(self._matched(self.workers[i], body) for i in self.workers))
+        up = [(wid, probe) for wid, probe in zip(self.workers, answers, strict=True) if probe is not None]
+        if not up:  # every worker down: send to one anyway and let the client see its error
+            up = [(wid, (0, 0)) for wid in self.workers]
+        ids = [wid for wid, _ in up]
+        probes = [probe for _, probe in up]
         matched = [cached for cached, _ in probes]
         cands = []
-        for slot, (wid, (cached, inflight)) in enumerate(zip(ids, probes, strict=True)):
+        for slot, (wid, (cached, inflight)) in enumerate(up):
             active = float(self.inflight[wid])
             self.hot[wid] = still_hot(self.hot[wid], active, self.scoring)
             # block_size 1: the probe answers exact tokens, so a "block" here is one token. What a request in

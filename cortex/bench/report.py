@@ -25,11 +25,29 @@ def _ok(r: dict[str, Any]) -> bool:
     return "unavailable" not in r and "failed" not in r
 
 
+def _pm(r: dict[str, Any], key: str, digits: int = 1) -> str:
+    """A figure, with ± its spread over seeds when there was more than one seed."""
+    value = r
+    for k in key.split("."):
+        value = value.get(k) if isinstance(value, dict) else None
+    spread = (r.get("spread") or {}).get(key) if "seeds" in r else None
+    return _f(value, digits) + (f" ± {_f(spread, digits)}" if spread else "")
+
+
+def _fleet_note(block: dict[str, Any]) -> str:
+    f = block.get("fleet")
+    if not f:
+        return ""
+    return (f"; fleet {f['workers']} workers × {f['kv_tokens_per_worker']} KV tokens, working set ~"
+            f"{f['working_set_tokens']} tokens = {_f(f['kv_fill'], 2)} × the fleet's KV")
+
+
 def workload_table(name: str, block: dict[str, Any]) -> str:
     results = block["results"]
     oracle = results.get("oracle", {}).get("hit_ratio") if _ok(results.get("oracle", {})) else None
     lines = ["| contestant | hit ratio | × oracle | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p90 | req/s | "
              "errors | imbalance | gateway CPU ms/req |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
     for cname, r in results.items():
         if "unavailable" in r:
             lines.append(f"| {cname} | not available: {r['unavailable']} |" + " |" * 10)
@@ -38,13 +56,28 @@ def workload_table(name: str, block: dict[str, Any]) -> str:
             lines.append(f"| {cname} | failed: {r['failed'][:120]} |" + " |" * 10)
             continue
         rel = r["hit_ratio"] / oracle if oracle and r["hit_ratio"] is not None else None
-        t, e = r["ttft_ms"], r["e2e_ms"]
-        lines.append(f"| {cname} | {_f(r['hit_ratio'], 3)} | {_f(rel, 2)} | {_f(t['p50'])} | {_f(t['p90'])} | "
-                     f"{_f(t['p99'])} | {_f(e['p50'])} | {_f(e['p90'])} | {_f(r['rps'], 2)} | "
-                     f"{r['errors']}/{r['requests']} | {_f(r['imbalance'], 2)} | "
-                     f"{_f(r.get('gateway_cpu_ms_per_request'))} |")
+        lines.append(f"| {cname} | {_pm(r, 'hit_ratio', 3)} | {_f(rel, 2)} | {_pm(r, 'ttft_ms.p50')} | "
+                     f"{_pm(r, 'ttft_ms.p90')} | {_pm(r, 'ttft_ms.p99')} | {_f(r['e2e_ms']['p50'])} | "
+                     f"{_f(r['e2e_ms']['p90'])} | {_f(r['rps'], 2)} | {r['errors']}/{r['requests']} | "
+                     f"{_f(r['imbalance'], 2)} | {_pm(r, 'gateway_cpu_ms_per_request')} |")
+        if r.get("bypass_requests"):
+            notes.append(f"{cname}: {r['bypass_requests']} requests bypassed the gateway, their hit ratio "
+                         f"{_f(r.get('bypass_hit_ratio'), 3)}")
+        for seed_run in (r.get("seeds") or {"": r}).values():
+            for d in seed_run.get("disruptions") or []:
+                if d["ok"] is None:
+                    notes.append(f"{cname}: {d['kind']} at {d['at_s']:g} s not reached (the run ended first)")
+                else:
+                    notes.append(f"{cname}: {d['kind']} of {d['worker']} at {d['at_s']:g} s "
+                                 f"{'done' if d['ok'] else 'REFUSED'} in {d['took_s']} s")
+        if r.get("failed_seeds"):
+            notes.append(f"{cname}: seeds {', '.join(r['failed_seeds'])} failed; the figures are the others'")
     params = ", ".join(f"{k}={v}" for k, v in block["params"].items())
-    return f"**{name}** ({params}); times in ms\n\n" + "\n".join(lines) + "\n"
+    seeds = block["params"].get("seeds") or []
+    spread = "; ± is half the range over the seeds" if len(seeds) > 1 else ""
+    tail = "".join(f"\n- {n}" for n in notes)
+    return (f"**{name}** ({params}){_fleet_note(block)}; times in ms{spread}\n\n" + "\n".join(lines) + "\n"
+            + (tail + "\n" if tail else ""))
 
 
 def overhead_table(overhead: dict[str, Any]) -> str:
@@ -72,9 +105,9 @@ def sweep_table(sweep: dict[str, Any]) -> str:
     return f"**{sweep['workload']}**, request rate swept; times in ms\n\n" + "\n".join(lines) + "\n"
 
 
-def goals(out: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+def goals(out: dict[str, Any]) -> list[tuple[str, str, bool | str | None]]:
     """(goal, measured, met) for the goals issue 6 sets; met is None when a figure is missing."""
-    rows: list[tuple[str, str, bool | None]] = []
+    rows: list[tuple[str, str, bool | str | None]] = []
     res = out["workloads"].get("shared-prefix", {}).get("results", {})
 
     def hit(name: str, r: dict[str, Any]) -> float | None:
@@ -107,11 +140,95 @@ def goals(out: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     return rows
 
 
+def _cell(out: dict[str, Any], workload: str, replicas: int, *, bypass: float = 0.0,
+          disrupted: bool = False) -> dict[str, Any]:
+    """The results of the table for this workload and replica count (no stickiness), or {}."""
+    for block in out["workloads"].values():
+        if (block.get("workload") == workload and block.get("replicas", 1) == replicas
+                and not block.get("sticky") and abs(block.get("bypass", 0.0) - bypass) < 1e-9
+                and bool(block.get("disruptions")) == disrupted):
+            return block["results"]
+    return {}
+
+
+def _fig(results: dict[str, Any], name: str, key: str) -> tuple[float | None, float]:
+    r = results.get(name, {})
+    if not _ok(r):
+        return None, 0.0
+    value: Any = r
+    for k in key.split("."):
+        value = value.get(k) if isinstance(value, dict) else None
+    return value, float((r.get("spread") or {}).get(key) or 0.0)
+
+
+def verdict(a: tuple[float | None, float], b: tuple[float | None, float], factor: float, higher: bool
+            ) -> bool | str | None:
+    """Is a >= factor x b (higher) or a <= factor x b (lower)? True when it holds even with both figures moved
+    against it by their spreads over seeds; "within spread" when it holds for the means only; None when a
+    figure is missing."""
+    (x, sx), (y, sy) = a, b
+    if x is None or y is None:
+        return None
+    if higher:
+        return True if x - sx >= factor * (y + sy) else ("within spread" if x >= factor * y else False)
+    return True if x + sx <= factor * (y - sy) else ("within spread" if x <= factor * y else False)
+
+
+SMG = ("smg-cache-aware", "smg-cache-aware-mesh")
+
+
+def fleet_goals(out: dict[str, Any]) -> list[tuple[str, str, bool | str | None]]:
+    """The goals of the fleet benchmark (issue 12), for the cells this run has."""
+    rows: list[tuple[str, str, bool | str | None]] = []
+
+    def add(goal: str, results: dict[str, Any], key: str, other: str, factor: float, higher: bool) -> None:
+        a, b = _fig(results, "cortex", key), _fig(results, other, key)
+        if b[0] is None:
+            return
+        ratio = a[0] / b[0] if a[0] is not None and b[0] else None
+        rows.append((goal, f"{_f(a[0], 3)} vs {_f(b[0], 3)} ({_f(ratio, 2)}×)", verdict(a, b, factor, higher)))
+
+    for workload in ("shared-prefix", "multi-turn", "agentic"):
+        res = _cell(out, workload, 4)
+        if not res:
+            continue
+        add(f"4 replicas, {workload}: hit ≥ 0.95 × oracle", res, "hit_ratio", "oracle", 0.95, True)
+        for smg in SMG:
+            add(f"4 replicas, {workload}: hit ≥ 1.3 × {smg}", res, "hit_ratio", smg, 1.3, True)
+        add(f"4 replicas, {workload}: TTFT p50 ≤ smg-cache-aware's", res, "ttft_ms.p50", SMG[0], 1.0, False)
+        add(f"4 replicas, {workload}: TTFT p90 ≤ 0.7 × smg-cache-aware's", res, "ttft_ms.p90", SMG[0], 0.7, False)
+        add(f"4 replicas, {workload}: gateway CPU/req ≤ smg-cache-aware's", res, "gateway_cpu_ms_per_request",
+            SMG[0], 1.0, False)
+    for workload, disrupted in (("zipf-prefix", False), ("multi-turn", True), ("shared-prefix", True)):
+        for replicas in (1, 2, 4):
+            res = _cell(out, workload, replicas, disrupted=disrupted)
+            if not res:
+                continue
+            what = f"{workload}{' with restarts' if disrupted else ''}, {replicas} replica(s)"
+            add(f"{what}: hit ≥ 1.2 × smg-cache-aware", res, "hit_ratio", SMG[0], 1.2, True)
+            add(f"{what}: TTFT p90 ≤ 0.8 × smg-cache-aware's", res, "ttft_ms.p90", SMG[0], 0.8, False)
+    for block in out["workloads"].values():
+        if abs(block.get("bypass", 0.0) - 0.3) < 1e-9:
+            add(f"{block['workload']}, bypass 30 %, {block.get('replicas', 1)} replica(s): hit ≥ 0.95 × oracle",
+                block["results"], "hit_ratio", "oracle", 0.95, True)
+    for block in out["workloads"].values():
+        if block.get("replicas", 1) != 1 or block.get("bypass") or block.get("disruptions"):
+            continue
+        res = block["results"]
+        peers = [n for n, r in res.items() if n not in ("cortex", "oracle") and _ok(r) and r["hit_ratio"] is not None]
+        if "cortex" not in res or not peers:
+            continue
+        best = max(peers, key=lambda n: res[n]["hit_ratio"])
+        add(f"{block['workload']}, one gateway: hit ≥ 0.98 × the best peer ({best})", res, "hit_ratio", best,
+            0.98, True)
+    return rows
+
+
 def goals_table(out: dict[str, Any]) -> str:
-    rows = goals(out)
+    rows = [*goals(out), *fleet_goals(out)]
     if not rows:
         return ""
-    mark = {True: "met", False: "**missed**", None: "n/a"}
+    mark = {True: "met", False: "**missed**", None: "n/a", "within spread": "met on the means, within the spread"}
     return "| goal | measured | |\n|---|---|---|\n" + "".join(f"| {g} | {m} | {mark[ok]} |\n" for g, m, ok in rows)
 
 

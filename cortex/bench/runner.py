@@ -1,6 +1,8 @@
-"""One benchmark run: start the workers once, then for every workload and contestant empty the caches, start
-the contestant, measure its gateway overhead (once per contestant), replay the workload, stop it; optionally
-sweep the request rate of one workload. Returns every figure as one JSON-ready dict."""
+"""One benchmark run: for each fleet a set of workloads needs, start the workers; then for every workload,
+replica count, contestant and seed, empty the caches, start the contestant (as N replicas when asked), measure
+its gateway overhead (once per contestant), replay the workload (with any disruptions: workers restarting or
+flushing mid-run, a share of sessions bypassing the gateway), stop it; optionally sweep the request rate of one
+workload. Returns every figure as one JSON-ready dict."""
 
 from __future__ import annotations
 
@@ -20,17 +22,50 @@ import uvloop
 
 from cortex.bench import client, metrics
 from cortex.bench.contestants import Contestant
-from cortex.bench.launch import ClusterSpec, Procs, Worker, reset_caches, start_workers
+from cortex.bench.launch import ClusterSpec, Procs, Worker, flush_worker, reset_caches, restart_worker, start_workers
 from cortex.bench.workloads import Workload
 
 # Prompt sizes (words, about one token each) of the light-load overhead probes.
 OVERHEAD_PROMPTS = {"short": 200, "long": 2000}
+DISRUPTIONS = ("restart", "flush")
+
+
+@dataclass(frozen=True, slots=True)
+class Disruption:
+    """At `at` seconds into a run, a worker crashes and restarts (`restart`) or drops its cache (`flush`)."""
+
+    kind: str
+    at: float
+    worker: int | None = None
+    """Index into the fleet; None: the i-th disruption of a run hits worker i mod N."""
+
+    def label(self) -> str:
+        return f"{self.kind}@{self.at:g}" + ("" if self.worker is None else f":{self.worker + 1}")
+
+
+def parse_disruptions(spec: str) -> list[Disruption]:
+    """`restart@15,flush@30:2` -> restart worker 1 (the rotation's first) at 15 s, flush sim-2 at 30 s."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        try:
+            kind, rest = item.split("@", 1)
+            when, _, which = rest.partition(":")
+            d = Disruption(kind, float(when), int(which) - 1 if which else None)
+        except ValueError:
+            raise ValueError(f"--restart-workers: {item!r} is not KIND@SECONDS[:WORKER] "
+                             f"(e.g. restart@15,flush@30:2)") from None
+        if d.kind not in DISRUPTIONS or d.at < 0 or (d.worker is not None and d.worker < 0):
+            raise ValueError(f"--restart-workers: {item!r}: KIND is one of {', '.join(DISRUPTIONS)}, SECONDS >= 0, "
+                             f"WORKER counts from 1")
+        out.append(d)
+    return out
 
 
 @dataclass
 class Plan:
     cluster: ClusterSpec
-    workloads: list[Workload]
+    workloads: list[list[Workload]]
+    """Each entry: one workload, built once per seed (the same parameters, different draws)."""
     contestants: list[Contestant]
     concurrency: int | None = None
     max_seconds: float = 120.0
@@ -40,8 +75,13 @@ class Plan:
     sweep_contestants: list[Contestant] = field(default_factory=list)
     work_dir: Path | None = None
     keep_records: bool = False
-    replicas: int = 1
-    """Independent copies of each gateway contestant; the client spreads requests over them."""
+    replicas: tuple[int, ...] = (1,)
+    """Run every workload with each of these numbers of independent gateway replicas."""
+    sticky: bool = False
+    bypass: float = 0.0
+    disruptions: list[Disruption] = field(default_factory=list)
+    fleet_override: bool = False
+    """True: the cluster spec (--workers / --kv-tokens given) wins over what each workload is designed for."""
 
 
 def machine() -> dict[str, Any]:
@@ -57,11 +97,48 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
 
 
-def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], root: Path, plan: Plan,
-             probe: bool, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def fleet_of(workload: Workload, plan: Plan) -> ClusterSpec:
+    if plan.fleet_override:
+        return plan.cluster
+    return ClusterSpec(workers=workload.workers or plan.cluster.workers, engine=plan.cluster.engine,
+                       kv_tokens=workload.kv_tokens or plan.cluster.kv_tokens)
+
+
+def working_set_tokens(workload: Workload) -> int:
+    """Distinct prompt tokens the workload sends, about: each distinct system prompt once, every turn and
+    answer once (a workload that knows better says so in params['working_set_tokens'])."""
+    given = workload.params.get("working_set_tokens")
+    if isinstance(given, int):
+        return given
+    systems = {s.system for s in workload.sessions}
+    return (sum(len(x.split()) for x in systems)
+            + sum(len(t.split()) + s.max_tokens for s in workload.sessions for t in s.turns))
+
+
+def _disrupt(d: Disruption, i: int, procs: Procs, workers: list[Worker], log: list[dict[str, Any]]
+             ) -> tuple[float, Callable[[], None]]:
+    w = workers[(d.worker if d.worker is not None else i) % len(workers)]
+
+    def act() -> None:
+        t = time.monotonic()
+        if d.kind == "restart":
+            restart_worker(procs, w)
+            ok = True
+        else:
+            ok = flush_worker(w)
+        log.append({"kind": d.kind, "at_s": d.at, "worker": w.id, "ok": ok,
+                    "took_s": round(time.monotonic() - t, 2)})
+
+    return d.at, act
+
+
+def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], cluster: Procs, root: Path,
+             plan: Plan, replicas: int, probe: bool, log: Callable[[str], None]
+             ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     reset_caches(workers)
+    disrupted: list[dict[str, Any]] = []
     with Procs(root) as procs:
-        targets = contestant.start(procs, workers, plan.replicas if contestant.replicable else 1)
+        targets = contestant.start(procs, workers, replicas if contestant.replicable else 1)
         over = None
         if probe and contestant.gateway and plan.overhead_probes > 0:
             over = {}
@@ -70,18 +147,39 @@ def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], 
                 over[size] = metrics.overhead(pairs, words)
                 log(f"    overhead ({size} prompt) p50 {over[size]['p50_ms']} ms over {over[size]['pairs']} pairs")
             reset_caches(workers)
+        routing = client.Routing(targets, sticky=plan.sticky and contestant.gateway,
+                                 bypass=plan.bypass if contestant.gateway else 0.0,
+                                 seed=int(workload.params.get("seed", 0)))
+        schedule = [_disrupt(d, i, cluster, workers, disrupted) for i, d in enumerate(plan.disruptions)]
         before = procs.cpu_seconds()
-        result = uvloop.run(client.run(workload, targets, workers, concurrency=plan.concurrency,
-                                       max_seconds=plan.max_seconds))
+        result = uvloop.run(client.run(workload, routing, workers, concurrency=plan.concurrency,
+                                       max_seconds=plan.max_seconds, schedule=schedule))
         after = procs.cpu_seconds()
+    ran = {(d["kind"], d["at_s"]) for d in disrupted}
+    disrupted += [{"kind": d.kind, "at_s": d.at, "worker": None, "ok": None, "took_s": None}
+                  for d in plan.disruptions if (d.kind, d.at) not in ran]  # the run ended before its time
     summary = metrics.summarize(result)
     n = max(len(result.records), 1)
     parts = {k: round(1000.0 * (v - before.get(k, 0.0)) / n, 2) for k, v in after.items()}
     summary["gateway_cpu_ms_per_request"] = round(sum(parts.values()), 2)
     summary["gateway_cpu_ms_per_request_by_part"] = parts
+    if disrupted:
+        summary["disruptions"] = disrupted
     if plan.keep_records:
         summary["records"] = metrics.records_json(result.records)
     return summary, over
+
+
+def label(name: str, replicas: int, plan: Plan) -> str:
+    """The key of one table: the workload and what was done to it."""
+    parts = [name]
+    if plan.disruptions:
+        parts.append("restarts " + ",".join(d.label() for d in plan.disruptions))
+    if plan.bypass:
+        parts.append(f"bypass {plan.bypass:.0%}")
+    if replicas > 1:
+        parts.append(f"{replicas} replicas" + (", sticky" if plan.sticky else ""))
+    return ", ".join(parts)
 
 
 def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
@@ -97,39 +195,63 @@ def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.std
     with tempfile.TemporaryDirectory(prefix="cortex-bench-") as tmp:
         root = plan.work_dir or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        with Procs(root) as cluster_procs:
-            workers = start_workers(cluster_procs, plan.cluster)
-            for workload in plan.workloads:
-                log(f"workload {workload.name}: {workload.requests} requests, {workload.params}")
-                results: dict[str, Any] = {}
-                for c in plan.contestants:
-                    results[c.name] = _one(c, workload, workers, root, plan, out, log)
-                out["workloads"][workload.name] = {"params": workload.params, "results": results}
-            if plan.sweep:
-                sweep: dict[str, Any] = {"workload": plan.sweep[0].name,
-                                         "rates": [w.params["rate"] for w in plan.sweep], "results": {}}
-                for c in plan.sweep_contestants:
-                    rows = []
-                    for workload in plan.sweep:
-                        log(f"sweep {workload.name} at {workload.params['rate']}/s")
-                        rows.append({"rate": workload.params["rate"], **_one(c, workload, workers, root, plan, out,
-                                                                              log)})
-                    sweep["results"][c.name] = rows
-                out["sweep"] = sweep
+        fleets: dict[ClusterSpec, list[list[Workload]]] = {}
+        for built in plan.workloads:
+            fleets.setdefault(fleet_of(built[0], plan), []).append(built)
+        for spec, group in fleets.items():
+            with Procs(root) as cluster_procs:
+                workers = start_workers(cluster_procs, spec)
+                for built in group:
+                    first = built[0]
+                    fleet_kv = spec.workers * spec.kv_tokens
+                    ws = working_set_tokens(first)
+                    for replicas in plan.replicas:
+                        key = label(first.name, replicas, plan)
+                        log(f"workload {key}: {first.requests} requests x {len(built)} seed(s), {first.params}")
+                        results: dict[str, Any] = {}
+                        for c in plan.contestants:
+                            per_seed = {int(w.params.get("seed", 0)): _one(c, w, workers, cluster_procs, root, plan,
+                                                                            replicas, out, log) for w in built}
+                            results[c.name] = metrics.combine(per_seed)
+                        out["workloads"][key] = {
+                            "workload": first.name, "params": {**first.params, "seeds": [w.params.get("seed")
+                                                                                         for w in built]},
+                            "replicas": replicas, "sticky": plan.sticky, "bypass": plan.bypass,
+                            "disruptions": [d.label() for d in plan.disruptions],
+                            "fleet": {"workers": spec.workers, "kv_tokens_per_worker": spec.kv_tokens,
+                                      "working_set_tokens": ws, "kv_fill": round(ws / fleet_kv, 2)},
+                            "results": results}
+                if plan.sweep and spec == fleet_of(plan.sweep[0], plan):
+                    out["sweep"] = _sweep(plan, workers, cluster_procs, root, out, log)
     out["elapsed_s"] = round(time.monotonic() - started, 1)
     return out
 
 
-def _one(c: Contestant, workload: Workload, workers: list[Worker], root: Path, plan: Plan, out: dict[str, Any],
-         log: Callable[[str], None]) -> dict[str, Any]:
+def _sweep(plan: Plan, workers: list[Worker], cluster: Procs, root: Path, out: dict[str, Any],
+           log: Callable[[str], None]) -> dict[str, Any]:
+    sweep: dict[str, Any] = {"workload": plan.sweep[0].name, "rates": [w.params["rate"] for w in plan.sweep],
+                             "results": {}}
+    for c in plan.sweep_contestants:
+        rows = []
+        for workload in plan.sweep:
+            log(f"sweep {workload.name} at {workload.params['rate']}/s")
+            rows.append({"rate": workload.params["rate"],
+                         **_one(c, workload, workers, cluster, root, plan, 1, out, log)})
+        sweep["results"][c.name] = rows
+    return sweep
+
+
+def _one(c: Contestant, workload: Workload, workers: list[Worker], cluster: Procs, root: Path, plan: Plan,
+         replicas: int, out: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     reason = c.unavailable()
     if reason is not None:
         log(f"  {c.name}: not available: {reason}")
         return {"unavailable": reason}
-    log(f"  {c.name} ...")
+    log(f"  {c.name} (seed {workload.params.get('seed')}) ...")
     t = time.monotonic()
     try:
-        summary, over = _measure(c, workload, workers, root, plan, c.name not in out["overhead"], log)
+        summary, over = _measure(c, workload, workers, cluster, root, plan, replicas,
+                                 c.name not in out["overhead"], log)
     except Exception as exc:  # one contestant failing must not lose the others' figures
         log(f"  {c.name}: FAILED: {exc}")
         return {"failed": f"{type(exc).__name__}: {exc}"[:500], "trace": traceback.format_exc()[-1500:]}
@@ -137,5 +259,6 @@ def _one(c: Contestant, workload: Workload, workers: list[Worker], root: Path, p
         out["overhead"][c.name] = over
     log(f"  {c.name}: hit {summary['hit_ratio']} ttft p50/p90 {summary['ttft_ms']['p50']}/"
         f"{summary['ttft_ms']['p90']} ms, {summary['completed']}/{summary['requests']} ok, "
-        f"imbalance {summary['imbalance']} ({time.monotonic() - t:.0f} s)")
+        f"imbalance {summary['imbalance']}, cpu {summary['gateway_cpu_ms_per_request']} ms/req "
+        f"({time.monotonic() - t:.0f} s)")
     return summary

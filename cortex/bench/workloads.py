@@ -42,6 +42,8 @@ class Session:
     max_tokens: int
     group: int = -1
     """Burst group (sessions of one group are identical and arrive together); -1 outside bursts."""
+    affinity: str | None = None
+    """The key a sticky balancer would keep on one replica; None: the session id."""
 
     def messages(self, history: list[dict[str, str]], turn: int) -> list[dict[str, str]]:
         return [{"role": "system", "content": self.system}, *history, {"role": "user", "content": self.turns[turn]}]
@@ -52,6 +54,9 @@ class Workload:
     name: str
     sessions: tuple[Session, ...]
     params: dict[str, Any] = field(default_factory=dict)
+    workers: int | None = None
+    """The fleet this workload is designed for (None: the run's default)."""
+    kv_tokens: int | None = None
 
     @property
     def requests(self) -> int:
@@ -141,6 +146,6 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def build(name: str, *, quick: bool, seed: int, requests: int | None = None, rate: float | None = None,
-          **params: Any) -> Workload:
+          trace_path: str | None = None, **params: Any) -> Workload:
     d = DEFAULTS["quick" if quick else "full"][name]
     return BUILDERS[name](requests=requests or d["requests"], rate=rate or d["rate"], seed=seed, **params)
