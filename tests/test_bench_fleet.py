@@ -90,5 +90,5 @@ def test_a_win_must_exceed_the_spread() -> None:
     assert verdict((0.80, 0.05), (0.6, 0.05), 1.3, higher=True) == "within spread"
     assert verdict((0.7, 0.0), (0.6, 0.0), 1.3, higher=True) is False
     assert verdict((19.0, 1.0), (30.0, 1.0), 0.7, higher=False) is True
-    assert verdict((20.0, 2.0), (28.0, 2.0), 0.7, higher=False) == "within spread"
+    assert verdict((19.0, 2.0), (28.0, 2.0), 0.7, higher=False) == "within spread"
     assert verdict((None, 0.0), (1.0, 0.0), 1.0, higher=True) is None
