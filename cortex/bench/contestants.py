@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cortex.bench.launch import MODEL, Procs, Worker, start_cortex, start_oracle, start_router
@@ -38,9 +39,14 @@ class Contestant:
 
 def _replicated(start_one: Callable[[Procs, list[Worker], str], str], name: str
                 ) -> Callable[[Procs, list[Worker], int], list[str]]:
-    """N independent copies of a gateway, none aware of the others (each named name, name-2, ...)."""
-    return lambda procs, workers, n: [start_one(procs, workers, name if i == 0 else f"{name}-{i + 1}")
-                                      for i in range(n)]
+    """N independent copies of a gateway, none aware of the others (named name, name-2, ...), started at once
+    (each start mostly waits for its processes to come up)."""
+    def start(procs: Procs, workers: list[Worker], n: int) -> list[str]:
+        names = [name if i == 0 else f"{name}-{i + 1}" for i in range(n)]
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            return list(pool.map(lambda x: start_one(procs, workers, x), names))
+
+    return start
 
 
 def _router(module: str, policy: str, name: str, extra: Callable[[list[Worker]], tuple[str, ...]] = lambda w: ()

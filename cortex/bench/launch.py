@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -48,16 +49,26 @@ def stop_groups(procs: Iterable[subprocess.Popen[bytes]]) -> None:
             proc.wait(5)
 
 
+_handed_out: set[int] = set()
+_ports_lock = threading.Lock()
+
+
 def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind((HOST, 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
+    """n loopback ports free now, never one this process handed out before (replicas start in parallel, and a
+    port closed here may not be bound by its new owner yet)."""
+    with _ports_lock:
+        socks, ports = [], []
+        while len(ports) < n:
+            s = socket.socket()
+            s.bind((HOST, 0))
+            socks.append(s)
+            port = s.getsockname()[1]
+            if port not in _handed_out:
+                ports.append(port)
+                _handed_out.add(port)
+        for s in socks:
+            s.close()
+        return ports
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, Any]:
