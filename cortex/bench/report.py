@@ -287,7 +287,7 @@ def plots(out: dict[str, Any], img_dir: Path) -> list[Path]:
             for w in workloads:
                 r = out["workloads"][w]["results"].get(cname, {})
                 v = None
-                if _ok(r):
+                if r and _ok(r):
                     v = r["hit_ratio"] if key == "hit_ratio" else r["ttft_ms"]["p90"]
                 values.append(v if v is not None else 0.0)
             ax.bar([j + i * width for j in range(len(workloads))], values, width, label=cname)
@@ -300,6 +300,7 @@ def plots(out: dict[str, Any], img_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    written += _replica_plot(out, img_dir, plt)
     sweep = out.get("sweep")
     if sweep:
         fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -317,3 +318,36 @@ def plots(out: dict[str, Any], img_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _replica_plot(out: dict[str, Any], img_dir: Path, plt: Any) -> list[Path]:
+    """Hit ratio and TTFT p90 against the number of gateway replicas, one panel per workload run at several."""
+    series: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
+    for block in out["workloads"].values():
+        if block.get("bypass") or block.get("disruptions") or block.get("sticky"):
+            continue
+        for cname, r in block["results"].items():
+            if _ok(r):
+                series.setdefault(block.get("workload", "?"), {}).setdefault(cname, {})[block.get("replicas", 1)] = r
+    shown = [w for w, by in series.items() if len({n for c in by.values() for n in c}) > 1]
+    if not shown:
+        return []
+    fig, axes = plt.subplots(2, len(shown), figsize=(4.2 * len(shown), 6.4), squeeze=False)
+    for col, workload in enumerate(shown):
+        for cname, by_n in series[workload].items():
+            ns = sorted(by_n)
+            axes[0][col].plot(ns, [by_n[n]["hit_ratio"] for n in ns], marker="o", label=cname)
+            axes[1][col].plot(ns, [by_n[n]["ttft_ms"]["p90"] for n in ns], marker="o", label=cname)
+        axes[0][col].set_title(workload)
+        axes[0][col].set_ylabel("hit ratio")
+        axes[1][col].set_ylabel("TTFT p90 (ms)")
+        axes[1][col].set_xlabel("gateway replicas")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.grid(alpha=0.3)
+            ax.set_xticks(sorted({n for c in series[workload].values() for n in c}))
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path = img_dir / "bench-replicas.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
