@@ -179,7 +179,8 @@ def workload(path: str | Path, *, seed: int, requests: int | None = None, rate: 
         "rate": round((len(sessions) - 1) / replay_s, 2) if replay_s > 0 else None,
         "replay_s": round(replay_s, 1), "time_scale": round(time_scale, 4), "block_tokens": block_tokens,
         "max_tokens": max_tokens, "sessions": len({ln.session_id for ln in lines if ln.session_id is not None}),
-        "working_set_tokens": distinct_tokens(lines, block_tokens) + words(SYSTEM)},
+        "working_set_tokens": distinct_tokens(lines, block_tokens) + words(SYSTEM),
+        "prompt_tokens": sum(ln.input_length + words(SYSTEM) for ln in lines)},
         workers=workers, kv_tokens=kv_tokens)
 
 

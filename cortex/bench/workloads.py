@@ -104,6 +104,26 @@ def working_set_tokens(sessions: Iterable[Session]) -> int:
     return total + sum(systems.values())
 
 
+def prompt_tokens(sessions: Iterable[Session]) -> int:
+    """Prompt tokens a list of chat sessions sends in all, each turn re-sending the history (answers counted at
+    max_tokens, which the simulated workers always produce)."""
+    total = 0
+    for s in sessions:
+        context = words(s.system)
+        for k, turn in enumerate(s.turns):
+            context += words(turn) + (s.max_tokens if k else 0)
+            total += context
+    return total
+
+
+def sizes(sessions: Iterable[Session]) -> dict[str, int]:
+    """`working_set_tokens` and `prompt_tokens` of a workload's params. 1 - working set / prompt tokens is the
+    best hit ratio any router can reach from empty caches with unlimited KV: the rest is sent for the first
+    time."""
+    sessions = list(sessions)
+    return {"working_set_tokens": working_set_tokens(sessions), "prompt_tokens": prompt_tokens(sessions)}
+
+
 def arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
     """Poisson arrival times of n events at `rate` per second, starting at 0."""
     t, out = 0.0, []
@@ -125,7 +145,7 @@ def shared_prefix(*, requests: int, rate: float, seed: int, prefixes: int = 8, p
     return Workload("shared-prefix", sessions, {"requests": requests, "rate": rate, "seed": seed,
                                                 "prefixes": prefixes, "prefix_words": prefix_words,
                                                 "question_words": question_words, "max_tokens": max_tokens,
-                                                "working_set_tokens": working_set_tokens(sessions)})
+                                                **sizes(sessions)})
 
 
 def multi_turn(*, requests: int, rate: float, seed: int, turns: int = 5, system_words: int = 1200,
@@ -142,7 +162,7 @@ def multi_turn(*, requests: int, rate: float, seed: int, turns: int = 5, system_
     return Workload("multi-turn", sessions, {"requests": n * turns, "conversations": n, "rate": rate, "seed": seed,
                                              "turns": turns, "system_words": system_words,
                                              "user_words": user_words, "max_tokens": max_tokens,
-                                             "working_set_tokens": working_set_tokens(sessions)})
+                                             **sizes(sessions)})
 
 
 def unique(*, requests: int, rate: float, seed: int, prompt_words: int = 2000, max_tokens: int = 16) -> Workload:
@@ -153,7 +173,7 @@ def unique(*, requests: int, rate: float, seed: int, prompt_words: int = 2000, m
                              max_tokens) for i in range(requests))
     return Workload("unique", sessions, {"requests": requests, "rate": rate, "seed": seed,
                                          "prompt_words": prompt_words, "max_tokens": max_tokens,
-                                         "working_set_tokens": working_set_tokens(sessions)})
+                                         **sizes(sessions)})
 
 
 def burst(*, requests: int, rate: float, seed: int, group_size: int = 4, prompt_words: int = 2000,
@@ -171,7 +191,7 @@ def burst(*, requests: int, rate: float, seed: int, group_size: int = 4, prompt_
     return Workload("burst", tuple(sessions), {"requests": groups * group_size, "groups": groups,
                                                "group_size": group_size, "rate": rate, "seed": seed,
                                                "prompt_words": prompt_words, "max_tokens": max_tokens,
-                                               "working_set_tokens": working_set_tokens(sessions)})
+                                               **sizes(sessions)})
 
 
 def zipf_prefix(*, requests: int, rate: float, seed: int, prefixes: int = 128, prefix_words: int = 1500,
@@ -199,7 +219,7 @@ def zipf_prefix(*, requests: int, rate: float, seed: int, prefixes: int = 128, p
     return Workload("zipf-prefix", sessions, {
         "requests": requests, "rate": rate, "seed": seed, "prefixes": prefixes, "prefix_words": prefix_words,
         "zipf_s": zipf_s, "question_words": question_words, "max_tokens": max_tokens,
-        "distinct_prefixes": len(set(picks)), "working_set_tokens": working_set_tokens(sessions)},
+        "distinct_prefixes": len(set(picks)), **sizes(sessions)},
         workers=workers, kv_tokens=kv_tokens)
 
 
@@ -242,7 +262,7 @@ def agentic(*, requests: int, rate: float, seed: int, system_words: int = 2000, 
         "requests": sent, "episodes": episode, "agents": len(sessions), "rate": rate, "seed": seed,
         "system_words": system_words, "task_words": task_words, "tool_words": list(tool_words),
         "turns": list(turns), "burst_share": burst_share, "fanout": fanout, "max_tokens": max_tokens,
-        "longest_prompt_tokens": longest, "working_set_tokens": working_set_tokens(sessions)},
+        "longest_prompt_tokens": longest, **sizes(sessions)},
         workers=workers, kv_tokens=kv_tokens)
 
 
