@@ -12,8 +12,9 @@ prompt of N words is about N tokens and its size can be chosen without running t
 A workload may name the fleet it is designed for (`Workload.workers`, `Workload.kv_tokens`; None means the run's
 default, 4 workers of 12 288 KV tokens): the newer scenarios need eight workers and KV pools sized so they have
 the pressure they claim. Every workload reports `params["working_set_tokens"]`, the distinct prompt tokens it
-sends (counted as words, about one token each), so a report can state the fleet's KV fill: working set over
-workers x KV tokens per worker.
+sends (counted as words, about one token each), so a report can state the fleet's KV fill (working set over
+workers x KV tokens per worker), and `params["prompt_tokens"]`, all it sends: 1 - working set / prompt tokens is
+the hit ratio no router can beat from empty caches.
 """
 
 from __future__ import annotations
