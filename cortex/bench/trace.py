@@ -188,7 +188,7 @@ def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int
     return int(min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))))
 
 
-def generate(*, seed: int, sessions: int = 120, duration_s: float = 60.0, block_tokens: int = BLOCK_TOKENS,
+def generate(*, seed: int, sessions: int = 100, duration_s: float = 90.0, block_tokens: int = BLOCK_TOKENS,
              prefixes: int = 8, prefix_blocks: tuple[int, int] = (1, 4), no_prefix_share: float = 0.2,
              max_turns: int = 6, think_s: float = 6.0, first_median: int = 1200, turn_median: int = 300,
              output_median: int = 100, max_input: int = 10240) -> list[dict[str, Any]]:
@@ -204,10 +204,11 @@ def generate(*, seed: int, sessions: int = 120, duration_s: float = 60.0, block_
     `output_median`). A conversation ends before its prompt would exceed `max_input` tokens; lines arriving
     after `duration_s` are dropped.
 
-    The defaults are scaled to 8 simulated workers of 16 384 KV tokens: about 270 lines over 60 s (~4.7 per
-    second, ~15 000 prompt tokens a second), prompts of ~200 to 10 240 tokens (median ~2 700, mean ~3 100; a
-    worker holds three of the longest), a working set of ~2.5 x the fleet's KV. From empty caches no router can
-    hit more than ~0.6 of the prompt tokens (what the trace repeats)."""
+    The defaults are scaled to 8 simulated workers of 16 384 KV tokens: about 230 lines over 90 s (~2.7 per
+    second, ~9 000 prompt tokens a second: the benchmark's oracle, which has every worker tokenize every
+    prompt, fell behind at twice that on the 2-core machine), prompts of ~300 to 10 240 tokens (median ~2 700,
+    mean ~3 100; a worker holds three of the longest), a working set of ~2 x the fleet's KV. From empty caches
+    no router can hit more than ~0.6 of the prompt tokens (what the trace repeats)."""
     rng = random.Random(seed)
     ids = itertools.count()
     shared = [[next(ids) for _ in range(rng.randint(*prefix_blocks))] for _ in range(prefixes)]
@@ -258,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="write a small synthetic Mooncake-format trace")
     g.add_argument("--out", required=True, help="JSONL file to write")
     g.add_argument("--seed", type=int, default=1)
-    g.add_argument("--sessions", type=int, default=120, help="conversations (default %(default)s)")
-    g.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (default %(default)s)")
+    g.add_argument("--sessions", type=int, default=100, help="conversations (default %(default)s)")
+    g.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals (default %(default)s)")
     g.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS, help="tokens per hash id (default %(default)s)")
     g.add_argument("--prefixes", type=int, default=8, help="shared system prompts (default %(default)s)")
     g.add_argument("--max-turns", type=int, default=6, help="turns per conversation at most (default %(default)s)")
