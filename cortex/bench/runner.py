@@ -104,17 +104,6 @@ def fleet_of(workload: Workload, plan: Plan) -> ClusterSpec:
                        kv_tokens=workload.kv_tokens or plan.cluster.kv_tokens)
 
 
-def working_set_tokens(workload: Workload) -> int:
-    """Distinct prompt tokens the workload sends, about: each distinct system prompt once, every turn and
-    answer once (a workload that knows better says so in params['working_set_tokens'])."""
-    given = workload.params.get("working_set_tokens")
-    if isinstance(given, int):
-        return given
-    systems = {s.system for s in workload.sessions}
-    return (sum(len(x.split()) for x in systems)
-            + sum(len(t.split()) + s.max_tokens for s in workload.sessions for t in s.turns))
-
-
 def _disrupt(d: Disruption, i: int, procs: Procs, workers: list[Worker], log: list[dict[str, Any]]
              ) -> tuple[float, Callable[[], None]]:
     w = workers[(d.worker if d.worker is not None else i) % len(workers)]
@@ -204,7 +193,7 @@ def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.std
                 for built in group:
                     first = built[0]
                     fleet_kv = spec.workers * spec.kv_tokens
-                    ws = working_set_tokens(first)
+                    ws = int(first.params.get("working_set_tokens") or 0)
                     for replicas in plan.replicas:
                         key = label(first.name, replicas, plan)
                         log(f"workload {key}: {first.requests} requests x {len(built)} seed(s), {first.params}")
