@@ -116,3 +116,39 @@ def test_workload_words_are_one_token_each_and_seeds_repeat() -> None:
     groups = [s.group for s in burst.sessions]
     assert all(groups.count(g) == burst.params["group_size"] for g in groups)
     assert len({(s.start, s.system) for s in burst.sessions}) == burst.params["groups"]
+
+
+@pytest.mark.timeout(400)
+def test_replicas_with_a_restart_and_bypass_traffic(tmp_path: Path) -> None:
+    """Two replicas of each gateway over the same two workers, a quarter of the sessions bypassing the gateway,
+    a worker crashing and coming back mid-run, two seeds, on one of the fleet scenarios."""
+    out = tmp_path / "out.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "cortex.cli", "bench", "--workload", "zipf-prefix", "--quick", "--workers", "2",
+         "--kv-tokens", "8192", "--requests", "16", "--rate", "4", "--replicas", "2", "--bypass", "0.25",
+         "--restart-workers", "restart@1", "--seeds", "1,2", "--overhead-probes", "0", "--max-seconds", "20",
+         "--contestant", "cortex", "--contestant", "smg-cache-aware", "--contestant", "oracle",
+         "--json", str(out), "--work-dir", str(tmp_path / "run")],
+        cwd=REPO, capture_output=True, text=True, timeout=380)
+    assert r.returncode == 0, r.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    (block,) = figures["workloads"].values()
+    assert block["replicas"] == 2 and block["bypass"] == 0.25 and block["disruptions"] == ["restart@1"]
+    assert block["params"]["seeds"] == [1, 2] and block["fleet"]["workers"] == 2
+    for name, res in block["results"].items():
+        if "unavailable" in res:
+            assert name in OPTIONAL and "not installed" in res["unavailable"]
+            continue
+        assert "failed" not in res and not res.get("failed_seeds"), (name, res)
+        assert set(res["seeds"]) == {"1", "2"} and res["spread"]["hit_ratio"] is not None
+        for seed_run in res["seeds"].values():
+            # The restart happened in every run, and the fleet came back (a request in flight on the crashed
+            # worker may fail; the run goes on).
+            (d,) = seed_run["disruptions"]
+            assert d["kind"] == "restart" and d["ok"] is True, (name, d)
+            assert seed_run["completed"] >= seed_run["requests"] - 2, (name, seed_run)
+            if name != "oracle":  # the oracle is never replicated, and bypass applies to gateways only
+                assert seed_run["bypass_requests"] > 0
+    # Each gateway contestant ran as two processes trees of its own (a log each); the oracle ran once.
+    logs = {p.name for p in (tmp_path / "run").iterdir()}
+    assert {"cortex.log", "cortex-2.log", "oracle.log"} <= logs and "oracle-2.log" not in logs
