@@ -23,7 +23,9 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
+from cortex.dataplane import envoy_binary
 from cortex.demo import ReplicaPorts, port_problem, replica_ports
 from tests.faultkit import Traffic, check
 from tests.harness import (
@@ -223,6 +225,13 @@ def test_late_replica_catches_up_through_replay(fleet: Fleet) -> None:
             assert t["reason"] == "replayed" and t["replays"] >= 1, t
             assert t["last_seq"] == a["last_seq"] and t["batches"] == a["last_seq"] + 1, (t, a)
             assert t["cached_blocks"] == a["cached_blocks"] > 0 and t["gaps"] == t["resyncs"] == 0, (t, a)
+            assert t["subscription"]["state"] == "live", t
+        # The same figures for Prometheus (docs/deployment.md names them).
+        metrics = httpx.get(f"{late.ingest_url}/metrics", timeout=5).text
+        for tid, t in seen.items():
+            assert f'cortex_ingest_replays_total{{target="{tid}",worker="{tid}"}} {float(t["replays"])}' in metrics
+            assert f'cortex_ingest_batches_total{{target="{tid}",worker="{tid}"}} {float(t["batches"])}' in metrics
+            assert f'cortex_target_sync_state{{state="READY",target="{tid}",worker="{tid}"}} 1.0' in metrics
         for m, h in zip(prompts, holders, strict=True):
             mine, theirs = route(late, m), route(fleet.a, m)
             decision = (mine["chosen"], mine["mode"], mine["cache_hit_tokens"])
@@ -328,3 +337,60 @@ def test_killed_replica_loses_nothing_for_the_others(fleet: Fleet) -> None:
     # Requests cut off by the kill do not linger as load on the workers (A would steer around them forever).
     wait_for(lambda: all(t["load"]["running"] == 0 and t["load"]["waiting"] == 0 for t in by_id(fleet.a).values()),
              timeout=30, what="the workers' load back to zero")
+
+
+def docs_front_envoy() -> dict[str, Any]:
+    """The front Envoy configuration docs/deployment.md shows, parsed from the page itself."""
+    text = (Path(__file__).parent.parent / "docs" / "deployment.md").read_text()
+    section = text[text.index("### Envoy in front"):]
+    block = section[section.index("```yaml") + len("```yaml"):]
+    return yaml.safe_load(block[:block.index("```")])
+
+
+def envoy_requests(gw: Gateway) -> int:
+    stats = httpx.get(f"http://127.0.0.1:{gw.admin_port}/stats?filter=^http.cortex.downstream_rq_total$",
+                      timeout=5).text
+    return int(stats.split(":")[1])
+
+
+def test_front_envoy_from_the_docs(fleet: Fleet, tmp_path: Path) -> None:
+    """Two replicas behind the documented front Envoy (its addresses pointed at the test's replicas): every
+    request succeeds, both replicas serve, and a repeat is an exact hit whichever replica it reaches."""
+    cfg = docs_front_envoy()
+    (front_port,) = free_ports(1)
+    cfg["static_resources"]["listeners"][0]["address"]["socket_address"] = {"address": "127.0.0.1",
+                                                                            "port_value": front_port}
+    endpoints = cfg["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert len(endpoints) == 3 and all(e["endpoint"]["health_check_config"] == {"port_value": 9090}
+                                       for e in endpoints)
+    cfg["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": gw.port}},
+                      "health_check_config": {"port_value": gw.ingest_port}}} for gw in (fleet.a, fleet.b)]
+    path = tmp_path / "front-envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "front-envoy.log"
+    proc = subprocess.Popen([envoy_binary(), "-c", str(path), "--disable-hot-restart", "--concurrency", "1",
+                             "-l", "warning"], stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    front = Gateway(root=tmp_path, sims=[], port=front_port, admin_port=0, ingest_port=0, extproc_port=0)
+    try:
+        wait_for(lambda: httpx.get(f"{front.url}/v1/models", timeout=2).status_code == 200, timeout=60,
+                 what=f"the front Envoy to pass traffic ({log})")
+        prompts = [long_chat(250, seed=seed) for seed in range(61, 69)]
+        served = [envoy_requests(fleet.a), envoy_requests(fleet.b)]
+        holders = [send(front, m)[0] for m in prompts]
+        served = [envoy_requests(fleet.a) - served[0], envoy_requests(fleet.b) - served[1]]
+        for m, h in zip(prompts, holders, strict=True):
+            for gw in (fleet.a, fleet.b):  # each replica has seen the events, whichever one routed the prompt
+                wait_for(lambda gw=gw, m=m, h=h: holds(gw, m, h), timeout=30, what="the prompt in both ledgers")
+        before = [envoy_requests(fleet.a), envoy_requests(fleet.b)]
+        for _ in range(2):
+            for m, h in zip(prompts, holders, strict=True):
+                worker, mode, claimed, cached = send(front, m)
+                assert (worker, mode) == (h, "exact_kv_events") and claimed == cached > 0
+        served = [served[0] + envoy_requests(fleet.a) - before[0], served[1] + envoy_requests(fleet.b) - before[1]]
+        # 24 requests, each to either replica: both served some (least-request picks at random among idle ones).
+        assert sum(served) == 3 * len(prompts) and min(served) > 0, served
+    finally:
+        stop(proc)
+    assert b"critical" not in log.read_bytes() and b"[error]" not in log.read_bytes(), log.read_text()
