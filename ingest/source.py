@@ -244,8 +244,10 @@ class EventSource:
             self.on_change()
 
     def _start_replay(self, from_seq: int) -> None:
-        if self._replay_task is not None and not self._replay_task.done():
-            self._replay_task.cancel()
+        task = self._replay_task
+        # A replay cut short asks for the rest from its own task, which is finishing: not cancelled.
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
         if self.replay_endpoint is None:
             self.perform(self.target.sync.replay_done(complete=False))
             return
