@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -32,21 +33,28 @@ def prepare_runtime(cfg: CortexConfig) -> Path:
 
 
 def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path,
-                ingest_gate: Callable[[], Awaitable[None]] | None = None) -> list[ChildSpec]:
+                ingest_gate: Callable[[], Awaitable[None]] | None = None, name: str = "",
+                log: Path | None = None) -> list[ChildSpec]:
     """Ingest and the extproc processes first (stage 1), Envoy once every extproc process serves (stage 2):
     an Envoy started earlier fails its ext_proc streams open (requests routed without Cortex) and logs a
-    "no healthy upstream" warning for each."""
+    "no healthy upstream" warning for each. `name` prefixes the children's names (one of several gateways
+    under one supervisor); `log` takes their output (ChildSpec.log)."""
     env = {"PROMETHEUS_MULTIPROC_DIR": str(cfg.runtime_path() / "metrics"), "PYTHONUNBUFFERED": "1"}
     py = [sys.executable, "-m", "cortex.cli"]
+    prefix = f"{name}/" if name else ""
     specs = [
-        ChildSpec("ingest", [*py, "ingest", "-c", str(config_path)], env, stage=1, gate=ingest_gate),
-        *(ChildSpec(f"extproc-{i}", [*py, "extproc", "-c", str(config_path), "--index", str(i)], env, stage=1)
+        ChildSpec(f"{prefix}ingest", [*py, "ingest", "-c", str(config_path)], env, stage=1, gate=ingest_gate,
+                  log=log),
+        *(ChildSpec(f"{prefix}extproc-{i}", [*py, "extproc", "-c", str(config_path), "--index", str(i)], env,
+                    stage=1, log=log)
           for i in range(cfg.extproc.process_count())),
-        ChildSpec("envoy", [envoy_binary(), "-c", str(envoy_yaml), "--disable-hot-restart",
-                            "--concurrency", str(min(2, os.cpu_count() or 1)), "-l", "warning",
-                            # `main` warns of every signal it is sent ("caught ENVOY_SIGTERM"): a normal stop.
-                            "--component-log-level", "main:error",
-                            "--log-format", "[envoy] [%l] %v"], stage=2, gate=lambda: wait_extprocs(cfg)),
+        ChildSpec(f"{prefix}envoy", [envoy_binary(), "-c", str(envoy_yaml), "--disable-hot-restart",
+                                     "--concurrency", str(min(2, os.cpu_count() or 1)), "-l", "warning",
+                                     # `main` warns of every signal it is sent ("caught ENVOY_SIGTERM"): a
+                                     # normal stop.
+                                     "--component-log-level", "main:error",
+                                     "--log-format", "[envoy] [%l] %v"],
+                  stage=2, gate=lambda: wait_extprocs(cfg), log=log),
     ]
     return specs
 
@@ -121,28 +129,59 @@ def reset_workers(cfg: CortexConfig) -> None:
               file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class GatewaySpec:
+    """One gateway (Envoy + ingest + extproc) of several run under one supervisor (`cortex demo --replicas`)."""
+
+    cfg: CortexConfig
+    config_path: Path
+    name: str = ""
+    """Prefix of its children's names and of its messages; "" for a gateway run alone."""
+    log: Path | None = None
+    """Where its processes' output goes (None: the terminal)."""
+
+
 def run_gateway(cfg: CortexConfig, config_path: Path, extra: list[ChildSpec] | None = None,
                 on_ready: Callable[[], None] | None = None, ready_urls: Sequence[str] = ()) -> int:
     """Start the gateway; `extra` children (the demo's simulated workers) start first, and ingest waits until
     every URL in `ready_urls` answers, so it meets a warm fleet."""
+    return run_gateways([GatewaySpec(cfg, config_path)], extra, on_ready, ready_urls)
+
+
+def run_gateways(gateways: Sequence[GatewaySpec], extra: list[ChildSpec] | None = None,
+                 on_ready: Callable[[], None] | None = None, ready_urls: Sequence[str] = ()) -> int:
+    """Start independent gateways under one supervisor (one Ctrl-C stops them all, Envoys first); `on_ready`
+    runs once every one of them is ready."""
     try:
-        check_models(cfg)
+        for g in gateways:
+            check_models(g.cfg)
     except BundleError as exc:
         print(f"cortex: {exc}", file=sys.stderr, flush=True)
         return 2
-    envoy_yaml = prepare_runtime(cfg)
     gate = (lambda: wait_urls(ready_urls)) if ready_urls else None
-    sup = Supervisor([*(extra or []), *child_specs(cfg, config_path, envoy_yaml, ingest_gate=gate)])
+    specs = [*(extra or [])]
+    for g in gateways:
+        specs += child_specs(g.cfg, g.config_path, prepare_runtime(g.cfg), ingest_gate=gate, name=g.name, log=g.log)
+    sup = Supervisor(specs)
 
     async def announce() -> None:
-        ok, reason = await wait_ready(cfg)
-        if ok:
+        results = await asyncio.gather(*(wait_ready(g.cfg) for g in gateways))
+        waiting = [(g, reason) for g, (ok, reason) in zip(gateways, results, strict=True) if not ok]
+        if waiting:
+            for g, reason in waiting:
+                who = f"{g.name} " if g.name else ""
+                print(f"[cortex] warning: {who}not ready after 60 s: {reason}", file=sys.stderr, flush=True)
+            return
+        if len(gateways) == 1:
+            cfg = gateways[0].cfg
             print(f"[cortex] ready: http://{cfg.listen.host}:{cfg.listen.port}  "
                   f"(admin http://{cfg.ingest.host}:{cfg.ingest.port}/cortex/workers, "
                   f"envoy admin http://{cfg.admin.host}:{cfg.admin.port})", file=sys.stderr, flush=True)
-            if on_ready is not None:
-                on_ready()
         else:
-            print(f"[cortex] warning: not ready after 60 s: {reason}", file=sys.stderr, flush=True)
+            listing = ", ".join(f"{g.name or 'gateway'} http://{g.cfg.listen.host}:{g.cfg.listen.port}"
+                                for g in gateways)
+            print(f"[cortex] ready: {len(gateways)} gateways ({listing})", file=sys.stderr, flush=True)
+        if on_ready is not None:
+            on_ready()
 
     return asyncio.run(sup.run(ready=announce))

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger("cortex.supervisor")
 
@@ -43,6 +44,13 @@ class ChildSpec:
     """Start order: every child of a lower stage is started (and its gate passed) first; stop is the reverse."""
     gate: Callable[[], Awaitable[None]] | None = None
     """Awaited before this child starts; raises (TimeoutError, RuntimeError) with the reason to give up."""
+    log: Path | None = None
+    """Append the child's stdout and stderr to this file instead of the supervisor's terminal (the demo's
+    replicas: N gateways logging to one terminal would bury what the user needs to read)."""
+
+
+def _see(spec: ChildSpec) -> str:
+    return f" (its log: {spec.log})" if spec.log is not None else ""
 
 
 @dataclass
@@ -75,8 +83,16 @@ class Supervisor:
         # children in order with one SIGTERM each. In the terminal's group every child also got the SIGINT, so
         # the supervisor's SIGTERM raced its shutdown (uvloop leaves the signal wakeup fd set after its handlers
         # are removed: "Exception ignored when trying to write to the signal wakeup fd").
-        child.proc = await asyncio.create_subprocess_exec(*child.spec.argv, env=env, process_group=0,
-                                                          preexec_fn=_die_with_parent)
+        out = None
+        if child.spec.log is not None:
+            out = child.spec.log.open("ab")  # the child keeps its own descriptor; ours is closed below
+        try:
+            child.proc = await asyncio.create_subprocess_exec(
+                *child.spec.argv, env=env, process_group=0, preexec_fn=_die_with_parent,
+                stdout=out, stderr=asyncio.subprocess.STDOUT if out is not None else None)
+        finally:
+            if out is not None:
+                out.close()
         child.started_at = time.monotonic()
         log.info("started %s (pid %d)", child.spec.name, child.proc.pid)
 
@@ -87,7 +103,7 @@ class Supervisor:
             if self._stopping:
                 return
             if not child.spec.restart:
-                self._fail(f"{child.spec.name} exited with code {code}")
+                self._fail(f"{child.spec.name} exited with code {code}{_see(child.spec)}")
                 return
             now = time.monotonic()
             child.restarts.append(now)
@@ -95,11 +111,11 @@ class Supervisor:
                 child.restarts.popleft()
             if len(child.restarts) > self.max_restarts:
                 self._fail(f"{child.spec.name} died {len(child.restarts)} times within {self.window_s:.0f}s "
-                           f"(last exit code {code}); giving up")
+                           f"(last exit code {code}); giving up{_see(child.spec)}")
                 return
             delay = min(5.0, 0.25 * 2 ** (len(child.restarts) - 1))
             self.on_event(f"{child.spec.name} exited with code {code}; restarting in {delay:.2f}s "
-                          f"({len(child.restarts)}/{self.max_restarts} in {self.window_s:.0f}s)")
+                          f"({len(child.restarts)}/{self.max_restarts} in {self.window_s:.0f}s){_see(child.spec)}")
             await asyncio.sleep(delay)
             if self._stopping:
                 return

@@ -30,20 +30,26 @@ DRAIN_MAX = 64
 TAIL_QUIET_S = 0.02
 """After this long without a new batch, ask the replay socket whether anything newer was lost."""
 REPLAY_TIMEOUT_S = 3.0
+"""A replay whose socket sends nothing for this long is given up (no publisher there, or no replay socket)."""
+REPLAY_MAX_S = 60.0
+"""The longest a replay may stream. The limit above is for silence only: a replica started late replays the
+engine's whole buffer (10 000 batches, tens of MB), which can take longer, and a replay cut short leaves a hole
+before the live batches, so the ledger would start cold (docs/deployment.md)."""
 
 
-async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int,
-                 timeout_s: float = REPLAY_TIMEOUT_S) -> tuple[list[tuple[int, bytes]], bool]:
-    """Ask a publisher's ROUTER for every buffered batch from start_seq. Returns (batches, complete)."""
+async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, timeout_s: float = REPLAY_TIMEOUT_S,
+                 max_s: float = REPLAY_MAX_S) -> tuple[list[tuple[int, bytes]], bool]:
+    """Ask a publisher's ROUTER for every buffered batch from start_seq. Returns (batches, complete);
+    incomplete after `timeout_s` without a message or `max_s` in all."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     out: list[tuple[int, bytes]] = []
     try:
         sock.connect(endpoint)
         await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
-        deadline = time.monotonic() + timeout_s
+        give_up = time.monotonic() + max_s
         while True:
-            left = deadline - time.monotonic()
+            left = min(timeout_s, give_up - time.monotonic())
             if left <= 0 or not await sock.poll(int(left * 1000)):
                 return out, False
             frames = await sock.recv_multipart()
@@ -238,8 +244,10 @@ class EventSource:
             self.on_change()
 
     def _start_replay(self, from_seq: int) -> None:
-        if self._replay_task is not None and not self._replay_task.done():
-            self._replay_task.cancel()
+        task = self._replay_task
+        # A replay cut short asks for the rest from its own task, which is finishing: not cancelled.
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
         if self.replay_endpoint is None:
             self.perform(self.target.sync.replay_done(complete=False))
             return

@@ -10,6 +10,7 @@ run of batches since its last clear (READY); every other condition is visible as
     CONNECTING --connected, no replay--> READY (cold: empty ledger, a subset of any cache)
     READY --gap / batch out of order--> STALE --missing batches arrive (replay or late)--> READY
     STALE --replay cannot fill the hole / timed out--> clear ledger --> READY (cold)
+    SYNCING / STALE --replay cut short after some batches--> STALE, replay the rest
     READY --sequence went back (publisher restarted)--> clear ledger --> READY / SYNCING
     READY --silent while the worker is busy--> STALE --replay shows nothing missed--> READY
 
@@ -79,6 +80,8 @@ class SourceSync:
     """Holes given up on: the ledger was cleared and rebuilt from live events."""
     tail_recoveries: int = 0
     """Batches lost on the live stream and found by a tail check before any later batch revealed the loss."""
+    fresh: int = 0
+    """Batches the replay under way has delivered that were new (not applied or held yet)."""
 
     # -- inputs ----------------------------------------------------------------------------------------
 
@@ -142,6 +145,7 @@ class SourceSync:
     def replayed(self, seq: int, payload: bytes) -> list[Action]:
         if (self.last_applied is not None and seq <= self.last_applied) or seq in self.buffer:
             return []
+        self.fresh += 1
         self.buffer[seq] = payload
         self.newest_seen = seq if self.newest_seen is None else max(self.newest_seen, seq)
         if self.state is SyncState.SYNCING:
@@ -151,6 +155,11 @@ class SourceSync:
     def replay_done(self, complete: bool = True) -> list[Action]:
         """The replay answered its end marker (complete) or timed out / failed (not complete)."""
         self.replay_pending = False
+        # Cut short after delivering batches: the publisher may hold newer ones, removals among them, that
+        # neither this replay nor the live stream delivered (an idle worker sends nothing live that would show
+        # the gap). Trusted as it stands, the ledger would list blocks the worker has since evicted: ask for
+        # the rest, hidden meanwhile. Each round applies at least one new batch, so this ends.
+        cut = not complete and self.fresh > 0
         actions: list[Action] = []
         if self.state is SyncState.SYNCING:
             # Nothing was known before this sync, so wherever the buffer starts is a valid start.
@@ -161,11 +170,17 @@ class SourceSync:
             actions += self._drain()
             if self.buffer:  # a hole inside what was buffered
                 actions += self._give_up("hole in the replayed batches")
+            elif cut:
+                actions += self._replay(SyncState.STALE, "replay cut short: asking for the rest",
+                                        0 if self.last_applied is None else self.last_applied + 1)
             return actions
         actions += self._drain()
         if self.state is SyncState.STALE:
             actions += self._give_up("replay could not supply the missing batches" if complete
                                      else "replay did not answer")
+        elif cut and not self.buffer:
+            actions += self._replay(SyncState.STALE, "replay cut short: asking for the rest",
+                                    0 if self.last_applied is None else self.last_applied + 1)
         return actions
 
     def tail_checked(self, batches: list[tuple[int, bytes]]) -> list[Action]:
@@ -211,6 +226,7 @@ class SourceSync:
     def _replay(self, state: SyncState, reason: str, from_seq: int) -> list[Action]:
         self.state, self.reason = state, reason
         self.replay_pending = True
+        self.fresh = 0
         self.replays += 1
         return [RequestReplay(from_seq)]
 

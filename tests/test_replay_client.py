@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import zmq
@@ -61,3 +62,38 @@ def test_silent_replay_socket_times_out() -> None:
     finally:
         sock.close(0)
         ctx.term()
+
+
+def serve_slowly(port: int, batches: int, gap_s: float, ready: threading.Event) -> None:
+    """A ROUTER answering a replay from 0 with `batches` batches, `gap_s` apart: a large buffer on a slow link."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    ready.set()
+    try:
+        if not sock.poll(5000):
+            return
+        ident, _, _ = sock.recv_multipart()
+        for seq in range(batches):
+            sock.send_multipart([ident, b"", b"topic", seq.to_bytes(8, "big"), b"x"])
+            time.sleep(gap_s)
+        sock.send_multipart([ident, b"", b"", END_SEQ, b""])
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_a_replay_that_keeps_streaming_is_not_cut() -> None:
+    """A replica started late replays the engine's whole buffer (10 000 batches, tens of MB by default), which
+    can take longer than the replay timeout. The timeout is for a silent socket: a replay that keeps sending
+    must be read to its end, or the late replica drops everything it received and starts cold."""
+    (port,) = free_ports(1)
+    ready = threading.Event()
+    t = threading.Thread(target=serve_slowly, args=(port, 60, 0.025, ready))  # ~1.5 s in all, never 1 s silent
+    t.start()
+    ready.wait(5)
+    got, complete = asyncio.run(replay(zmq.asyncio.Context.instance(), f"tcp://127.0.0.1:{port}", 0,
+                                       timeout_s=1.0))
+    t.join(10)
+    assert complete and [seq for seq, _ in got] == list(range(60))

@@ -129,6 +129,38 @@ def test_silence_probe() -> None:
     assert s.replay_done() == [] and s.state is SyncState.READY  # nothing was missed
 
 
+def test_initial_replay_cut_short_asks_for_the_rest_before_trusting() -> None:
+    """A late replica's replay that stops sending after some batches (3 s of silence, or the 60 s cap): the
+    worker may hold newer batches, removals among them, and an idle worker sends nothing live that would show
+    the gap. Trusting the ledger then would list blocks the worker has since evicted."""
+    s = SourceSync(has_replay=True)
+    s.connected()
+    assert s.replayed(0, b"a") + s.replayed(1, b"b") == []
+    assert acts(s.replay_done(complete=False)) == [("Apply", 0), ("Apply", 1), ("RequestReplay", 2)]
+    assert s.state is SyncState.STALE and s.replay_pending  # hidden from routing meanwhile
+    assert acts(s.replayed(2, b"c")) == [("Apply", 2)]
+    assert acts(s.replay_done(complete=True)) == [] and s.state is SyncState.READY
+
+
+def test_probe_replay_cut_short_asks_again() -> None:
+    s = SourceSync(has_replay=True)
+    s.connected()
+    s.replay_done()
+    s.live(0, b"a")
+    s.silent("quiet")
+    assert acts(s.replayed(1, b"b")) == [("Apply", 1)]
+    assert acts(s.replay_done(complete=False)) == [("RequestReplay", 2)] and s.state is SyncState.STALE
+    # The next one answers nothing new and completes: nothing was missed after all.
+    assert s.replay_done(complete=True) == [] and s.state is SyncState.READY
+
+
+def test_replay_that_never_answered_still_starts_from_live_batches() -> None:
+    s = SourceSync(has_replay=True)
+    s.connected()
+    assert s.live(7, b"h") == []
+    assert acts(s.replay_done(complete=False)) == [("Apply", 7)] and s.state is SyncState.READY
+
+
 # -- property test -------------------------------------------------------------------------------------
 
 BS = 4
@@ -196,7 +228,7 @@ class TruePublisher:
         self.incarnation += 1
 
 
-FAULTS = st.sampled_from(["ok"] * 6 + ["drop", "dup", "hold", "restart", "replay", "tail", "skip"])
+FAULTS = st.sampled_from(["ok"] * 6 + ["drop", "dup", "hold", "restart", "replay", "tail", "skip", "cut"])
 
 
 @settings(max_examples=150, deadline=None)
@@ -247,6 +279,16 @@ def test_ready_ledger_never_claims_a_block_the_worker_lacks(seed: int, has_repla
             run(sync.replay_done(complete=True))
             check()
             continue
+        if fault == "cut" and replay_wanted:
+            # A replay that stops sending after its first half (silence, or the time cap): not complete.
+            start = replay_wanted.pop()
+            answer = [(q, p) for q, p in pub.buffer if q >= start]
+            for seq, payload in answer[:len(answer) // 2]:
+                run(sync.replayed(seq, payload))
+                check()
+            run(sync.replay_done(complete=False))
+            check()
+            continue
         if fault == "tail":
             # A tail check (EventSource._tail_check): asked only while READY with no replay pending, answered
             # from the publisher's buffer, which may be ahead of the live stream (a held-back batch).
@@ -260,7 +302,7 @@ def test_ready_ledger_never_claims_a_block_the_worker_lacks(seed: int, has_repla
             continue
         seq, payload = pub.batch()
         deliveries = {"ok": [(seq, payload)], "drop": [], "dup": [(seq, payload)] * 2, "hold": [],
-                      "replay": [(seq, payload)]}[fault]
+                      "replay": [(seq, payload)], "cut": [(seq, payload)]}[fault]
         if fault != "hold" and held_back is not None:
             deliveries.append(held_back)
             held_back = None

@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="ZMQ PUB port of DP rank 0 (rank r: port + r); 0 disables (default %(default)s)")
     p.add_argument("--kv-replay-port", type=int, default=None,
                    help="ZMQ ROUTER replay port of rank 0 (rank r: port + r); 0 = OS-chosen (default: off)")
+    p.add_argument("--kv-buffer-steps", type=int, default=d.kv_buffer_steps,
+                   help="batches kept for replay, as the engines' buffer_steps (default %(default)s)")
     p.add_argument("--kv-topic", default="", help="topic frame of every KV-event message (default empty)")
     p.add_argument("--kv-events-format", choices=["default", "dynamo"], default="default",
                    help="SGLang kv-events format; dynamo namespaces every salted/extra-keyed hash")
@@ -146,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         # vLLM takes the seed from its own PYTHONHASHSEED; so does the simulator unless told otherwise.
         hash_seed=resolve_none_hash_seed(args.hash_seed, algo=args.hash_algo),
         kv_events_port=args.kv_events_port or None, kv_replay_port=args.kv_replay_port,
+        kv_buffer_steps=args.kv_buffer_steps,
         kv_topic=args.kv_topic, kv_events_format=args.kv_events_format,
         prefill_ms_per_token=args.prefill_ms_per_token, decode_ms_per_token=args.decode_ms_per_token,
         decode_ms_per_seq=args.decode_ms_per_seq, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -47,6 +47,9 @@ class SimConfig:
     """None disables events; 0 binds an OS-chosen port. DP rank r publishes on port + r."""
     kv_replay_port: int | None = None
     """None disables replay; 0 binds an OS-chosen port. DP rank r serves replay on port + r."""
+    kv_buffer_steps: int = 10_000
+    """Batches kept for replay (both engines' ``buffer_steps``): a subscriber that starts later than this many
+    batches after the publisher replays only the newest ones."""
     kv_topic: str = ""
     kv_events_format: str = "default"
     """SGLang's kv-events ``format``: "default" or "dynamo" (every namespaced hash rehashed)."""
@@ -87,7 +90,7 @@ class SimConfig:
         if self.kv_load_failure_policy not in ("fail", "recompute"):
             raise ValueError(f"kv_load_failure_policy: expected fail or recompute, "
                              f"got {self.kv_load_failure_policy!r}")
-        for name in ("max_running", "dp_size", "max_num_batched_tokens"):
+        for name in ("max_running", "dp_size", "max_num_batched_tokens", "kv_buffer_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.block_size is not None and self.block_size < 1:

@@ -140,6 +140,7 @@ class SimServer:
         port = cfg.kv_events_port + rank if cfg.kv_events_port else 0
         replay = None if cfg.kv_replay_port is None else (cfg.kv_replay_port + rank if cfg.kv_replay_port else 0)
         return ZmqEventPublisher(port, host=cfg.host, replay_port=replay, topic=cfg.kv_topic,
+                                 buffer_steps=cfg.kv_buffer_steps,
                                  data_parallel_rank=rank, faults=self.faults)
 
     async def start(self) -> None:
