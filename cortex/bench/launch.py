@@ -254,7 +254,9 @@ def start_router(procs: Procs, workers: list[Worker], *, module: str, policy: st
     return url
 
 
-SMG_MESH_PEER_METRIC = "router_mesh_sync_round_duration_seconds_count"
+# A mesh link shows on the dialling side as sync rounds with the peer, on the accepting side as a connection
+# from it: together, the peers a node is linked with.
+SMG_MESH_PEER_METRICS = ("router_mesh_sync_round_duration_seconds_count{", "router_mesh_peer_connections{")
 
 
 def smg_argv(workers: list[Worker], *, port: int, metrics_port: int, policy: str = "cache_aware",
@@ -281,12 +283,12 @@ def smg_argv(workers: list[Worker], *, port: int, metrics_port: int, policy: str
 
 
 def smg_mesh_peers(metrics_url: str) -> set[str]:
-    """The mesh peers an SMG has synced with at least once, by name (its metrics label each sync round)."""
-    req = urllib.request.Request(f"{metrics_url}/metrics")
-    with urllib.request.urlopen(req, timeout=5) as resp:
+    """The mesh peers an SMG is linked with, by name, as its metrics show them."""
+    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=5) as resp:
         text = resp.read().decode(errors="replace")
     return {line.split('peer="', 1)[1].split('"', 1)[0] for line in text.splitlines()
-            if line.startswith(SMG_MESH_PEER_METRIC + "{") and 'peer="' in line}
+            if line.startswith(SMG_MESH_PEER_METRICS) and 'peer="' in line and float(line.rsplit(" ", 1)[1]) > 0
+            } - {""}
 
 
 def start_smg(procs: Procs, workers: list[Worker], replicas: int, *, name: str, mesh: bool,
