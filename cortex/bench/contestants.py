@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from cortex.bench.launch import MODEL, Procs, Worker, start_cortex, start_oracle, start_router
+from cortex.bench.launch import MODEL, Procs, Worker, start_cortex, start_oracle, start_router, start_smg
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +79,21 @@ CONTESTANTS: tuple[Contestant, ...] = (
                    *(a for w in workers for a in ("--kv-event-source", f"{w.url}={w.kv_events}")),
                    "--kv-event-block-size", "16" if workers[0].engine == "vllm" else "1", "--kv-event-model", MODEL)),
                module="vllm_router", package="vllm-router"),
+    Contestant("smg-cache-aware", "SMG 1.13 (sglang-router's successor) --policy cache_aware with its defaults "
+               "(approximate tree of the text sent to each worker, no KV events from HTTP workers); replicas are "
+               "independent",
+               lambda procs, workers, n: start_smg(procs, workers, n, name="smg-cache-aware", mesh=False),
+               module="smg", package="smg"),
+    Contestant("smg-cache-aware-mesh", "SMG 1.13 cache_aware, defaults, with its HA mesh on (--enable-mesh, every "
+               "replica peered with the others on loopback): the replicas gossip their trees",
+               lambda procs, workers, n: start_smg(procs, workers, n, name="smg-cache-aware-mesh", mesh=True),
+               module="smg", package="smg"),
+    Contestant("smg-prefix-hash", "SMG 1.13 --policy prefix_hash, defaults: a consistent-hash ring over the "
+               "request's head (the first 256 tokens' worth of text), walked on load; no state, so independent "
+               "replicas agree where a prefix goes",
+               lambda procs, workers, n: start_smg(procs, workers, n, name="smg-prefix-hash", mesh=False,
+                                                   policy="prefix_hash"),
+               module="smg", package="smg"),
     Contestant("round-robin", "no gateway: the client itself sends request i to worker i mod N",
                lambda procs, workers, n: [w.url for w in workers], gateway=False, replicable=False),
     Contestant("oracle", "the harness's oracle: asks every worker its true cached prefix for the prompt and "

