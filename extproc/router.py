@@ -286,11 +286,13 @@ class Router:
             # No engine load and no in-flight signal tells the workers apart: only liveness is known.
             decision = round_robin(cands, next(self._turn), why)
         else:
-            # Ties between equally loaded workers are broken at random: a counter aliases with arrival patterns
+            # Ties between equally loaded workers are broken by the prompt's home (its first block key, the same
+            # on every replica) when no one holds it, else at random: a counter aliases with arrival patterns
             # (groups of n requests on n workers advance it by n, so every group's first request saw the same
             # rotation and bursts piled onto one worker; docs/benchmarks.md).
             decision = decide(cands, block_size=bs, ledger_usable=matches is not None, why_not_exact=why,
-                              turn=self._tie_rng.getrandbits(32), scoring=self.scoring)
+                              turn=self._tie_rng.getrandbits(32), scoring=self.scoring,
+                              home=keys[0] if keys else None)
         prep.timings.score_s += time.perf_counter() - t3
         if commit and keys and decision.chosen.ledger_trusted:
             self.predictions.record(decision.chosen.slot, keys)

@@ -37,6 +37,12 @@ Guards against piling onto one GPU (seed 004 §3.2):
   * cold start: a worker younger than `cold_start_s` gets `cold_start_share` of the requests that no one
     can serve from cache, so a new, empty GPU warms up instead of starving.
 
+Several replicas: a prompt no worker holds yet goes, among the least loaded workers, to its "home": the one
+with the highest rendezvous weight for the prompt's first block key. Independent gateway replicas know
+nothing of each other's requests until the engines' events arrive, so without a shared rule identical
+prompts arriving at different replicas at once (a client sampling n answers through an L4 balancer) would be
+scattered; the home is the same on every replica, uniform over prompts, and never outweighs load.
+
 Complexity: O(candidates) per decision. The remaining candidates follow the chosen one by score, so
 Envoy's single retry lands on the next-best worker.
 """
@@ -44,6 +50,7 @@ Envoy's single retry lands on the next-best worker.
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -132,9 +139,19 @@ def _by_load(cands: Sequence[Candidate], start: int) -> list[Candidate]:
     return sorted(rotated, key=lambda c: c.load if c.load is not None else float(c.inflight))
 
 
+def rendezvous(home: int, worker: str) -> int:
+    """The weight of `worker` for the prompt whose first block key is `home` (highest random weight hashing):
+    every replica computes the same weights from the same worker ids, and a worker leaving moves only the
+    prompts it was home to."""
+    return ((home ^ zlib.crc32(worker.encode())) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+
+
 def decide(cands: Sequence[Candidate], *, block_size: int, ledger_usable: bool, why_not_exact: str,
-           turn: int, scoring: Scoring | None = None, rng: random.Random | None = None) -> Decision:
-    """`why_not_exact` names the reason used when no proven hit decides; `turn` rotates ties.
+           turn: int, scoring: Scoring | None = None, rng: random.Random | None = None,
+           home: int | None = None) -> Decision:
+    """`why_not_exact` names the reason used when no proven hit decides; `turn` rotates ties; `home` (the
+    prompt's first block key) breaks ties between equally loaded workers for a prompt no one holds, so that
+    independent replicas send the same new prompt to the same worker (module docstring).
 
     Tiers (module docstring): workers in good standing first, known load before unknown inside a tier.
     """
@@ -147,7 +164,7 @@ def decide(cands: Sequence[Candidate], *, block_size: int, ledger_usable: bool, 
     tier = good or list(cands)  # nobody in good standing: they all compete alike
     known = [c for c in tier if c.load is not None]
     if known:
-        lead = _scored(known, s, block_size, ledger_usable, why_not_exact, turn, r, matched)
+        lead = _scored(known, s, block_size, ledger_usable, why_not_exact, turn, r, matched, home)
     elif len(tier) == 1:
         lead = Decision(tuple(tier), P2C, "load_unknown_single_candidate", 0, matched)
     else:
@@ -168,7 +185,7 @@ def _by_activity(cands: Iterable[Candidate]) -> list[Candidate]:
 
 
 def _scored(cands: Sequence[Candidate], s: Scoring, bs: int, ledger_usable: bool, why: str, turn: int,
-            r: random.Random, matched: dict[str, int]) -> Decision:
+            r: random.Random, matched: dict[str, int], home: int | None = None) -> Decision:
     by_load = _by_load(cands, turn)
     cool = [c for c in by_load if not c.hot] or by_load[:1]  # all hot: the least loaded still has to serve
     affinity = ledger_usable and any(c.ledger_trusted and c.affinity_blocks > 0 for c in cands)
@@ -183,6 +200,9 @@ def _scored(cands: Sequence[Candidate], s: Scoring, bs: int, ledger_usable: bool
                         matched)
     if not affinity:
         first = cool[0]
+        if home is not None:
+            tied = [c for c in cool if c.load == first.load]
+            first = max(tied, key=lambda c: rendezvous(home, f"{c.id}/{c.rank}"))
         return Decision((first, *(c for c in by_load if c is not first)), LOAD_AWARE, why, 0, matched)
     # Equal scores: proven blocks beat predicted ones; then max() keeps the first, and `cool` is in rotated
     # load order, so remaining ties take turns.

@@ -186,3 +186,30 @@ def test_round_robin_rotates() -> None:
 def test_no_candidates_is_an_error() -> None:
     with pytest.raises(ValueError):
         decide([], block_size=16, ledger_usable=True, why_not_exact="x", turn=0)
+
+
+def test_a_new_prompt_goes_home_on_every_replica() -> None:
+    """Independent replicas (each its own tie-break draws) agree on where a prompt no one holds goes while the
+    workers are equally loaded, so identical prompts arriving at different replicas at once stay together."""
+    fleet = [c(f"w{i}") for i in range(8)]
+    for home in (1, 2**40 + 7, 2**63 + 12345):
+        picks = {decide(fleet, block_size=16, ledger_usable=True, why_not_exact="no_cached_prefix",
+                        turn=t, scoring=S, rng=random.Random(t), home=home).chosen.id for t in range(20)}
+        assert len(picks) == 1
+    # Different prompts have different homes: spread over the fleet, not piled on one worker.
+    homes = {decide(fleet, block_size=16, ledger_usable=True, why_not_exact="no_cached_prefix", turn=0,
+                    scoring=S, rng=random.Random(0), home=h * 0x1F3B5).chosen.id for h in range(200)}
+    assert len(homes) == 8
+
+
+def test_home_never_outweighs_load_or_a_holder() -> None:
+    idle = c("w0", load=0)
+    busy = [c(f"w{i}", load=1) for i in range(1, 6)]
+    for h in range(50):
+        d = decide([*busy, idle], block_size=16, ledger_usable=True, why_not_exact="no_cached_prefix", turn=h,
+                   scoring=S, rng=random.Random(h), home=h * 7919)
+        assert d.chosen.id == "w0" and d.reason == "no_cached_prefix"
+        held = decide([c("w1", matched=20, load=0), *(c(f"w{i}") for i in range(2, 6))], block_size=16,
+                      ledger_usable=True, why_not_exact="no_cached_prefix", turn=h, scoring=S,
+                      rng=random.Random(h), home=h * 7919)
+        assert held.chosen.id == "w1" and held.mode == EXACT
