@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every figure (and the command) as JSON")
     p.add_argument("--report", metavar="PATH", help="put the tables between the result markers of this Markdown "
                                                     "file (docs/benchmarks.md)")
+    p.add_argument("--report-section", default="results", metavar="NAME",
+                   help="the markers to write between: <!-- bench:NAME:start --> ... end (default %(default)s)")
     p.add_argument("--img-dir", metavar="DIR", help="write PNG plots here (needs matplotlib)")
     p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="simulated worker flavour")
     p.add_argument("--workers", type=int, default=None,
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = Path(args.report) if args.report else None
     text = report.markdown(out, command, images, rel_to=doc.parent if doc else None)
     if doc is not None:
-        report.write_markdown(doc, text)
+        report.write_markdown(doc, text, args.report_section)
     if args.json and not args.from_json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     print(text)

@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-START = "<!-- bench:results:start -->"
-END = "<!-- bench:results:end -->"
+START, END = "<!-- bench:results:start -->", "<!-- bench:results:end -->"
 
 
 def _f(v: Any, digits: int = 1) -> str:
@@ -255,13 +254,18 @@ def markdown(out: dict[str, Any], command: str, images: list[Path] | None = None
     return "\n".join(parts)
 
 
-def write_markdown(path: Path, body: str) -> None:
-    """Put `body` between the result markers of `path` (appending the markers if the file lacks them)."""
+def markers(section: str = "results") -> tuple[str, str]:
+    return f"<!-- bench:{section}:start -->", f"<!-- bench:{section}:end -->"
+
+
+def write_markdown(path: Path, body: str, section: str = "results") -> None:
+    """Put `body` between the `section` markers of `path` (appending the markers if the file lacks them)."""
+    start, end = markers(section)
     text = path.read_text() if path.exists() else ""
-    block = f"{START}\n{body}\n{END}"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + block + rest.split(END, 1)[1]
+    block = f"{start}\n{body}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = (text.rstrip() + "\n\n" if text else "") + block + "\n"
     path.write_text(text)
