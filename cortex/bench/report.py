@@ -284,7 +284,7 @@ def plots(out: dict[str, Any], img_dir: Path) -> list[Path]:
     names = list(out["contestants"])
     for key, label, fname in (("hit_ratio", "prefix-cache hit ratio", "bench-hit-ratio.png"),
                               ("ttft_p90", "TTFT p90 (ms)", "bench-ttft-p90.png")):
-        fig, ax = plt.subplots(figsize=(10, 4.2))
+        fig, ax = plt.subplots(figsize=(max(10, 1.1 * len(workloads)), 4.2 if len(workloads) <= 4 else 5.5))
         width = 0.8 / max(len(names), 1)
         for i, cname in enumerate(names):
             values = []
@@ -295,7 +295,9 @@ def plots(out: dict[str, Any], img_dir: Path) -> list[Path]:
                     v = r["hit_ratio"] if key == "hit_ratio" else r["ttft_ms"]["p90"]
                 values.append(v if v is not None else 0.0)
             ax.bar([j + i * width for j in range(len(workloads))], values, width, label=cname)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads,
+                      rotation=25 if len(workloads) > 4 else 0, ha="right" if len(workloads) > 4 else "center",
+                      fontsize=7 if len(workloads) > 4 else 10)
         ax.set_ylabel(label)
         ax.legend(fontsize=7, ncol=4)
         ax.grid(axis="y", alpha=0.3)
