@@ -54,8 +54,10 @@ class IngestConfig(_Strict):
     """Bind address of ingest's HTTP port."""
     port: Port = 9090
     """Serves /health/live, /health/ready, /metrics and /cortex/workers."""
-    heartbeat_interval_s: float = Field(0.1, gt=0, le=5)
-    """How often ingest stamps the shared ledger view; extproc treats 1 s of silence as ingest dead."""
+    heartbeat_interval_s: float = Field(0.25, gt=0, le=5)
+    """How often ingest stamps the shared ledger view while nothing changes (each change is published and stamped
+    at once, at most every 0.1 s); extproc treats `extproc.view_stale_after_s` (1 s) of silence as ingest dead,
+    so keep it well below that."""
     load_poll_interval_s: float = Field(0.1, gt=0, le=60)
     """How often an active worker's own load metrics are read (vLLM /metrics, SGLang /v1/loads): one that ran or
     queued requests at its last reading, published KV events, or had requests routed to it by this replica in

@@ -103,6 +103,8 @@ class ClusterView:
         self._load_expires = math.inf
         """When the next published load reading turns unknown: the target list is rebuilt then."""
         self._inflight_failed = False
+        self.refreshed_at = 0.0
+        """When refresh() last ran (monotonic)."""
         self.targets: dict[str, list[TargetInfo]] = {}
         self.by_address: dict[str, TargetInfo] = {}
         self._set_targets(self._config_targets())
@@ -147,7 +149,8 @@ class ClusterView:
         self._load_expires = expires_first
 
     def refresh(self) -> None:
-        """Background upkeep; cheap enough to run every 100-250 ms."""
+        """Background upkeep; cheap enough to run every 100-250 ms, and before a request when it has not."""
+        self.refreshed_at = time.monotonic()
         if self.reader is None:
             self.reader = ViewReader.open(self.view_path)
         elif self.reader.refresh():

@@ -39,6 +39,9 @@ from ingest.workers import Target, Worker, probe_health, read_load
 
 log = logging.getLogger("cortex.ingest")
 
+PUBLISH_SPACING_S = 0.1
+"""Least time between two writes of the target list (extproc re-reads it on each)."""
+
 
 class MembershipError(ValueError):
     def __init__(self, status: int, message: str) -> None:
@@ -63,6 +66,7 @@ class Ingest:
         self._background: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._epochs = itertools.count(1)
+        self._publish_soon = asyncio.Event()
         self._meta_dirty = True
         self._parity_wakeup = asyncio.Event()
         self.state_file = cfg.runtime_path() / "workers.json"
@@ -253,6 +257,17 @@ class Ingest:
         log.info("worker %s added (%s, %s, %d target(s))", wcfg.id, wcfg.url, source, len(worker.targets))
         return worker
 
+    @property
+    def _meta_dirty(self) -> bool:
+        """The target list changed since it was last written to the view."""
+        return self._dirty
+
+    @_meta_dirty.setter
+    def _meta_dirty(self, value: bool) -> None:
+        self._dirty = value
+        if value:
+            self._publish_soon.set()  # written at once, not at the next heartbeat
+
     def _changed(self) -> None:
         self._meta_dirty = True
 
@@ -285,23 +300,33 @@ class Ingest:
         self._meta_dirty = False
 
     async def _heartbeat_loop(self) -> None:
-        """Stamp the view, notice requests this replica routes, and publish the target list when it changed.
-        Load readings come from _poll_load (one task per worker) and mark the list changed only when a value,
-        the poll interval in force, or the reading's freshness needs it: an idle fleet's meta stays still."""
+        """Stamp the view, notice requests this replica routes, and publish the target list when it changed:
+        at once, at most every PUBLISH_SPACING_S (a burst of changes is one write). Load readings come from
+        _poll_load (one task per worker) and mark the list changed only when a value, the poll interval in force,
+        or the reading's freshness needs it: an idle fleet's list stays still and this loop wakes only every
+        heartbeat_interval_s."""
         tick = 0
+        published_at = 0.0
         while True:
             self.view.heartbeat()
             self._check_routed(tick)
             if self._meta_dirty:
+                wait = published_at + PUBLISH_SPACING_S - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
                 self.publish_meta()
+                published_at = time.monotonic()
             self.heartbeat_at = time.monotonic()
             tick += 1
-            await asyncio.sleep(self.cfg.ingest.heartbeat_interval_s)
+            self._publish_soon.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.ingest.heartbeat_interval_s):
+                    await self._publish_soon.wait()
 
     def _check_routed(self, tick: int) -> None:
         """A worker with requests in flight from this replica's extproc processes is active: wake its polling."""
         try:
-            if tick % 10 == 0:
+            if tick % 8 == 0:
                 self._board.refresh()  # an extproc process restarted: follow its new row
             totals = self._board.totals()
         except Exception:  # an extra signal only: never let it stop the heartbeat
