@@ -452,6 +452,7 @@ class Ingest:
         icfg = self.cfg.ingest
         while True:
             was_healthy = worker.healthy
+            shown = (worker.healthy, worker.suspect, worker.bootstrap_port)
             try:
                 await probe_health(self._session, worker, icfg.health_timeout_s, icfg.health_failures)
             except Exception:  # probe_health counts every expected failure itself; keep probing whatever else
@@ -464,7 +465,8 @@ class Ingest:
                     t.ledger.clear(self.view)
             elif worker.healthy and not was_healthy:
                 log.info("worker %s is up again", worker.id)
-            self._meta_dirty = True  # health, standing or an SGLang prefill's bootstrap port may have changed
+            if (worker.healthy, worker.suspect, worker.bootstrap_port) != shown:
+                self._meta_dirty = True  # health, standing or an SGLang prefill's bootstrap port changed
             await asyncio.sleep(icfg.health_interval_s)
 
     async def _token_parity_loop(self) -> None:

@@ -20,6 +20,7 @@ import pytest
 
 from cortex.bench.launch import free_ports
 from cortex.config import ConfigError, load_config
+from cortex.view import ViewReader
 from extproc.cluster_view import LOAD_MAX_AGE_S, engine_load_of, load_max_age_s
 from tests.harness import MODEL, Gateway, Sim, long_chat, start_gateway, start_sim, stop, wait_for
 
@@ -145,6 +146,19 @@ def test_an_idle_worker_is_polled_slowly_and_its_load_stays_known(gw: Gateway) -
         reads = metrics_reads(s) - counts[s.id]
         # At the active cadence this would be ~elapsed / FAST_S (200); idle: one read per IDLE_S.
         assert 1 <= reads <= elapsed / IDLE_S + 2, (s.id, reads, elapsed)
+
+
+def test_an_idle_fleet_leaves_the_worker_document_still(gw: Gateway) -> None:
+    # extproc re-parses the document on every version: an idle fleet must not rewrite it ten times a second.
+    reader = ViewReader.open(gw.root / "rt" / "ledger.view")
+    assert reader is not None
+    wait_for(lambda: all(every_s(gw, s.id) == IDLE_S for s in gw.sims), timeout=60, what="idle cadence")
+    first, t0 = reader.meta()[0], time.monotonic()
+    time.sleep(IDLE_S / 2)
+    writes, elapsed = reader.meta()[0] - first, time.monotonic() - t0
+    # At most one republished idle reading per worker per IDLE_S (it was one write per 0.1 s).
+    assert writes <= len(gw.sims) * (elapsed / IDLE_S + 1), writes
+    reader.close()
 
 
 def test_kv_events_from_traffic_elsewhere_wake_fast_polling_at_once(gw: Gateway) -> None:
