@@ -54,10 +54,20 @@ class IngestConfig(_Strict):
     """Bind address of ingest's HTTP port."""
     port: Port = 9090
     """Serves /health/live, /health/ready, /metrics and /cortex/workers."""
-    heartbeat_interval_s: float = Field(0.1, gt=0, le=5)
-    """How often ingest stamps the shared ledger view; extproc treats 1 s of silence as ingest dead."""
+    heartbeat_interval_s: float = Field(0.25, gt=0, le=5)
+    """How often ingest stamps the shared ledger view while nothing changes (each change is published and stamped
+    at once, at most every 0.1 s); extproc treats `extproc.view_stale_after_s` (1 s) of silence as ingest dead,
+    so keep it well below that."""
     load_poll_interval_s: float = Field(0.1, gt=0, le=60)
-    """How often each worker's own load metrics are read (vLLM /metrics, SGLang /v1/loads)."""
+    """How often an active worker's own load metrics are read (vLLM /metrics, SGLang /v1/loads): one that ran or
+    queued requests at its last reading, published KV events, or had requests routed to it by this replica in
+    the last 2 x `idle_load_poll_interval_s`."""
+    idle_load_poll_interval_s: float = Field(1.0, gt=0, le=60)
+    """How often an idle worker's load is read (docs/performance.md, "What an idle replica costs"). A KV event
+    from it or a request routed to it switches it back to `load_poll_interval_s` at once; traffic that reaches
+    it some other way without publishing events is seen within this interval. Extproc treats a reading as
+    unknown once older than max(2 s, 2 x the interval in force). Must not be below `load_poll_interval_s`
+    (when not set, a larger `load_poll_interval_s` is used for both)."""
     event_silence_s: float = Field(10.0, gt=0)
     """A worker busy with requests for this long without a single event batch is suspected of losing
     events: its ledger goes STALE and is re-checked through replay (idle workers publish nothing)."""
@@ -79,6 +89,17 @@ class IngestConfig(_Strict):
     """Initial slot count of the shared ledger table; it doubles on its own when half full."""
     max_workers: int = Field(64, ge=1, le=4096)
     """Most routing targets (workers x data-parallel ranks) the ledger view can hold (one bit each per block)."""
+
+    @model_validator(mode="after")
+    def _poll_intervals(self) -> IngestConfig:
+        if "idle_load_poll_interval_s" not in self.model_fields_set:
+            # A config that only slows the active cadence keeps idle workers at least as slow.
+            object.__setattr__(self, "idle_load_poll_interval_s",
+                               max(self.idle_load_poll_interval_s, self.load_poll_interval_s))
+        elif self.idle_load_poll_interval_s < self.load_poll_interval_s:
+            raise ValueError(f"idle_load_poll_interval_s ({self.idle_load_poll_interval_s}) must not be below "
+                             f"load_poll_interval_s ({self.load_poll_interval_s})")
+        return self
 
 
 class ExtprocConfig(_Strict):

@@ -15,7 +15,10 @@ import numpy as np
 
 
 class InflightBoard:
-    def __init__(self, directory: str | os.PathLike[str], index: int, processes: int, max_workers: int) -> None:
+    def __init__(self, directory: str | os.PathLike[str], index: int | None, processes: int,
+                 max_workers: int) -> None:
+        """`index` None: a reader of every process's row that owns none (ingest, to see where this replica's
+        requests are in flight)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.index = index
@@ -27,12 +30,16 @@ class InflightBoard:
         # (st_dev, st_ino) of the file each row was mapped from: a restarted peer replaces its file
         # (os.replace), so a different identity at the path means the mapped row is an orphan.
         self._ids: dict[int, tuple[int, int]] = {}
+        if index is None:
+            self.own = np.zeros((max_workers,), dtype=np.int64)
+            return
         path = self._path(index)
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(b"\x00" * self._size)
         os.replace(tmp, path)
-        self.own = self._map(index)
-        assert self.own is not None
+        own = self._map(index)
+        assert own is not None
+        self.own = own
 
     def _path(self, index: int) -> Path:
         return self.dir / f"{index}.bin"

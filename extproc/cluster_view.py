@@ -9,6 +9,8 @@ and decides whether ingest is alive. When it is not, extproc keeps routing on th
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,30 @@ from cortex.view import ViewBusy, ViewReader
 
 log = logging.getLogger("cortex.extproc")
 
-LOAD_MAX_AGE_S = 2.0  # an engine load reading older than this is treated as unknown
+LOAD_MAX_AGE_S = 2.0
+"""An engine load reading older than this (or than two poll intervals in force, if longer) is unknown."""
+
+
+def load_max_age_s(every_s: float) -> float:
+    """How old a reading taken every `every_s` may get before it is unknown: two missed readings in a row
+    (an idle worker polled every ingest.idle_load_poll_interval_s is not flagged for being idle)."""
+    return max(LOAD_MAX_AGE_S, 2 * every_s)
+
+
+def engine_load_of(load: dict[str, Any], now: float) -> tuple[float | None, float]:
+    """(running + waiting, or None when unknown; the time at which this reading turns unknown, inf if never
+    or already). `at` is the reading's monotonic time (ingest's clock is this host's); older documents
+    carried `age_s` at publication instead."""
+    at = load.get("at")
+    if at is None:
+        age = load.get("age_s")
+        at = None if age is None else now - float(age)
+    if at is None:
+        return None, math.inf
+    expires = float(at) + load_max_age_s(float(load.get("every_s") or 0.0))
+    if now > expires:
+        return None, math.inf
+    return float(load.get("running", 0)) + float(load.get("waiting", 0)), expires
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +65,8 @@ class TargetInfo:
     healthy: bool
     engine_load: float | None
     engine_waiting: float = 0.0
-    age_s: float | None = None
-    """Time since ingest added it (None until ingest has spoken)."""
+    added_at: float | None = None
+    """When ingest added it (monotonic; None until ingest has spoken)."""
     why: str = ""
     """Why its ledger is not trusted, as a reason code ('' when it is)."""
     role: str = "both"
@@ -51,6 +76,11 @@ class TargetInfo:
     suspect: bool = False
     """Not in good standing with ingest (never probed yet, or its latest probe failed): routable, but never
     first while a worker in good standing exists. False for the config's list (nothing is known yet)."""
+
+    @property
+    def age_s(self) -> float | None:
+        """Time since ingest added it (None until ingest has spoken)."""
+        return None if self.added_at is None else time.monotonic() - self.added_at
 
     @property
     def host(self) -> str:
@@ -69,7 +99,12 @@ class ClusterView:
         self._lost = False
         self.block_size = cfg.block_size
         self._meta_version = -1
+        self._docs: list[dict[str, Any]] = []
+        self._load_expires = math.inf
+        """When the next published load reading turns unknown: the target list is rebuilt then."""
         self._inflight_failed = False
+        self.refreshed_at = 0.0
+        """When refresh() last ran (monotonic)."""
         self.targets: dict[str, list[TargetInfo]] = {}
         self.by_address: dict[str, TargetInfo] = {}
         self._set_targets(self._config_targets())
@@ -89,16 +124,20 @@ class ClusterView:
     def _set_targets(self, docs: list[dict[str, Any]]) -> None:
         by_model: dict[str, list[TargetInfo]] = {}
         by_address: dict[str, TargetInfo] = {}
+        now = time.monotonic()
+        expires_first = math.inf
         for d in docs:
             load = d.get("load") or {}
-            age = load.get("age_s")
-            engine_load = (float(load.get("running", 0)) + float(load.get("waiting", 0))
-                           if age is not None and age <= LOAD_MAX_AGE_S else None)
+            engine_load, expires = engine_load_of(load, now)
+            expires_first = min(expires_first, expires)
+            added_at = d.get("added_at")
+            if added_at is None and d.get("age_s") is not None:
+                added_at = now - float(d["age_s"])
             info = TargetInfo(id=d["id"], worker=d.get("worker", d["id"]), rank=d.get("rank"),
                               slot=int(d["slot"]), model=d["model"], engine=d.get("engine", "vllm"),
                               address=d["address"], exact_kv=bool(d.get("exact_kv")),
                               healthy=bool(d.get("healthy", True)), engine_load=engine_load,
-                              engine_waiting=float(load.get("waiting", 0) or 0), age_s=d.get("age_s"),
+                              engine_waiting=float(load.get("waiting", 0) or 0), added_at=added_at,
                               why=d.get("why", "" if d.get("exact_kv") else "ledger_unknown"),
                               role=d.get("role", "both"), bootstrap_port=d.get("bootstrap_port"),
                               suspect=bool(d.get("suspect", False)))
@@ -106,9 +145,12 @@ class ClusterView:
             by_address.setdefault(info.address, info)
         self.targets = by_model
         self.by_address = by_address
+        self._docs = docs
+        self._load_expires = expires_first
 
     def refresh(self) -> None:
-        """Background upkeep; cheap enough to run every 100-250 ms."""
+        """Background upkeep; cheap enough to run every 100-250 ms, and before a request when it has not."""
+        self.refreshed_at = time.monotonic()
         if self.reader is None:
             self.reader = ViewReader.open(self.view_path)
         elif self.reader.refresh():
@@ -136,6 +178,9 @@ class ClusterView:
             self._meta_version = version
             self.block_size = int(doc.get("block_size", self.block_size))
             self._set_targets(doc["targets"])
+        elif time.monotonic() > self._load_expires:
+            # Ingest republishes only what changed: a reading that stopped coming ages out here.
+            self._set_targets(self._docs)
 
     def _mark(self, alive: bool, why: str) -> None:
         # The first sight of the view is the normal start (the server logs that it serves); a loss and a

@@ -98,6 +98,12 @@ _FALLBACK_WHY = {"watchdog": "bootstrap_timeout", "prefill_failed": "prefill_fai
 # Hop-by-hop or recomputed by Envoy: never copied from the fallback worker's answer.
 _NOT_COPIED = frozenset({"content-length", "transfer-encoding", "content-encoding", "connection", "keep-alive",
                          "date", "server"})
+UPKEEP_S = 0.1
+"""Upkeep cadence (view refresh, prediction expiry) while requests flow."""
+IDLE_UPKEEP_S = 1.0
+"""Upkeep cadence once no request came for IDLE_AFTER_S: the first request after a pause refreshes the view
+itself if the last refresh is older than UPKEEP_S (docs/performance.md, "What an idle replica costs")."""
+IDLE_AFTER_S = 2.0
 
 
 @dataclass(slots=True)
@@ -124,11 +130,21 @@ class ExtProc:
         self.cluster = cluster
         self.router = router
         self.pd = PdDispatcher(cfg, cluster.inflight)
+        self.last_stream_at = 0.0
+        """When the latest ext_proc stream (one per request) began (monotonic)."""
 
     # -- the gRPC method ----------------------------------------------------------------------------------
 
     async def process(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
         st = StreamState()
+        now = time.monotonic()
+        self.last_stream_at = now
+        if now - self.cluster.refreshed_at > UPKEEP_S:
+            # The upkeep is on its idle cadence: bring the view up to date before routing on it.
+            try:
+                self.cluster.refresh()
+            except Exception:
+                log.exception("view refresh before a request failed; the upkeep retries")
         try:
             async for req in requests:
                 which = req.WhichOneof("request")
@@ -622,10 +638,11 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
 
     async def upkeep() -> None:
         nonlocal served
-        tick = 0
+        polled_at = time.monotonic()
         while True:
-            await asyncio.sleep(0.1)
-            tick += 1
+            # Until it serves, and while requests flow, every UPKEEP_S; an idle process wakes less often.
+            idle = served and time.monotonic() - app.last_stream_at > IDLE_AFTER_S
+            await asyncio.sleep(IDLE_UPKEEP_S if idle else UPKEEP_S)
             try:
                 cluster.refresh()
                 if not served and cluster.synced:
@@ -633,7 +650,8 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
                     log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port,
                              len(registry.bundles))
                 app.router.predictions.expire()
-                if tick % 10 == 0:
+                if time.monotonic() - polled_at >= 1.0:
+                    polled_at = time.monotonic()
                     await watcher.poll()
             except Exception:
                 log.exception("extproc upkeep failed")

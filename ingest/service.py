@@ -27,6 +27,7 @@ import zmq.asyncio
 from cortex.bundle import BundleError, ModelBundle
 from cortex.config import ConfigError, CortexConfig, WorkerConfig, check_models, load_config
 from cortex.dataplane import atomic_write, write_xds
+from cortex.inflight import InflightBoard
 from cortex.view import ViewWriter
 from ingest import silence, token_parity
 from ingest.ledger import Ledger
@@ -37,6 +38,9 @@ from ingest.sync import SourceSync, SyncState
 from ingest.workers import Target, Worker, probe_health, read_load
 
 log = logging.getLogger("cortex.ingest")
+
+PUBLISH_SPACING_S = 0.1
+"""Least time between two writes of the target list (extproc re-reads it on each)."""
 
 
 class MembershipError(ValueError):
@@ -62,6 +66,7 @@ class Ingest:
         self._background: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._epochs = itertools.count(1)
+        self._publish_soon = asyncio.Event()
         self._meta_dirty = True
         self._parity_wakeup = asyncio.Event()
         self.state_file = cfg.runtime_path() / "workers.json"
@@ -69,6 +74,10 @@ class Ingest:
         """When the view was last stamped (monotonic; 0 before the first): /health/ready's "ledger view live"."""
         # Cortex's own ids for the tokenizer parity probes, per model (rendered once, at start).
         self._probes = self._load_probes(cfg)
+        # Read-only: where this replica's extproc processes have requests in flight, so a worker this replica
+        # routes to is polled at the active cadence from the first request on.
+        self._board = InflightBoard(cfg.runtime_path() / "inflight", None, cfg.extproc.process_count(),
+                                    cfg.ingest.max_workers)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -79,7 +88,6 @@ class Ingest:
         self._sync_envoy()
         self.publish_meta()
         self._background = [asyncio.create_task(self._heartbeat_loop()),
-                            asyncio.create_task(self._load_loop()),
                             asyncio.create_task(self._token_parity_loop()),
                             asyncio.create_task(self._config_loop())]
 
@@ -237,7 +245,7 @@ class Ingest:
             self.view.clear_worker(slot)
             worker.targets.append(target)
             if worker.events_usable:
-                src = EventSource(target, self.zmq, self.view, self._changed)
+                src = EventSource(target, self.zmq, self.view, self._changed, on_events=self._events_arrived)
                 self._sources[target.id] = (src, asyncio.get_running_loop().create_task(src.run(),
                                                                                          name=f"src-{target.id}"))
         self.workers[wcfg.id] = worker
@@ -249,8 +257,33 @@ class Ingest:
         log.info("worker %s added (%s, %s, %d target(s))", wcfg.id, wcfg.url, source, len(worker.targets))
         return worker
 
+    @property
+    def _meta_dirty(self) -> bool:
+        """The target list changed since it was last written to the view."""
+        return self._dirty
+
+    @_meta_dirty.setter
+    def _meta_dirty(self, value: bool) -> None:
+        self._dirty = value
+        if value:
+            self._publish_soon.set()  # written at once, not at the next heartbeat
+
     def _changed(self) -> None:
         self._meta_dirty = True
+
+    def _events_arrived(self, target: Target) -> None:
+        # Events mean the engine is working, whoever sent it the requests (another replica, direct traffic).
+        self._wake(target.worker, time.monotonic())
+
+    def _wake(self, worker: Worker, now: float) -> None:
+        """Poll this worker at the active cadence from now on (for a while), starting with a reading now."""
+        worker.active_until = max(worker.active_until, now + self._active_hold_s())
+        if worker.poll_every > self.cfg.ingest.load_poll_interval_s:
+            worker.wake.set()
+
+    def _active_hold_s(self) -> float:
+        # How long a sign of work keeps a worker on the active cadence after it was last seen.
+        return 2 * self.cfg.ingest.idle_load_poll_interval_s
 
     # -- probes and publication --------------------------------------------------------------------------
 
@@ -259,97 +292,157 @@ class Ingest:
 
     def publish_meta(self) -> None:
         now = time.monotonic()
+        targets = self.targets()
         self.view.set_meta({"block_size": self.cfg.block_size,
-                            "targets": [t.routable_meta(now) for t in self.targets()]})
+                            "targets": [t.routable_meta(now) for t in targets]})
+        for t in targets:
+            t.published_load = (t.load.running, t.load.waiting, t.load.at)
         self._meta_dirty = False
 
     async def _heartbeat_loop(self) -> None:
+        """Stamp the view, notice requests this replica routes, and publish the target list when it changed:
+        at once, at most every PUBLISH_SPACING_S (a burst of changes is one write). Load readings come from
+        _poll_load (one task per worker) and mark the list changed only when a value, the poll interval in force,
+        or the reading's freshness needs it: an idle fleet's list stays still and this loop wakes only every
+        heartbeat_interval_s."""
+        tick = 0
+        published_at = 0.0
         while True:
             self.view.heartbeat()
+            self._check_routed(tick)
             if self._meta_dirty:
+                wait = published_at + PUBLISH_SPACING_S - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
                 self.publish_meta()
+                published_at = time.monotonic()
             self.heartbeat_at = time.monotonic()
-            await asyncio.sleep(self.cfg.ingest.heartbeat_interval_s)
+            tick += 1
+            self._publish_soon.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.ingest.heartbeat_interval_s):
+                    await self._publish_soon.wait()
 
-    async def _load_loop(self) -> None:
-        """Fleet-wide upkeep at the load-poll cadence; the readings themselves come from _poll_load, one task
-        per worker. Publishing on this clock (not after each reading) keeps every target's published load age
-        moving, so a worker whose reads stopped turns `unknown` in extproc after LOAD_MAX_AGE_S."""
-        interval = self.cfg.ingest.load_poll_interval_s
-        while True:
-            self._check_silence()
-            self._check_tails()
-            self.publish_meta()
-            await asyncio.sleep(interval)
-
-    async def _poll_load(self, worker: Worker) -> None:
-        """One worker's load readings. A read that hangs holds back this worker's next read only."""
-        assert self._session is not None
-        interval = self.cfg.ingest.load_poll_interval_s
-        while True:
-            if worker.healthy:
-                try:
-                    await read_load(self._session, worker, timeout=max(interval * 5, 0.5))
-                except Exception as exc:  # a worker's bad answer must not end its polling
-                    log.debug("load read failed for %s: %s", worker.id, exc)
-            await asyncio.sleep(interval)
-
-    def _check_silence(self) -> None:
-        """A busy worker whose stream has been quiet too long may be losing events: resync it."""
-        limit = self.cfg.ingest.event_silence_s
+    def _check_routed(self, tick: int) -> None:
+        """A worker with requests in flight from this replica's extproc processes is active: wake its polling."""
+        try:
+            if tick % 8 == 0:
+                self._board.refresh()  # an extproc process restarted: follow its new row
+            totals = self._board.totals()
+        except Exception:  # an extra signal only: never let it stop the heartbeat
+            log.debug("in-flight board unreadable", exc_info=True)
+            return
+        if not totals.any():
+            return
         now = time.monotonic()
         for w in self.workers.values():
-            if not w.events_usable:
-                continue
-            for t in w.targets:
-                quiet_since = max(t.busy_since, t.last_event_at)
-                entry = self._sources.get(t.id)
-                if entry and t.busy_since and t.sync.state is SyncState.READY and now - quiet_since > limit:
-                    entry[0].perform(t.sync.silent(f"no event batch for {limit:.0f}s while the worker was busy"))
-                    t.last_event_at = now  # one resync per silent period
-        self._check_publishers(now)
+            if any(0 <= t.slot < totals.size and totals[t.slot] > 0 for t in w.targets):
+                self._wake(w, now)
 
-    def _check_publishers(self, now: float) -> None:
+    async def _poll_load(self, worker: Worker) -> None:
+        """One worker's load readings. A read that hangs holds back this worker's next read only.
+
+        Adaptive: every `load_poll_interval_s` while the worker is active (requests running or waiting at the
+        last reading, KV events arriving, requests routed here in flight), every `idle_load_poll_interval_s`
+        otherwise; a sign of work wakes the slow wait at once (_wake)."""
+        assert self._session is not None
+        icfg = self.cfg.ingest
+        while True:
+            fast, slow = icfg.load_poll_interval_s, icfg.idle_load_poll_interval_s
+            worker.wake.clear()
+            if worker.healthy:
+                try:
+                    await read_load(self._session, worker, timeout=max(fast * 5, 0.5))
+                except Exception as exc:  # a worker's bad answer must not end its polling
+                    log.debug("load read failed for %s: %s", worker.id, exc)
+            now = time.monotonic()
+            if any(t.load.at and (t.load.running > 0 or t.load.waiting > 0) for t in worker.targets):
+                worker.active_until = max(worker.active_until, now + self._active_hold_s())
+            every = fast if now < worker.active_until else slow
+            if every != worker.poll_every:
+                worker.poll_every = every
+                self._meta_dirty = True
+            self._check_worker(worker, now)
+            if self._reading_news(worker, now):
+                self._meta_dirty = True
+            if every <= fast:
+                await asyncio.sleep(every)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(worker.wake.wait(), every)
+
+    @staticmethod
+    def _reading_news(worker: Worker, now: float) -> bool:
+        """Publish a reading whose values changed, or whose published predecessor is getting old (extproc
+        ages readings itself, against max(2 s, 2 x the interval in force): republishing an unchanged one
+        every max(1 s, interval) keeps it fresh there with margin, at a fraction of the polls)."""
+        for t in worker.targets:
+            running, waiting, at = t.published_load
+            if t.load.at > at and ((t.load.running, t.load.waiting) != (running, waiting)
+                                   or now - at >= max(1.0, worker.poll_every)):
+                return True
+        return False
+
+    def _check_worker(self, w: Worker, now: float) -> None:
+        """After each load reading: the checks that depend on it (silence, lost tails)."""
+        self._check_silence(w, now)
+        self._check_publishers(w, now)
+        self._check_tails(w)
+
+    def _check_silence(self, w: Worker, now: float) -> None:
+        """A busy worker whose stream has been quiet too long may be losing events: resync it."""
+        if not w.events_usable:
+            return
+        limit = self.cfg.ingest.event_silence_s
+        for t in w.targets:
+            quiet_since = max(t.busy_since, t.last_event_at)
+            entry = self._sources.get(t.id)
+            if entry and t.busy_since and t.sync.state is SyncState.READY and now - quiet_since > limit:
+                entry[0].perform(t.sync.silent(f"no event batch for {limit:.0f}s while the worker was busy"))
+                t.last_event_at = now  # one resync per silent period
+
+    def _check_publishers(self, w: Worker, now: float) -> None:
         """Name the workers that serve requests but publish no KV events (ingest.silence): reported in
         /cortex/workers, the metrics and the log, and kept out of exact-KV routing while silent."""
-        for w in self.workers.values():
-            # A decode-only worker publishes only if its engine keeps a prefix cache for the KV it receives
-            # (SGLang's --disaggregation-decode-enable-radix-cache is off by default): its quiet proves nothing.
-            if not w.events_usable or w.cfg.role == "decode":
-                continue
-            for t in w.targets:
-                # Counted, not timed: _check_silence above moves last_event_at without any batch arriving.
-                received = t.batches + t.decode_errors + t.sync.duplicates
-                if received != t.received_base:
-                    # A batch (live or replayed) arrived: whatever work came before is accounted for.
-                    t.received_base, t.batch_at = received, now
-                    t.work_at, t.activity_base = 0.0, t.activity if t.load.at else None
-                elif t.load.at:
-                    if t.activity_base is None or t.activity < t.activity_base:
-                        t.activity_base = t.activity  # first reading, or a restarted engine's counter
-                    if not t.work_at and (t.activity > t.activity_base or t.load.running > 0):
-                        t.work_at = now
-                status, reason = silence.verdict(silence.Observation(
-                    now=now, healthy=w.healthy, connected=t.link_up, link_since=t.link_since,
-                    last_batch_at=t.batch_at, work_at=t.work_at, bound_s=self.cfg.ingest.event_silence_s))
-                if status == silence.SILENT and t.events_status != silence.SILENT:
-                    log.warning("worker %s (target %s) publishes no KV events: %s; routed by load only until "
-                                "its events arrive", w.id, t.id, reason)
-                elif status != silence.SILENT and t.events_status == silence.SILENT:
-                    log.info("worker %s (target %s): KV events %s again", w.id, t.id, status)
-                if (status, reason) != (t.events_status, t.silence_reason):
-                    self._meta_dirty = status != t.events_status or self._meta_dirty
-                    t.events_status, t.silence_reason = status, reason
+        # A decode-only worker publishes only if its engine keeps a prefix cache for the KV it receives
+        # (SGLang's --disaggregation-decode-enable-radix-cache is off by default): its quiet proves nothing.
+        if not w.events_usable or w.cfg.role == "decode":
+            return
+        for t in w.targets:
+            # Counted, not timed: _check_silence above moves last_event_at without any batch arriving.
+            received = t.batches + t.decode_errors + t.sync.duplicates
+            if received != t.received_base:
+                # A batch (live or replayed) arrived: whatever work came before is accounted for.
+                t.received_base, t.batch_at = received, now
+                t.work_at, t.activity_base = 0.0, t.activity if t.load.at else None
+            elif t.load.at:
+                if t.activity_base is None or t.activity < t.activity_base:
+                    t.activity_base = t.activity  # first reading, or a restarted engine's counter
+                if not t.work_at and (t.activity > t.activity_base or t.load.running > 0):
+                    t.work_at = now
+            status, reason = silence.verdict(silence.Observation(
+                now=now, healthy=w.healthy, connected=t.link_up, link_since=t.link_since,
+                last_batch_at=t.batch_at, work_at=t.work_at, bound_s=self.cfg.ingest.event_silence_s))
+            if status == silence.SILENT and t.events_status != silence.SILENT:
+                log.warning("worker %s (target %s) publishes no KV events: %s; routed by load only until "
+                            "its events arrive", w.id, t.id, reason)
+            elif status != silence.SILENT and t.events_status == silence.SILENT:
+                log.info("worker %s (target %s): KV events %s again", w.id, t.id, status)
+            if (status, reason) != (t.events_status, t.silence_reason):
+                self._meta_dirty = status != t.events_status or self._meta_dirty
+                t.events_status, t.silence_reason = status, reason
 
-    def _check_tails(self) -> None:
+    def _check_tails(self, w: Worker) -> None:
         """The engine worked since the last poll (its counter moved, or requests ran or just finished): its
         batches may all have been lost, so no arrival would ever trigger a tail check. Ask replay."""
-        for src, _ in self._sources.values():
-            t = src.target
+        for t in w.targets:
+            entry = self._sources.get(t.id)
+            if entry is None:
+                continue
             busy = t.load.running > 0 or t.load.waiting > 0
             if t.activity != t.activity_checked or busy or t.was_busy:
                 t.activity_checked = t.activity
-                src.check_tail()
+                entry[0].check_tail()
             t.was_busy = busy
 
     async def _watch_health(self, worker: Worker) -> None:
@@ -359,6 +452,7 @@ class Ingest:
         icfg = self.cfg.ingest
         while True:
             was_healthy = worker.healthy
+            shown = (worker.healthy, worker.suspect, worker.bootstrap_port)
             try:
                 await probe_health(self._session, worker, icfg.health_timeout_s, icfg.health_failures)
             except Exception:  # probe_health counts every expected failure itself; keep probing whatever else
@@ -371,7 +465,8 @@ class Ingest:
                     t.ledger.clear(self.view)
             elif worker.healthy and not was_healthy:
                 log.info("worker %s is up again", worker.id)
-            self._meta_dirty = True  # health, standing or an SGLang prefill's bootstrap port may have changed
+            if (worker.healthy, worker.suspect, worker.bootstrap_port) != shown:
+                self._meta_dirty = True  # health, standing or an SGLang prefill's bootstrap port changed
             await asyncio.sleep(icfg.health_interval_s)
 
     async def _token_parity_loop(self) -> None:

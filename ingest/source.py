@@ -74,11 +74,13 @@ class EventSource:
     """Runs one target's subscription on the ingest loop; all ledger writes happen on that loop."""
 
     def __init__(self, target: Target, ctx: zmq.asyncio.Context, sink: KeySink,
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], on_events: Callable[[Target], None] | None = None) -> None:
         self.target = target
         self.ctx = ctx
         self.sink = sink
         self.on_change = on_change
+        self.on_events = on_events
+        """Called after each group of live batches (the engine is working: ingest polls its load faster)."""
         self.epoch = target.epoch
         self._replay_task: asyncio.Task[None] | None = None
         self._tail_task: asyncio.Task[None] | None = None
@@ -159,6 +161,8 @@ class EventSource:
                     self.perform(t.sync.live(int.from_bytes(frames[1], "big"), frames[2]))
                 if not await sock.poll(0, zmq.POLLIN):
                     break
+        if self.on_events is not None:
+            self.on_events(t)
         self.check_tail()
 
     def check_tail(self) -> None:

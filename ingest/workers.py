@@ -10,6 +10,7 @@ answers late): a worker is marked down only after N consecutive failed probes.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,13 @@ class Load:
     def to_json(self, now: float) -> dict[str, Any]:
         return {"running": self.running, "waiting": self.waiting,
                 "age_s": round(now - self.at, 3) if self.at else None}
+
+    def to_meta(self, every_s: float) -> dict[str, Any]:
+        """For extproc: the reading's own time (the host's monotonic clock, which ingest and extproc share like
+        the view's heartbeat) and the poll interval in force, so extproc ages it itself and ingest need not
+        republish an unchanged reading just to move its age (docs/performance.md, "What an idle replica
+        costs")."""
+        return {"running": self.running, "waiting": self.waiting, "at": self.at or None, "every_s": every_s}
 
 
 @dataclass
@@ -74,6 +82,8 @@ class Target:
     batch_at: float = 0.0
     """When ingest.silence last saw a batch arrive (live or replayed); 0: never."""
     received_base: int = 0
+    published_load: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """(running, waiting, reading time) of the load last written to the view."""
 
     @property
     def id(self) -> str:
@@ -124,14 +134,16 @@ class Target:
             "engine": w.cfg.engine, "address": w.address, "healthy": w.healthy, "suspect": w.suspect,
             "exact_kv": self.exact_kv,
             "state": self.sync.state.value, "reason": self.why_not_exact(), "why": self.why_code(),
-            "load": self.load.to_json(now),
-            "age_s": round(now - w.added_at, 1), "role": w.cfg.role, "bootstrap_port": w.bootstrap_port,
+            "load": self.load.to_meta(w.poll_every),
+            "added_at": w.added_at, "role": w.cfg.role, "bootstrap_port": w.bootstrap_port,
         }
 
     def status(self, now: float) -> dict[str, Any]:
         s = self.sync
         return {
             **self.routable_meta(now),
+            "load": {**self.load.to_json(now), "every_s": self.worker.poll_every},
+            "age_s": round(now - self.worker.added_at, 1),
             "kv_events": self.endpoint(self.worker.cfg.kv_events),
             "kv_replay": self.endpoint(self.worker.cfg.kv_replay),
             "events": self.events_status if self.worker.events_usable else silence.OFF,
@@ -167,6 +179,12 @@ class Worker:
     parity_policy: str = "required"
     bootstrap_port: int | None = None
     """SGLang prefill: the bootstrap port a decode must reach (config, else the worker's /server_info)."""
+    poll_every: float = 0.0
+    """The load poll interval in force (ingest.load_poll_interval_s while active, else the idle one)."""
+    active_until: float = 0.0
+    """Monotonic time until which its load is polled at the active cadence."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set to cut an idle-cadence wait short (a KV event arrived, or this replica routed to it)."""
 
     def __post_init__(self) -> None:
         self.bootstrap_port = self.cfg.bootstrap_port

@@ -106,3 +106,20 @@ def test_restart_of_a_real_peer_process(tmp_path: Path) -> None:
         assert _counts(me)[4] == 0 and _counts(me)[1] == 2
     finally:
         second.communicate("\n", timeout=30)
+
+
+def test_a_reader_without_a_row_sums_every_process_and_writes_nothing(tmp_path: Path) -> None:
+    # Ingest reads where this replica's requests are in flight (to poll those workers' load at the active
+    # cadence); it must neither create a row nor zero one of extproc's.
+    reader = InflightBoard(tmp_path, None, 2, SLOTS)
+    assert list(tmp_path.iterdir()) == []
+    assert _counts(reader) == [0] * SLOTS  # no process started yet
+    a, b = InflightBoard(tmp_path, 0, 2, SLOTS), InflightBoard(tmp_path, 1, 2, SLOTS)
+    a.inc(1)
+    b.inc(1)
+    b.inc(5)
+    assert _counts(reader) == [0, 2, 0, 0, 0, 1, 0, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.bin", "1.bin"]
+    b2 = InflightBoard(tmp_path, 1, 2, SLOTS)  # process 1 restarts: its requests ended with it
+    reader.refresh()
+    assert _counts(reader) == [0, 1, 0, 0, 0, 0, 0, 0] and _counts(b2) == _counts(reader)

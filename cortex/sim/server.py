@@ -23,6 +23,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections import Counter
 from typing import Any
 
 from aiohttp import web
@@ -72,6 +73,8 @@ class SimServer:
         self._runner: web.AppRunner | None = None
         self._engine_tasks: list[asyncio.Task[None]] = []
         self._port = 0
+        self.requests: Counter[str] = Counter()
+        """HTTP requests answered so far, by path (GET /sim/requests)."""
 
     # --- addresses -----------------------------------------------------------------------------
 
@@ -179,7 +182,8 @@ class SimServer:
             app = web.Application(middlewares=[error_middleware(self.api.flavour)], client_max_size=64 * 1024 * 1024)
             app.add_routes(self.api.routes())
             app.add_routes([web.get("/sim/faults", self._get_faults), web.post("/sim/faults", self._post_faults),
-                            web.post("/sim/prefix_match", self._prefix_match)])
+                            web.post("/sim/prefix_match", self._prefix_match),
+                            web.get("/sim/requests", self._get_requests)])
             app.on_response_prepare.append(self._tag_response)
             for engine in self.engines:
                 self._engine_tasks.append(asyncio.create_task(
@@ -195,9 +199,14 @@ class SimServer:
 
     async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers["x-sim-worker"] = self.worker_id
+        self.requests[request.path] += 1
         rank = request.get(DP_RANK_KEY)
         if rank is not None:
             response.headers["x-sim-dp-rank"] = str(rank)
+
+    async def _get_requests(self, request: web.Request) -> web.Response:
+        # What a gateway's polling costs a worker, counted rather than guessed (bench/idle_replica.py, tests).
+        return json_response({"paths": dict(self.requests)})
 
     async def _get_faults(self, request: web.Request) -> web.Response:
         return json_response(self.faults.snapshot())

@@ -290,6 +290,20 @@ def test_models_health_metrics() -> None:
     serve(scenario, max_model_len=4000)
 
 
+def test_requests_are_counted_by_path() -> None:
+    # What a gateway's load polling costs a worker is counted, not guessed (tests/test_idle_polling_e2e.py).
+    async def scenario(srv: SimServer, http: aiohttp.ClientSession) -> None:
+        for _ in range(3):
+            await metrics(http)
+        async with http.get("/health") as resp:
+            assert resp.status == 200
+        async with http.get("/sim/requests") as resp:
+            paths = (await resp.json())["paths"]
+        assert paths["/metrics"] == 3 and paths["/health"] == 1 and "/v1/models" not in paths
+
+    serve(scenario)
+
+
 # --- prefix caching and events --------------------------------------------------------------------
 
 
