@@ -140,10 +140,10 @@ def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], 
                                  bypass=plan.bypass if contestant.gateway else 0.0,
                                  seed=int(workload.params.get("seed", 0)))
         schedule = [_disrupt(d, i, cluster, workers, disrupted) for i, d in enumerate(plan.disruptions)]
-        before = procs.cpu_seconds()
+        before, fleet_before = procs.cpu_seconds(), sum(cluster.cpu_seconds().values())
         result = uvloop.run(client.run(workload, routing, workers, concurrency=plan.concurrency,
                                        max_seconds=plan.max_seconds, schedule=schedule))
-        after = procs.cpu_seconds()
+        after, fleet_after = procs.cpu_seconds(), sum(cluster.cpu_seconds().values())
     ran = {(d["kind"], d["at_s"]) for d in disrupted}
     disrupted += [{"kind": d.kind, "at_s": d.at, "worker": None, "ok": None, "took_s": None}
                   for d in plan.disruptions if (d.kind, d.at) not in ran]  # the run ended before its time
@@ -152,6 +152,8 @@ def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], 
     parts = {k: round(1000.0 * (v - before.get(k, 0.0)) / n, 2) for k, v in after.items()}
     summary["gateway_cpu_ms_per_request"] = round(sum(parts.values()), 2)
     summary["gateway_cpu_ms_per_request_by_part"] = parts
+    # What the simulated workers cost this machine (a restart loses the crashed process's count: a floor).
+    summary["workers_cpu_cores"] = round(max(fleet_after - fleet_before, 0.0) / max(result.wall_s, 1e-9), 3)
     if disrupted:
         summary["disruptions"] = disrupted
     if plan.keep_records:
