@@ -187,6 +187,20 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 
 @contextlib.contextmanager
+def serving(gw: Gateway, *sim_args: str) -> Iterator[Gateway]:
+    """Start the gateway's simulated workers, then the gateway; stop them all on the way out."""
+    try:
+        for s in gw.sims:
+            start_sim(s, gw.root, *sim_args)
+        start_gateway(gw)
+        yield gw
+    finally:
+        stop(gw.proc)
+        for s in gw.sims:
+            stop(s.proc)
+
+
+@contextlib.contextmanager
 def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc_processes: int = 1,
             replay: bool = False, extra_config: dict[str, Any] | None = None, events: bool = True,
             engine: str = "vllm", model_extra: dict[str, Any] | None = None) -> Any:
@@ -200,15 +214,8 @@ def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc
     gw = Gateway(root=root, sims=sims, port=ports[base], admin_port=ports[base + 1], ingest_port=ports[base + 2],
                  extproc_port=extproc_port, extproc_processes=extproc_processes,
                  extra_config=extra_config or {}, model_extra=model_extra or {})
-    try:
-        for s in sims:
-            start_sim(s, root, *sim_args)
-        start_gateway(gw)
+    with serving(gw, *sim_args):
         yield gw
-    finally:
-        stop(gw.proc)
-        for s in sims:
-            stop(s.proc)
 
 
 @contextlib.contextmanager
@@ -225,19 +232,12 @@ def pd_cluster(root: Path, specs: list[tuple[str, str, str, bool, tuple[str, ...
     base = 2 * len(specs)
     gw = Gateway(root=root, sims=sims, port=ports[base], admin_port=ports[base + 1], ingest_port=ports[base + 2],
                  extproc_port=ports[base + 3], model_extra=model_extra or {}, extra_config=extra_config or {})
-    try:
-        for s in sims:
-            start_sim(s, root)
-        start_gateway(gw)
+    with serving(gw):
         # SGLang prefills are paired only once ingest has read their bootstrap port from /server_info.
         wait_for(lambda: all(t.get("bootstrap_port") for t in gw.targets().values()
                              if t.get("role") == "prefill" and t.get("engine") == "sglang"),
                  what="bootstrap ports read")
         yield gw
-    finally:
-        stop(gw.proc)
-        for s in sims:
-            stop(s.proc)
 
 
 def long_chat(n_words: int = 1500, seed: int = 0) -> list[dict[str, str]]:

@@ -39,7 +39,7 @@ from tests.harness import (
     free_consecutive,
     free_ports,
     long_chat,
-    start_gateway,
+    serving,
     start_sim,
     stop,
     wait_for,
@@ -70,15 +70,8 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteGateway]:
     g = SuiteGateway(root=root, sims=sims, port=ports[9], admin_port=ports[10], ingest_port=ports[11],
                      extproc_port=free_consecutive(2), extproc_processes=2,
                      ingest_extra={"event_silence_s": SILENCE_BOUND_S})
-    try:
-        for s in sims:
-            start_sim(s, root)
-        start_gateway(g)
+    with serving(g):
         yield g
-    finally:
-        stop(g.proc)
-        for s in sims:
-            stop(s.proc)
 
 
 def kill_sim(sim: Sim) -> float:

@@ -22,7 +22,7 @@ from cortex.bench.launch import free_ports
 from cortex.config import ConfigError, load_config
 from cortex.view import ViewReader
 from extproc.cluster_view import LOAD_MAX_AGE_S, engine_load_of, load_max_age_s
-from tests.harness import MODEL, Gateway, Sim, long_chat, start_gateway, start_sim, stop, wait_for
+from tests.harness import MODEL, Gateway, Sim, long_chat, serving, wait_for
 
 FAST_S = 0.1
 IDLE_S = 8.0
@@ -89,15 +89,8 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
                  extproc_port=ports[7], extra_config={"ingest": {
                      "port": ports[6], "health_interval_s": 1.0, "load_poll_interval_s": FAST_S,
                      "idle_load_poll_interval_s": IDLE_S}})
-    try:
-        for s in sims:
-            start_sim(s, root)
-        start_gateway(gw)
+    with serving(gw):
         yield gw
-    finally:
-        stop(gw.proc)
-        for s in sims:
-            stop(s.proc)
 
 
 def metrics_reads(sim: Sim) -> int:
