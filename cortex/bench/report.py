@@ -185,7 +185,9 @@ def fleet_goals(out: dict[str, Any]) -> list[tuple[str, str, bool | str | None]]
         if b[0] is None:
             return
         ratio = a[0] / b[0] if a[0] is not None and b[0] else None
-        rows.append((goal, f"{_f(a[0], 3)} vs {_f(b[0], 3)} ({_f(ratio, 2)}×)", verdict(a, b, factor, higher)))
+        digits, unit = (3, "") if key == "hit_ratio" else (1, " ms")
+        rows.append((goal, f"{_f(a[0], digits)}{unit} vs {_f(b[0], digits)}{unit} ({_f(ratio, 2)}×)",
+                     verdict(a, b, factor, higher)))
 
     for workload in ("shared-prefix", "multi-turn", "agentic"):
         res = _cell(out, workload, 4)
@@ -224,7 +226,9 @@ def fleet_goals(out: dict[str, Any]) -> list[tuple[str, str, bool | str | None]]
 
 
 def goals_table(out: dict[str, Any]) -> str:
-    rows = [*goals(out), *fleet_goals(out)]
+    # The single-gateway goals (issue 6) belong to the single-gateway report; a fleet run reports its own.
+    fleet = any(b.get("replicas", 1) > 1 for b in out["workloads"].values())
+    rows = [*([] if fleet else goals(out)), *fleet_goals(out)]
     if not rows:
         return ""
     mark = {True: "met", False: "**missed**", None: "n/a", "within spread": "met on the means, within the spread"}
@@ -326,33 +330,45 @@ def plots(out: dict[str, Any], img_dir: Path) -> list[Path]:
     return written
 
 
+def _ceiling(block: dict[str, Any]) -> float | None:
+    """The most any router can hit from empty caches: every distinct prompt token computed once."""
+    ws, sent = block["params"].get("working_set_tokens"), block["params"].get("prompt_tokens")
+    return 1.0 - ws / sent if ws and sent else None
+
+
 def _replica_plot(out: dict[str, Any], img_dir: Path, plt: Any) -> list[Path]:
-    """Hit ratio and TTFT p90 against the number of gateway replicas, one panel per workload run at several."""
-    series: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
+    """Share of the attainable hits and TTFT p90 against the number of gateway replicas, one panel per workload
+    run at several (hit ratio over the workload's ceiling, so quick and full-size runs compare)."""
+    series: dict[str, dict[str, dict[int, tuple[float | None, float | None]]]] = {}
     for block in out["workloads"].values():
         if block.get("bypass") or block.get("disruptions") or block.get("sticky"):
             continue
+        ceiling = _ceiling(block)
         for cname, r in block["results"].items():
-            if _ok(r):
-                series.setdefault(block.get("workload", "?"), {}).setdefault(cname, {})[block.get("replicas", 1)] = r
+            if _ok(r) and r.get("hit_ratio") is not None:
+                share = r["hit_ratio"] / ceiling if ceiling else r["hit_ratio"]
+                by_n = series.setdefault(block.get("workload", "?"), {}).setdefault(cname, {})
+                by_n[block.get("replicas", 1)] = (share, r["ttft_ms"]["p90"])
     shown = [w for w, by in series.items() if len({n for c in by.values() for n in c}) > 1]
     if not shown:
         return []
-    fig, axes = plt.subplots(2, len(shown), figsize=(4.2 * len(shown), 6.4), squeeze=False)
+    colours = {name: f"C{i}" for i, name in enumerate(out["contestants"])}
+    fig, axes = plt.subplots(2, len(shown), figsize=(3.6 * len(shown), 6.4), squeeze=False)
     for col, workload in enumerate(shown):
         for cname, by_n in series[workload].items():
             ns = sorted(by_n)
-            axes[0][col].plot(ns, [by_n[n]["hit_ratio"] for n in ns], marker="o", label=cname)
-            axes[1][col].plot(ns, [by_n[n]["ttft_ms"]["p90"] for n in ns], marker="o", label=cname)
+            for row in (0, 1):
+                axes[row][col].plot(ns, [by_n[n][row] for n in ns], marker="o", label=cname, color=colours.get(cname))
         axes[0][col].set_title(workload)
-        axes[0][col].set_ylabel("hit ratio")
+        axes[0][col].set_ylabel("hit ratio / ceiling")
         axes[1][col].set_ylabel("TTFT p90 (ms)")
         axes[1][col].set_xlabel("gateway replicas")
         for ax in (axes[0][col], axes[1][col]):
             ax.grid(alpha=0.3)
             ax.set_xticks(sorted({n for c in series[workload].values() for n in c}))
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 7), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     path = img_dir / "bench-replicas.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
