@@ -214,12 +214,16 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {}},
         }},
-        # A dead extproc process is skipped within a second; the others (or the fallback route) take its streams.
-        # The gRPC health check (not a bare TCP connect) also keeps a restarted process out until it has read
-        # ingest's view: one that merely listens would route without knowing the fleet. Each check costs the
-        # Python process ~1 ms of CPU, so every second, not twice (docs/performance.md, "What an idle replica
-        # costs"); meanwhile a dead process's streams fail open onto Envoy's own balancing, none fails.
-        "health_checks": [{"timeout": "0.25s", "interval": "1s", "unhealthy_threshold": 1,
+        # A dead extproc process is skipped within a second; the others (or the fallback route) take its
+        # streams. The gRPC health check (not a bare TCP connect) also keeps a restarted process out until it
+        # has read ingest's view: one that merely listens would route without knowing the fleet. Each check costs
+        # the Python process ~1 ms of CPU, so every second, not twice (docs/performance.md, "What an idle replica
+        # costs"); meanwhile a dead process's streams fail open onto Envoy's own balancing, none fails. A live
+        # process busy for a moment must not be dropped: marked unhealthy, its streams would skip Cortex
+        # altogether (no validation, no routing), so an answer gets a whole second; a dead process refuses the
+        # connection at once and is dropped at its first failed check. Not two checks in a row: a process the
+        # supervisor restarts between them would take streams before it has read ingest's view.
+        "health_checks": [{"timeout": "1s", "interval": "1s", "unhealthy_threshold": 1,
                            "healthy_threshold": 1, "no_traffic_interval": "1s", "grpc_health_check": {}}],
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
         "load_assignment": {"cluster_name": EXTPROC_CLUSTER, "endpoints": [{"lb_endpoints": [

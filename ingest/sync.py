@@ -154,12 +154,14 @@ class SourceSync:
 
     def replay_done(self, complete: bool = True) -> list[Action]:
         """The replay answered its end marker (complete) or timed out / failed (not complete)."""
-        self.replay_pending = False
         # Cut short after delivering batches: the publisher may hold newer ones, removals among them, that
         # neither this replay nor the live stream delivered (an idle worker sends nothing live that would show
         # the gap). Trusted as it stands, the ledger would list blocks the worker has since evicted: ask for
-        # the rest, hidden meanwhile. Each round applies at least one new batch, so this ends.
-        cut = not complete and self.fresh > 0
+        # the rest, hidden meanwhile. Each round applies at least one new batch, so this ends. Only the replay
+        # under way can be cut: a late "no answer" for a request a later replay already served changes nothing.
+        cut = not complete and self.replay_pending and self.fresh > 0
+        self.replay_pending = False
+        self.fresh = 0
         actions: list[Action] = []
         if self.state is SyncState.SYNCING:
             # Nothing was known before this sync, so wherever the buffer starts is a valid start.

@@ -315,3 +315,19 @@ def test_ready_ledger_never_claims_a_block_the_worker_lacks(seed: int, has_repla
         run(sync.replay_done(complete=False))
         check()
         assert sync.state is SyncState.READY
+
+
+def test_a_late_no_answer_after_a_completed_replay_changes_nothing() -> None:
+    """Found by the property test above (seed 0, faults ok, ok, restart, drop, replay): a replay request left
+    unanswered, then a later replay that completed, then the first request's "no answer". The completed
+    replay's count of new batches made that late answer look like a replay cut short, so the ledger stayed
+    hidden, asking again for batches it already had."""
+    pub = TruePublisher(random.Random(0))
+    sync = SourceSync(has_replay=True)
+    assert any(isinstance(a, RequestReplay) for a in sync.connected())
+    seq, payload = pub.batch()
+    sync.replayed(seq, payload)
+    sync.replay_done(complete=True)
+    assert sync.state is SyncState.READY
+    sync.replay_done(complete=False)
+    assert sync.state is SyncState.READY and not sync.replay_pending
