@@ -154,10 +154,13 @@ class VllmApi(OpenAIServing):
             raise ApiError(400, f"X-data-parallel-rank must be an integer, got {raw!r}") from None
 
     def resolve_lora(self, body: Mapping[str, Any]) -> LoraRef | None:
-        return self.loras.get(body.get("model") or "")
+        model = body.get("model")
+        return self.loras.get(model) if isinstance(model, str) else None
 
     def _check_model(self, body: Mapping[str, Any]) -> None:
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "model: Input should be a valid string")  # vLLM's pydantic validation
         if model is not None and model != self.model and model not in self.loras:
             raise ApiError(404, f"The model `{model}` does not exist.")
 

@@ -234,6 +234,9 @@ def test_errors_have_vllm_shape() -> None:
             ("/v1/chat/completions", orjson.dumps(chat_body("hi", cache_salt="a/b"))),
             ("/v1/chat/completions", orjson.dumps({"messages": []})),
             ("/v1/completions", orjson.dumps({"prompt": "hi", "max_tokens": 40_000})),
+            # Found by the gateway fuzz while Cortex was bypassed: a non-string model crashed the handler (500).
+            ("/v1/chat/completions", orjson.dumps(chat_body("hi") | {"model": [{"x": {}}, None]})),
+            ("/v1/completions", orjson.dumps({"model": {"a": 1}, "prompt": "hi"})),
         ]
         for path, raw in bad_requests:
             async with http.post(path, data=raw, headers={"Content-Type": "application/json"}) as resp:
