@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -14,16 +16,26 @@ from ingest.source import END_SEQ, replay
 from tests.harness import free_ports
 
 
-def serve_once(port: int, with_topic: bool, batches: list[tuple[int, bytes]], ready: threading.Event) -> None:
+@contextlib.contextmanager
+def replay_request(port: int, ready: threading.Event) -> Iterator[tuple[zmq.Socket, list[bytes]] | None]:
+    """A ROUTER on `port` and the first replay request it receives (None after 5 s without one)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(f"tcp://127.0.0.1:{port}")
     ready.set()
     try:
-        if not sock.poll(5000):
+        yield (sock, sock.recv_multipart()) if sock.poll(5000) else None
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def serve_once(port: int, with_topic: bool, batches: list[tuple[int, bytes]], ready: threading.Event) -> None:
+    with replay_request(port, ready) as got:
+        if got is None:
             return
-        ident, empty, start = sock.recv_multipart()
+        sock, (ident, empty, start) = got
         assert empty == b""
         first = int.from_bytes(start, "big")
         for seq, payload in batches:
@@ -32,9 +44,6 @@ def serve_once(port: int, with_topic: bool, batches: list[tuple[int, bytes]], re
                 sock.send_multipart([*head, seq.to_bytes(8, "big"), payload])
         tail = [ident, b"", b""] if with_topic else [ident, b""]
         sock.send_multipart([*tail, END_SEQ, b""])
-    finally:
-        sock.close(0)
-        ctx.term()
 
 
 @pytest.mark.parametrize("with_topic", [True, False], ids=["vllm>=0.26", "older"])
@@ -66,22 +75,14 @@ def test_silent_replay_socket_times_out() -> None:
 
 def serve_slowly(port: int, batches: int, gap_s: float, ready: threading.Event) -> None:
     """A ROUTER answering a replay from 0 with `batches` batches, `gap_s` apart: a large buffer on a slow link."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"tcp://127.0.0.1:{port}")
-    ready.set()
-    try:
-        if not sock.poll(5000):
+    with replay_request(port, ready) as got:
+        if got is None:
             return
-        ident, _, _ = sock.recv_multipart()
+        sock, (ident, _, _) = got
         for seq in range(batches):
             sock.send_multipart([ident, b"", b"topic", seq.to_bytes(8, "big"), b"x"])
             time.sleep(gap_s)
         sock.send_multipart([ident, b"", b"", END_SEQ, b""])
-    finally:
-        sock.close(0)
-        ctx.term()
 
 
 def test_a_replay_that_keeps_streaming_is_not_cut() -> None:
