@@ -158,6 +158,10 @@ class SchedulerConfig(_Strict):
     """A worker added less than this long ago counts as new (its cache starts empty)."""
     cold_start_share: float = Field(0.1, ge=0, le=1)
     """Share of the requests that no worker can serve from cache that go to a new worker, so it warms up."""
+    prompt_home: bool = True
+    """A prompt no worker holds goes, among the least loaded workers, to its home (a hash of its first block,
+    the same on every replica), so replicas agree and repeats land together before any event arrives. Off:
+    a random least-loaded worker (pure load balancing for prompts nobody holds)."""
 
     @model_validator(mode="after")
     def _watermarks(self) -> SchedulerConfig:

@@ -292,7 +292,7 @@ class Router:
             # rotation and bursts piled onto one worker; docs/benchmarks.md).
             decision = decide(cands, block_size=bs, ledger_usable=matches is not None, why_not_exact=why,
                               turn=self._tie_rng.getrandbits(32), scoring=self.scoring,
-                              home=keys[0] if keys else None)
+                              home=keys[0] if keys and self.scoring.prompt_home else None)
         prep.timings.score_s += time.perf_counter() - t3
         if commit and keys and decision.chosen.ledger_trusted:
             self.predictions.record(decision.chosen.slot, keys)

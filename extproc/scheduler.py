@@ -71,6 +71,7 @@ class Scoring:
     low_watermark: float = 32.0
     near_min_window: float = 2.0
     cold_start_share: float = 0.1
+    prompt_home: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,9 +67,11 @@ def flood(gw: Gateway, requests: list[list[dict[str, str]]]) -> dict[str, Any]:
 
 
 def run(root: Path, events: bool) -> dict[str, Any]:
-    """events=False is the baseline: the same gateway told nothing about the caches routes by load alone."""
+    """events=False is the baseline: the same gateway told nothing about the caches, and without the prompt's
+    home (a hash of its first block, itself a cache-affinity rule), routes by load alone."""
     root.mkdir()
-    with cluster(root, n_sims=4, sim_args=("--num-blocks", "400"), extra_config={"scheduler": SCHEDULER},
+    scheduler = SCHEDULER if events else {**SCHEDULER, "prompt_home": False}
+    with cluster(root, n_sims=4, sim_args=("--num-blocks", "400"), extra_config={"scheduler": scheduler},
                  events=events) as gw:
         return flood(gw, workload(160, seed=7))
 

@@ -3,6 +3,7 @@ the ledger view and in-flight counts, so routing stays exact whichever process d
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from cortex import grpc_health
 from tests.harness import Gateway, cluster, long_chat, wait_for
 from tests.test_gateway import chat
 
@@ -56,6 +58,13 @@ def test_inflight_upkeep_survives_a_restarted_peer(gw: Gateway) -> None:
              what="extproc restarted by the supervisor")
     # The restarted process wrote a fresh row file over its old one (a new inode for the survivor to map).
     wait_for(lambda: [p.stat().st_ino for p in rows] != inodes, what="the restarted process's new row")
+    # Until Envoy's health check has seen the restarted process serve, its streams fail open (answered, but
+    # routed by Envoy alone, without x-cortex headers; docs/reliability.md): wait for a check made after.
+    wait_for(lambda: all(asyncio.run(_serving(gw))), what="both extproc processes serving")
+    checks = _extproc_health_checks(gw)
+    # Both hosts are checked on the same interval: four more checks in all is at least one on each.
+    wait_for(lambda: _extproc_health_checks(gw) >= checks + 4, timeout=30, what="Envoy's next checks")
+    wait_for(lambda: "failed_active_hc" not in _extproc_hosts(gw), what="Envoy sees both processes healthy")
     for _ in range(6):
         h, usage = chat(gw, messages)
         assert int(h["x-cortex-cache-hit-tokens"]) == usage["prompt_tokens_details"]["cached_tokens"]
@@ -63,3 +72,23 @@ def test_inflight_upkeep_survives_a_restarted_peer(gw: Gateway) -> None:
     time.sleep(1.0)
     log = gw.log.read_text()
     assert "extproc upkeep failed" not in log, log[log.find("extproc upkeep failed") - 200:][:2000]
+
+
+async def _serving(gw: Gateway) -> list[bool]:
+    channels = [grpc_health.channel(f"127.0.0.1:{gw.extproc_port + i}") for i in range(gw.extproc_processes)]
+    try:
+        return [ok for ok, _ in await asyncio.gather(*(grpc_health.check(ch, "", 1.0) for ch in channels))]
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+def _extproc_health_checks(gw: Gateway) -> int:
+    stats = httpx.get(f"http://127.0.0.1:{gw.admin_port}/stats?filter=^cluster.cortex_extproc.health_check.attempt$",
+                      timeout=10).text
+    return int(stats.split(":")[-1])
+
+
+def _extproc_hosts(gw: Gateway) -> str:
+    clusters = httpx.get(f"http://127.0.0.1:{gw.admin_port}/clusters", timeout=10).text
+    return "\n".join(line for line in clusters.splitlines() if line.startswith("cortex_extproc::"))
