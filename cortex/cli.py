@@ -37,8 +37,8 @@ def _load(path: str) -> CortexConfig:
 
 def _models_ok(cfg: CortexConfig) -> bool:
     """Every model's files load and work; otherwise one line naming the model and the path."""
-    from cortex.bundle import BundleError
     from cortex.config import check_models
+    from cortex.model_bundle import BundleError
 
     try:
         check_models(cfg)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "envoy-config":
         import yaml
 
-        from cortex.dataplane import bootstrap
+        from cortex.envoy_config import bootstrap
 
         print(yaml.safe_dump(bootstrap(cfg), sort_keys=False), end="")
         return 0

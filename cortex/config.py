@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cortex.bundle import shipped_tokenizer_dir
 from cortex.engine_hashes import VllmHashAlgo
+from cortex.model_bundle import shipped_tokenizer_dir
 
 Engine = Literal["vllm", "sglang"]
 Role = Literal["both", "prefill", "decode"]
@@ -496,7 +496,7 @@ def reachable_host(host: str) -> str:
 def check_models(cfg: CortexConfig) -> None:
     """Load and exercise every model's bundle (tokenizer files, chat template, page size); raises BundleError
     with one line naming the model and the path. `cortex check` and `cortex run` call it before anything starts."""
-    from cortex.bundle import BundleError, ModelBundle, verify_bundle
+    from cortex.model_bundle import BundleError, ModelBundle, verify_bundle
 
     for m in cfg.models:
         try:

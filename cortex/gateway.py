@@ -13,9 +13,9 @@ from pathlib import Path
 import aiohttp
 
 from cortex import grpc_health
-from cortex.bundle import BundleError
 from cortex.config import CortexConfig, check_models, reachable_host
-from cortex.dataplane import envoy_binary, write_bootstrap
+from cortex.envoy_config import envoy_binary, write_bootstrap
+from cortex.model_bundle import BundleError
 from cortex.supervisor import ChildSpec, Supervisor
 
 START_TIMEOUT_S = 120.0

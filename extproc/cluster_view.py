@@ -19,7 +19,7 @@ import numpy as np
 
 from cortex.config import CortexConfig
 from cortex.inflight import InflightBoard
-from cortex.view import ViewBusy, ViewReader
+from cortex.ledger_view import ViewBusy, ViewReader
 
 log = logging.getLogger("cortex.extproc")
 

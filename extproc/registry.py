@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import orjson
 
-from cortex.bundle import ModelBundle
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
+from cortex.model_bundle import ModelBundle
 
 
 @dataclass(frozen=True, slots=True)

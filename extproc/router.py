@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 
 from cortex.blockkeys import chain_keys, root_key
-from cortex.bundle import ModelBundle, TemplateError
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
-from cortex.segments import EncoderSet, SegmentMismatch, TokenCursor
+from cortex.model_bundle import ModelBundle, TemplateError
+from cortex.piecewise_tokenize import EncoderSet, SegmentMismatch, TokenCursor
 from extproc import pd
 from extproc.cluster_view import ClusterView, TargetInfo
-from extproc.early import DeferredTail, Tail, WalkResult, walk
 from extproc.predictions import Predictions
+from extproc.prompt_walk import DeferredTail, Tail, WalkResult, walk
 from extproc.registry import ModelRegistry
 from extproc.request import ParsedRequest
 from extproc.scheduler import Candidate, Decision, Scoring, decide, round_robin, still_hot
@@ -74,7 +74,7 @@ class Prepared:
     body: dict[str, Any] | None = None
     prompt_tokens: int = 0
     walked: bool = False
-    """Tokenized only as far as routing needed (extproc/early.py): `ids` is empty, `prompt_tokens` may be an
+    """Tokenized only as far as routing needed (extproc/prompt_walk.py): `ids` is empty, `prompt_tokens` may be an
     estimate, and `tail` holds the rest, to become the chosen targets' predictions after the answer."""
     estimated: bool = False
     tail: Tail | None = None
@@ -144,7 +144,7 @@ class Router:
 
     def _walk(self, req: ParsedRequest, bundle: ModelBundle, workers: list[TargetInfo], root: int,
               timings: Timings) -> tuple[WalkResult, bool]:
-        """Tokenize, hash and look up only as far as some worker can hold the prompt (extproc/early.py)."""
+        """Tokenize, hash and look up only as far as some worker can hold the prompt (extproc/prompt_walk.py)."""
         t0 = time.perf_counter()
         bs = self.cluster.block_size
         truncated = False

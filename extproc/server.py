@@ -28,10 +28,10 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
 from cortex import grpc_health
-from cortex.bundle import BundleError
 from cortex.config import ConfigError, CortexConfig, check_models, load_config
-from cortex.dataplane import ANY_CLUSTER, ENDPOINTS_HEADER, PD_ROUTE_HEADER, POOL_HEADER, pool_cluster
+from cortex.envoy_config import ANY_CLUSTER, ENDPOINTS_HEADER, PD_ROUTE_HEADER, POOL_HEADER, pool_cluster
 from cortex.errors import ClientError
+from cortex.model_bundle import BundleError
 from extproc import metrics
 from extproc.cluster_view import ClusterView, TargetInfo
 from extproc.pd import PdPlan, fallback_pool

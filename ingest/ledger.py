@@ -31,7 +31,7 @@ import xxhash
 
 from cortex.blockkeys import chain_keys, root_key
 from ingest.events import GPU_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, Event
-from ingest.parity import ParityCheck
+from ingest.hash_parity import ParityCheck
 
 
 class KeySink(Protocol):

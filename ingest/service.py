@@ -1,7 +1,7 @@
 """The ingest process: worker lifecycle, one event source per target, probes, and the shared view.
 
 Everything runs on one asyncio loop, so the ledger has a single writer and needs no locks. The view
-(cortex.view) is the only thing other processes see: key membership per target slot plus a small JSON
+(cortex.ledger_view) is the only thing other processes see: key membership per target slot plus a small JSON
 document with each target's state and load, stamped with a heartbeat so readers notice if ingest dies.
 
 Workers come from the config file and from the admin API; API changes are kept in
@@ -24,14 +24,14 @@ import aiohttp
 import orjson
 import zmq.asyncio
 
-from cortex.bundle import BundleError, ModelBundle
 from cortex.config import ConfigError, CortexConfig, WorkerConfig, check_models, load_config
-from cortex.dataplane import atomic_write, write_xds
+from cortex.envoy_config import atomic_write, write_xds
 from cortex.inflight import InflightBoard
-from cortex.view import ViewWriter
-from ingest import silence, token_parity
+from cortex.ledger_view import ViewWriter
+from cortex.model_bundle import BundleError, ModelBundle
+from ingest import silence, tokenizer_parity
+from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
-from ingest.parity import ParityCheck
 from ingest.readiness import subscription
 from ingest.source import EventSource, cancel_quietly
 from ingest.sync import SourceSync, SyncState
@@ -124,7 +124,7 @@ class Ingest:
     def _load_probes(cfg: CortexConfig) -> dict[str, list[Any]]:
         if cfg.ingest.token_parity == "off":
             return {}
-        return {m.name: token_parity.expected(ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template))
+        return {m.name: tokenizer_parity.expected(ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template))
                 for m in cfg.models}
 
     def _mtime(self) -> int:
@@ -480,9 +480,9 @@ class Ingest:
                 if task is not None and not task.done():
                     continue  # a worker that does not answer holds up its own check only
                 if w.healthy and now >= w.token_parity.checked_at + (
-                        interval if w.token_parity.status == token_parity.OK else 10.0):
+                        interval if w.token_parity.status == tokenizer_parity.OK else 10.0):
                     self._parity_tasks[w.id] = asyncio.create_task(self._check_tokens(w), name=f"parity-{w.id}")
-            pending = any(w.token_parity.status != token_parity.OK for w in self.workers.values())
+            pending = any(w.token_parity.status != tokenizer_parity.OK for w in self.workers.values())
             self._parity_wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 # A new worker wakes the loop at once: its exact-KV routing waits on this check.
@@ -491,20 +491,20 @@ class Ingest:
     async def _check_tokens(self, w: Worker) -> None:
         assert self._session is not None
         try:
-            res: tuple[str, str] | Exception = await token_parity.check(
+            res: tuple[str, str] | Exception = await tokenizer_parity.check(
                 self._session, w.cfg.url, w.cfg.engine, w.cfg.model, self._probes[w.cfg.model],
                 self.cfg.ingest.health_timeout_s)
         except Exception as exc:  # counted as unanswered; checked again in 10 s
             res = exc
         tp = w.token_parity
-        status, reason = res if isinstance(res, tuple) else (token_parity.UNKNOWN, repr(res))
+        status, reason = res if isinstance(res, tuple) else (tokenizer_parity.UNKNOWN, repr(res))
         tp.checks += 1
         tp.checked_at = time.monotonic()
         if status != tp.status:
-            level = logging.ERROR if status == token_parity.FAILED else logging.INFO
+            level = logging.ERROR if status == tokenizer_parity.FAILED else logging.INFO
             log.log(level, "worker %s: tokenizer parity %s: %s", w.id, status, reason)
             self._meta_dirty = True
-        if status == token_parity.FAILED and tp.status != token_parity.FAILED:
+        if status == tokenizer_parity.FAILED and tp.status != tokenizer_parity.FAILED:
             tp.failures += 1
         tp.status, tp.reason = status, reason
 

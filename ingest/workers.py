@@ -20,12 +20,12 @@ import aiohttp
 
 from cortex.config import WorkerConfig
 from ingest import silence
+from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
-from ingest.parity import ParityCheck
 from ingest.sync import SourceSync, SyncState
-from ingest.token_parity import FAILED as TOKENS_FAILED
-from ingest.token_parity import OK as TOKENS_OK
-from ingest.token_parity import TokenParity
+from ingest.tokenizer_parity import FAILED as TOKENS_FAILED
+from ingest.tokenizer_parity import OK as TOKENS_OK
+from ingest.tokenizer_parity import TokenParity
 
 
 @dataclass

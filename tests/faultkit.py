@@ -9,7 +9,7 @@ the response headers arrive, i.e. at the start of an SSE stream), whether it com
     request in flight on an Envoy that was killed);
 (b) a completed response claims more cached tokens than the engine says it had.
 
-Used by tests/test_fault_suite_e2e.py, bench/soak.py and bench/streams_1000.py.
+Used by tests/test_fault_suite_e2e.py, perf/soak.py and perf/streams_1000.py.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from cortex.bench.contestants import CONTESTANTS
 from cortex.bench.launch import ClusterSpec, Procs, start_oracle, start_workers
 from cortex.bench.report import END, START
 from cortex.bench.workloads import WORDS, build
-from cortex.bundle import ModelBundle, shipped_tokenizer_dir
+from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "Qwen/Qwen2.5-7B-Instruct"

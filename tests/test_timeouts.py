@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cortex.config import ConfigError, CortexConfig, parse_config
-from cortex.dataplane import ANY_CLUSTER, bootstrap, envoy_binary, write_bootstrap, xds_dir
+from cortex.envoy_config import ANY_CLUSTER, bootstrap, envoy_binary, write_bootstrap, xds_dir
 
 
 def config(tmp_path: Path, **timeouts: Any) -> CortexConfig:

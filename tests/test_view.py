@@ -1,4 +1,4 @@
-"""Tests for the shared ledger view (cortex/view.py): table semantics against a dict-of-sets model, seqlock
+"""Tests for the shared ledger view (cortex/ledger_view/): table semantics against a dict-of-sets model, seqlock
 behaviour, file replacement (growth, writer restart) and a cross-process consistency check."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from cortex import view as view_mod
-from cortex.view import ViewBusy, ViewReader, ViewWriter, default_path
+from cortex.ledger_view import ViewBusy, ViewReader, ViewWriter, default_path
+from cortex.ledger_view import layout as view_mod
 
 
 @pytest.fixture

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if "all" in names:
         names = list(DEFAULT_WORKLOADS)
     if "trace" in names and not args.trace:
-        raise SystemExit("cortex bench: the trace workload needs --trace FILE (e.g. bench/traces/mooncake-small.jsonl)")
+        raise SystemExit("cortex bench: the trace workload needs --trace FILE (e.g. perf/traces/mooncake-small.jsonl)")
     if not 0.0 <= args.bypass < 1.0:
         raise SystemExit("cortex bench: --bypass is a fraction in [0, 1)")
     try:

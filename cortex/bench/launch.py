@@ -274,7 +274,7 @@ def router_env() -> dict[str, str]:
 def start_router(procs: Procs, workers: list[Worker], *, module: str, policy: str, name: str,
                  extra: tuple[str, ...] = ()) -> str:
     """`python -m <module>.launch_router` (sglang_router or vllm_router) with its defaults for `policy`."""
-    from cortex.bundle import shipped_tokenizer_dir
+    from cortex.model_bundle import shipped_tokenizer_dir
 
     port, metrics_port = free_ports(2)
     level = "warn" if module == "sglang_router" else "warning"
@@ -304,7 +304,7 @@ def smg_argv(workers: list[Worker], *, port: int, metrics_port: int, policy: str
     logs every gossip round), and a one-second drain on SIGTERM. `mesh` = (this node's name, its mesh port,
     the other replicas' mesh ports) turns its HA mesh on: gossip of workers, rate limits and the cache-aware
     trees between the replicas."""
-    from cortex.bundle import shipped_tokenizer_dir
+    from cortex.model_bundle import shipped_tokenizer_dir
 
     argv = [sys.executable, "-m", "smg.launch_router", "--host", HOST, "--port", str(port),
             "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),

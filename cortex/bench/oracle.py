@@ -24,8 +24,8 @@ import uvloop
 from aiohttp import web
 
 from cortex.bench.launch import MODEL
-from cortex.bundle import ModelBundle, shipped_tokenizer_dir
 from cortex.config import SchedulerConfig
+from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 from cortex.sim.openai_api import normalize_messages
 from extproc.scheduler import Candidate, Scoring, decide, still_hot
 

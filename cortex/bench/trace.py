@@ -18,8 +18,8 @@ trace would take minutes); each line arrives at its timestamp after the first (o
 session of one turn whose affinity key is its `session_id`. The trace is the workload: the seed changes
 nothing in it.
 
-    python -m cortex.bench.trace generate --out bench/traces/mooncake-small.jsonl --seed 1
-    python -m cortex.bench.trace info bench/traces/mooncake-small.jsonl
+    python -m cortex.bench.trace generate --out perf/traces/mooncake-small.jsonl --seed 1
+    python -m cortex.bench.trace info perf/traces/mooncake-small.jsonl
 """
 
 from __future__ import annotations

@@ -314,7 +314,7 @@ def build(name: str, *, quick: bool, seed: int, requests: int | None = None, rat
     if name == "trace":
         if not trace_path:
             raise ValueError("the trace workload needs a Mooncake-format JSONL trace: --trace FILE (a small one "
-                             "ships as bench/traces/mooncake-small.jsonl; `python -m cortex.bench.trace generate` "
+                             "ships as perf/traces/mooncake-small.jsonl; `python -m cortex.bench.trace generate` "
                              "makes others)")
         return trace_replay(path=trace_path, seed=seed, **d)
     return BUILDERS[name](seed=seed, **d)

@@ -21,8 +21,8 @@ import sys
 import uvloop
 import zmq
 
-from cortex.bundle import BundleError
 from cortex.engine_hashes import VLLM_HASH_ALGOS, LoraRef, resolve_none_hash_seed
+from cortex.model_bundle import BundleError
 from cortex.sim.config import DEFAULT_BOOTSTRAP_PORT, ENGINES, ROLES
 from cortex.sim.faults import FaultError, FaultState, faults_from_flags
 from cortex.sim.server import DEFAULT_MODEL, SimConfig, SimServer

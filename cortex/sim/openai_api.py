@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 import orjson
 from aiohttp import web
 
-from cortex.bundle import ModelBundle, TemplateError
 from cortex.engine_hashes import LoraRef
+from cortex.model_bundle import ModelBundle, TemplateError
 from cortex.sim.engine import Delta, EngineCore, EngineDeadError, SimRequest
 from cortex.sim.faults import Faults
 

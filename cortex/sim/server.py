@@ -28,8 +28,8 @@ from typing import Any
 
 from aiohttp import web
 
-from cortex.bundle import ModelBundle, shipped_tokenizer_dir
 from cortex.engine_hashes import VllmBlockHasher
+from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 from cortex.sim.config import DEFAULT_MODEL, SimConfig
 from cortex.sim.engine import Delta, EngineCore, EngineDeadError, SimRequest, TimingModel
 from cortex.sim.faults import FaultError, Faults
@@ -205,7 +205,7 @@ class SimServer:
             response.headers["x-sim-dp-rank"] = str(rank)
 
     async def _get_requests(self, request: web.Request) -> web.Response:
-        # What a gateway's polling costs a worker, counted rather than guessed (bench/idle_replica.py, tests).
+        # What a gateway's polling costs a worker, counted rather than guessed (perf/idle_replica.py, tests).
         return json_response({"paths": dict(self.requests)})
 
     async def _get_faults(self, request: web.Request) -> web.Response:

@@ -36,8 +36,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cortex.bundle import shipped_tokenizer_dir
 from cortex.engine_hashes import LoraRef
+from cortex.model_bundle import shipped_tokenizer_dir
 from cortex.sim.config import SimConfig
 from cortex.sim.engine import EngineCore, EngineDeadError, SimRequest
 from cortex.sim.openai_api import (

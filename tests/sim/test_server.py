@@ -20,8 +20,8 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from cortex.bundle import ModelBundle, shipped_tokenizer_dir
 from cortex.engine_hashes import VllmBlockHasher, vllm_wire_hash
+from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 from cortex.sim.kv_events import END_SEQ, AllBlocksCleared, BlockStored, decode_batch
 from cortex.sim.server import SimConfig, SimServer
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cortex.bundle import shipped_tokenizer_dir
+from cortex.model_bundle import shipped_tokenizer_dir
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed")
 pytestmark = pytest.mark.timeout(180)

@@ -29,7 +29,7 @@ import numpy as np
 from prometheus_client import Counter
 
 from cortex.blockkeys import chain_keys
-from cortex.segments import SegmentMismatch, TokenCursor
+from cortex.piecewise_tokenize import SegmentMismatch, TokenCursor
 from extproc.predictions import Predictions
 
 log = logging.getLogger("cortex.extproc")

@@ -7,8 +7,8 @@ until ``--requests`` have completed or ``--max-seconds`` have passed, then print
 (user + system, from /proc) per second of wall time and per thousand streamed tokens. Bounded in count and
 time; loopback only.
 
-    python bench/sim_load.py                      # 4 vLLM workers, 256 concurrent, 1024 requests
-    python bench/sim_load.py --engine sglang --concurrency 384 --requests 1536
+    python perf/sim_load.py                      # 4 vLLM workers, 256 concurrent, 1024 requests
+    python perf/sim_load.py --engine sglang --concurrency 384 --requests 1536
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ per second (the simulator counts its HTTP requests) and, for the traffic phases,
 busy-elsewhere cost follows the workers' throughput, which a shared machine moves). Numbers only, nothing
 asserted. Bounded in count and time; loopback only.
 
-    python bench/idle_replica.py                      # K = 4 and 8; 30 s idle, 15 s per traffic phase
-    python bench/idle_replica.py --workers 4 --window 10
+    python perf/idle_replica.py                      # K = 4 and 8; 30 s idle, 15 s per traffic phase
+    python perf/idle_replica.py --workers 4 --window 10
 """
 
 from __future__ import annotations

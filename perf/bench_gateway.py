@@ -12,7 +12,7 @@ render or tokenize): the floor, what the ext_proc exchange itself costs.
 Then one extproc process is saturated (32 concurrent streams, a bounded number of requests) and its CPU time
 per request is read from /proc: 1 / that is the req/s one extproc process sustains on a core of its own.
 
-    python bench/bench_gateway.py [--sizes 1000,8000] [--concurrency 1,16] [--requests 150]
+    python perf/bench_gateway.py [--sizes 1000,8000] [--concurrency 1,16] [--requests 150]
 
 Loopback only; bounded (a few hundred requests per row), about two minutes on 2 vCPUs.
 """
@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decision import Text, conversation, next_turn
 
-from cortex.bundle import ModelBundle, shipped_tokenizer_dir
-from cortex.dataplane import RESERVED_REQUEST_HEADERS, envoy_binary
+from cortex.envoy_config import RESERVED_REQUEST_HEADERS, envoy_binary
+from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 from tests.harness import MODEL, Gateway, cluster, free_ports, stop, wait_for
 
 SIM_ARGS = ("--prefill-ms-per-token", "0", "--decode-ms-per-token", "0", "--decode-ms-per-seq", "0")

@@ -4,7 +4,7 @@ Starts two simulated vLLM workers and a gateway on loopback, warms the cache, th
 requests (max_tokens=1, not streamed) direct to the worker that holds the prompt and through the gateway,
 which routes to that same worker. The difference of the two latency distributions is what Cortex adds.
 
-    .venv/bin/python bench/added_latency.py [--requests 300] [--words 60,1500,6000]
+    .venv/bin/python perf/added_latency.py [--requests 300] [--words 60,1500,6000]
 
 Bounded: a few hundred sequential requests per prompt size, loopback only.
 """

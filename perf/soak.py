@@ -15,7 +15,7 @@ worker) and `overclaims` (a claimed hit above the engine's own `cached_tokens`).
 and then and end after `--max-turns` turns (a new one takes their place), so the working set stays about
 the size of the KV pools. The last line is a JSON summary.
 
-    python bench/soak.py [--minutes 30] [--threads 4] [--fault-every 60]
+    python perf/soak.py [--minutes 30] [--threads 4] [--fault-every 60]
 
 Loopback only; bounded by --minutes (traffic stops, then everything is stopped).
 """

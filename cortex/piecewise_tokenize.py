@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from cortex.bundle import ModelBundle
+    from cortex.model_bundle import ModelBundle
 
-log = logging.getLogger("cortex.segments")
+log = logging.getLogger("cortex.piecewise_tokenize")
 
 SEGMENTED = "segmented"
 ANCHORED = "segmented_anchored"
@@ -728,7 +728,7 @@ def _probe_texts(boundary: list[str], complex_tokens: list[str], extra: list[str
 
 def _template_probes(bundle: ModelBundle) -> list[str]:
     """Conversations rendered with the bundle's chat template (skipped when it has none or refuses one)."""
-    from cortex.bundle import TemplateError
+    from cortex.model_bundle import TemplateError
 
     if not bundle.has_chat_template:
         return []

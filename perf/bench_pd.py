@@ -11,7 +11,7 @@ the skip-prefill rule never fires), `max_tokens: 1`, not streamed, sequential. P
 
 Also printed: extproc's own prefill-leg timing (`cortex_pd_leg_seconds`). Loopback only, bounded.
 
-    python bench/bench_pd.py [--requests 60] [--words 750]
+    python perf/bench_pd.py [--requests 60] [--words 750]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Benchmark of the shared ledger view (cortex/view.py): writer throughput, match latency, memory per key, and
+"""Benchmark of the shared ledger view (cortex/ledger_view/): writer throughput, match latency, memory per key, and
 match latency while another process storms the writer side.
 
-Run from the repository root: `python bench/bench_view.py`. Files go to a temporary directory (under /dev/shm
+Run from the repository root: `python perf/bench_view.py`. Files go to a temporary directory (under /dev/shm
 when available, like the real view) that is removed at the end. Runtime is bounded to well under a minute.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without installing the package
 
-from cortex.view import ViewBusy, ViewReader, ViewWriter
+from cortex.ledger_view import ViewBusy, ViewReader, ViewWriter
 
 RNG = np.random.default_rng(20240601)
 

@@ -21,7 +21,7 @@ it. Parse is timed around extproc.request.parse_body. `tail` is the work early s
 (the rest of the prompt tokenized, hashed and recorded as predicted): run here synchronously after each
 decision, outside `total`; in extproc it runs on a thread and the event loop once the answer is sent.
 
-    python bench/bench_decision.py [--sizes 1000,8000,32000] [--scale 1.0] [--modes early,full,whole early]
+    python perf/bench_decision.py [--sizes 1000,8000,32000] [--scale 1.0] [--modes early,full,whole early]
 
 Bounded: a few hundred decisions per row (fewer for 32K all-new), well under a minute on 2 vCPUs.
 """
@@ -44,10 +44,10 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cortex.blockkeys import chain_keys, root_key
-from cortex.bundle import ModelBundle
 from cortex.config import CortexConfig, parse_config
-from cortex.segments import EncoderSet
-from cortex.view import ViewWriter
+from cortex.ledger_view import ViewWriter
+from cortex.model_bundle import ModelBundle
+from cortex.piecewise_tokenize import EncoderSet
 from extproc.cluster_view import ClusterView
 from extproc.registry import ModelRegistry
 from extproc.request import parse_body

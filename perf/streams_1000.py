@@ -15,7 +15,7 @@ Starts four simulated vLLM workers (slow decode, so a stream stays open: `--deco
 Bounded: fixed counts, a deadline per stream (`--deadline-s`); loopback only. The soft file-descriptor
 limit is raised to the hard one (each stream is three sockets: client, Envoy downstream, Envoy upstream).
 
-    python bench/streams_1000.py [--streams 1000] [--slow 200] [--max-tokens 40]
+    python perf/streams_1000.py [--streams 1000] [--slow 200] [--max-tokens 40]
 """
 
 from __future__ import annotations

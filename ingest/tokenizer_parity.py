@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from cortex.bundle import ModelBundle, TemplateError
+from cortex.model_bundle import ModelBundle, TemplateError
 
 UNKNOWN, OK, FAILED = "unknown", "ok", "failed"
 

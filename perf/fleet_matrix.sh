@@ -2,7 +2,7 @@
 # The fleet matrix of docs/benchmarks.md: every scenario x contestant x replica count that section reports, one
 # `cortex bench` run each (JSON and Markdown in $OUT; a run whose JSON exists is skipped, so an interrupted
 # matrix resumes), then one report rendered from all of them into docs/benchmarks.md (section "fleet").
-#   bash bench/fleet_matrix.sh [OUT_DIR]      # about 65 minutes on 2 cores
+#   bash perf/fleet_matrix.sh [OUT_DIR]      # about 65 minutes on 2 cores
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench-out}
@@ -34,7 +34,7 @@ run zipf --workload zipf-prefix --quick --requests 200 --replicas 1,4 "${FEW[@]}
 run restart --workload multi-turn --restart-workers restart@5,flush@10,restart@15 --rate 1.0 --requests 100 \
     --max-seconds 40 --replicas 1,4 "${FEW[@]}"
 run bypass --workload shared-prefix --quick --bypass 0.3 --replicas 1,4 "${FEW[@]}"
-run trace --workload trace --trace bench/traces/mooncake-small.jsonl --quick --replicas 1,4 "${FEW[@]}"
+run trace --workload trace --trace perf/traces/mooncake-small.jsonl --quick --replicas 1,4 "${FEW[@]}"
 run burst --workload burst --quick --replicas 1,4 "${FEW[@]}"
 run unique --workload unique --quick --replicas 1 "${FEW[@]}"
 # The scenarios at 2 replicas (run after the rest: their tables follow the 1- and 4-replica ones).
@@ -42,7 +42,7 @@ run zipf-2 --workload zipf-prefix --quick --requests 200 --replicas 2 "${FEW[@]}
 run restart-2 --workload multi-turn --restart-workers restart@5,flush@10,restart@15 --rate 1.0 --requests 100 \
     --max-seconds 40 --replicas 2 "${FEW[@]}"
 run bypass-2 --workload shared-prefix --quick --bypass 0.3 --replicas 2 "${FEW[@]}"
-run trace-2 --workload trace --trace bench/traces/mooncake-small.jsonl --quick --replicas 2 "${FEW[@]}"
+run trace-2 --workload trace --trace perf/traces/mooncake-small.jsonl --quick --replicas 2 "${FEW[@]}"
 run burst-2 --workload burst --quick --replicas 2 "${FEW[@]}"
 
 .venv/bin/cortex bench "${RUNS[@]}" --report docs/benchmarks.md --report-section fleet --img-dir docs/img/fleet \

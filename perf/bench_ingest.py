@@ -5,9 +5,9 @@ the way EventSource groups what is already queued when events arrive faster than
   vllm16   vLLM-shaped: 16-token blocks, 8 blocks per BlockStored, one BlockRemoved per evicted block
   sglang1  SGLang-shaped: 1-token pages (SGLang's CUDA default) accumulated into 16-token Cortex blocks
 It also reports ingest's own memory per cached block (the Python maps behind the view; the view's bytes
-per key are measured by bench/bench_view.py).
+per key are measured by perf/bench_view.py).
 
-    .venv/bin/python bench/bench_ingest.py [--blocks 200000]
+    .venv/bin/python perf/bench_ingest.py [--blocks 200000]
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cortex.view import ViewWriter
+from cortex.ledger_view import ViewWriter
 from ingest.events import decode_batch
+from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
-from ingest.parity import ParityCheck
 from ingest.source import DRAIN_MAX
 from ingest.sync import Apply, SourceSync
 
