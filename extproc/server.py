@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -28,10 +27,10 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
 from cortex import grpc_health
-from cortex.config import ConfigError, CortexConfig, check_models, load_config
+from cortex.config import CortexConfig
+from cortex.config_watch import ConfigWatcher
 from cortex.envoy_config import ANY_CLUSTER, ENDPOINTS_HEADER, PD_ROUTE_HEADER, POOL_HEADER, pool_cluster
 from cortex.errors import ClientError
-from cortex.model_bundle import BundleError
 from extproc import metrics
 from extproc.cluster_view import ClusterView, TargetInfo
 from extproc.pd import PdPlan, fallback_pool
@@ -132,6 +131,11 @@ class ExtProc:
         self.pd = PdDispatcher(cfg, cluster.inflight)
         self.last_stream_at = 0.0
         """When the latest ext_proc stream (one per request) began (monotonic)."""
+
+    def reload(self, cfg: CortexConfig, registry: ModelRegistry) -> None:
+        self.router.reload(cfg, registry)
+        self.cfg = self.pd.cfg = self.cluster.cfg = cfg
+        log.info("config reloaded: %d models, %d aliases", len(cfg.models), len(cfg.aliases))
 
     # -- the gRPC method ----------------------------------------------------------------------------------
 
@@ -568,48 +572,13 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None
     return b"".join(chunks)
 
 
-class ConfigWatcher:
-    """Re-reads cortex.yaml when it changes and swaps the new registry and settings in; a bad edit is
-    logged and ignored (the running config stays). Listener, port and process-count changes need a restart."""
-
-    def __init__(self, path: Path | None, app: ExtProc) -> None:
-        self.path = path
-        self.app = app
-        self.mtime = self._mtime()
-
-    def _mtime(self) -> int:
-        try:
-            return os.stat(self.path).st_mtime_ns if self.path is not None else 0
-        except OSError:
-            return 0
-
-    async def poll(self) -> None:
-        mtime = self._mtime()
-        if self.path is None or mtime == self.mtime:
-            return
-        self.mtime = mtime
-        router = self.app.router
-        try:
-            # Loading tokenizers takes a while: do it off the event loop, then swap in one step.
-            cfg = await asyncio.to_thread(load_config, self.path)
-            await asyncio.to_thread(check_models, cfg)  # the checks `cortex run` makes at start
-            registry = await asyncio.to_thread(ModelRegistry, cfg, router.registry)
-        except (ConfigError, BundleError) as exc:
-            log.error("config change ignored, the running config stays: %s", exc)
-            return
-        router.reload(cfg, registry)
-        self.app.cfg = cfg
-        self.app.pd.cfg = cfg
-        self.app.cluster.cfg = cfg
-        log.info("config reloaded: %d models, %d aliases", len(cfg.models), len(cfg.aliases))
-
-
 async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) -> None:
     cluster = ClusterView(cfg, cfg.view_path(), index)
     cluster.refresh()
     registry = ModelRegistry(cfg)
     app = ExtProc(cfg, cluster, Router(cfg, cluster, registry))
-    watcher = ConfigWatcher(config_path, app)
+    # A bad edit is logged and ignored; listener, port and process-count changes need a restart.
+    watcher = ConfigWatcher(config_path, lambda c: (c, ModelRegistry(c, app.router.registry)))
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
         ("grpc.max_send_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
@@ -652,7 +621,9 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
                 app.router.predictions.expire()
                 if time.monotonic() - polled_at >= 1.0:
                     polled_at = time.monotonic()
-                    await watcher.poll()
+                    change = await watcher.poll()
+                    if change is not None:
+                        app.reload(*change)
             except Exception:
                 log.exception("extproc upkeep failed")
 

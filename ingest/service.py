@@ -24,11 +24,12 @@ import aiohttp
 import orjson
 import zmq.asyncio
 
-from cortex.config import ConfigError, CortexConfig, WorkerConfig, check_models, load_config
+from cortex.config import CortexConfig, WorkerConfig
+from cortex.config_watch import ConfigWatcher
 from cortex.envoy_config import atomic_write, write_xds
 from cortex.inflight import InflightBoard
 from cortex.ledger_view import ViewWriter
-from cortex.model_bundle import BundleError, ModelBundle
+from cortex.model_bundle import ModelBundle
 from ingest import silence, tokenizer_parity
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
@@ -53,7 +54,7 @@ class Ingest:
     def __init__(self, cfg: CortexConfig, config_path: Path | None = None) -> None:
         self.cfg = cfg
         self.config_path = config_path
-        self._config_mtime = self._mtime()
+        self._config = ConfigWatcher(config_path, lambda c: (c, self._load_probes(c)))
         self.view = ViewWriter(cfg.view_path(), max_workers=cfg.ingest.max_workers,
                                capacity=cfg.ingest.view_capacity)
         self.zmq = zmq.asyncio.Context.instance()
@@ -127,29 +128,14 @@ class Ingest:
         return {m.name: tokenizer_parity.expected(ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template))
                 for m in cfg.models}
 
-    def _mtime(self) -> int:
-        try:
-            return os.stat(self.config_path).st_mtime_ns if self.config_path is not None else 0
-        except OSError:
-            return 0
-
     async def _config_loop(self) -> None:
         """Apply edits of cortex.yaml within a second or two: new or changed workers and models, removed
         ones, Envoy's pools. A bad edit is logged and ignored; the running config stays."""
         while True:
             await asyncio.sleep(1.0)
-            mtime = self._mtime()
-            if self.config_path is None or mtime == self._config_mtime:
-                continue
-            self._config_mtime = mtime
-            try:
-                cfg = await asyncio.to_thread(load_config, self.config_path)
-                await asyncio.to_thread(check_models, cfg)  # the checks `cortex run` makes at start
-                probes = await asyncio.to_thread(self._load_probes, cfg)
-            except (ConfigError, BundleError) as exc:
-                log.error("config change ignored, the running config stays: %s", exc)
-                continue
-            await self._apply_config(cfg, probes)
+            change = await self._config.poll()
+            if change is not None:
+                await self._apply_config(*change)
 
     async def _apply_config(self, cfg: CortexConfig, probes: dict[str, list[Any]]) -> None:
         old = {w.id: w for w in self.cfg.workers}
