@@ -13,15 +13,20 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+from prometheus_client import Counter
 
 from cortex.config import CortexConfig
+from cortex.contract import ContractError, LoadReading, TargetMeta, decode_meta
 from cortex.inflight import InflightBoard
 from cortex.ledger_view import ViewBusy, ViewReader
 
 log = logging.getLogger("cortex.extproc")
+
+VIEW_REFUSED = Counter("cortex_ledger_view_refused", "meta documents of the ledger view this extproc process could "
+                       "not read (a schema version it was not written for, or a malformed document)")
+# Here rather than in extproc/metrics.py, which imports the router (and so this module).
 
 LOAD_MAX_AGE_S = 2.0
 """An engine load reading older than this (or than two poll intervals in force, if longer) is unknown."""
@@ -33,20 +38,19 @@ def load_max_age_s(every_s: float) -> float:
     return max(LOAD_MAX_AGE_S, 2 * every_s)
 
 
-def engine_load_of(load: dict[str, Any], now: float) -> tuple[float | None, float]:
+def engine_load_of(load: LoadReading, now: float) -> tuple[float | None, float]:
     """(running + waiting, or None when unknown; the time at which this reading turns unknown, inf if never
     or already). `at` is the reading's monotonic time (ingest's clock is this host's); older documents
     carried `age_s` at publication instead."""
-    at = load.get("at")
+    at = load.at
     if at is None:
-        age = load.get("age_s")
-        at = None if age is None else now - float(age)
+        at = None if load.age_s is None else now - load.age_s
     if at is None:
         return None, math.inf
-    expires = float(at) + load_max_age_s(float(load.get("every_s") or 0.0))
+    expires = at + load_max_age_s(load.every_s)
     if now > expires:
         return None, math.inf
-    return float(load.get("running", 0)) + float(load.get("waiting", 0)), expires
+    return load.running + load.waiting, expires
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +103,10 @@ class ClusterView:
         self._lost = False
         self.block_size = cfg.block_size
         self._meta_version = -1
-        self._docs: list[dict[str, Any]] = []
+        self._published: list[TargetMeta] = []
+        self._refused_version = -1
+        """The meta version last refused (cortex.contract): not decoded again until ingest writes a new one."""
+        self._refused_reason = ""
         self._load_expires = math.inf
         """When the next published load reading turns unknown: the target list is rebuilt then."""
         self._inflight_failed = False
@@ -109,43 +116,39 @@ class ClusterView:
         self.by_address: dict[str, TargetInfo] = {}
         self._set_targets(self._config_targets())
 
-    def _config_targets(self) -> list[dict[str, Any]]:
+    def _config_targets(self) -> list[TargetMeta]:
         """Until ingest has spoken: the config's workers, slots in config order as ingest assigns them."""
-        docs: list[dict[str, Any]] = []
+        targets: list[TargetMeta] = []
         for w in self.cfg.workers:
             ranks: list[int | None] = [None] if w.dp_size == 1 else list(range(w.dp_size))
             for rank in ranks:
-                docs.append({"id": w.id if rank is None else f"{w.id}@{rank}", "worker": w.id, "rank": rank,
-                             "slot": len(docs), "model": w.model, "engine": w.engine, "address": w.address(),
-                             "exact_kv": False, "healthy": True, "load": {}, "role": w.role,
-                             "bootstrap_port": w.bootstrap_port})
-        return docs
+                targets.append(TargetMeta(id=w.id if rank is None else f"{w.id}@{rank}", worker=w.id, rank=rank,
+                                          slot=len(targets), model=w.model, engine=w.engine, address=w.address(),
+                                          exact_kv=False, healthy=True, role=w.role,
+                                          bootstrap_port=w.bootstrap_port))
+        return targets
 
-    def _set_targets(self, docs: list[dict[str, Any]]) -> None:
+    def _set_targets(self, targets: list[TargetMeta]) -> None:
         by_model: dict[str, list[TargetInfo]] = {}
         by_address: dict[str, TargetInfo] = {}
         now = time.monotonic()
         expires_first = math.inf
-        for d in docs:
-            load = d.get("load") or {}
-            engine_load, expires = engine_load_of(load, now)
+        for t in targets:
+            engine_load, expires = engine_load_of(t.load, now)
             expires_first = min(expires_first, expires)
-            added_at = d.get("added_at")
-            if added_at is None and d.get("age_s") is not None:
-                added_at = now - float(d["age_s"])
-            info = TargetInfo(id=d["id"], worker=d.get("worker", d["id"]), rank=d.get("rank"),
-                              slot=int(d["slot"]), model=d["model"], engine=d.get("engine", "vllm"),
-                              address=d["address"], exact_kv=bool(d.get("exact_kv")),
-                              healthy=bool(d.get("healthy", True)), engine_load=engine_load,
-                              engine_waiting=float(load.get("waiting", 0) or 0), added_at=added_at,
-                              why=d.get("why", "" if d.get("exact_kv") else "ledger_unknown"),
-                              role=d.get("role", "both"), bootstrap_port=d.get("bootstrap_port"),
-                              suspect=bool(d.get("suspect", False)))
+            added_at = t.added_at
+            if added_at is None and t.age_s is not None:
+                added_at = now - t.age_s
+            why = t.why if t.why is not None else "" if t.exact_kv else "ledger_unknown"
+            info = TargetInfo(id=t.id, worker=t.worker or t.id, rank=t.rank, slot=t.slot, model=t.model,
+                              engine=t.engine, address=t.address, exact_kv=t.exact_kv, healthy=t.healthy,
+                              engine_load=engine_load, engine_waiting=t.load.waiting, added_at=added_at, why=why,
+                              role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect)
             by_model.setdefault(info.model, []).append(info)
             by_address.setdefault(info.address, info)
         self.targets = by_model
         self.by_address = by_address
-        self._docs = docs
+        self._published = targets
         self._load_expires = expires_first
 
     def refresh(self) -> None:
@@ -154,7 +157,7 @@ class ClusterView:
         if self.reader is None:
             self.reader = ViewReader.open(self.view_path)
         elif self.reader.refresh():
-            self._meta_version = -1
+            self._meta_version = self._refused_version = -1  # a new file: its versions count afresh
         try:
             self.inflight.refresh()
         except Exception:
@@ -169,18 +172,36 @@ class ClusterView:
         if self.reader is None:
             self._mark(False, "no ledger view yet")
             return
-        alive = self.reader.heartbeat_age() <= self.stale_after
-        self._mark(alive, "ingest heartbeat stopped")
-        if not alive:
+        if self.reader.heartbeat_age() > self.stale_after:
+            self._mark(False, "ingest heartbeat stopped")
             return
         version, doc = self.reader.meta()
-        if version != self._meta_version and doc.get("targets") is not None:
-            self._meta_version = version
-            self.block_size = int(doc.get("block_size", self.block_size))
-            self._set_targets(doc["targets"])
+        if version == self._refused_version:
+            self._mark(False, self._refused_reason)
+            return
+        if version != self._meta_version and (doc.get("targets") is not None or "version" in doc):
+            try:
+                meta = decode_meta(doc)
+            except ContractError as exc:
+                self._refuse(version, str(exc))
+                return
+            self._meta_version, self._refused_reason = version, ""
+            self.block_size = meta.block_size
+            self._set_targets(meta.targets)
         elif time.monotonic() > self._load_expires:
             # Ingest republishes only what changed: a reading that stopped coming ages out here.
-            self._set_targets(self._docs)
+            self._set_targets(self._published)
+        self._mark(True, "")
+
+    def _refuse(self, version: int, reason: str) -> None:
+        """A document this process cannot read (a rolling restart put a newer ingest next to it): the view is
+        unusable until ingest publishes one it can, exactly as if ingest's heartbeat had stopped -- routed by
+        the last target list read (or the config's) and this process's in-flight counts, no hit claimed."""
+        if reason != self._refused_reason:
+            log.error("ledger view refused: %s; routing by load without the ledger until it is readable", reason)
+        VIEW_REFUSED.inc()
+        self._refused_version, self._refused_reason = version, reason
+        self._mark(False, f"ledger view refused: {reason}")
 
     def _mark(self, alive: bool, why: str) -> None:
         # The first sight of the view is the normal start (the server logs that it serves); a loss and a

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from cortex.config import CortexConfig, WorkerConfig
 from cortex.config_watch import ConfigWatcher
+from cortex.contract import ClusterMeta, encode_meta
 from cortex.envoy_config import atomic_write, write_xds
 from cortex.inflight import InflightBoard
 from cortex.ledger_view import ViewWriter
@@ -277,10 +278,9 @@ class Ingest:
         return [t for w in self.workers.values() for t in w.targets]
 
     def publish_meta(self) -> None:
-        now = time.monotonic()
         targets = self.targets()
-        self.view.set_meta({"block_size": self.cfg.block_size,
-                            "targets": [t.routable_meta(now) for t in targets]})
+        self.view.set_meta(encode_meta(ClusterMeta(block_size=self.cfg.block_size,
+                                                   targets=[t.routable_meta() for t in targets])))
         for t in targets:
             t.published_load = (t.load.running, t.load.waiting, t.load.at)
         self._meta_dirty = False

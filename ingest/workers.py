@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from cortex.config import WorkerConfig
+from cortex.contract import LoadReading, TargetMeta
 from ingest import silence
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
@@ -38,12 +40,12 @@ class Load:
         return {"running": self.running, "waiting": self.waiting,
                 "age_s": round(now - self.at, 3) if self.at else None}
 
-    def to_meta(self, every_s: float) -> dict[str, Any]:
+    def to_meta(self, every_s: float) -> LoadReading:
         """For extproc: the reading's own time (the host's monotonic clock, which ingest and extproc share like
         the view's heartbeat) and the poll interval in force, so extproc ages it itself and ingest need not
         republish an unchanged reading just to move its age (docs/performance.md, "What an idle replica
         costs")."""
-        return {"running": self.running, "waiting": self.waiting, "at": self.at or None, "every_s": every_s}
+        return LoadReading(running=self.running, waiting=self.waiting, at=self.at or None, every_s=every_s)
 
 
 @dataclass
@@ -126,22 +128,25 @@ class Target:
             return f"publishes no KV events: {self.silence_reason}"
         return self.sync.reason
 
-    def routable_meta(self, now: float) -> dict[str, Any]:
-        """The slice extproc reads on the hot path (kept small: it is re-parsed on every change)."""
+    def routable_meta(self) -> TargetMeta:
+        """The slice extproc reads on the hot path (cortex.contract; kept small: it is re-parsed on every
+        change)."""
         w = self.worker
-        return {
-            "id": self.id, "worker": w.id, "rank": self.rank, "slot": self.slot, "model": w.cfg.model,
-            "engine": w.cfg.engine, "address": w.address, "healthy": w.healthy, "suspect": w.suspect,
-            "exact_kv": self.exact_kv,
-            "state": self.sync.state.value, "reason": self.why_not_exact(), "why": self.why_code(),
-            "load": self.load.to_meta(w.poll_every),
-            "added_at": w.added_at, "role": w.cfg.role, "bootstrap_port": w.bootstrap_port,
-        }
+        return TargetMeta(
+            id=self.id, worker=w.id, rank=self.rank, slot=self.slot, model=w.cfg.model,
+            engine=w.cfg.engine, address=w.address, healthy=w.healthy, suspect=w.suspect,
+            exact_kv=self.exact_kv,
+            state=self.sync.state.value, reason=self.why_not_exact(), why=self.why_code(),
+            load=self.load.to_meta(w.poll_every),
+            added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port,
+        )
 
     def status(self, now: float) -> dict[str, Any]:
         s = self.sync
+        meta = msgspec.structs.asdict(self.routable_meta())
+        del meta["age_s"]  # the contract's legacy field; the age in seconds follows
         return {
-            **self.routable_meta(now),
+            **meta,
             "load": {**self.load.to_json(now), "every_s": self.worker.poll_every},
             "age_s": round(now - self.worker.added_at, 1),
             "kv_events": self.endpoint(self.worker.cfg.kv_events),

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from cortex.bench.launch import free_ports
 from cortex.config import ConfigError, load_config
+from cortex.contract import LoadReading
 from cortex.ledger_view import ViewReader
 from extproc.cluster_view import LOAD_MAX_AGE_S, engine_load_of, load_max_age_s
 from tests.harness import MODEL, Gateway, Sim, long_chat, serving, wait_for
@@ -45,7 +47,7 @@ WAKE_DEADLINE_S = IDLE_S / 2
 ])
 def test_engine_load_ages_against_the_cadence_in_force(load: dict[str, Any], now: float,
                                                        expected: float | None) -> None:
-    value, expires = engine_load_of(load, now)
+    value, expires = engine_load_of(msgspec.convert(load, LoadReading), now)
     assert value == expected
     if expected is not None:
         assert expires >= now and expires == pytest.approx(load.get("at", now - load.get("age_s", 0))

@@ -187,8 +187,10 @@ class ViewWriter:
             if plan is not None:
                 self._apply(m, plan)
 
-    def set_meta(self, doc: dict[str, Any]) -> None:
-        raw = orjson.dumps(doc)
+    def set_meta(self, doc: dict[str, Any] | bytes) -> None:
+        """Replace the meta document: a JSON-able dict, or a document already encoded as JSON bytes (ingest
+        encodes cortex.contract.ClusterMeta itself)."""
+        raw = doc if isinstance(doc, bytes) else orjson.dumps(doc)
         if len(raw) > self._meta_cap:
             raise ValueError(f"meta document is {len(raw)} bytes, the view holds at most {self._meta_cap}")
         m = self._mapping()

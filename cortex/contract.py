@@ -1,0 +1,122 @@
+"""The ingest -> extproc contract: the one document ingest publishes in the ledger view's meta area.
+
+Ingest owns the fleet (which targets exist, their health, load and whether their ledger can be trusted);
+extproc routes on it. The only thing that crosses the process boundary besides the key bitsets is this
+document, so it is written down once, here, as msgspec Structs that ingest encodes (`encode_meta`) and
+extproc decodes (`decode_meta`); extproc also builds the same structs from its config while ingest has not
+spoken yet (extproc/cluster_view.py).
+
+Versioning: `version` is a major version. Adding an optional field with a default does not change it (an
+older reader ignores a field it does not know; a newer reader fills in the default when an older writer
+omitted it). Renaming, removing or changing the meaning of a field does: a reader refuses a document of any
+version it was not written for (`ContractError`), and extproc then treats the view as unusable (routes by
+its config and its own in-flight counts, claims no hit) instead of misreading it. That is what a rolling
+restart that starts a newer ingest next to an older extproc looks like. A document without `version` is
+version 1: the layout ingest published before the field existed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+SCHEMA_VERSION = 1
+"""The version this code writes and the only one it reads."""
+
+
+class ContractError(ValueError):
+    """A meta document this process cannot read: a version it was not written for, or a malformed field."""
+
+
+class LoadReading(msgspec.Struct, frozen=True):
+    """One engine load reading (running and waiting requests of one target)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    at: float | None = None
+    """When it was read: the host's monotonic clock, which ingest and extproc share (None: never read)."""
+    every_s: float = 0.0
+    """The load poll interval in force, so the reader can age the reading itself (docs/performance.md)."""
+    age_s: float | None = None
+    """Legacy (documents from before `at`): the reading's age when it was published."""
+
+
+class TargetMeta(msgspec.Struct, frozen=True):
+    """One routing target: a worker, or one data-parallel rank of it, as extproc sees it."""
+
+    id: str
+    """`<worker>` or `<worker>@<rank>`."""
+    slot: int
+    """Its column in the ledger view's bitsets."""
+    model: str
+    address: str
+    """host:port Envoy sends its requests to."""
+    worker: str | None = None
+    """The worker it belongs to (None: the same as `id`)."""
+    rank: int | None = None
+    """Data-parallel rank, or None for a worker without DP."""
+    engine: str = "vllm"
+    healthy: bool = True
+    """Routable: false after `ingest.health_failures` consecutive failed probes."""
+    suspect: bool = False
+    """Not in good standing (never probed yet, or its latest probe failed): routed, but never first."""
+    exact_kv: bool = False
+    """Ingest vouches for its ledger: stream in sync, hash and tokenizer parity not failed, events flowing."""
+    state: str = ""
+    """The event stream's sync state (ingest.sync.SyncState), for people; extproc does not read it."""
+    reason: str = ""
+    """Why its ledger is not trusted, in words ('' when it is)."""
+    why: str | None = None
+    """The same as a short reason code for headers and metrics (None: '' when exact_kv, else ledger_unknown)."""
+    load: LoadReading = msgspec.field(default_factory=LoadReading)
+    added_at: float | None = None
+    """When ingest added it (monotonic)."""
+    age_s: float | None = None
+    """Legacy (documents from before `added_at`): seconds since it was added, at publication."""
+    role: str = "both"
+    """`both`, `prefill` or `decode` (PD pools, docs/pd.md)."""
+    bootstrap_port: int | None = None
+    """SGLang prefill: the port its decode connects to (None until read)."""
+
+
+class ClusterMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """The whole meta document of the ledger view."""
+
+    version: int = 1
+    """SCHEMA_VERSION of the writer; absent in documents from before versioning, which are version 1."""
+    block_size: int
+    """Tokens per Cortex block key (the view's keys are chained over blocks of this size)."""
+    targets: list[TargetMeta]
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_meta(meta: ClusterMeta) -> bytes:
+    """Ingest's side: the document as JSON bytes, stamped with the version this code writes."""
+    if meta.version != SCHEMA_VERSION:
+        meta = msgspec.structs.replace(meta, version=SCHEMA_VERSION)
+    return _encoder.encode(meta)
+
+
+def decode_meta(doc: dict[str, Any] | bytes) -> ClusterMeta:
+    """extproc's side: a published document (parsed JSON, or its bytes) as a ClusterMeta. Raises
+    ContractError, naming the reason, for a version this code was not written for or a malformed document;
+    the version is checked first, so a newer layout is reported as such rather than as a bad field."""
+    if isinstance(doc, bytes | bytearray | memoryview):
+        try:
+            doc = msgspec.json.decode(doc)
+        except msgspec.DecodeError as exc:
+            raise ContractError(f"meta document is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ContractError(f"meta document is a {type(doc).__name__}, not an object")
+    version = doc.get("version", 1)
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise ContractError(f"meta document has schema version {version!r}; this process reads version "
+                            f"{SCHEMA_VERSION} only (a newer or older ingest is running: finish the rolling "
+                            "restart so both sides run the same release)")
+    try:
+        return msgspec.convert(doc, ClusterMeta)
+    except msgspec.ValidationError as exc:
+        raise ContractError(f"meta document (schema version {version}) is malformed: {exc}") from None
