@@ -1,6 +1,7 @@
 """Decode engine KV-event batches (vLLM and SGLang, ZMQ + msgpack) into engine-neutral events.
 
-Wire facts (../shared/reference/kv-events.md §1-§5): a batch is the positional array [ts, events, dp_rank]
+Wire facts (../shared/reference/kv-events.md §1-§5; the engines' own schemas are cortex/kv_events.py, this is
+the lenient read of them): a batch is the positional array [ts, events, dp_rank]
 (older releases may omit the rank); each event is a map tagged by "type" (vLLM >= 0.24, SGLang >= 0.5.20)
 or, in older releases, a positional array whose first element is the tag. Hashes are 64-bit ints (vLLM:
 unsigned, SGLang: signed) or raw digests as msgpack bin (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0;
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
+from cortex import kv_events
 
 GPU_MEDIA = frozenset({None, "GPU", "gpu"})
 
@@ -106,14 +109,11 @@ def _opt_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-# Positional layouts of older releases, after the tag (kv-events.md §5). SGLang's old BlockStored is a
-# prefix of vLLM's, so one table serves both.
-_POSITIONAL = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-                    "kv_cache_spec_sliding_window"),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
-    "AllBlocksCleared": (),
+# Positional layouts of older releases, after the tag: the engine schema's fields in order (kv-events.md §5).
+# SGLang's old BlockStored is a prefix of vLLM's, so vLLM's order serves both.
+_POSITIONAL: dict[str, tuple[str, ...]] = {
+    cls.__struct_config__.tag: cls.__struct_fields__  # type: ignore[misc]
+    for cls in (kv_events.BlockStored, kv_events.BlockRemoved, kv_events.AllBlocksCleared)
 }
 
 

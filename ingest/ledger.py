@@ -26,10 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-import xxhash
-
-from cortex.blockkeys import chain_keys, root_key
+from cortex.blockkeys import block_key, chain_keys, root_key, token_bytes
 from ingest.events import GPU_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, Event
 from ingest.hash_parity import ParityCheck
 
@@ -182,14 +179,13 @@ class Ledger:
                 if kr == 0:
                     delta.add(k)
         else:
-            raw = np.asarray(event.token_ids, dtype="<u4").tobytes()
+            raw = token_bytes(event.token_ids)
             stride, full = page * 4, self.block_size * 4
-            digest = xxhash.xxh3_64_intdigest
             for i, engine_hash in enumerate(hashes):
                 pending = pending + raw[i * stride:(i + 1) * stride]
                 completed = 0
                 if len(pending) == full:
-                    key = digest(pending, seed=key) or 1
+                    key = block_key(pending, key)
                     completed, pending = key, _EMPTY
                 r = refs.get(engine_hash)
                 if r is None:

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from cortex.kv_events import END_SEQ
 from ingest.events import DecodeError, decode_batch
 from ingest.ledger import KeySink
 from ingest.sync import Action, Apply, Clear, RequestReplay, SyncState
@@ -25,7 +26,6 @@ from ingest.workers import Target
 
 log = logging.getLogger("cortex.ingest")
 
-END_SEQ = b"\xff" * 8
 DRAIN_MAX = 64
 TAIL_QUIET_S = 0.02
 """After this long without a new batch, ask the replay socket whether anything newer was lost."""

@@ -16,7 +16,8 @@ from cortex.blockkeys import chain_keys, root_key
 from cortex.config import ConfigError, parse_config
 from cortex.engine_hashes import LoraRef
 from cortex.errors import ClientError
-from cortex.sim.kv_events import encode_batch, now_batch
+from cortex.kv_events import encode_batch
+from cortex.sim.kv_events import now_batch
 from cortex.sim.prefix_cache import PrefixCache
 from cortex.sim.radix_cache import RadixCache
 from extproc.registry import ModelRegistry

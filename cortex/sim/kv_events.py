@@ -1,18 +1,7 @@
-"""KV-cache events of vLLM 0.33 and SGLang 0.5.23: the wire schemas and a ZMQ publisher that behaves like theirs.
+"""A ZMQ KV-event publisher that behaves like vLLM 0.33's and SGLang 0.5.23's.
 
-Schemas first, because they are the contract (kv-events.md §2, §4.1): events are msgspec Structs with
-``tag=True, omit_defaults=True`` (msgpack maps tagged ``"type"``, required fields always present, defaulted
-fields omitted when default) and the batch is ``array_like=True``. vLLM's batch is
-``[ts, events, data_parallel_rank]`` (msgspec 0.23 keeps the trailing rank despite ``omit_defaults``);
-SGLang's own copy has no ``omit_defaults`` and names the rank ``attn_dp_rank``, and its ``BlockStored`` has
-a different field set (``medium`` defaulted, ``cache_salt``/``session_id``/``lora_name``, no ``extra_keys``).
-Field order and defaults match ``vllm/distributed/kv_events.py`` and ``sglang/srt/disaggregation/kv_events.py``
-so the encoded bytes are identical to the engines'. SGLang hashes are signed int64s, which msgpack encodes
-as ``d3`` when negative.
-
-Transport (§1): a PUB socket sends ``[topic, seq (8 B big-endian, from 0), payload]`` per batch; an optional
-ROUTER answers ``[identity, b"", start_seq]`` with every buffered batch ``seq >= start_seq`` as
-``[identity, b"", topic, seq, payload]`` and then the end marker ``[identity, b"", b"", ff*8, b""]``.
+The wire schemas and framing it sends are written once in cortex/kv_events.py (shared with ingest's
+decoder); this module is the publisher's behaviour: sequence numbers, the replay ROUTER, faults, threads.
 
 Faults (``cortex.sim.faults``) act in the publisher thread, where the sequence numbers are assigned: a dropped
 batch still consumes its seq and stays replayable (as when PUB drops at its high-water mark), a duplicate is
@@ -40,123 +29,10 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
+from cortex.kv_events import END_SEQ, AnyBatch, KVEventBatch, SglKVCacheEvent, SglKVEventBatch
 from cortex.sim.faults import Faults
 
 log = logging.getLogger(__name__)
-
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
-MEDIUM_STORAGE = "STORAGE"
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-# --- schema ---------------------------------------------------------------------------------------
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=False, omit_defaults=True, gc=False, tag=True):
-    """Base of the tagged events; the tag is the class name."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-# --- SGLang 0.5.23 schema ------------------------------------------------------------------------
-
-
-class SglEventBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[Any]
-    attn_dp_rank: int | None = None
-
-
-class SglKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base of SGLang's tagged events; the tags are the engine's class names."""
-
-
-class SglBlockStored(SglKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
-    lora_name: str | None = None
-
-
-class SglBlockRemoved(SglKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-class SglAllBlocksCleared(SglKVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class SglKVEventBatch(SglEventBatch):
-    events: list[SglBlockStored | SglBlockRemoved | SglAllBlocksCleared]
-
-
-AnyEvent = BlockStored | BlockRemoved | AllBlocksCleared | SglBlockStored | SglBlockRemoved | SglAllBlocksCleared
-AnyBatch = KVEventBatch | SglKVEventBatch
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-_sgl_decoder = msgspec.msgpack.Decoder(SglKVEventBatch)
-
-
-def encode_batch(batch: AnyBatch) -> bytes:
-    return _encoder.encode(batch)
-
-
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """Strict decode into vLLM's schema (for tests and tools; a gateway should decode leniently)."""
-    return _decoder.decode(payload)
-
-
-def decode_sglang_batch(payload: bytes) -> SglKVEventBatch:
-    """Strict decode into SGLang's schema."""
-    return _sgl_decoder.decode(payload)
-
 
 def _fill_rank(batch: AnyBatch, rank: int) -> None:
     # Both engines' publishers stamp their own rank on batches that arrive without one.

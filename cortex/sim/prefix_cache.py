@@ -35,7 +35,7 @@ from cortex.engine_hashes import (
     vllm_extra_keys,
     vllm_wire_hash,
 )
-from cortex.sim.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from cortex.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 

@@ -40,7 +40,7 @@ from cortex.engine_hashes import (
     sglang_salt_prior,
     sglang_wire_hash,
 )
-from cortex.sim.kv_events import MEDIUM_GPU, SglAllBlocksCleared, SglBlockRemoved, SglBlockStored
+from cortex.kv_events import MEDIUM_GPU, SglAllBlocksCleared, SglBlockRemoved, SglBlockStored
 from cortex.sim.prefix_cache import Admission, CapacityError
 
 SglEvent = SglBlockStored | SglBlockRemoved | SglAllBlocksCleared

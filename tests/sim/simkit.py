@@ -12,8 +12,8 @@ import orjson
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from cortex.kv_events import END_SEQ
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
-from cortex.sim.kv_events import END_SEQ
 from cortex.sim.server import SimConfig, SimServer
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"

@@ -8,17 +8,16 @@ import msgspec
 import pytest
 import zmq
 
-from cortex.sim.kv_events import (
+from cortex.kv_events import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    NullEventPublisher,
-    ZmqEventPublisher,
     decode_batch,
     encode_batch,
 )
+from cortex.sim.kv_events import NullEventPublisher, ZmqEventPublisher
 
 H0, H1 = 9561501211280363793, 15292913576410714033
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cortex.engine_hashes import LoraRef, VllmBlockHasher, vllm_wire_hash
-from cortex.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from cortex.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from cortex.sim.prefix_cache import CapacityError, PrefixCache
 
 BS = 16

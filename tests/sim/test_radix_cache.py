@@ -15,7 +15,7 @@ from cortex.engine_hashes import (
     sglang_page_hashes,
     sglang_wire_hash,
 )
-from cortex.sim.kv_events import SglAllBlocksCleared, SglBlockRemoved, SglBlockStored, SglKVEventBatch, encode_batch
+from cortex.kv_events import SglAllBlocksCleared, SglBlockRemoved, SglBlockStored, SglKVEventBatch, encode_batch
 from cortex.sim.prefix_cache import CapacityError
 from cortex.sim.radix_cache import RadixCache, sglang_extra_key, sglang_lora_id
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from cortex.engine_hashes import LoraRef
-from cortex.sim.kv_events import decode_batch, decode_sglang_batch, encode_batch, now_batch
+from cortex.kv_events import decode_batch, decode_sglang_batch, encode_batch
+from cortex.sim.kv_events import now_batch
 from cortex.sim.prefix_cache import PrefixCache
 from cortex.sim.radix_cache import RadixCache
 from tests.engine_wheels import PUBLISHER_FILES as FILES

@@ -21,8 +21,8 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from cortex.engine_hashes import VllmBlockHasher, vllm_wire_hash
+from cortex.kv_events import END_SEQ, AllBlocksCleared, BlockStored, decode_batch
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
-from cortex.sim.kv_events import END_SEQ, AllBlocksCleared, BlockStored, decode_batch
 from cortex.sim.server import SimConfig, SimServer
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"

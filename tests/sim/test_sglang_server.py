@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from cortex.engine_hashes import LoraRef, sglang_page_hashes, sglang_wire_hash
-from cortex.sim.kv_events import SglAllBlocksCleared, SglBlockStored, decode_sglang_batch
+from cortex.kv_events import SglAllBlocksCleared, SglBlockStored, decode_sglang_batch
 from cortex.sim.server import SimConfig, SimServer
 from tests.sim.simkit import BUNDLE, LONG, MODEL, chat_body, config, first_token, metric, replay, serve, sse, until
 
