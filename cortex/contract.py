@@ -25,6 +25,11 @@ SCHEMA_VERSION = 1
 """The version this code writes and the only one it reads."""
 
 
+def target_id(worker: str, rank: int | None) -> str:
+    """A target's id: its worker's, with `@<rank>` for one data-parallel rank of it."""
+    return worker if rank is None else f"{worker}@{rank}"
+
+
 class ContractError(ValueError):
     """A meta document this process cannot read: a version it was not written for, or a malformed field."""
 

@@ -18,7 +18,7 @@ import numpy as np
 from prometheus_client import Counter
 
 from cortex.config import CortexConfig
-from cortex.contract import ContractError, LoadReading, TargetMeta, decode_meta
+from cortex.contract import ContractError, LoadReading, TargetMeta, decode_meta, target_id
 from cortex.inflight import InflightBoard
 from cortex.ledger_view import ViewBusy, ViewReader
 
@@ -122,7 +122,7 @@ class ClusterView:
         for w in self.cfg.workers:
             ranks: list[int | None] = [None] if w.dp_size == 1 else list(range(w.dp_size))
             for rank in ranks:
-                targets.append(TargetMeta(id=w.id if rank is None else f"{w.id}@{rank}", worker=w.id, rank=rank,
+                targets.append(TargetMeta(id=target_id(w.id, rank), worker=w.id, rank=rank,
                                           slot=len(targets), model=w.model, engine=w.engine, address=w.address(),
                                           exact_kv=False, healthy=True, role=w.role,
                                           bootstrap_port=w.bootstrap_port))

@@ -23,8 +23,9 @@ from pydantic import ValidationError
 
 from cortex.config import WorkerConfig
 from cortex.errors import error_body
+from ingest.membership import MembershipError
 from ingest.readiness import Readiness
-from ingest.service import Ingest, MembershipError
+from ingest.service import Ingest
 from ingest.silence import SILENT
 from ingest.sync import SyncState
 
@@ -86,25 +87,26 @@ class IngestCollector(Collector):
             tokens.add_metric([w.id, w.token_parity.status], 1.0)
             for t in w.targets:
                 key = [t.id, w.id]
+                ev = t.events
                 for s in SyncState:
-                    state.add_metric([*key, s.value], 1.0 if t.sync.state is s else 0.0)
+                    state.add_metric([*key, s.value], 1.0 if ev.sync.state is s else 0.0)
                 exact.add_metric(key, 1.0 if t.exact_kv else 0.0)
                 if w.events_usable:
                     silent.add_metric(key, 1.0 if t.events_status == SILENT else 0.0)
-                parity.add_metric([*key, t.parity.status], 1.0)
-                blocks.add_metric(key, t.ledger.blocks)
+                parity.add_metric([*key, ev.parity.status], 1.0)
+                blocks.add_metric(key, ev.ledger.blocks)
                 running.add_metric(key, t.load.running)
                 waiting.add_metric(key, t.load.waiting)
-                if t.last_event_at:
-                    event_age.add_metric(key, now - t.last_event_at)
-                    lag.add_metric(key, t.lag_s)
-                for name, value in (("batches", t.batches), ("gaps", t.sync.gaps), ("replays", t.sync.replays),
-                                    ("resyncs", t.sync.resyncs), ("publisher_restarts", t.sync.restarts),
-                                    ("duplicate_batches", t.sync.duplicates), ("decode_errors", t.decode_errors),
-                                    ("parity_failures", t.parity.failures), ("events", t.ledger.events_applied),
-                                    ("tail_recoveries", t.sync.tail_recoveries)):
+                if ev.last_event_at:
+                    event_age.add_metric(key, now - ev.last_event_at)
+                    lag.add_metric(key, ev.lag_s)
+                for name, value in (("batches", ev.batches), ("gaps", ev.sync.gaps), ("replays", ev.sync.replays),
+                                    ("resyncs", ev.sync.resyncs), ("publisher_restarts", ev.sync.restarts),
+                                    ("duplicate_batches", ev.sync.duplicates), ("decode_errors", ev.decode_errors),
+                                    ("parity_failures", ev.parity.failures), ("events", ev.ledger.events_applied),
+                                    ("tail_recoveries", ev.sync.tail_recoveries)):
                     counters[name].add_metric(key, value)
-                for reason, n in t.ledger.dropped.items():
+                for reason, n in ev.ledger.dropped.items():
                     dropped.add_metric([*key, reason], n)
         yield from (state, exact, silent, parity, healthy, tokens, blocks, running, waiting, event_age, lag,
                     *counters.values(), dropped)

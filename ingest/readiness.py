@@ -37,7 +37,8 @@ def subscription(t: Target) -> dict[str, Any]:
     """A target's KV-event subscription: off (no endpoint), connecting, replaying, live or stale."""
     if not t.worker.events_usable:
         return {"state": "off", "reason": t.worker.events_reason}
-    return {"state": _SUBSCRIPTION[t.sync.state], "reason": t.sync.reason,
+    sync = t.events.sync
+    return {"state": _SUBSCRIPTION[sync.state], "reason": sync.reason,
             "endpoint": t.endpoint(t.worker.cfg.kv_events), "replay": t.endpoint(t.worker.cfg.kv_replay)}
 
 

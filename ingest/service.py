@@ -1,54 +1,50 @@
-"""The ingest process: worker lifecycle, one event source per target, probes, and the shared view.
+"""The ingest process: runs the workers' lifecycle, one event source per target, probes, and the shared view.
 
 Everything runs on one asyncio loop, so the ledger has a single writer and needs no locks. The view
-(cortex.ledger_view) is the only thing other processes see: key membership per target slot plus a small JSON
-document with each target's state and load, stamped with a heartbeat so readers notice if ingest dies.
+(cortex.ledger_view) is the only thing other processes see: key membership per target slot plus the meta
+document (cortex.contract: each target's state and load), stamped with a heartbeat so readers notice if
+ingest dies.
 
-Workers come from the config file and from the admin API; API changes are kept in
-`<runtime_dir>/workers.json`, so a restarted ingest (the supervisor restarts it) comes back with the same
-fleet. Every membership change also rewrites Envoy's EDS files, so Envoy and Cortex agree on the pool.
+Who does what: ingest/membership.py decides which workers run (config, admin API, persistence, Envoy's
+pools); ingest/probes.py reads health, load and tokenizer parity and ingest/workers.py applies the readings;
+ingest/source.py follows one target's event stream into its ledger. This module schedules them: per worker a
+health task and a load task, one tokenizer parity loop, the heartbeat/publication loop and the config loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 import zmq.asyncio
 
 from cortex.config import CortexConfig, WorkerConfig
 from cortex.config_watch import ConfigWatcher
-from cortex.contract import ClusterMeta, encode_meta
-from cortex.envoy_config import atomic_write, write_xds
+from cortex.contract import ClusterMeta, encode_meta, target_id
 from cortex.inflight import InflightBoard
 from cortex.ledger_view import ViewWriter
 from cortex.model_bundle import ModelBundle
-from ingest import silence, tokenizer_parity
+from ingest import membership, silence, tokenizer_parity
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
+from ingest.membership import MembershipError
+from ingest.probes import check_tokens, probe_health, read_load
 from ingest.readiness import subscription
-from ingest.source import EventSource, cancel_quietly
+from ingest.source import EventSource, cancel_quietly, rank_endpoint
 from ingest.sync import SourceSync, SyncState
-from ingest.workers import Target, Worker, probe_health, read_load
+from ingest.workers import Target, Worker
 
 log = logging.getLogger("cortex.ingest")
 
 PUBLISH_SPACING_S = 0.1
 """Least time between two writes of the target list (extproc re-reads it on each)."""
-
-
-class MembershipError(ValueError):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class Ingest:
@@ -60,18 +56,18 @@ class Ingest:
                                capacity=cfg.ingest.view_capacity)
         self.zmq = zmq.asyncio.Context.instance()
         self.workers: dict[str, Worker] = {}
-        self._sources: dict[str, tuple[EventSource, asyncio.Task[None]]] = {}
+        self._sources: dict[str, asyncio.Task[None]] = {}
+        """The running event sources' tasks, per target id (a worker without kv_events runs none)."""
         # Each worker's load poll and health probe run on their own, so a worker that hangs (up to a
         # timeout per request) slows only its own readings, never the others' (issue 11).
         self._probe_tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._parity_tasks: dict[str, asyncio.Task[None]] = {}
         self._background: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
-        self._epochs = itertools.count(1)
         self._publish_soon = asyncio.Event()
         self._meta_dirty = True
         self._parity_wakeup = asyncio.Event()
-        self.state_file = cfg.runtime_path() / "workers.json"
+        self.state_file = membership.state_file(cfg)
         self.heartbeat_at = 0.0
         """When the view was last stamped (monotonic; 0 before the first): /health/ready's "ledger view live"."""
         # Cortex's own ids for the tokenizer parity probes, per model (rendered once, at start).
@@ -85,7 +81,7 @@ class Ingest:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession()
-        for wcfg, source in self._initial_workers():
+        for wcfg, source in membership.restore(self.cfg, self.state_file):
             self._add(wcfg, source)
         self._sync_envoy()
         self.publish_meta()
@@ -94,33 +90,12 @@ class Ingest:
                             asyncio.create_task(self._config_loop())]
 
     async def stop(self) -> None:
-        for task in [*self._background, *(task for _, task in self._sources.values()),
+        for task in [*self._background, *self._sources.values(),
                      *(t for ts in self._probe_tasks.values() for t in ts), *self._parity_tasks.values()]:
             await cancel_quietly(task)
         if self._session is not None:
             await self._session.close()
         self.view.close()
-
-    def _initial_workers(self) -> list[tuple[WorkerConfig, str]]:
-        added: list[WorkerConfig] = []
-        removed: set[str] = set()
-        if self.state_file.is_file():
-            try:
-                doc = orjson.loads(self.state_file.read_bytes())
-                added = [WorkerConfig.model_validate(w) for w in doc.get("added", [])]
-                removed = set(doc.get("removed", []))
-            except (ValueError, TypeError) as exc:
-                log.error("ignoring unreadable %s: %s", self.state_file, exc)
-        out = [(w, "config") for w in self.cfg.workers if w.id not in removed]
-        ids = {w.id for w, _ in out}
-        out += [(w, "api") for w in added if w.id not in ids]
-        restored = [w.id for w, src in out if src == "api"]
-        if restored or removed:
-            # Persistence is deliberate (a restarted ingest keeps its fleet), but must never surprise anyone.
-            log.info("fleet changes made through the admin API restored from %s: added %s, removed %s "
-                     "(`cortex run --reset-workers` forgets them)", self.state_file, restored or "none",
-                     sorted(removed) or "none")
-        return out
 
     @staticmethod
     def _load_probes(cfg: CortexConfig) -> dict[str, list[Any]]:
@@ -139,44 +114,29 @@ class Ingest:
                 await self._apply_config(*change)
 
     async def _apply_config(self, cfg: CortexConfig, probes: dict[str, list[Any]]) -> None:
-        old = {w.id: w for w in self.cfg.workers}
-        new = {w.id: w for w in cfg.workers}
+        remove, add = membership.config_change(self.cfg, cfg, self.workers)
         self.cfg, self._probes = cfg, probes
-        for wid, wcfg in old.items():
-            current = self.workers.get(wid)
-            if current is not None and current.source == "config" and new.get(wid) != wcfg:
-                await self.remove_worker(wid, persist=False)
-        for wid, wcfg in new.items():
-            if wid not in self.workers:
-                self._add(wcfg, "config")
+        for wid in remove:
+            await self.remove_worker(wid, persist=False)
+        for wcfg in add:
+            self._add(wcfg, membership.CONFIG)
         self._save_state()
         self._sync_envoy()
         self._meta_dirty = True
         log.info("config reloaded: %d models, %d workers", len(cfg.models), len(self.workers))
 
     def _save_state(self) -> None:
-        config_ids = {w.id for w in self.cfg.workers}
-        doc = {"added": [w.cfg.model_dump(mode="json") for w in self.workers.values() if w.source == "api"],
-               "removed": sorted(config_ids - set(self.workers))}
-        atomic_write(self.state_file, orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+        membership.save(self.state_file, self.cfg, self.workers.values())
 
     def _sync_envoy(self) -> None:
-        write_xds(self.cfg, [w.cfg for w in self.workers.values()])
+        membership.sync_envoy(self.cfg, self.workers.values())
 
     # -- membership --------------------------------------------------------------------------------------
 
     def add_worker(self, wcfg: WorkerConfig) -> Worker:
         """Admin API: validate against the config's models, add, persist, and tell Envoy."""
-        if wcfg.id in self.workers:
-            raise MembershipError(409, f"worker {wcfg.id!r} already exists")
-        model = self.cfg.model(wcfg.model)
-        if model is None:
-            raise MembershipError(422, f"model {wcfg.model!r} is not one of the configured models "
-                                       f"{[m.name for m in self.cfg.models]}")
-        if model.engine != wcfg.engine:
-            raise MembershipError(422, f"worker engine {wcfg.engine!r} but model {wcfg.model!r} is served by "
-                                       f"{model.engine!r}")
-        worker = self._add(wcfg, "api")
+        membership.check_addition(self.cfg, wcfg, self.workers)
+        worker = self._add(wcfg, membership.API)
         self._save_state()
         self._sync_envoy()
         return worker
@@ -191,12 +151,12 @@ class Ingest:
         for task in tasks if parity is None else [*tasks, parity]:
             await cancel_quietly(task)
         for t in worker.targets:
-            t.epoch = next(self._epochs)  # fences any callback still in flight for the old incarnation
-            entry = self._sources.pop(t.id, None)
-            if entry is not None:
-                await cancel_quietly(entry[1])
+            t.events.close()  # fences any callback still in flight for the old incarnation
+            task = self._sources.pop(t.id, None)
+            if task is not None:
+                await cancel_quietly(task)
             # One write section: extproc sees the target's blocks all present or all gone.
-            t.ledger.clear(self.view)
+            t.events.ledger.clear(self.view)
         if persist:
             self._save_state()
             self._sync_envoy()
@@ -223,18 +183,18 @@ class Ingest:
             parity = ParityCheck(engine=wcfg.engine, page_size=model.engine_page_size(),
                                  hash_algo=model.hash_algo or ("sha256" if wcfg.engine == "vllm" else None),
                                  hash_seed=model.hash_seed)
-            target = Target(worker=worker, rank=rank, slot=slot,
-                            ledger=Ledger(slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size,
-                                          parity=parity),
-                            parity=parity, sync=SourceSync(has_replay=wcfg.kv_replay is not None),
-                            epoch=next(self._epochs))
+            tid = target_id(wcfg.id, rank)
+            events = EventSource(
+                tid, Ledger(slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size, parity=parity), parity,
+                SourceSync(has_replay=wcfg.kv_replay is not None), self.zmq, self.view,
+                endpoint=rank_endpoint(wcfg.kv_events, rank), replay_endpoint=rank_endpoint(wcfg.kv_replay, rank),
+                topic=wcfg.kv_topic, on_change=self._changed, on_events=partial(self._events_arrived, worker))
+            target = Target(worker=worker, rank=rank, slot=slot, events=events)
             # A slot may have been used by a removed target: start from a clean bitset.
             self.view.clear_worker(slot)
             worker.targets.append(target)
             if worker.events_usable:
-                src = EventSource(target, self.zmq, self.view, self._changed, on_events=self._events_arrived)
-                self._sources[target.id] = (src, asyncio.get_running_loop().create_task(src.run(),
-                                                                                         name=f"src-{target.id}"))
+                self._sources[tid] = asyncio.get_running_loop().create_task(events.run(), name=f"src-{tid}")
         self.workers[wcfg.id] = worker
         loop = asyncio.get_running_loop()
         self._probe_tasks[wcfg.id] = [loop.create_task(self._watch_health(worker), name=f"health-{wcfg.id}"),
@@ -258,9 +218,9 @@ class Ingest:
     def _changed(self) -> None:
         self._meta_dirty = True
 
-    def _events_arrived(self, target: Target) -> None:
+    def _events_arrived(self, worker: Worker) -> None:
         # Events mean the engine is working, whoever sent it the requests (another replica, direct traffic).
-        self._wake(target.worker, time.monotonic())
+        self._wake(worker, time.monotonic())
 
     def _wake(self, worker: Worker, now: float) -> None:
         """Poll this worker at the active cadence from now on (for a while), starting with a reading now."""
@@ -338,9 +298,11 @@ class Ingest:
             worker.wake.clear()
             if worker.healthy:
                 try:
-                    await read_load(self._session, worker, timeout=max(fast * 5, 0.5))
+                    per_rank = await read_load(self._session, worker.cfg, timeout=max(fast * 5, 0.5))
                 except Exception as exc:  # a worker's bad answer must not end its polling
                     log.debug("load read failed for %s: %s", worker.id, exc)
+                else:
+                    worker.apply_load(per_rank, time.monotonic())
             now = time.monotonic()
             if any(t.load.at and (t.load.running > 0 or t.load.waiting > 0) for t in worker.targets):
                 worker.active_until = max(worker.active_until, now + self._active_hold_s())
@@ -381,11 +343,11 @@ class Ingest:
             return
         limit = self.cfg.ingest.event_silence_s
         for t in w.targets:
-            quiet_since = max(t.busy_since, t.last_event_at)
-            entry = self._sources.get(t.id)
-            if entry and t.busy_since and t.sync.state is SyncState.READY and now - quiet_since > limit:
-                entry[0].perform(t.sync.silent(f"no event batch for {limit:.0f}s while the worker was busy"))
-                t.last_event_at = now  # one resync per silent period
+            ev = t.events
+            quiet_since = max(t.busy_since, ev.last_event_at)
+            running = t.id in self._sources
+            if running and t.busy_since and ev.sync.state is SyncState.READY and now - quiet_since > limit:
+                ev.silent(f"no event batch for {limit:.0f}s while the worker was busy", now)
 
     def _check_publishers(self, w: Worker, now: float) -> None:
         """Name the workers that serve requests but publish no KV events (ingest.silence): reported in
@@ -396,7 +358,7 @@ class Ingest:
             return
         for t in w.targets:
             # Counted, not timed: _check_silence above moves last_event_at without any batch arriving.
-            received = t.batches + t.decode_errors + t.sync.duplicates
+            received = t.events.received
             if received != t.received_base:
                 # A batch (live or replayed) arrived: whatever work came before is accounted for.
                 t.received_base, t.batch_at = received, now
@@ -407,7 +369,7 @@ class Ingest:
                 if not t.work_at and (t.activity > t.activity_base or t.load.running > 0):
                     t.work_at = now
             status, reason = silence.verdict(silence.Observation(
-                now=now, healthy=w.healthy, connected=t.link_up, link_since=t.link_since,
+                now=now, healthy=w.healthy, connected=t.events.link_up, link_since=t.events.link_since,
                 last_batch_at=t.batch_at, work_at=t.work_at, bound_s=self.cfg.ingest.event_silence_s))
             if status == silence.SILENT and t.events_status != silence.SILENT:
                 log.warning("worker %s (target %s) publishes no KV events: %s; routed by load only until "
@@ -422,13 +384,12 @@ class Ingest:
         """The engine worked since the last poll (its counter moved, or requests ran or just finished): its
         batches may all have been lost, so no arrival would ever trigger a tail check. Ask replay."""
         for t in w.targets:
-            entry = self._sources.get(t.id)
-            if entry is None:
+            if t.id not in self._sources:
                 continue
             busy = t.load.running > 0 or t.load.waiting > 0
             if t.activity != t.activity_checked or busy or t.was_busy:
                 t.activity_checked = t.activity
-                entry[0].check_tail()
+                t.events.check_tail()
             t.was_busy = busy
 
     async def _watch_health(self, worker: Worker) -> None:
@@ -440,15 +401,18 @@ class Ingest:
             was_healthy = worker.healthy
             shown = (worker.healthy, worker.suspect, worker.bootstrap_port)
             try:
-                await probe_health(self._session, worker, icfg.health_timeout_s, icfg.health_failures)
-            except Exception:  # probe_health counts every expected failure itself; keep probing whatever else
+                reading = await probe_health(self._session, worker.cfg.url, icfg.health_timeout_s,
+                                             want_bootstrap_port=worker.needs_bootstrap_port)
+            except Exception:  # probe_health reads every expected failure itself; keep probing whatever else
                 log.exception("health probe of %s failed unexpectedly", worker.id)
+            else:
+                worker.apply_health(reading, icfg.health_failures)
             if was_healthy and not worker.healthy and self.workers.get(worker.id) is worker:
                 # A dead engine's cache is gone, or soon will be: prune what the ledger lists for it.
                 log.warning("worker %s is down (%d failed probes): its ledger entries are pruned",
                             worker.id, worker.health_failures)
                 for t in worker.targets:
-                    t.ledger.clear(self.view)
+                    t.events.ledger.clear(self.view)
             elif worker.healthy and not was_healthy:
                 log.info("worker %s is up again", worker.id)
             if (worker.healthy, worker.suspect, worker.bootstrap_port) != shown:
@@ -476,23 +440,12 @@ class Ingest:
 
     async def _check_tokens(self, w: Worker) -> None:
         assert self._session is not None
-        try:
-            res: tuple[str, str] | Exception = await tokenizer_parity.check(
-                self._session, w.cfg.url, w.cfg.engine, w.cfg.model, self._probes[w.cfg.model],
-                self.cfg.ingest.health_timeout_s)
-        except Exception as exc:  # counted as unanswered; checked again in 10 s
-            res = exc
-        tp = w.token_parity
-        status, reason = res if isinstance(res, tuple) else (tokenizer_parity.UNKNOWN, repr(res))
-        tp.checks += 1
-        tp.checked_at = time.monotonic()
-        if status != tp.status:
+        status, reason = await check_tokens(self._session, w.cfg, self._probes[w.cfg.model],
+                                            self.cfg.ingest.health_timeout_s)
+        if w.apply_tokens(status, reason, time.monotonic()) != status:
             level = logging.ERROR if status == tokenizer_parity.FAILED else logging.INFO
             log.log(level, "worker %s: tokenizer parity %s: %s", w.id, status, reason)
             self._meta_dirty = True
-        if status == tokenizer_parity.FAILED and tp.status != tokenizer_parity.FAILED:
-            tp.failures += 1
-        tp.status, tp.reason = status, reason
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -1,4 +1,5 @@
-"""One event source: a ZMQ SUB on a target's publisher, its replay socket, and the sync state machine.
+"""One event source: a target's ZMQ SUB and replay sockets, and what it owns: the sync state machine, the
+ledger and its hash parity check, and the stream's counters.
 
 transport (this file) -> decoder (ingest.events) -> sequence state (ingest.sync) -> ledger (ingest.ledger)
 -> shared view. Replay uses a DEALER (a REQ socket would receive only the first frame set of the reply
@@ -20,9 +21,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from cortex.kv_events import END_SEQ
 from ingest.events import DecodeError, decode_batch
-from ingest.ledger import KeySink
-from ingest.sync import Action, Apply, Clear, RequestReplay, SyncState
-from ingest.workers import Target
+from ingest.hash_parity import ParityCheck
+from ingest.ledger import KeySink, Ledger
+from ingest.sync import Action, Apply, Clear, RequestReplay, SourceSync, SyncState
 
 log = logging.getLogger("cortex.ingest")
 
@@ -70,25 +71,65 @@ async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, timeou
         sock.close(0)
 
 
-class EventSource:
-    """Runs one target's subscription on the ingest loop; all ledger writes happen on that loop."""
+def rank_endpoint(base: str | None, rank: int | None) -> str | None:
+    """A DP rank's ZMQ endpoint: the engines offset the port by the rank (kv-events.md §1.4)."""
+    if base is None or rank in (None, 0):
+        return base
+    host, port = base.rsplit(":", 1)
+    return f"{host}:{int(port) + rank}"
 
-    def __init__(self, target: Target, ctx: zmq.asyncio.Context, sink: KeySink,
-                 on_change: Callable[[], None], on_events: Callable[[Target], None] | None = None) -> None:
-        self.target = target
+
+class EventSource:
+    """One target's KV-event stream and everything that follows from it: the subscription, the sequence state
+    machine (`sync`), the ledger and its hash parity check, and the counters that describe the stream. Runs on
+    the ingest loop; all ledger writes happen on that loop. Nothing else writes into it: the service asks
+    (`check_tail`, `silent`), and reads."""
+
+    def __init__(self, name: str, ledger: Ledger, parity: ParityCheck, sync: SourceSync, ctx: zmq.asyncio.Context,
+                 sink: KeySink, *, endpoint: str | None, replay_endpoint: str | None, topic: str = "",
+                 on_change: Callable[[], None] = lambda: None, on_events: Callable[[], None] | None = None) -> None:
+        self.name = name
+        """The target's id, for the log."""
+        self.ledger = ledger
+        self.parity = parity
+        self.sync = sync
         self.ctx = ctx
         self.sink = sink
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
         self.on_change = on_change
         self.on_events = on_events
         """Called after each group of live batches (the engine is working: ingest polls its load faster)."""
-        self.epoch = target.epoch
+        self.closed = False
+        """Set when its target is removed: a callback still in flight for it is fenced off."""
         self._replay_task: asyncio.Task[None] | None = None
         self._tail_task: asyncio.Task[None] | None = None
         self._shown = False
         """Whether the view shows this target's keys: only while its stream is in sync (READY)."""
-        cfg = target.worker.cfg
-        self.endpoint = target.endpoint(cfg.kv_events)
-        self.replay_endpoint = target.endpoint(cfg.kv_replay)
+        self.last_event_at = 0.0
+        self.batches = 0
+        self.decode_errors = 0
+        self.tail_checks = 0
+        self.lag_s = 0.0
+        """Age of the newest applied batch when it was applied (engine timestamp to ingest clock)."""
+        self.link_up = False
+        """The SUB socket is connected to the publisher (ZMQ's socket monitor)."""
+        self.link_since = time.monotonic()
+        """When the connection last came up or went down (or the source was created)."""
+
+    @property
+    def received(self) -> int:
+        """Batches that arrived (applied, undecodable or duplicate), live or replayed: counted, not timed."""
+        return self.batches + self.decode_errors + self.sync.duplicates
+
+    def close(self) -> None:
+        self.closed = True
+
+    def silent(self, reason: str, now: float) -> None:
+        """The worker was busy but this stream stayed quiet too long: resync it, once per silent period."""
+        self.perform(self.sync.silent(reason))
+        self.last_event_at = now
 
     def _socket(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         assert self.endpoint is not None
@@ -98,7 +139,7 @@ class EventSource:
         # Notice a dead peer at the transport level too (engines never send heartbeats themselves).
         sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
-        sock.setsockopt_string(zmq.SUBSCRIBE, self.target.worker.cfg.kv_topic)
+        sock.setsockopt_string(zmq.SUBSCRIBE, self.topic)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         return sock, monitor
@@ -128,14 +169,14 @@ class EventSource:
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
                     if event in (zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED):
                         # ingest.silence tells a worker whose publisher never accepts us from an idle one.
-                        self.target.link_up = event == zmq.EVENT_CONNECTED
-                        self.target.link_since = time.monotonic()
+                        self.link_up = event == zmq.EVENT_CONNECTED
+                        self.link_since = time.monotonic()
                     if event == zmq.EVENT_CONNECTED:
                         # Batches published before the SUB handshake completes are lost (slow joiner):
                         # exactly what the initial replay fills.
-                        self.perform(self.target.sync.connected())
+                        self.perform(self.sync.connected())
                     elif event == zmq.EVENT_DISCONNECTED:
-                        self.perform(self.target.sync.disconnected("connection to the publisher lost"))
+                        self.perform(self.sync.disconnected("connection to the publisher lost"))
                         self._close(sock, monitor)
                         sock, monitor = self._socket()
                         continue
@@ -150,19 +191,18 @@ class EventSource:
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
         """Take every batch already queued (up to DRAIN_MAX) and publish their net effect at once: under
         an event storm the view then sees a few large writes instead of many small ones."""
-        t = self.target
-        with t.ledger.deferred(self.sink):
+        with self.ledger.deferred(self.sink):
             for _ in range(DRAIN_MAX):
                 frames = await sock.recv_multipart()
-                t.last_event_at = time.monotonic()
+                self.last_event_at = time.monotonic()
                 if len(frames) != 3 or len(frames[1]) != 8:
-                    t.decode_errors += 1
+                    self.decode_errors += 1
                 else:
-                    self.perform(t.sync.live(int.from_bytes(frames[1], "big"), frames[2]))
+                    self.perform(self.sync.live(int.from_bytes(frames[1], "big"), frames[2]))
                 if not await sock.poll(0, zmq.POLLIN):
                     break
         if self.on_events is not None:
-            self.on_events(t)
+            self.on_events()
         self.check_tail()
 
     def check_tail(self) -> None:
@@ -173,78 +213,75 @@ class EventSource:
             self._tail_task = asyncio.create_task(self._tail_check())
 
     async def _tail_check(self) -> None:
-        t = self.target
         while True:
-            seen = t.last_event_at
+            seen = self.last_event_at
             await asyncio.sleep(TAIL_QUIET_S)
-            if t.last_event_at == seen:
+            if self.last_event_at == seen:
                 break  # the stream went quiet
-        if t.sync.state is not SyncState.READY or t.sync.replay_pending or t.sync.last_applied is None:
+        sync = self.sync
+        if sync.state is not SyncState.READY or sync.replay_pending or sync.last_applied is None:
             return
         assert self.replay_endpoint is not None
-        epoch = t.epoch
-        t.tail_checks += 1
+        self.tail_checks += 1
         try:
-            batches, _ = await replay(self.ctx, self.replay_endpoint, t.sync.last_applied + 1, timeout_s=1.0)
+            batches, _ = await replay(self.ctx, self.replay_endpoint, sync.last_applied + 1, timeout_s=1.0)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.debug("target %s: tail check failed: %s", t.id, exc)
+            log.debug("target %s: tail check failed: %s", self.name, exc)
             return
-        if batches and epoch == t.epoch:
-            with t.ledger.deferred(self.sink):
-                self.perform(t.sync.tail_checked(batches))
+        if batches and not self.closed:
+            with self.ledger.deferred(self.sink):
+                self.perform(sync.tail_checked(batches))
 
     def perform(self, actions: list[Action]) -> None:
-        t = self.target
-        if self.epoch != t.epoch:  # a late callback from a removed incarnation: fenced off
+        if self.closed:  # a late callback from a removed incarnation: fenced off
             return
         changed = False
         # One net view write for the whole list: a reader never sees a batch's additions without the
         # removals of the next one, nor a target shown again before its catch-up batches are in.
-        with t.ledger.deferred(self.sink):
+        with self.ledger.deferred(self.sink):
             for action in actions:
                 if isinstance(action, Apply):
                     self._apply(action.payload)
                 elif isinstance(action, Clear):
-                    log.warning("target %s: %s", t.id, action.reason)
-                    t.ledger.clear(self.sink)
+                    log.warning("target %s: %s", self.name, action.reason)
+                    self.ledger.clear(self.sink)
                     if action.publisher_restart:
-                        t.parity.reset()
+                        self.parity.reset()
                     changed = True
                 elif isinstance(action, RequestReplay):
                     self._start_replay(action.from_seq)
                     changed = True
-            ready = t.sync.state is SyncState.READY
+            ready = self.sync.state is SyncState.READY
             if self._shown and not ready:
                 # Out of sync: a batch held back behind a hole, or not received yet, may remove what the ledger
                 # lists. Readers learn of the state a refresh (~100 ms) later, so the view hides the target now
                 # (issue 11: a claim above cached_tokens right after a sequence gap).
-                t.ledger.hide(self.sink)
+                self.ledger.hide(self.sink)
                 changed = True
             elif ready and not self._shown:
-                t.ledger.reveal(self.sink)
+                self.ledger.reveal(self.sink)
             self._shown = ready
         if changed:
             self.on_change()
 
     def _apply(self, payload: bytes) -> None:
-        t = self.target
         try:
             batch = decode_batch(payload)
         except DecodeError as exc:
-            t.decode_errors += 1
-            log.warning("target %s: undecodable batch: %s", t.id, exc)
+            self.decode_errors += 1
+            log.warning("target %s: undecodable batch: %s", self.name, exc)
             return
-        t.decode_errors += len(batch.errors)
+        self.decode_errors += len(batch.errors)
         if batch.ts > 0:
             # Engine clock to ingest clock: includes publish queueing, the network and any replay delay.
-            t.lag_s = max(0.0, time.time() - batch.ts)
-        was_failed = t.parity.failed
-        t.ledger.apply(batch.events, self.sink)
-        t.batches += 1
-        if t.parity.failed and not was_failed:
-            log.error("target %s: hash parity failed, exact-KV routing off for it: %s", t.id, t.parity.reason)
+            self.lag_s = max(0.0, time.time() - batch.ts)
+        was_failed = self.parity.failed
+        self.ledger.apply(batch.events, self.sink)
+        self.batches += 1
+        if self.parity.failed and not was_failed:
+            log.error("target %s: hash parity failed, exact-KV routing off for it: %s", self.name, self.parity.reason)
             self.on_change()
 
     def _start_replay(self, from_seq: int) -> None:
@@ -253,7 +290,7 @@ class EventSource:
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
         if self.replay_endpoint is None:
-            self.perform(self.target.sync.replay_done(complete=False))
+            self.perform(self.sync.replay_done(complete=False))
             return
         self._replay_task = asyncio.create_task(self._replay(from_seq))
 
@@ -264,11 +301,11 @@ class EventSource:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure must still end the replay, or the target stays waiting for it
-            log.warning("target %s: replay failed: %s", self.target.id, exc)
+            log.warning("target %s: replay failed: %s", self.name, exc)
             batches, complete = [], False
         for seq, payload in batches:
-            self.perform(self.target.sync.replayed(seq, payload))
-        self.perform(self.target.sync.replay_done(complete))
+            self.perform(self.sync.replayed(seq, payload))
+        self.perform(self.sync.replay_done(complete))
         self.on_change()
 
 

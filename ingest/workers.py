@@ -2,29 +2,27 @@
 
 A worker is one OpenAI endpoint; a target is one KV cache behind it (the worker itself, or one of its
 data-parallel ranks, each with its own event stream and cache). Targets are what the ledger tracks and
-what extproc routes to. Load is read from each engine's own endpoint: vLLM `/metrics`
-(`vllm:num_requests_running` / `_waiting`, per `engine` label = DP rank) and SGLang `/v1/loads`
-(`num_running_reqs` / `num_waiting_reqs` per `dp_rank`). Health uses tolerant defaults (a busy GPU
-answers late): a worker is marked down only after N consecutive failed probes.
+what extproc routes to (cortex.contract.TargetMeta is what it publishes). The probes (ingest/probes.py)
+return readings; `Worker.apply_health`, `apply_load` and `apply_tokens` are the one place they land. Health
+uses tolerant defaults (a busy GPU answers late): a worker is marked down only after N consecutive failed
+probes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from cortex.config import WorkerConfig
-from cortex.contract import LoadReading, TargetMeta
+from cortex.contract import LoadReading, TargetMeta, target_id
 from ingest import silence
-from ingest.hash_parity import ParityCheck
-from ingest.ledger import Ledger
-from ingest.sync import SourceSync, SyncState
+from ingest.probes import HealthReading, LoadByRank
+from ingest.source import EventSource, rank_endpoint
+from ingest.sync import SyncState
 from ingest.tokenizer_parity import FAILED as TOKENS_FAILED
 from ingest.tokenizer_parity import OK as TOKENS_OK
 from ingest.tokenizer_parity import TokenParity
@@ -50,31 +48,21 @@ class Load:
 
 @dataclass
 class Target:
+    """One routing target as ingest keeps it: its event stream (`events`, which owns the sync state, the ledger
+    and its hash parity check) and what the probes and the silence check read about it."""
+
     worker: Worker
     rank: int | None
     """Data-parallel rank, or None for a worker without DP."""
     slot: int
-    ledger: Ledger
-    parity: ParityCheck
-    sync: SourceSync
-    epoch: int
+    events: EventSource
     load: Load = field(default_factory=Load)
-    last_event_at: float = 0.0
     busy_since: float = 0.0
-    batches: int = 0
-    decode_errors: int = 0
-    tail_checks: int = 0
     activity: float = 0.0
     """The engine's own cumulative work counter, from the load poll."""
     activity_checked: float = 0.0
     """Its value when the last tail check was asked for: a change means batches may exist we never saw."""
     was_busy: bool = False
-    lag_s: float = 0.0
-    """Age of the newest applied batch when it was applied (engine timestamp to ingest clock)."""
-    link_up: bool = False
-    """The KV-event SUB socket is connected to the publisher (ZMQ's socket monitor)."""
-    link_since: float = field(default_factory=time.monotonic)
-    """When the connection last came up or went down (or the target was created)."""
     events_status: str = silence.WAITING
     """ingest.silence: flowing, waiting, silent (or off when no kv_events endpoint is configured)."""
     silence_reason: str = ""
@@ -89,44 +77,40 @@ class Target:
 
     @property
     def id(self) -> str:
-        return self.worker.id if self.rank is None else f"{self.worker.id}@{self.rank}"
+        return target_id(self.worker.id, self.rank)
 
     def endpoint(self, base: str | None) -> str | None:
-        """This rank's ZMQ endpoint: the engines offset the port by the rank (kv-events.md §1.4)."""
-        if base is None or self.rank in (None, 0):
-            return base
-        host, port = base.rsplit(":", 1)
-        return f"{host}:{int(port) + self.rank}"
+        return rank_endpoint(base, self.rank)
 
     @property
     def exact_kv(self) -> bool:
-        return (self.sync.state is SyncState.READY and not self.parity.failed and self.worker.events_usable
-                and self.worker.tokens_trusted and self.events_status != silence.SILENT)
+        return (self.events.sync.state is SyncState.READY and not self.events.parity.failed
+                and self.worker.events_usable and self.worker.tokens_trusted and self.events_status != silence.SILENT)
 
     def why_code(self) -> str:
         """A short, stable reason code for headers and metrics ('' while exact-KV routing is allowed)."""
         if not self.worker.events_usable:
             return "no_kv_events"
-        if self.parity.failed:
+        if self.events.parity.failed:
             return "hash_parity_failed"
         if not self.worker.tokens_trusted:
             return "tokenizer_mismatch" if self.worker.token_parity.status == TOKENS_FAILED else "tokenizer_unverified"
         if self.events_status == silence.SILENT:
             return "events_silent"
-        if self.sync.state is SyncState.READY:
+        if self.events.sync.state is SyncState.READY:
             return ""
-        return f"ledger_{self.sync.state.value.lower()}"
+        return f"ledger_{self.events.sync.state.value.lower()}"
 
     def why_not_exact(self) -> str:
         if not self.worker.events_usable:
             return self.worker.events_reason
-        if self.parity.failed:
-            return f"hash parity failed: {self.parity.reason}"
+        if self.events.parity.failed:
+            return f"hash parity failed: {self.events.parity.reason}"
         if not self.worker.tokens_trusted:
             return f"tokenizer parity {self.worker.token_parity.status}: {self.worker.token_parity.reason}"
         if self.events_status == silence.SILENT:
             return f"publishes no KV events: {self.silence_reason}"
-        return self.sync.reason
+        return self.events.sync.reason
 
     def routable_meta(self) -> TargetMeta:
         """The slice extproc reads on the hot path (cortex.contract; kept small: it is re-parsed on every
@@ -136,13 +120,14 @@ class Target:
             id=self.id, worker=w.id, rank=self.rank, slot=self.slot, model=w.cfg.model,
             engine=w.cfg.engine, address=w.address, healthy=w.healthy, suspect=w.suspect,
             exact_kv=self.exact_kv,
-            state=self.sync.state.value, reason=self.why_not_exact(), why=self.why_code(),
+            state=self.events.sync.state.value, reason=self.why_not_exact(), why=self.why_code(),
             load=self.load.to_meta(w.poll_every),
             added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port,
         )
 
     def status(self, now: float) -> dict[str, Any]:
-        s = self.sync
+        ev = self.events
+        s, parity, ledger = ev.sync, ev.parity, ev.ledger
         meta = msgspec.structs.asdict(self.routable_meta())
         del meta["age_s"]  # the contract's legacy field; the age in seconds follows
         return {
@@ -153,15 +138,15 @@ class Target:
             "kv_replay": self.endpoint(self.worker.cfg.kv_replay),
             "events": self.events_status if self.worker.events_usable else silence.OFF,
             "events_reason": self.silence_reason,
-            "events_connected": self.link_up,
+            "events_connected": ev.link_up,
             "last_seq": s.last_applied,
-            "last_event_age_s": round(now - self.last_event_at, 3) if self.last_event_at else None,
-            "batches": self.batches, "gaps": s.gaps, "replays": s.replays, "resyncs": s.resyncs,
-            "restarts": s.restarts, "duplicates": s.duplicates, "decode_errors": self.decode_errors,
-            "tail_checks": self.tail_checks, "tail_recoveries": s.tail_recoveries,
-            "parity": {"status": self.parity.status, "reason": self.parity.reason, "checked": self.parity.checked},
-            "cached_blocks": self.ledger.blocks, "blocks_stored": self.ledger.blocks_stored,
-            "blocks_removed": self.ledger.blocks_removed, "dropped_events": dict(self.ledger.dropped),
+            "last_event_age_s": round(now - ev.last_event_at, 3) if ev.last_event_at else None,
+            "batches": ev.batches, "gaps": s.gaps, "replays": s.replays, "resyncs": s.resyncs,
+            "restarts": s.restarts, "duplicates": s.duplicates, "decode_errors": ev.decode_errors,
+            "tail_checks": ev.tail_checks, "tail_recoveries": s.tail_recoveries,
+            "parity": {"status": parity.status, "reason": parity.reason, "checked": parity.checked},
+            "cached_blocks": ledger.blocks, "blocks_stored": ledger.blocks_stored,
+            "blocks_removed": ledger.blocks_removed, "dropped_events": dict(ledger.dropped),
         }
 
 
@@ -217,84 +202,42 @@ class Worker:
     def id(self) -> str:
         return self.cfg.id
 
+    # -- readings (ingest/probes.py) land here, and only here ---------------------------------------------
 
-_VLLM_SERIES = re.compile(
-    rb'^vllm:(num_requests_running|num_requests_waiting|prefix_cache_queries_total)(?:\{([^}]*)\})?\s+(\S+)', re.M)
-_ENGINE_LABEL = re.compile(rb'engine="(\d+)"')
-_VLLM_INDEX = {b"num_requests_running": 0, b"num_requests_waiting": 1, b"prefix_cache_queries_total": 2}
-
-
-def parse_vllm_metrics(text: bytes) -> dict[int, tuple[float, float, float]]:
-    """(running, waiting, activity) per DP rank (vLLM's `engine` label; 0 when absent). Activity is a
-    cumulative counter (prompt tokens looked up in the prefix cache) that moves whenever a request ran."""
-    out: dict[int, list[float]] = {}
-    for name, labels, value in _VLLM_SERIES.findall(text):
-        m = _ENGINE_LABEL.search(labels or b"")
-        rank = int(m.group(1)) if m else 0
-        out.setdefault(rank, [0.0, 0.0, 0.0])[_VLLM_INDEX[name]] += float(value)
-    return {r: (v[0], v[1], v[2]) for r, v in out.items()}
-
-
-def parse_sglang_loads(doc: Any) -> dict[int, tuple[float, float, float]]:
-    """Same shape from SGLang's /v1/loads; activity is its cumulative prefill-token count."""
-    loads = doc.get("loads", []) if isinstance(doc, dict) else []
-    out: dict[int, tuple[float, float, float]] = {}
-    for e in loads:
-        if isinstance(e, dict):
-            rank = int(e.get("dp_rank") or 0)
-            prev = out.get(rank, (0.0, 0.0, 0.0))
-            out[rank] = (prev[0] + float(e.get("num_running_reqs", 0)), prev[1] + float(e.get("num_waiting_reqs", 0)),
-                         prev[2] + float(e.get("total_prefill_uncached_tokens", 0)))
-    return out
-
-
-async def read_load(session: aiohttp.ClientSession, worker: Worker, timeout: float) -> None:
-    t = aiohttp.ClientTimeout(total=timeout)
-    if worker.cfg.engine == "sglang":
-        async with session.get(f"{worker.cfg.url}/v1/loads", timeout=t) as resp:
-            resp.raise_for_status()
-            per_rank = parse_sglang_loads(await resp.json(content_type=None))
-    else:
-        async with session.get(f"{worker.cfg.url}/metrics", timeout=t) as resp:
-            resp.raise_for_status()
-            per_rank = parse_vllm_metrics(await resp.read())
-    now = time.monotonic()
-    for target in worker.targets:
-        if target.rank is None:
-            running, waiting, activity = (sum(v[i] for v in per_rank.values()) for i in range(3))
+    def apply_health(self, reading: HealthReading, failures: int) -> None:
+        """A health probe's result: down after `failures` consecutive failures, up again at one success."""
+        if reading.bootstrap_port is not None:
+            self.bootstrap_port = reading.bootstrap_port
+        if reading.ok:
+            self.health_failures = 0
+            self.healthy = True
+            self.probed_ok = True
         else:
-            running, waiting, activity = per_rank.get(target.rank, (0.0, 0.0, 0.0))
-        target.load = Load(running=running, waiting=waiting, at=now)
-        target.activity = activity
-        if running > 0 and not target.busy_since:
-            target.busy_since = now
-        elif running == 0:
-            target.busy_since = 0.0
+            self.health_failures += 1
+            if self.health_failures >= failures:
+                self.healthy = False
 
+    def apply_load(self, per_rank: LoadByRank, now: float) -> None:
+        """A load reading, per rank: each target takes its rank's (a worker without DP, the sum)."""
+        for target in self.targets:
+            if target.rank is None:
+                running, waiting, activity = (sum(v[i] for v in per_rank.values()) for i in range(3))
+            else:
+                running, waiting, activity = per_rank.get(target.rank, (0.0, 0.0, 0.0))
+            target.load = Load(running=running, waiting=waiting, at=now)
+            target.activity = activity
+            if running > 0 and not target.busy_since:
+                target.busy_since = now
+            elif running == 0:
+                target.busy_since = 0.0
 
-async def probe_health(session: aiohttp.ClientSession, worker: Worker, timeout: float, failures: int) -> None:
-    try:
-        async with session.get(f"{worker.cfg.url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            ok = r.status == 200
-    except (aiohttp.ClientError, TimeoutError, OSError):
-        ok = False
-    if ok and worker.needs_bootstrap_port:
-        # Read, not assumed (engines.md §1.3): a decode told the wrong port waits for a KV that never comes.
-        try:
-            async with session.get(f"{worker.cfg.url}/server_info",
-                                   timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                info = await r.json(content_type=None) if r.status == 200 else {}
-            port = info.get("disaggregation_bootstrap_port") if isinstance(info, dict) else None
-            if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
-                worker.bootstrap_port = port
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            pass  # asked again at the next probe; until then the worker is not paired
-    if ok:
-        worker.health_failures = 0
-        worker.healthy = True
-        worker.probed_ok = True
-    else:
-        worker.health_failures += 1
-        if worker.health_failures >= failures:
-            worker.healthy = False
-
+    def apply_tokens(self, status: str, reason: str, now: float) -> str:
+        """A tokenizer parity check's result; returns the status it replaced."""
+        tp = self.token_parity
+        before = tp.status
+        tp.checks += 1
+        tp.checked_at = now
+        if status == TOKENS_FAILED and before != TOKENS_FAILED:
+            tp.failures += 1
+        tp.status, tp.reason = status, reason
+        return before

