@@ -242,7 +242,7 @@ class Ingest:
         self.view.set_meta(encode_meta(ClusterMeta(block_size=self.cfg.block_size,
                                                    targets=[t.routable_meta() for t in targets])))
         for t in targets:
-            t.published_load = (t.load.running, t.load.waiting, t.load.at)
+            t.mark_published()
         self._meta_dirty = False
 
     async def _heartbeat_loop(self) -> None:
@@ -311,25 +311,13 @@ class Ingest:
                 worker.poll_every = every
                 self._meta_dirty = True
             self._check_worker(worker, now)
-            if self._reading_news(worker, now):
+            if any(t.load_news(now, worker.poll_every) for t in worker.targets):
                 self._meta_dirty = True
             if every <= fast:
                 await asyncio.sleep(every)
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(worker.wake.wait(), every)
-
-    @staticmethod
-    def _reading_news(worker: Worker, now: float) -> bool:
-        """Publish a reading whose values changed, or whose published predecessor is getting old (extproc
-        ages readings itself, against max(2 s, 2 x the interval in force): republishing an unchanged one
-        every max(1 s, interval) keeps it fresh there with margin, at a fraction of the polls)."""
-        for t in worker.targets:
-            running, waiting, at = t.published_load
-            if t.load.at > at and ((t.load.running, t.load.waiting) != (running, waiting)
-                                   or now - at >= max(1.0, worker.poll_every)):
-                return True
-        return False
 
     def _check_worker(self, w: Worker, now: float) -> None:
         """After each load reading: the checks that depend on it (silence, lost tails)."""
@@ -357,40 +345,22 @@ class Ingest:
         if not w.events_usable or w.cfg.role == "decode":
             return
         for t in w.targets:
-            # Counted, not timed: _check_silence above moves last_event_at without any batch arriving.
-            received = t.events.received
-            if received != t.received_base:
-                # A batch (live or replayed) arrived: whatever work came before is accounted for.
-                t.received_base, t.batch_at = received, now
-                t.work_at, t.activity_base = 0.0, t.activity if t.load.at else None
-            elif t.load.at:
-                if t.activity_base is None or t.activity < t.activity_base:
-                    t.activity_base = t.activity  # first reading, or a restarted engine's counter
-                if not t.work_at and (t.activity > t.activity_base or t.load.running > 0):
-                    t.work_at = now
-            status, reason = silence.verdict(silence.Observation(
-                now=now, healthy=w.healthy, connected=t.events.link_up, link_since=t.events.link_since,
-                last_batch_at=t.batch_at, work_at=t.work_at, bound_s=self.cfg.ingest.event_silence_s))
-            if status == silence.SILENT and t.events_status != silence.SILENT:
+            before = t.observe_publisher(now, self.cfg.ingest.event_silence_s)
+            status = t.events_status
+            if status == silence.SILENT and before != silence.SILENT:
                 log.warning("worker %s (target %s) publishes no KV events: %s; routed by load only until "
-                            "its events arrive", w.id, t.id, reason)
-            elif status != silence.SILENT and t.events_status == silence.SILENT:
+                            "its events arrive", w.id, t.id, t.silence_reason)
+            elif status != silence.SILENT and before == silence.SILENT:
                 log.info("worker %s (target %s): KV events %s again", w.id, t.id, status)
-            if (status, reason) != (t.events_status, t.silence_reason):
-                self._meta_dirty = status != t.events_status or self._meta_dirty
-                t.events_status, t.silence_reason = status, reason
+            if status != before:
+                self._meta_dirty = True
 
     def _check_tails(self, w: Worker) -> None:
         """The engine worked since the last poll (its counter moved, or requests ran or just finished): its
         batches may all have been lost, so no arrival would ever trigger a tail check. Ask replay."""
         for t in w.targets:
-            if t.id not in self._sources:
-                continue
-            busy = t.load.running > 0 or t.load.waiting > 0
-            if t.activity != t.activity_checked or busy or t.was_busy:
-                t.activity_checked = t.activity
+            if t.id in self._sources and t.tail_check_due():
                 t.events.check_tail()
-            t.was_busy = busy
 
     async def _watch_health(self, worker: Worker) -> None:
         """One worker's health probes: the first at once (a new worker is not in good standing until it

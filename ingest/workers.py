@@ -112,6 +112,50 @@ class Target:
             return f"publishes no KV events: {self.silence_reason}"
         return self.events.sync.reason
 
+    # -- what the service learns from the load poll; these methods are the only writers of the fields above --
+
+    def load_news(self, now: float, every_s: float) -> bool:
+        """Publish a reading whose values changed, or whose published predecessor is getting old (extproc
+        ages readings itself, against max(2 s, 2 x the interval in force): republishing an unchanged one
+        every max(1 s, interval) keeps it fresh there with margin, at a fraction of the polls)."""
+        running, waiting, at = self.published_load
+        return self.load.at > at and ((self.load.running, self.load.waiting) != (running, waiting)
+                                      or now - at >= max(1.0, every_s))
+
+    def mark_published(self) -> None:
+        self.published_load = (self.load.running, self.load.waiting, self.load.at)
+
+    def tail_check_due(self) -> bool:
+        """The engine worked since the last poll (its counter moved, or requests ran or just finished): its
+        batches may all have been lost, so no arrival would ever trigger a tail check."""
+        busy = self.load.running > 0 or self.load.waiting > 0
+        due = self.activity != self.activity_checked or busy or self.was_busy
+        if due:
+            self.activity_checked = self.activity
+        self.was_busy = busy
+        return due
+
+    def observe_publisher(self, now: float, bound_s: float) -> str:
+        """After a load reading: does this target serve requests but publish no KV events (ingest.silence)?
+        Updates events_status and silence_reason; returns the status it replaced."""
+        # Counted, not timed: the silence resync moves the stream's last_event_at without any batch arriving.
+        received = self.events.received
+        if received != self.received_base:
+            # A batch (live or replayed) arrived: whatever work came before is accounted for.
+            self.received_base, self.batch_at = received, now
+            self.work_at, self.activity_base = 0.0, self.activity if self.load.at else None
+        elif self.load.at:
+            if self.activity_base is None or self.activity < self.activity_base:
+                self.activity_base = self.activity  # first reading, or a restarted engine's counter
+            if not self.work_at and (self.activity > self.activity_base or self.load.running > 0):
+                self.work_at = now
+        status, reason = silence.verdict(silence.Observation(
+            now=now, healthy=self.worker.healthy, connected=self.events.link_up, link_since=self.events.link_since,
+            last_batch_at=self.batch_at, work_at=self.work_at, bound_s=bound_s))
+        before = self.events_status
+        self.events_status, self.silence_reason = status, reason
+        return before
+
     def routable_meta(self) -> TargetMeta:
         """The slice extproc reads on the hot path (cortex.contract; kept small: it is re-parsed on every
         change)."""

@@ -149,3 +149,44 @@ def test_the_fleet_persists_what_the_api_changed(tmp_path: Path) -> None:
     assert [(w.id, src) for w, src in membership.restore(cfg, path)] == [("w1", "config"), ("a1", "api")]
     path.write_text("{not json")
     assert [(w.id, src) for w, src in membership.restore(cfg, path)] == [("w1", "config"), ("w2", "config")]
+
+
+def test_a_load_reading_is_news_when_it_changed_or_its_published_one_ages() -> None:
+    t = worker(WCFG, [None]).targets[0]
+    assert not t.load_news(now=10.0, every_s=0.1)  # never read
+    t.worker.apply_load({0: (1.0, 0.0, 0.0)}, now=10.0)
+    assert t.load_news(now=10.0, every_s=0.1)
+    t.mark_published()
+    t.worker.apply_load({0: (1.0, 0.0, 0.0)}, now=10.5)
+    assert not t.load_news(now=10.5, every_s=0.1)  # same values, published one 0.5 s old
+    assert t.load_news(now=11.0, every_s=0.1)  # ... 1 s old
+    assert not t.load_news(now=11.0, every_s=5.0)  # idle cadence: republished every interval
+    t.worker.apply_load({0: (2.0, 0.0, 0.0)}, now=10.6)
+    assert t.load_news(now=10.6, every_s=5.0)
+
+
+def test_a_tail_check_is_due_after_work() -> None:
+    t = worker(WCFG, [None]).targets[0]
+    assert not t.tail_check_due()
+    t.worker.apply_load({0: (0.0, 0.0, 5.0)}, now=1.0)  # the counter moved
+    assert t.tail_check_due() and not t.tail_check_due()
+    t.worker.apply_load({0: (1.0, 0.0, 5.0)}, now=2.0)  # running
+    assert t.tail_check_due()
+    t.worker.apply_load({0: (0.0, 0.0, 5.0)}, now=3.0)  # just finished
+    assert t.tail_check_due() and not t.tail_check_due()
+
+
+def test_a_working_engine_whose_events_never_arrive_turns_silent() -> None:
+    t = worker(WCFG, [None]).targets[0]
+    t.worker.apply_health(HealthReading(ok=True), failures=3)
+    ev = t.events
+    ev.link_up, ev.link_since = False, 0.0
+    t.worker.apply_load({0: (0.0, 0.0, 100.0)}, now=1.0)
+    assert t.observe_publisher(now=1.0, bound_s=10.0) == "waiting" and t.events_status == "waiting"
+    t.worker.apply_load({0: (1.0, 0.0, 150.0)}, now=2.0)  # working from now on
+    assert t.observe_publisher(now=2.0, bound_s=10.0) == "waiting" and t.events_status == "waiting"
+    assert t.observe_publisher(now=12.5, bound_s=10.0) == "waiting"
+    assert t.events_status == "silent" and t.silence_reason
+    ev.link_up, ev.link_since = True, 12.8  # the publisher was found ...
+    ev.batches += 1  # ... and a batch arrived on it
+    assert t.observe_publisher(now=13.0, bound_s=10.0) == "silent" and t.events_status == "flowing"
