@@ -359,7 +359,7 @@ class WorkerConfig(_Strict):
         try:
             ip = str(ipaddress.ip_address(host))
         except ValueError:
-            ip = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+            ip = str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
         return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
