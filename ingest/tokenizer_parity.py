@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from cortex import engines
 from cortex.model_bundle import ModelBundle, TemplateError
 
 UNKNOWN, OK, FAILED = "unknown", "ok", "failed"
@@ -59,22 +60,13 @@ def expected(bundle: ModelBundle) -> list[tuple[dict[str, Any], list[int]]]:
     return out
 
 
-def _request(engine: str, model: str, probe: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    body: dict[str, Any] = {"model": model, **probe}
-    if engine == "vllm":
-        if "messages" in probe:
-            body["add_generation_prompt"] = True
-        return "/tokenize", body
-    return "/v1/tokenize", body
-
-
 async def check(session: aiohttp.ClientSession, url: str, engine: str, model: str,
                 probes: list[tuple[dict[str, Any], list[int]]], timeout_s: float) -> tuple[str, str]:
     """(status, reason). A proven difference in any probe is `failed`, whatever else happened; a probe the
     worker could not answer leaves it `unknown`; all identical is `ok`."""
     unanswered: str | None = None
     for probe, ids in probes:
-        path, body = _request(engine, model, probe)
+        path, body = engines.adapter(engine).tokenize_request(model, probe)
         try:
             async with session.post(f"{url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 if r.status != 200:
