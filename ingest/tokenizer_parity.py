@@ -3,10 +3,10 @@
 If Cortex's chat template or tokenizer differs from the engine's in a single token, every block key after
 it differs and every hit is silently lost (peers' most reported complaint). So when a worker joins, and
 every `ingest.token_parity_interval_s` after, ingest renders and tokenizes a fixed set of probe
-conversations with the model's bundle and asks the worker's own tokenize endpoint for the same (vLLM
-`POST /tokenize` chat form with `add_generation_prompt: true`; SGLang `POST /v1/tokenize` with
-`add_generation_prompt` omitted, which renders exactly as a chat completion does), plus one completions
-prompt. A worker is eligible for exact-KV routing only while this holds (engines.md §5.3).
+conversations with the model's bundle and asks the worker's own tokenize endpoint for the same (the engine
+adapter's `tokenize_request`: vLLM `POST /tokenize` chat form with `add_generation_prompt: true`; SGLang
+`POST /v1/tokenize` with `add_generation_prompt` omitted, which renders exactly as a chat completion does), plus
+one completions prompt. A worker is eligible for exact-KV routing only while this holds (engines.md §5.3).
 """
 
 from __future__ import annotations
