@@ -7,16 +7,21 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cortex import engines
 from cortex.engine_hashes import VllmHashAlgo
 from cortex.model_bundle import shipped_tokenizer_dir
 
-Engine = Literal["vllm", "sglang"]
+if TYPE_CHECKING:
+    Engine = str
+else:
+    # Every adapter module in cortex/engines, so a new engine is accepted without touching this file.
+    Engine = Literal[engines.ENGINE_NAMES]
 Role = Literal["both", "prefill", "decode"]
 Port = Annotated[int, Field(ge=1, le=65535)]
 
@@ -197,7 +202,7 @@ class PdConfig(_Strict):
     def start_budget_s(self, engine: str) -> float:
         """The longest starting a pair may take: two attempts at the prefill leg (the first pick, one re-pick),
         awaited whole for vLLM, until it is written for SGLang."""
-        return 2 * (self.prefill_timeout_s if engine == "vllm" else self.dispatch_timeout_s)
+        return 2 * engines.adapter(engine).pd_prefill_wait_s(self)
 
 
 class TimeoutsConfig(_Strict):
@@ -243,7 +248,7 @@ class ModelConfig(_Strict):
 
     name: str = Field(min_length=1)
     """The `model` value clients send (the engine's served model name)."""
-    engine: Engine = "vllm"
+    engine: Engine = engines.DEFAULT_ENGINE
     """Engine family of its workers: `vllm` or `sglang` (each has its own ledger and wire format)."""
     tokenizer: str
     """Directory holding tokenizer.json (+ tokenizer_config.json), or `pkg:<python package>` that ships one."""
@@ -282,7 +287,7 @@ class ModelConfig(_Strict):
         return value
 
     def engine_page_size(self) -> int:
-        return self.page_size or (16 if self.engine == "vllm" else 1)
+        return self.page_size or engines.adapter(self.engine).default_page_size
 
     def tokenizer_dir(self) -> Path:
         if self.tokenizer.startswith("pkg:"):
@@ -315,7 +320,7 @@ class WorkerConfig(_Strict):
     """http://HOST:PORT of its OpenAI API. Hostnames are resolved once at start."""
     model: str
     """Name of the model (from `models`) it serves."""
-    engine: Engine = "vllm"
+    engine: Engine = engines.DEFAULT_ENGINE
     """Must match the model's engine."""
     kv_events: str | None = None
     """ZMQ PUB endpoint of the engine's KV events, e.g. tcp://10.0.0.5:5557 (None: route this worker by load)."""
@@ -359,7 +364,7 @@ class WorkerConfig(_Strict):
         try:
             ip = str(ipaddress.ip_address(host))
         except ValueError:
-            ip = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+            ip = str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
         return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
@@ -399,7 +404,7 @@ class CortexConfig(_Strict):
                 if ref not in names:
                     raise ValueError(f"aliases[{a.name}]: {ref!r} is not one of the models {names}")
         # A vLLM adapter is named by `model` itself: each name must lead to one model (SGLang's are qualified).
-        adapters = [a for m in self.models if m.engine == "vllm" for a in m.loras]
+        adapters = [a for m in self.models if engines.adapter(m.engine).lora_as_model for a in m.loras]
         taken = set(names) | set(alias_names)
         clash = sorted({a for a in adapters if adapters.count(a) > 1 or a in taken})
         if clash:
@@ -415,7 +420,8 @@ class CortexConfig(_Strict):
             if by_name[w.model].engine != w.engine:
                 raise ValueError(f"workers[{w.id}].engine: {w.engine!r} but model {w.model!r} is served by "
                                  f"{by_name[w.model].engine!r}")
-            if w.bootstrap_port is not None and (w.role != "prefill" or w.engine != "sglang"):
+            if w.bootstrap_port is not None and (
+                    w.role != "prefill" or not engines.adapter(w.engine).pd_prefill_needs_bootstrap_port):
                 raise ValueError(f"workers[{w.id}].bootstrap_port: only an SGLang prefill worker has one")
             if w.dp_size > 1 and w.kv_events is not None and not w.kv_events.startswith("tcp://"):
                 raise ValueError(f"workers[{w.id}].kv_events: data-parallel ranks need a tcp:// endpoint "
@@ -441,7 +447,7 @@ class CortexConfig(_Strict):
         start budget, an SGLang decode's headers waiting for its prefill (the watchdog), or a single-worker
         fallback answering."""
         longest = max((max(m.pd.start_budget_s(e), m.pd.bootstrap_timeout_s + 5, m.pd.fallback_timeout_s)
-                       for m in self.models for e in ("vllm", "sglang")), default=0.0)
+                       for m in self.models for e in engines.ENGINE_NAMES), default=0.0)
         return int(max(longest + 10, self.extproc.message_timeout_ms / 1000 + 1))
 
     def runtime_path(self) -> Path:

@@ -94,7 +94,7 @@ class ModelBundle:
             except ValueError as exc:
                 raise BundleError(f"model {name!r}: {cfg_file} is not JSON: {exc}") from exc
         template = _find_template(name, tok_file.parent, config, chat_template_path)
-        special = {
+        special: dict[str, Any] = {
             key: _token_text(config.get(key))
             for key in ("bos_token", "eos_token", "unk_token", "pad_token")
         }

@@ -38,7 +38,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -393,10 +393,11 @@ class SegmentEncoder:
         words = enc.word_ids
         if not words or None in words:
             return None
-        last = words[-1] - 1
+        known = cast("list[int]", words)  # no None, checked above
+        last = known[-1] - 1
         limit = cut - _PREFIX_MARGIN
         keep = 0
-        for word, (_, end) in zip(words, enc.offsets, strict=True):
+        for word, (_, end) in zip(known, enc.offsets, strict=True):
             if word >= last or end > limit:
                 break
             keep += 1
@@ -623,9 +624,9 @@ class TokenCursor:
         if enc is not None and (self._pos < len(self._parts) or partial is not None):
             cache = enc._cache
             got: dict[Any, list[int]] = {}
-            for key, ids in (encoded or {}).items():
+            for key, fresh in (encoded or {}).items():
                 # Another request may have cached the piece meanwhile: keep that entry, counted once.
-                got[key] = cache[key] if key in cache else enc._accept(key, ids)
+                got[key] = cache[key] if key in cache else enc._accept(key, fresh)
             todo: dict[Any, list[int]] = {}
             chunks: list[list[int]] = []
             parts = self._parts
@@ -633,7 +634,7 @@ class TokenCursor:
                 if key is None:
                     chunks.append(enc._boundary[parts[i]])
                     continue
-                ids = got.get(key)
+                ids: list[int] | None = got.get(key)
                 if ids is None:
                     ids = cache.get(key)
                 if ids is None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from cortex import engines
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
 from cortex.model_bundle import ModelBundle
@@ -51,14 +52,14 @@ class ModelRegistry:
             self._bundles_by_source[key] = bundle
         self.aliases = {a.name: ([t.model for t in a.targets], [t.weight for t in a.targets], a.fallback)
                         for a in cfg.aliases}
-        self.engines = {m.name: m.engine for m in cfg.models}
+        self.engines = {m.name: engines.adapter(m.engine) for m in cfg.models}
         # vLLM names an adapter by `model` itself; SGLang never does (its `model` is "<model>:<adapter>").
-        self.vllm_loras = {a: m.name for m in cfg.models if m.engine == "vllm" for a in m.loras}
+        self.loras_as_model = {a: m.name for m in cfg.models if self.engines[m.name].lora_as_model for a in m.loras}
         created = int(time.time())
         self.models_body = orjson.dumps({"object": "list", "data": [
             *({"id": m.name, "object": "model", "created": created, "owned_by": "cortex"} for m in cfg.models),
             *({"id": a, "object": "model", "created": created, "owned_by": "cortex", "root": a, "parent": m.name}
-              for m in cfg.models for a in m.loras if m.engine == "vllm"),
+              for m in cfg.models for a in m.loras if self.engines[m.name].lora_as_model),
             *({"id": a.name, "object": "model", "created": created, "owned_by": "cortex",
                "root": a.targets[0].model} for a in cfg.aliases),
         ]})
@@ -70,14 +71,15 @@ class ModelRegistry:
         ones the engine will reuse: vLLM, `model` is the adapter's name (`lora_path` means nothing to vLLM);
         SGLang, `model: "<model>:<adapter>"`, else `lora_path`."""
         if name in self.bundles:
-            lora = lora_path if self.engines.get(name) == "sglang" else None
-            return Resolved(name, None, lora)
-        base = self.vllm_loras.get(name)
+            return Resolved(name, None, self._body_lora(name, lora_path))
+        base = self.loras_as_model.get(name)
         if base is not None:
             return Resolved(base, None, name)
         head, sep, adapter = name.partition(":")
-        if sep and adapter and self.engines.get(head) == "sglang":
-            return Resolved(head, None, adapter)
+        if sep and adapter:
+            engine = self.engines.get(head)
+            if engine is not None and engine.lora_as_suffix:
+                return Resolved(head, None, adapter)
         alias = self.aliases.get(name)
         if alias is None:
             raise ClientError(404, f"The model `{name}` does not exist.", "model")
@@ -85,4 +87,9 @@ class ModelRegistry:
         drawn = (rng or random).choices(models, weights)[0]
         if not serves(drawn) and fallback is not None:
             drawn = fallback
-        return Resolved(drawn, name, lora_path if self.engines.get(drawn) == "sglang" else None)
+        return Resolved(drawn, name, self._body_lora(drawn, lora_path))
+
+    def _body_lora(self, model: str, lora_path: str | None) -> str | None:
+        """The body's `lora_path`, for an engine that reads it (to vLLM it means nothing)."""
+        engine = self.engines.get(model)
+        return lora_path if engine is not None and engine.lora_path_field else None

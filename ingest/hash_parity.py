@@ -14,17 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cortex.engine_hashes import (
-    VLLM_HASH_ALGOS,
-    VllmBlockHasher,
-    none_hash_reproducible,
-    sglang_page_hashes,
-    sglang_wire_hash,
-    vllm_wire_hash,
-)
+from cortex import engines
+from cortex.engines import ChainStartHasher, NotReproducible
 from ingest.events import BlockStored
 
-_U64 = (1 << 64) - 1
 UNKNOWN, OK, FAILED, UNCHECKED = "unknown", "ok", "failed", "unchecked"
 
 
@@ -44,18 +37,14 @@ class ParityCheck:
     _seen: int = 0
 
     def __post_init__(self) -> None:
-        self._vllm: VllmBlockHasher | None = None
-        if self.engine == "vllm":
-            if self.hash_algo not in VLLM_HASH_ALGOS:
-                self.status, self.reason = UNCHECKED, f"hash algorithm {self.hash_algo!r} is not reproduced"
-            elif not none_hash_reproducible(self.hash_algo, self.hash_seed):
-                # vLLM seeds the xxhash pair's NONE_HASH from os.urandom unless PYTHONHASHSEED is set: no
-                # one outside the engine process can recompute a chain start (the page size is still checked).
-                self.status, self.reason = UNCHECKED, (
-                    f"{self.hash_algo} without PYTHONHASHSEED has a random NONE_HASH per engine process; set "
-                    "PYTHONHASHSEED on the workers and the model's hash_seed to check hash parity")
-            else:
-                self._vllm = VllmBlockHasher(self.hash_algo, self.hash_seed)
+        self._hasher: ChainStartHasher | None = None
+        self._unchecked = ""
+        try:
+            self._hasher = engines.adapter(self.engine).chain_start_hasher(self.hash_algo, self.hash_seed)
+        except NotReproducible as exc:
+            # The page size is still checked.
+            self._unchecked = str(exc)
+            self.status, self.reason = UNCHECKED, self._unchecked
 
     @property
     def failed(self) -> bool:
@@ -63,7 +52,10 @@ class ParityCheck:
 
     def reset(self) -> None:
         """A restarted publisher may run another configuration: judge it afresh."""
-        if self.status != UNCHECKED:
+        if self._hasher is None:
+            # Back to unchecked, also after a page-size failure: there is still no hash to compare against.
+            self.status, self.reason = UNCHECKED, self._unchecked
+        else:
             self.status, self.reason = UNKNOWN, "no chain start seen yet"
         self._seen = 0
 
@@ -71,21 +63,17 @@ class ParityCheck:
         if event.block_size != self.page_size:
             self._fail(f"events use page size {event.block_size}, config says {self.page_size}")
             return
-        if self.status in (FAILED, UNCHECKED) or event.parent_block_hash is not None or event.lora_name:
+        hasher = self._hasher
+        if (hasher is None or self.status in (FAILED, UNCHECKED) or event.parent_block_hash is not None
+                or event.lora_name):
             return
         self._seen += 1
         if self._seen > self.warmup and self._seen % self.sample_every:
             return
         n = min(len(event.block_hashes), self.max_blocks)
         tokens = event.token_ids[: n * event.block_size]
-        if self._vllm is not None:
-            expected = [vllm_wire_hash(h) for h in
-                        self._vllm.block_hashes(tokens, event.block_size, cache_salt=salt)]
-            how = f"{self.hash_algo} with seed {self._vllm.seed!r}"
-        else:
-            expected = [sglang_wire_hash(h) & _U64 for h in
-                        sglang_page_hashes(tokens, event.block_size, cache_salt=salt)]
-            how = "SGLang's SHA-256 page chain"
+        expected = hasher.wire_hashes(tokens, event.block_size, salt)
+        how = hasher.how
         self.checked += 1
         got = event.block_hashes[:n]
         if expected != got:

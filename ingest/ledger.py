@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cortex import engines
 from cortex.blockkeys import block_key, chain_keys, root_key, token_bytes
 from ingest.events import GPU_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, Event
 from ingest.hash_parity import ParityCheck
@@ -131,14 +132,7 @@ class Ledger:
         self.key_refs.clear()
 
     def _salt(self, event: BlockStored) -> str | None:
-        if event.cache_salt is not None or self.engine != "vllm" or not event.extra_keys:
-            return event.cache_salt
-        # vLLM publishes extra keys untagged, per block: [lora_name?, ..., salt?] with the salt on block 0.
-        first = event.extra_keys[0]
-        if isinstance(first, list):
-            rest = [k for k in first if isinstance(k, str) and k != event.lora_name]
-            return rest[-1] if rest else None
-        return None
+        return engines.adapter(self.engine).event_salt(event.cache_salt, event.extra_keys, event.lora_name)
 
     def _stored(self, event: BlockStored, delta: _Delta) -> None:
         if event.medium not in GPU_MEDIA:

@@ -3,10 +3,10 @@
 If Cortex's chat template or tokenizer differs from the engine's in a single token, every block key after
 it differs and every hit is silently lost (peers' most reported complaint). So when a worker joins, and
 every `ingest.token_parity_interval_s` after, ingest renders and tokenizes a fixed set of probe
-conversations with the model's bundle and asks the worker's own tokenize endpoint for the same (vLLM
-`POST /tokenize` chat form with `add_generation_prompt: true`; SGLang `POST /v1/tokenize` with
-`add_generation_prompt` omitted, which renders exactly as a chat completion does), plus one completions
-prompt. A worker is eligible for exact-KV routing only while this holds (engines.md §5.3).
+conversations with the model's bundle and asks the worker's own tokenize endpoint for the same (the engine
+adapter's `tokenize_request`: vLLM `POST /tokenize` chat form with `add_generation_prompt: true`; SGLang
+`POST /v1/tokenize` with `add_generation_prompt` omitted, which renders exactly as a chat completion does), plus
+one completions prompt. A worker is eligible for exact-KV routing only while this holds (engines.md §5.3).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from cortex import engines
 from cortex.model_bundle import ModelBundle, TemplateError
 
 UNKNOWN, OK, FAILED = "unknown", "ok", "failed"
@@ -59,22 +60,13 @@ def expected(bundle: ModelBundle) -> list[tuple[dict[str, Any], list[int]]]:
     return out
 
 
-def _request(engine: str, model: str, probe: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    body: dict[str, Any] = {"model": model, **probe}
-    if engine == "vllm":
-        if "messages" in probe:
-            body["add_generation_prompt"] = True
-        return "/tokenize", body
-    return "/v1/tokenize", body
-
-
 async def check(session: aiohttp.ClientSession, url: str, engine: str, model: str,
                 probes: list[tuple[dict[str, Any], list[int]]], timeout_s: float) -> tuple[str, str]:
     """(status, reason). A proven difference in any probe is `failed`, whatever else happened; a probe the
     worker could not answer leaves it `unknown`; all identical is `ok`."""
     unanswered: str | None = None
     for probe, ids in probes:
-        path, body = _request(engine, model, probe)
+        path, body = engines.adapter(engine).tokenize_request(model, probe)
         try:
             async with session.post(f"{url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 if r.status != 200:

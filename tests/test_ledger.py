@@ -192,6 +192,19 @@ def test_xxhash_without_a_seed_is_unchecked_but_page_size_still_is(algo: str) ->
     assert check.status == FAILED and "page size 16" in check.reason
 
 
+def test_unchecked_parity_stays_unchecked_after_a_page_size_failure_and_reset() -> None:
+    """A restarted worker whose hashes cannot be recomputed is judged unchecked again, never against another
+    engine's hash (before the adapters, a reset vLLM check compared chain starts with SGLang's chain)."""
+    check = ParityCheck(engine="vllm", page_size=4, hash_algo="xxhash")
+    led = Ledger(slot=0, engine="vllm", block_size=4, parity=check)
+    led.apply([BlockStored([13], None, [1] * 16, 16)], SetSink())
+    assert check.status == FAILED
+    check.reset()
+    assert check.status == UNCHECKED and "PYTHONHASHSEED" in check.reason
+    led.apply([BlockStored([11, 12], None, [1, 2, 3, 4, 5, 6, 7, 8], 4)], SetSink())
+    assert check.status == UNCHECKED and check.checked == 0 and check.failures == 1
+
+
 def test_sglang_parity_and_page_size_mismatch() -> None:
     check = ParityCheck(engine="sglang", page_size=4)
     led = Ledger(slot=0, engine="sglang", block_size=4, parity=check)

@@ -57,7 +57,8 @@ def free_ports(n: int) -> list[int]:
     """n loopback ports free now, never one this process handed out before (replicas start in parallel, and a
     port closed here may not be bound by its new owner yet)."""
     with _ports_lock:
-        socks, ports = [], []
+        socks: list[socket.socket] = []
+        ports: list[int] = []
         while len(ports) < n:
             s = socket.socket()
             s.bind((HOST, 0))

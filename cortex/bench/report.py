@@ -26,7 +26,7 @@ def _ok(r: dict[str, Any]) -> bool:
 
 def _pm(r: dict[str, Any], key: str, digits: int = 1) -> str:
     """A figure, with ± its spread over seeds when there was more than one seed."""
-    value = r
+    value: Any = r
     for k in key.split("."):
         value = value.get(k) if isinstance(value, dict) else None
     spread = (r.get("spread") or {}).get(key) if "seeds" in r else None

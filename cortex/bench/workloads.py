@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,7 +184,7 @@ def burst(*, requests: int, rate: float, seed: int, group_size: int = 4, prompt_
     rng = random.Random(seed)
     groups = max(1, requests // group_size)
     times = arrivals(rng, groups, rate)
-    sessions = []
+    sessions: list[Any] = []
     for g in range(groups):
         system = f"Task {g}.\n{text(rng, prompt_words)}"
         sessions.extend(Session(g * group_size + k, times[g], system, ("Answer it.",), max_tokens, group=g)
@@ -280,8 +280,9 @@ def trace_replay(*, path: str, seed: int, **params: Any) -> Workload:
     return trace.workload(path, seed=seed, **params)
 
 
-BUILDERS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "unique": unique, "burst": burst,
-            "zipf-prefix": zipf_prefix, "agentic": agentic, "trace": trace_replay}
+BUILDERS: dict[str, Callable[..., Workload]] = {
+    "shared-prefix": shared_prefix, "multi-turn": multi_turn, "unique": unique, "burst": burst,
+    "zipf-prefix": zipf_prefix, "agentic": agentic, "trace": trace_replay}
 
 # Requests and rates per workload: full runs, and --quick. Rates keep the simulated workers well below
 # saturation on the 2-core development machine (the simulators, gateways and client share those cores): the

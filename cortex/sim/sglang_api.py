@@ -294,6 +294,8 @@ class SglangApi(OpenAIServing):
                 port = port[0]
             if port is None:
                 port = self.config.bootstrap_port
+            if port is None:
+                raise ApiError(400, "bootstrap_port is required on a PD decode server")
             self.transfer_waiting[engine.rank] += 1
             try:
                 if self.faults.get("pd_stall_bootstrap"):
@@ -579,7 +581,8 @@ class SglangApi(OpenAIServing):
         salt, extra_key = self._salt(body), self._extra_key(body)
         self.validate_lengths(prompt, max_tokens)
         engine = self.pick_engine(request, body)
-        rid = body.get("rid") if isinstance(body.get("rid"), str) and body.get("rid") else uuid.uuid4().hex
+        given = body.get("rid")
+        rid: str = given if isinstance(given, str) and given else uuid.uuid4().hex
         # POST /abort_request finds the request by rid wherever it is (bootstrap queue, transfer wait, running).
         task = asyncio.current_task()
         if task is not None:
@@ -616,7 +619,8 @@ class SglangApi(OpenAIServing):
         if body.get("abort_all") is True:
             victims = list(self._by_rid.values())
         else:
-            task = self._by_rid.get(body.get("rid")) if isinstance(body.get("rid"), str) else None
+            rid = body.get("rid")
+            task = self._by_rid.get(rid) if isinstance(rid, str) else None
             victims = [task] if task is not None else []
         for task in victims:
             task.cancel()

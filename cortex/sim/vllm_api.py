@@ -221,13 +221,13 @@ class VllmApi(OpenAIServing):
         if self.faults.get("pd_transfer_fail"):
             raise ApiError(500, "simulated KV transfer failure (fault injection)")
         try:
-            rank = self._engine_ids.index(body.get("remote_engine_id"))
+            rank = self._engine_ids.index(str(body.get("remote_engine_id")))
         except ValueError:
             raise ApiError(404, f"unknown remote_engine_id {body.get('remote_engine_id')!r}") from None
         engine = self.engines[rank]
         rid = body.get("remote_request_id")
         entry = engine.held.get(rid) if isinstance(rid, str) else None
-        if entry is None:
+        if entry is None or not isinstance(rid, str):
             raise ApiError(404, f"no KV held for request {rid!r} (never prefilled here, already read or expired)")
         if body.get("remote_block_ids") != [engine.cache.block_ids(rid)]:
             raise ApiError(400, "remote_block_ids do not match the blocks held for this request")

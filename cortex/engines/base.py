@@ -1,0 +1,126 @@
+"""What Cortex needs to know about an engine family, in one interface (docs/engines.md).
+
+Everything that differs between vLLM and SGLang is a member of `EngineAdapter`; the rest of Cortex asks the
+adapter (`cortex.engines.adapter(name)`) instead of comparing engine names. Members are plain facts (class
+attributes) where the difference is a fact, and small pure functions where it is a rule; no member does I/O,
+so each is tested with vectors (tests/test_engine_adapters.py).
+
+This module imports nothing from `ingest` or `extproc` (both import it), and `cortex.config` only for typing:
+a member that needs a config section or an event takes the values it reads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from cortex.config import PdConfig
+
+RankLoad = tuple[float, float, float]
+"""(running requests, waiting requests, activity) of one DP rank. Activity is a cumulative counter that moves
+whenever the rank did prefill work, so ingest can tell an idle worker from a busy one between readings."""
+
+PdLegs = Literal["sequential", "concurrent"]
+
+
+class NotReproducible(Exception):
+    """The engine's block hashes cannot be recomputed outside it for this configuration (the reason is the
+    message): hash parity is `unchecked`, never `failed`."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChainStartHasher:
+    """Recomputes the wire hashes an engine publishes for a chain start (a BlockStored without parent)."""
+
+    how: str
+    """The algorithm and seed, for the parity reason shown in /cortex/workers."""
+    wire_hashes: Callable[[Sequence[int], int, str | None], list[int]]
+    """(token ids, page size, cache salt) -> the hashes of the full pages, as ingest holds them (unsigned
+    64-bit ints, whatever sign the engine puts on the wire)."""
+
+
+class EngineAdapter(ABC):
+    """One engine family. Subclasses declare every annotated attribute below themselves (none is inherited,
+    so a new engine cannot silently take another's fact) and implement every method; the conformance test
+    checks both. Instances are stateless singletons, registered by their module's `ADAPTER`."""
+
+    name: ClassVar[str]
+    """The `engine` value in cortex.yaml (models[].engine, workers[].engine), metric labels and headers."""
+
+    # -- KV blocks and their hashes ------------------------------------------------------------------------
+    default_page_size: ClassVar[int]
+    """Tokens per KV block (page) when the model's `page_size` is not set: the engine's own default."""
+    page_size_flag: ClassVar[str]
+    """The engine flag that sets it (named in docs and errors)."""
+    default_hash_algo: ClassVar[str | None]
+    """The block-hash algorithm assumed when the model's `hash_algo` is not set (None: the engine has one
+    fixed algorithm and `hash_algo` does not apply)."""
+
+    @abstractmethod
+    def chain_start_hasher(self, hash_algo: str | None, hash_seed: str | None) -> ChainStartHasher:
+        """The hasher that reproduces a worker's chain starts, given the model's `hash_algo` (None: the
+        default) and `hash_seed`; raises NotReproducible with the reason when no one outside the engine can."""
+
+    # -- KV events -----------------------------------------------------------------------------------------
+    event_layout: ClassVar[str]
+    """Which wire layout its KV-event batches use (ingest/events.py decodes `msgpack-kv-events`: the ZMQ +
+    msgpack batches vLLM defined and SGLang publishes too). A new layout needs its own decoder there."""
+
+    @abstractmethod
+    def event_salt(self, cache_salt: str | None, extra_keys: Sequence[Any] | None,
+                   lora_name: str | None) -> str | None:
+        """The cache salt a BlockStored was stored under, from the event's fields (the Cortex key of a salted
+        block is namespaced by it, docs/ledger.md)."""
+
+    # -- Load ----------------------------------------------------------------------------------------------
+    load_path: ClassVar[str]
+    """The GET endpoint ingest reads the worker's load from."""
+
+    @abstractmethod
+    def parse_load(self, raw: bytes) -> dict[int, RankLoad]:
+        """That endpoint's body -> load per DP rank (rank 0 when the engine does not say). Raises ValueError
+        on a body that is not the engine's format (the poll counts it as a failed reading)."""
+
+    # -- LoRA adapters -------------------------------------------------------------------------------------
+    lora_as_model: ClassVar[bool]
+    """A client picks an adapter with `model: <adapter>` (so adapter names share the model namespace, are
+    listed by /v1/models, and must be configured in models[].loras)."""
+    lora_as_suffix: ClassVar[bool]
+    """A client picks an adapter with `model: "<model>:<adapter>"`."""
+    lora_path_field: ClassVar[bool]
+    """A client picks an adapter with the body's `lora_path` (when `model` names the base model)."""
+
+    # -- Data-parallel ranks -------------------------------------------------------------------------------
+    @abstractmethod
+    def rank_headers(self, rank: int) -> Mapping[str, str]:
+        """Request headers that pin a request to DP rank `rank` behind one URL (empty if the body does it)."""
+
+    @abstractmethod
+    def rank_body(self, rank: int) -> Mapping[str, Any]:
+        """Body fields that pin a request to DP rank `rank` (empty if a header does it)."""
+
+    # -- Prefill/decode disaggregation ---------------------------------------------------------------------
+    pd_legs: ClassVar[PdLegs]
+    """`sequential`: the prefill leg is answered first and its answer is handed to the decode leg (vLLM's
+    kv_transfer_params). `concurrent`: both legs are sent at once and meet through a bootstrap room (SGLang)."""
+    pd_roles_serve_alone: ClassVar[bool]
+    """A `prefill` or `decode` worker can serve a whole request on its own (no PD fields): a PD model can then
+    skip the prefill leg to a decoder, and fall back to either role when a pair fails."""
+    pd_prefill_needs_bootstrap_port: ClassVar[bool]
+    """A prefill worker is paired only once its bootstrap port is known (config or the worker's /server_info)."""
+    pd_single_consumer: ClassVar[bool]
+    """A KV handoff has one consumer, so a request asking for n > 1 samples is not paired."""
+
+    @abstractmethod
+    def pd_prefill_wait_s(self, pd: PdConfig) -> float:
+        """How long one attempt at the prefill leg may hold the request's start: its whole answer for
+        `sequential` legs, its dispatch for `concurrent` ones (the start budget is two attempts)."""
+
+    # -- Tokenizer parity ----------------------------------------------------------------------------------
+    @abstractmethod
+    def tokenize_request(self, model: str, probe: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """(path, JSON body) asking the worker to tokenize `probe` ({"messages": ..., "tools"?: ...} or
+        {"prompt": ...}) exactly as a chat or completions request would be, generation prompt included."""

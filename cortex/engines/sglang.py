@@ -1,0 +1,93 @@
+"""SGLang 0.5.23 (../shared/reference/engines.md §1, §3-§5, kv-events.md §4).
+
+Pages of 1 token on CUDA (`--page-size`), hashed as one fixed SHA-256 chain over the token ids (a salt seeds
+the chain); events carry the salt in its own field. Load is read from /v1/loads (one entry per DP rank), a DP
+rank is picked by the body's `routed_dp_rank`, and PD sends both legs at once, meeting through a bootstrap room
+on the prefill worker's bootstrap port.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from cortex.engine_hashes import sglang_page_hashes, sglang_wire_hash
+from cortex.engines.base import ChainStartHasher, EngineAdapter, RankLoad
+
+if TYPE_CHECKING:
+    from cortex.config import PdConfig
+
+DP_RANK_FIELD = "routed_dp_rank"
+"""SGLang pins a DP rank from the body only (engines.md §1.8)."""
+
+_U64 = (1 << 64) - 1
+
+
+def parse_loads(doc: Any) -> dict[int, RankLoad]:
+    """(running, waiting, activity) per DP rank from /v1/loads; activity is its cumulative prefill-token count."""
+    loads = doc.get("loads", []) if isinstance(doc, dict) else []
+    out: dict[int, RankLoad] = {}
+    for e in loads:
+        if isinstance(e, dict):
+            rank = int(e.get("dp_rank") or 0)
+            prev = out.get(rank, (0.0, 0.0, 0.0))
+            out[rank] = (prev[0] + float(e.get("num_running_reqs", 0)), prev[1] + float(e.get("num_waiting_reqs", 0)),
+                         prev[2] + float(e.get("total_prefill_uncached_tokens", 0)))
+    return out
+
+
+def _wire_hashes(tokens: Sequence[int], page_size: int, salt: str | None) -> list[int]:
+    # Signed on the wire; ingest holds every hash unsigned (ingest/events.py).
+    return [sglang_wire_hash(h) & _U64 for h in sglang_page_hashes(tokens, page_size, cache_salt=salt)]
+
+
+class SglangAdapter(EngineAdapter):
+    name = "sglang"
+
+    default_page_size = 1
+    page_size_flag = "--page-size"
+    default_hash_algo = None
+
+    def chain_start_hasher(self, hash_algo: str | None, hash_seed: str | None) -> ChainStartHasher:
+        return ChainStartHasher("SGLang's SHA-256 page chain", _wire_hashes)
+
+    event_layout = "msgpack-kv-events"
+
+    def event_salt(self, cache_salt: str | None, extra_keys: Sequence[Any] | None,
+                   lora_name: str | None) -> str | None:
+        return cache_salt
+
+    load_path = "/v1/loads"
+
+    def parse_load(self, raw: bytes) -> dict[int, RankLoad]:
+        # As aiohttp's resp.json() reads it: an empty body is no document.
+        text = raw.decode().strip()
+        return parse_loads(json.loads(text) if text else None)
+
+    # `--lora-paths NAME=PATH`, loaded at run time: `model: "<model>:NAME"` or `lora_path: NAME`.
+    lora_as_model = False
+    lora_as_suffix = True
+    lora_path_field = True
+
+    def rank_headers(self, rank: int) -> Mapping[str, str]:
+        return {}
+
+    def rank_body(self, rank: int) -> Mapping[str, Any]:
+        return {DP_RANK_FIELD: rank}
+
+    pd_legs = "concurrent"
+    # A decode-mode server waits for a bootstrap that never comes; a prefill-mode one waits for its decode.
+    pd_roles_serve_alone = False
+    pd_prefill_needs_bootstrap_port = True
+    pd_single_consumer = False
+
+    def pd_prefill_wait_s(self, pd: PdConfig) -> float:
+        return pd.dispatch_timeout_s
+
+    def tokenize_request(self, model: str, probe: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        # add_generation_prompt omitted: SGLang then renders exactly as a chat completion does (engines.md §5.2).
+        return "/v1/tokenize", {"model": model, **probe}
+
+
+ADAPTER = SglangAdapter()

@@ -1,0 +1,110 @@
+"""vLLM 0.33 (../shared/reference/engines.md §2-§5, kv-events.md §2-§3).
+
+Blocks of 16 tokens (`--block-size`), hashed by `--prefix-caching-hash-algo` (SHA-256 of a pickle by default)
+from a NONE_HASH seeded by PYTHONHASHSEED; events carry the salt and LoRA name untagged in `extra_keys`. Load is
+read from the Prometheus /metrics (one `engine` label per DP rank), a DP rank is picked by header, and PD runs
+the NIXL proxy flow: prefill first, then decode with its kv_transfer_params.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from cortex.engine_hashes import VLLM_HASH_ALGOS, VllmBlockHasher, none_hash_reproducible, vllm_wire_hash
+from cortex.engines.base import ChainStartHasher, EngineAdapter, NotReproducible, RankLoad
+
+if TYPE_CHECKING:
+    from cortex.config import PdConfig
+
+DP_RANK_HEADER = "x-data-parallel-rank"
+"""vLLM's selector of the engine inside a DP deployment (one API server, `--data-parallel-size` engines)."""
+
+_SERIES = re.compile(
+    rb'^vllm:(num_requests_running|num_requests_waiting|prefix_cache_queries_total)(?:\{([^}]*)\})?\s+(\S+)', re.M)
+_ENGINE_LABEL = re.compile(rb'engine="(\d+)"')
+_INDEX = {b"num_requests_running": 0, b"num_requests_waiting": 1, b"prefix_cache_queries_total": 2}
+
+
+def parse_metrics(text: bytes) -> dict[int, RankLoad]:
+    """(running, waiting, activity) per DP rank (vLLM's `engine` label; 0 when absent). Activity is a
+    cumulative counter (prompt tokens looked up in the prefix cache) that moves whenever a request ran."""
+    out: dict[int, list[float]] = {}
+    for name, labels, value in _SERIES.findall(text):
+        m = _ENGINE_LABEL.search(labels or b"")
+        rank = int(m.group(1)) if m else 0
+        out.setdefault(rank, [0.0, 0.0, 0.0])[_INDEX[name]] += float(value)
+    return {r: (v[0], v[1], v[2]) for r, v in out.items()}
+
+
+class VllmAdapter(EngineAdapter):
+    name = "vllm"
+
+    default_page_size = 16
+    page_size_flag = "--block-size"
+    default_hash_algo = "sha256"
+
+    def chain_start_hasher(self, hash_algo: str | None, hash_seed: str | None) -> ChainStartHasher:
+        algo = hash_algo or self.default_hash_algo
+        if algo not in VLLM_HASH_ALGOS:
+            raise NotReproducible(f"hash algorithm {algo!r} is not reproduced")
+        if not none_hash_reproducible(algo, hash_seed):
+            # vLLM seeds the xxhash pair's NONE_HASH from os.urandom unless PYTHONHASHSEED is set: no one
+            # outside the engine process can recompute a chain start (the page size is still checked).
+            raise NotReproducible(
+                f"{algo} without PYTHONHASHSEED has a random NONE_HASH per engine process; set "
+                "PYTHONHASHSEED on the workers and the model's hash_seed to check hash parity")
+        hasher = VllmBlockHasher(algo, hash_seed)
+
+        def wire_hashes(tokens: Sequence[int], page_size: int, salt: str | None) -> list[int]:
+            return [vllm_wire_hash(h) for h in hasher.block_hashes(tokens, page_size, cache_salt=salt)]
+
+        return ChainStartHasher(f"{algo} with seed {hasher.seed!r}", wire_hashes)
+
+    event_layout = "msgpack-kv-events"
+
+    def event_salt(self, cache_salt: str | None, extra_keys: Sequence[Any] | None,
+                   lora_name: str | None) -> str | None:
+        if cache_salt is not None or not extra_keys:
+            return cache_salt
+        # vLLM publishes extra keys untagged, per block: [lora_name?, ..., salt?] with the salt on block 0.
+        first = extra_keys[0]
+        if isinstance(first, list):
+            rest = [k for k in first if isinstance(k, str) and k != lora_name]
+            return rest[-1] if rest else None
+        return None
+
+    load_path = "/metrics"
+
+    def parse_load(self, raw: bytes) -> dict[int, RankLoad]:
+        return parse_metrics(raw)
+
+    # `--lora-modules NAME=PATH`: the adapter is served under its own model name.
+    lora_as_model = True
+    lora_as_suffix = False
+    lora_path_field = False
+
+    def rank_headers(self, rank: int) -> Mapping[str, str]:
+        return {DP_RANK_HEADER: str(rank)}
+
+    def rank_body(self, rank: int) -> Mapping[str, Any]:
+        return {}
+
+    pd_legs = "sequential"
+    # NIXL workers are `kv_both`: a request without kv_transfer_params is an ordinary request on either role.
+    pd_roles_serve_alone = True
+    pd_prefill_needs_bootstrap_port = False
+    pd_single_consumer = True  # engines.md §2.2: one transfer, one decode
+
+    def pd_prefill_wait_s(self, pd: PdConfig) -> float:
+        return pd.prefill_timeout_s
+
+    def tokenize_request(self, model: str, probe: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        body: dict[str, Any] = {"model": model, **probe}
+        if "messages" in probe:
+            body["add_generation_prompt"] = True
+        return "/tokenize", body
+
+
+ADAPTER = VllmAdapter()
