@@ -4,23 +4,24 @@ The readings land in one place, ingest/workers.py (`Worker.apply_health`, `apply
 the service (ingest/service.py) decides when to ask and what a change means (publish, prune, log).
 
 - health: `GET /health` (200 = passed); an SGLang prefill also reads its bootstrap port from `/server_info`.
-- load: vLLM `/metrics` (`vllm:num_requests_running` / `_waiting`, per `engine` label = DP rank) and SGLang
-  `/v1/loads` (`num_running_reqs` / `num_waiting_reqs` per `dp_rank`), plus a cumulative work counter each.
+- load: the engine adapter's load endpoint and parser (cortex/engines: vLLM `/metrics`, SGLang `/v1/loads`),
+  running and waiting requests per DP rank plus a cumulative work counter.
 - tokenizer parity: the engine's own tokenize endpoint against Cortex's ids (ingest/tokenizer_parity.py).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from cortex import engines
 from cortex.config import WorkerConfig
+from cortex.engines import RankLoad
 from ingest import tokenizer_parity
 
-LoadByRank = dict[int, tuple[float, float, float]]
+LoadByRank = dict[int, RankLoad]
 """(running, waiting, activity) per data-parallel rank; activity is the engine's cumulative work counter."""
 
 
@@ -32,46 +33,13 @@ class HealthReading:
     """An SGLang prefill's bootstrap port, when it was asked for and read (None: not read this time)."""
 
 
-_VLLM_SERIES = re.compile(
-    rb'^vllm:(num_requests_running|num_requests_waiting|prefix_cache_queries_total)(?:\{([^}]*)\})?\s+(\S+)', re.M)
-_ENGINE_LABEL = re.compile(rb'engine="(\d+)"')
-_VLLM_INDEX = {b"num_requests_running": 0, b"num_requests_waiting": 1, b"prefix_cache_queries_total": 2}
-
-
-def parse_vllm_metrics(text: bytes) -> LoadByRank:
-    """(running, waiting, activity) per DP rank (vLLM's `engine` label; 0 when absent). Activity is a
-    cumulative counter (prompt tokens looked up in the prefix cache) that moves whenever a request ran."""
-    out: dict[int, list[float]] = {}
-    for name, labels, value in _VLLM_SERIES.findall(text):
-        m = _ENGINE_LABEL.search(labels or b"")
-        rank = int(m.group(1)) if m else 0
-        out.setdefault(rank, [0.0, 0.0, 0.0])[_VLLM_INDEX[name]] += float(value)
-    return {r: (v[0], v[1], v[2]) for r, v in out.items()}
-
-
-def parse_sglang_loads(doc: Any) -> LoadByRank:
-    """Same shape from SGLang's /v1/loads; activity is its cumulative prefill-token count."""
-    loads = doc.get("loads", []) if isinstance(doc, dict) else []
-    out: LoadByRank = {}
-    for e in loads:
-        if isinstance(e, dict):
-            rank = int(e.get("dp_rank") or 0)
-            prev = out.get(rank, (0.0, 0.0, 0.0))
-            out[rank] = (prev[0] + float(e.get("num_running_reqs", 0)), prev[1] + float(e.get("num_waiting_reqs", 0)),
-                         prev[2] + float(e.get("total_prefill_uncached_tokens", 0)))
-    return out
-
-
 async def read_load(session: aiohttp.ClientSession, cfg: WorkerConfig, timeout: float) -> LoadByRank:
-    """One load reading of the worker, per rank. Raises on any failure (the caller counts and goes on)."""
-    t = aiohttp.ClientTimeout(total=timeout)
-    if cfg.engine == "sglang":
-        async with session.get(f"{cfg.url}/v1/loads", timeout=t) as resp:
-            resp.raise_for_status()
-            return parse_sglang_loads(await resp.json(content_type=None))
-    async with session.get(f"{cfg.url}/metrics", timeout=t) as resp:
+    """One load reading of the worker, per rank, from its engine's load endpoint (cortex.engines: vLLM
+    `/metrics`, SGLang `/v1/loads`). Raises on any failure (the caller counts it and goes on)."""
+    engine = engines.adapter(cfg.engine)
+    async with session.get(f"{cfg.url}{engine.load_path}", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
         resp.raise_for_status()
-        return parse_vllm_metrics(await resp.read())
+        return engine.parse_load(await resp.read())
 
 
 async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float, *,

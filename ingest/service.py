@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import zmq.asyncio
 
+from cortex import engines
 from cortex.config import CortexConfig, WorkerConfig
 from cortex.config_watch import ConfigWatcher
 from cortex.contract import ClusterMeta, encode_meta, target_id
@@ -181,7 +182,7 @@ class Ingest:
         ranks: list[int | None] = [None] if wcfg.dp_size == 1 else list(range(wcfg.dp_size))
         for rank, slot in zip(ranks, self._free_slots(len(ranks)), strict=True):
             parity = ParityCheck(engine=wcfg.engine, page_size=model.engine_page_size(),
-                                 hash_algo=model.hash_algo or ("sha256" if wcfg.engine == "vllm" else None),
+                                 hash_algo=model.hash_algo or engines.adapter(wcfg.engine).default_hash_algo,
                                  hash_seed=model.hash_seed)
             tid = target_id(wcfg.id, rank)
             events = EventSource(

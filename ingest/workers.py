@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from cortex import engines
 from cortex.config import WorkerConfig
 from cortex.contract import LoadReading, TargetMeta, target_id
 from ingest import silence
@@ -231,7 +232,8 @@ class Worker:
 
     @property
     def needs_bootstrap_port(self) -> bool:
-        return self.cfg.engine == "sglang" and self.cfg.role == "prefill" and self.bootstrap_port is None
+        return (engines.adapter(self.cfg.engine).pd_prefill_needs_bootstrap_port and self.cfg.role == "prefill"
+                and self.bootstrap_port is None)
 
     @property
     def tokens_trusted(self) -> bool:

@@ -9,12 +9,13 @@ import orjson
 import pytest
 import zmq.asyncio
 
+from cortex import engines
 from cortex.config import CortexConfig, WorkerConfig, parse_config
 from ingest import membership, tokenizer_parity
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
 from ingest.membership import MembershipError
-from ingest.probes import HealthReading, parse_sglang_loads, parse_vllm_metrics
+from ingest.probes import HealthReading
 from ingest.source import EventSource
 from ingest.sync import SourceSync
 from ingest.workers import Target, Worker
@@ -43,9 +44,10 @@ vllm:num_requests_running_other 9.0
 
 
 def test_vllm_metrics_vector() -> None:
-    assert parse_vllm_metrics(VLLM_METRICS) == {0: (2.0, 3.0, 512.0), 1: (1.0, 0.0, 64.0)}
-    assert parse_vllm_metrics(b"vllm:num_requests_running 4\nvllm:num_requests_waiting 1\n") == {0: (4.0, 1.0, 0.0)}
-    assert parse_vllm_metrics(b"") == {}
+    parse = engines.adapter("vllm").parse_load  # what ingest.probes.read_load applies to /metrics
+    assert parse(VLLM_METRICS) == {0: (2.0, 3.0, 512.0), 1: (1.0, 0.0, 64.0)}
+    assert parse(b"vllm:num_requests_running 4\nvllm:num_requests_waiting 1\n") == {0: (4.0, 1.0, 0.0)}
+    assert parse(b"") == {}
 
 
 def test_sglang_loads_vector() -> None:
@@ -53,8 +55,9 @@ def test_sglang_loads_vector() -> None:
                       "total_prefill_uncached_tokens": 100},
                      {"dp_rank": 1, "num_running_reqs": 0, "num_waiting_reqs": 4},
                      {"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 0}, "junk"]}
-    assert parse_sglang_loads(doc) == {0: (3.0, 1.0, 100.0), 1: (0.0, 4.0, 0.0)}
-    assert parse_sglang_loads([]) == {}
+    parse = engines.adapter("sglang").parse_load  # ... and to /v1/loads
+    assert parse(orjson.dumps(doc)) == {0: (3.0, 1.0, 100.0), 1: (0.0, 4.0, 0.0)}
+    assert parse(b"[]") == {}
 
 
 def worker(wcfg: WorkerConfig, ranks: list[int | None]) -> Worker:
