@@ -160,7 +160,7 @@ _decoder = msgspec.msgpack.Decoder()
 
 def _norm(hashes: list[int | bytes]) -> list[int]:
     try:
-        if min(hashes) >= 0:  # type: ignore[type-var,operator]  # all unsigned ints: vLLM's default form
+        if min(hashes) >= 0:  # type: ignore[operator]  # all unsigned ints: vLLM's default form
             return hashes  # type: ignore[return-value]
     except (TypeError, ValueError):  # bytes among them, or empty
         pass

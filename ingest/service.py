@@ -153,9 +153,9 @@ class Ingest:
             await cancel_quietly(task)
         for t in worker.targets:
             t.events.close()  # fences any callback still in flight for the old incarnation
-            task = self._sources.pop(t.id, None)
-            if task is not None:
-                await cancel_quietly(task)
+            stream = self._sources.pop(t.id, None)
+            if stream is not None:
+                await cancel_quietly(stream)
             # One write section: extproc sees the target's blocks all present or all gone.
             t.events.ledger.clear(self.view)
         if persist:

@@ -199,7 +199,7 @@ class EventSource:
                     self.decode_errors += 1
                 else:
                     self.perform(self.sync.live(int.from_bytes(frames[1], "big"), frames[2]))
-                if not await sock.poll(0, zmq.POLLIN):
+                if not await sock.poll(0, zmq.POLLIN):  # type: ignore[call-arg]  # pyzmq's stubs lack flags
                     break
         if self.on_events is not None:
             self.on_events()
