@@ -44,6 +44,11 @@ NonNegInt = Annotated[int, Field(ge=0)]
 PosInt = Annotated[int, Field(ge=1)]
 
 
+def _expects(what: str) -> Any:
+    """An optional field that says what it takes: the 400 for a bad value reads "'<field>' must be <what>"."""
+    return Field(None, description=what)
+
+
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool | None = None
@@ -54,69 +59,49 @@ class _Common(BaseModel):
     """The OpenAI fields both engines type the same way; None everywhere, as vLLM allows (SGLang has defaults)."""
 
     model_config = ConfigDict(extra="ignore")
-    stream: bool | None = None
-    stream_options: _StreamOptions | None = None
+    stream: bool | None = _expects("a boolean")
+    stream_options: _StreamOptions | None = _expects("an object with boolean include_usage / continuous_usage_stats")
     # vLLM refuses 0 and SGLang's chat treats it as unset, so only negatives are refused by both.
-    max_tokens: NonNegInt | None = None
-    n: PosInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    max_tokens: NonNegInt | None = _expects("an integer >= 0 or null")
+    n: PosInt | None = _expects("an integer >= 1 or null")
+    temperature: float | None = _expects("a number")
+    top_p: float | None = _expects("a number")
+    presence_penalty: float | None = _expects("a number")
+    frequency_penalty: float | None = _expects("a number")
+    stop: str | list[str] | None = _expects("a string, a list of strings, or null")
+    seed: int | None = _expects("an integer")
+    user: str | None = _expects("a string")
+    logit_bias: dict[str, float] | None = _expects("an object mapping token ids to numbers")
 
 
 class _Chat(_Common):
-    max_completion_tokens: NonNegInt | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    parallel_tool_calls: bool | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    max_completion_tokens: NonNegInt | None = _expects("an integer >= 0 or null")
+    logprobs: bool | None = _expects("a boolean")
+    top_logprobs: int | None = _expects("an integer")
+    parallel_tool_calls: bool | None = _expects("a boolean")
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = _expects(
+        "'none', 'auto', 'required' or an object")
+    response_format: dict[str, Any] | None = _expects("an object")
+    tools: list[Any] | None = _expects("a list")
+    add_generation_prompt: bool | None = _expects("a boolean")
+    continue_final_message: bool | None = _expects("a boolean")
+    chat_template_kwargs: dict[str, Any] | None = _expects("an object")
 
 
 class _Completion(_Common):
-    logprobs: int | None = None
-    echo: bool | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: int | None = _expects("an integer or null")
+    echo: bool | None = _expects("a boolean")
+    best_of: int | None = _expects("an integer")
+    suffix: str | None = _expects("a string")
 
 
-_EXPECTED = {
-    "stream": "a boolean",
-    "stream_options": "an object with boolean include_usage / continuous_usage_stats",
-    "max_tokens": "an integer >= 0 or null",
-    "max_completion_tokens": "an integer >= 0 or null",
-    "n": "an integer >= 1 or null",
-    "temperature": "a number",
-    "top_p": "a number",
-    "presence_penalty": "a number",
-    "frequency_penalty": "a number",
-    "stop": "a string, a list of strings, or null",
-    "seed": "an integer",
-    "user": "a string",
-    "logit_bias": "an object mapping token ids to numbers",
-    "logprobs": "a boolean",
-    "top_logprobs": "an integer",
-    "parallel_tool_calls": "a boolean",
-    "tool_choice": "'none', 'auto', 'required' or an object",
-    "response_format": "an object",
-    "tools": "a list",
-    "add_generation_prompt": "a boolean",
-    "continue_final_message": "a boolean",
-    "chat_template_kwargs": "an object",
-    "echo": "a boolean",
-    "best_of": "an integer",
-    "suffix": "a string",
-}
-_EXPECTED_COMPLETION = {**_EXPECTED, "logprobs": "an integer or null"}
+def _expectations(model: type[BaseModel]) -> dict[str, str]:
+    return {name: f.description for name, f in model.model_fields.items() if f.description}
+
+
+# What each field takes, read off the models above (a field without one fails tests/test_request.py).
+_EXPECTED_COMPLETION = _expectations(_Completion)
+_EXPECTED = {**_EXPECTED_COMPLETION, **_expectations(_Chat)}
 
 
 @dataclass(slots=True)
