@@ -209,6 +209,7 @@ class Worker:
     events_usable: bool = True
     events_reason: str = ""
     source: str = "config"
+    """Where it came from: `config` or `api` (kept across ingest restarts in the runtime directory)."""
     added_at: float = field(default_factory=time.monotonic)
     token_parity: TokenParity = field(default_factory=TokenParity)
     parity_policy: str = "required"
@@ -242,7 +243,6 @@ class Worker:
         if self.parity_policy == "best_effort":
             return self.token_parity.status != TOKENS_FAILED
         return self.token_parity.status == TOKENS_OK
-    """Where it came from: `config` or `api` (kept across ingest restarts in the runtime directory)."""
 
     @property
     def id(self) -> str:
