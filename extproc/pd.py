@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from cortex.config import PdConfig
 from extproc.cluster_view import TargetInfo
-from extproc.scheduler import Decision
+from extproc.policies.base import Decision
 
 if TYPE_CHECKING:
     from extproc.router import Prepared, Router

@@ -33,12 +33,13 @@ from typing import Any
 import aiohttp
 import orjson
 
+from cortex import headers as H
 from cortex.config import CortexConfig
 from cortex.inflight import InflightBoard
 from extproc.cluster_view import TargetInfo
 from extproc.metrics import PD_FAILURES, PD_LEG_SECONDS
 from extproc.pd import Pair, PdPlan
-from extproc.scheduler import Candidate
+from extproc.policies.base import Candidate
 
 log = logging.getLogger("cortex.extproc.pd")
 
@@ -345,7 +346,7 @@ class PdDispatcher:
             p = pair.targets[cand.id]
             headers = {"content-type": "application/json", "x-request-id": request_id}
             if p.rank is not None:
-                headers["x-data-parallel-rank"] = str(p.rank)
+                headers[H.DP_RANK] = str(p.rank)
             t0 = time.monotonic()
             try:
                 with self._counted(p):

@@ -6,7 +6,6 @@ disagree with what the gateway does.
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from collections.abc import Sequence
@@ -20,13 +19,15 @@ from cortex.config import CortexConfig
 from cortex.errors import ClientError
 from cortex.model_bundle import ModelBundle, TemplateError
 from cortex.piecewise_tokenize import EncoderSet, SegmentMismatch, TokenCursor
-from extproc import pd
+from extproc import candidates, pd
+from extproc.candidates import Hysteresis
 from extproc.cluster_view import ClusterView, TargetInfo
+from extproc.policies import Policies
+from extproc.policies.base import Decision, Facts
 from extproc.predictions import Predictions
 from extproc.prompt_walk import DeferredTail, Tail, WalkResult, walk
 from extproc.registry import ModelRegistry
 from extproc.request import ParsedRequest
-from extproc.scheduler import Candidate, Decision, Scoring, decide, round_robin, still_hot
 
 
 @dataclass(slots=True)
@@ -92,9 +93,10 @@ class Router:
         # Per tokenizer: the text between special tokens encoded piece by piece with a cache, checked once.
         self.segments = EncoderSet()
         self.reload(cfg, registry)
-        self._hot: dict[int, bool] = {}
-        self._turn = itertools.count()
-        self._tie_rng = random.Random()
+        self.hysteresis = Hysteresis()
+        self.policies = Policies()
+        self.rng = random.Random()
+        """Every random draw of a decision (ties, p2c, cold-start share): deterministic given its seed."""
 
     def reload(self, cfg: CortexConfig, registry: ModelRegistry) -> None:
         """Swap in a new config and registry (built off the request path): the next request uses them."""
@@ -103,8 +105,6 @@ class Router:
         self.bundles = registry.bundles
         # Encoders (and their warm caches) are kept for tokenizers still in use; new ones are checked here.
         self.segments.update(registry.bundles.values())
-        # cold_start_s stays here (it marks candidates as new); every other knob is the scorer's.
-        self.scoring = Scoring(**cfg.scheduler.model_dump(exclude={"cold_start_s"}))
         self.predictions.ttl_s = cfg.extproc.prediction_ttl_s
 
     def tokens(self, req: ParsedRequest, bundle: ModelBundle) -> tuple[list[int], bool]:
@@ -250,49 +250,19 @@ class Router:
         """One pool's decision for a prepared prompt (a pool whose workers publish no events simply holds
         nothing in the ledger, so it is chosen by load)."""
         t3 = time.perf_counter()
-        bs = self.cluster.block_size
-        matches = prep.matches
-        keys = prep.keys
-        why = prep.why
-        inflight = self.cluster.inflight.totals()
-        cands = []
-        for w in workers:
-            trusted = matches is not None and w.exact_kv
-            matched = int(matches[w.slot]) if trusted and matches is not None else 0
-            engine_load = w.engine_load if self.cluster.alive else None
-            n_inflight = int(inflight[w.slot])
-            active = max(engine_load or 0.0, float(n_inflight))
-            hot = still_hot(self._hot.get(w.slot, False), active, self.scoring)
-            self._hot[w.slot] = hot
-            cands.append(Candidate(
-                id=w.id, slot=w.slot, address=w.address, matched_blocks=matched, ledger_trusted=trusted,
-                predicted_blocks=self.predictions.extend(keys, w.slot, matched) if trusted else 0,
-                engine_load=engine_load, engine_waiting=w.engine_waiting if engine_load is not None else 0.0,
-                inflight=n_inflight, hot=hot, rank=w.rank, engine=w.engine, suspect=w.suspect,
-                new=w.age_s is not None and w.age_s < self.cfg.scheduler.cold_start_s,
-            ))
-        if matches is not None:
-            # The prompt's blocks may sit on a target whose ledger is not trusted right now: say why.
-            untrusted = [(int(matches[w.slot]), w.why) for w in workers if not w.exact_kv and matches[w.slot] > 0]
-            if untrusted:
-                why = max(untrusted)[1]
-            elif not any(c.ledger_trusted for c in cands):
-                why = "no_worker_ledger_ready"
-            elif any(w.why == "ledger_stale" for w in workers):
-                # A STALE target is hidden in the view until its stream is back in sync (docs/ledger.md,
-                # "Windows"), so whether it holds this prompt is unknown: say that, not "nothing cached".
-                why = "ledger_stale"
-        if not self.cluster.alive and not any(c.inflight for c in cands):
-            # No engine load and no in-flight signal tells the workers apart: only liveness is known.
-            decision = round_robin(cands, next(self._turn), why)
-        else:
-            # Ties between equally loaded workers are broken by the prompt's home (its first block key, the same
-            # on every replica) when no one holds it, else at random: a counter aliases with arrival patterns
-            # (groups of n requests on n workers advance it by n, so every group's first request saw the same
-            # rotation and bursts piled onto one worker; docs/benchmarks.md).
-            decision = decide(cands, block_size=bs, ledger_usable=matches is not None, why_not_exact=why,
-                              turn=self._tie_rng.getrandbits(32), scoring=self.scoring,
-                              home=keys[0] if keys and self.scoring.prompt_home else None)
+        matches, keys = prep.matches, prep.keys
+        scoring = self.cfg.scheduler
+        cands = candidates.build(workers, matches=matches, keys=keys, inflight=self.cluster.inflight.totals(),
+                                 alive=self.cluster.alive, predictions=self.predictions,
+                                 hysteresis=self.hysteresis, scoring=scoring)
+        facts = Facts(block_size=self.cluster.block_size, ledger_usable=matches is not None,
+                      why_not_exact=candidates.why_not_exact(prep.why, workers, matches, cands), scoring=scoring,
+                      home=keys[0] if keys and scoring.prompt_home else None)
+        model_cfg = self.cfg.model(prep.model)
+        transparent = model_cfg is not None and model_cfg.scheduling == "transparent"
+        policy = self.policies.select(cands, transparent=transparent, alive=self.cluster.alive,
+                                      ledger_usable=matches is not None)
+        decision = policy.decide(cands, facts, self.rng)
         prep.timings.score_s += time.perf_counter() - t3
         if commit and keys and decision.chosen.ledger_trusted:
             self.predictions.record(decision.chosen.slot, keys)
@@ -301,6 +271,16 @@ class Router:
                 prep.tail.slot = decision.chosen.slot
                 self.deferred.submit(prep.tail)
         return decision
+
+    def route_any(self) -> Decision | None:
+        """A request that is no inference: the least loaded worker of the whole fleet (None: there is none)."""
+        cands = candidates.whole_workers(self.cluster.all_candidates(), inflight=self.cluster.inflight.totals(),
+                                         alive=self.cluster.alive)
+        if not cands:
+            return None
+        facts = Facts(block_size=self.cluster.block_size, ledger_usable=False,
+                      why_not_exact="not_an_inference_request", scoring=self.cfg.scheduler)
+        return self.policies.load_aware.decide(cands, facts, self.rng)
 
     def route(self, req: ParsedRequest, *, commit: bool = True, full_tokens: bool | None = None) -> RouteResult:
         """Decide. `commit` records the chosen target's coming blocks as predicted (real traffic only).

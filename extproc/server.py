@@ -27,26 +27,25 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
 from cortex import grpc_health
+from cortex import headers as H
 from cortex.config import CortexConfig
 from cortex.config_watch import ConfigWatcher
-from cortex.envoy_config import ANY_CLUSTER, ENDPOINTS_HEADER, PD_ROUTE_HEADER, POOL_HEADER, pool_cluster
+from cortex.envoy_config import ANY_CLUSTER, pool_cluster
 from cortex.errors import ClientError
 from extproc import metrics
 from extproc.cluster_view import ClusterView, TargetInfo
 from extproc.pd import PdPlan, fallback_pool
 from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
+from extproc.policies.base import EXACT, LOAD_AWARE, Decision
 from extproc.registry import ModelRegistry
 from extproc.request import ROUTED_PATHS, parse_body
 from extproc.router import Router, RouteResult
-from extproc.scheduler import EXACT, LOAD_AWARE, Candidate, Decision, decide
 
 log = logging.getLogger("cortex.extproc")
 
 EXPLAIN_PATH = "/cortex/v1/route"
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/cortex/health"
-PD_HEADER = "x-cortex-pd"
-DP_RANK_HEADER = "x-data-parallel-rank"  # vLLM's selector of the engine inside a DP deployment
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 _EMPTY_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _EMPTY_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
@@ -313,7 +312,7 @@ class ExtProc:
         self._count(st, started.decode.slot)
         response = self._routing_response(st, "request_body", pool_cluster(result.model))
         common = response.request_body.response
-        common.header_mutation.set_headers.append(_set(PD_ROUTE_HEADER, "1"))
+        common.header_mutation.set_headers.append(_set(H.PD_ROUTE, "1"))
         for k, v in started.decode_headers.items():
             common.header_mutation.set_headers.append(_set(k, v))
         self._set_body(response, started.decode_body)
@@ -340,9 +339,9 @@ class ExtProc:
             info = self.cluster.by_address.get(served)
             mode = "fallback_p2c"
             reason = st.fallback_reason or "routed_by_envoy"
-            headers.append(_set("x-cortex-cache-hit-tokens", "0"))
+            headers.append(_set(H.CACHE_HIT_TOKENS, "0"))
             if info is not None:
-                headers.append(_set("x-cortex-assigned-worker", info.id))
+                headers.append(_set(H.ASSIGNED_WORKER, info.id))
         elif st.pd is not None:
             return self._pd_response_headers(st, req, served)
         else:
@@ -358,10 +357,10 @@ class ExtProc:
             if worker is not chosen:
                 reason = f"retried:{reason}"
                 mode = mode if mode != EXACT else LOAD_AWARE
-            headers += [_set("x-cortex-assigned-worker", worker.id), _set("x-cortex-cache-hit-tokens", str(hit))]
-        headers += [_set("x-cortex-match-mode", mode), _set("x-cortex-route-reason", reason)]
+            headers += [_set(H.ASSIGNED_WORKER, worker.id), _set(H.CACHE_HIT_TOKENS, str(hit))]
+        headers += [_set(H.MATCH_MODE, mode), _set(H.ROUTE_REASON, reason)]
         if st.pd_note:
-            headers.append(_set(PD_HEADER, st.pd_note))
+            headers.append(_set(H.PD, st.pd_note))
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
 
@@ -418,9 +417,9 @@ class ExtProc:
         # the decode's usage. A re-picked prefill was not the one the ledger proved.
         hit = prefill.hit_tokens if not pair.repicked else 0
         mode = prefill.mode if not pair.repicked or prefill.mode != EXACT else LOAD_AWARE
-        headers = [_set("x-cortex-assigned-worker", f"prefill={pair.legs.prefill.id},decode={decode.id}"),
-                   _set("x-cortex-cache-hit-tokens", str(hit)), _set("x-cortex-match-mode", mode),
-                   _set("x-cortex-route-reason", f"pd:{prefill.reason}"), _set(PD_HEADER, st.pd_note)]
+        headers = [_set(H.ASSIGNED_WORKER, f"prefill={pair.legs.prefill.id},decode={decode.id}"),
+                   _set(H.CACHE_HIT_TOKENS, str(hit)), _set(H.MATCH_MODE, mode),
+                   _set(H.ROUTE_REASON, f"pd:{prefill.reason}"), _set(H.PD, st.pd_note)]
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
 
@@ -451,7 +450,7 @@ class ExtProc:
                 if cand.engine == "sglang":
                     changes["routed_dp_rank"] = cand.rank
                 else:
-                    headers[DP_RANK_HEADER] = str(cand.rank)
+                    headers[H.DP_RANK] = str(cand.rank)
             try:
                 async with self.pd.session().post(f"http://{cand.address}{st.path}", data=splice(pending.body, changes),
                                                   headers=headers, timeout=timeout) as resp:
@@ -468,11 +467,11 @@ class ExtProc:
             chosen = cand is decision.chosen
             mode = decision.mode if chosen or decision.mode != EXACT else LOAD_AWARE
             out = [_set(k.lower(), v) for k, v in resp_headers.items() if k.lower() not in _NOT_COPIED]
-            out += [_set("x-cortex-assigned-worker", cand.id),
-                    _set("x-cortex-cache-hit-tokens", str(decision.hit_tokens if chosen else 0)),
-                    _set("x-cortex-match-mode", mode),
-                    _set("x-cortex-route-reason", decision.reason if chosen else f"retried:{decision.reason}"),
-                    _set(PD_HEADER, st.pd_note)]
+            out += [_set(H.ASSIGNED_WORKER, cand.id),
+                    _set(H.CACHE_HIT_TOKENS, str(decision.hit_tokens if chosen else 0)),
+                    _set(H.MATCH_MODE, mode),
+                    _set(H.ROUTE_REASON, decision.reason if chosen else f"retried:{decision.reason}"),
+                    _set(H.PD, st.pd_note)]
             return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
                 status=HttpStatus(code=status),  # type: ignore[arg-type]
                 headers=pb.HeaderMutation(set_headers=out), body=body, details="cortex_pd_fallback"))
@@ -491,27 +490,19 @@ class ExtProc:
         st.counted_slot = slot
 
     def _route_any(self, st: StreamState) -> None:
-        # Any worker will do, so no rank is pinned: let the worker's own DP balancing place it.
-        targets = [t for t in self.cluster.all_candidates() if t.rank in (None, 0)]
-        if not targets:
-            return
-        inflight = self.cluster.inflight.totals()
-        cands = [Candidate(id=t.worker, slot=t.slot, address=t.address,
-                           engine_load=t.engine_load if self.cluster.alive else None,
-                           inflight=int(inflight[t.slot]), suspect=t.suspect) for t in targets]
-        st.decision = decide(cands, block_size=self.cluster.block_size, ledger_usable=False,
-                             why_not_exact="not_an_inference_request", turn=int(time.monotonic_ns() >> 10))
-        self._count(st, st.decision.chosen.slot)
+        st.decision = self.router.route_any()
+        if st.decision is not None:
+            self._count(st, st.decision.chosen.slot)
 
     def _routing_response(self, st: StreamState, phase: str, pool: str = ANY_CLUSTER) -> pb.ProcessingResponse:
         if st.decision is None:
             return _EMPTY_HEADERS if phase == "request_headers" else _EMPTY_BODY
         # One entry per address: a retry must go to another worker, not another rank of the failed one.
         endpoints = ",".join(dict.fromkeys(c.address for c in st.decision.order))
-        headers = [_set(POOL_HEADER, pool), _set(ENDPOINTS_HEADER, endpoints)]
+        headers = [_set(H.POOL, pool), _set(H.ENDPOINTS, endpoints)]
         chosen = st.decision.chosen
         if chosen.rank is not None and chosen.engine == "vllm":
-            headers.append(_set(DP_RANK_HEADER, str(chosen.rank)))
+            headers.append(_set(H.DP_RANK, str(chosen.rank)))
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
         if phase == "request_headers":
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
