@@ -1,4 +1,8 @@
-"""The ext_proc gRPC server: Envoy's per-request message stream in, header mutations out.
+"""The ext_proc gRPC server: Envoy's per-request message stream in, a plan, header and body mutations out.
+
+The router hands back one plan per request (extproc/plan.py); this module only maps it onto Envoy's mutations,
+runs the PD legs it names (extproc/pd_dispatch.py) and, when a pair fails before the client got a byte, serves
+the plan's precomputed fallback. It never asks the router for another decision.
 
 One stream per HTTP request (envoy-extproc.md §1): request headers (answered at once; Envoy sends the
 body without waiting), the buffered request body (parse, route, answer with the pool and the ordered
@@ -33,13 +37,15 @@ from cortex.config_watch import ConfigWatcher
 from cortex.envoy_config import ANY_CLUSTER, pool_cluster
 from cortex.errors import ClientError
 from extproc import metrics
-from extproc.cluster_view import ClusterView, TargetInfo
-from extproc.pd import PdPlan, fallback_pool
+from extproc.cluster_view import ClusterView
+from extproc.pd import PdPlan
 from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
+from extproc.plan import RoutePlan
 from extproc.policies.base import EXACT, LOAD_AWARE, Decision
 from extproc.registry import ModelRegistry
 from extproc.request import ROUTED_PATHS, parse_body
-from extproc.router import Router, RouteResult
+from extproc.router import Router
+from extproc.snapshot import Source
 
 log = logging.getLogger("cortex.extproc")
 
@@ -66,7 +72,7 @@ def _immediate(status: int, body: bytes, content_type: str = "application/json")
 class PendingPair:
     """A routed request whose PD pair still has to be started (the only await on the request path)."""
 
-    result: RouteResult
+    result: RoutePlan
     plan: PdPlan
     doc: dict[str, Any]
     body: bytes
@@ -88,7 +94,8 @@ class DecodeFallback:
     """A pair that failed before the client got a byte, to be served by one worker from a cold start."""
 
     why: str
-    pool: list[TargetInfo]
+    decision: Decision
+    """The plan's fallback decision, without the pair's workers that failed (while others exist)."""
 
 
 # The event that failed a pair -> the x-cortex-pd fallback reason.
@@ -123,17 +130,24 @@ class StreamState:
 
 
 class ExtProc:
-    def __init__(self, cfg: CortexConfig, cluster: ClusterView, router: Router) -> None:
-        self.cfg = cfg
+    def __init__(self, source: Source, cluster: ClusterView, router: Router) -> None:
+        self.source = source
+        """The config generation in force (the router reads the same reference)."""
         self.cluster = cluster
         self.router = router
-        self.pd = PdDispatcher(cfg, cluster.inflight)
+        # Acting on a plan reports what was sent where, as the in-flight board does: a fallback that serves
+        # records the prompt's blocks as predicted on its worker.
+        self.predictions = router.predictions
+        self.pd = PdDispatcher(cluster.inflight)
         self.last_stream_at = 0.0
         """When the latest ext_proc stream (one per request) began (monotonic)."""
 
+    @property
+    def cfg(self) -> CortexConfig:
+        return self.source.current.cfg
+
     def reload(self, cfg: CortexConfig, registry: ModelRegistry) -> None:
-        self.router.reload(cfg, registry)
-        self.cfg = self.pd.cfg = self.cluster.cfg = cfg
+        self.router.reload(cfg, registry)  # swaps the one Source both read
         log.info("config reloaded: %d models, %d aliases", len(cfg.models), len(cfg.aliases))
 
     # -- the gRPC method ----------------------------------------------------------------------------------
@@ -183,7 +197,7 @@ class ExtProc:
                         # worker and answers with it. Envoy's deadline for this message is extended first.
                         pending = st.pd_pending
                         assert pending is not None
-                        timeout = self.cfg.pd(pending.result.model).fallback_timeout_s
+                        timeout = pending.plan.cfg.fallback_timeout_s
                         if timeout > self.cfg.extproc.message_timeout_ms / 1000:
                             yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=int(timeout) + 5))
                         answer = await self._decode_fallback(st, req, answer)
@@ -216,7 +230,7 @@ class ExtProc:
             elif h.key == ":method":
                 st.method = (h.raw_value or h.value.encode()).decode("latin-1")
         if st.method == "GET" and st.path == MODELS_PATH:
-            return _immediate(200, self.router.registry.models_body)
+            return _immediate(200, self.source.current.registry.models_body)
         if st.method == "GET" and st.path == HEALTH_PATH:
             # Answered here, so a 200 proves the whole chain Envoy -> extproc works.
             return _immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.synced}))
@@ -249,13 +263,10 @@ class ExtProc:
             st.fallback_reason = "extproc_error"
             return _EMPTY_BODY
         metrics.observe_decision(result, time.perf_counter() - t0)
-        changes: dict[str, object] = {}
-        if result.alias is not None:
-            changes["model"] = result.model  # the worker serves the model, not the public alias
+        changes = result.changes
         plan = result.pd
         if plan is not None and plan.pair is not None:
-            return PendingPair(result, plan, parsed.body or {}, body, changes,
-                               self.cfg.pd(result.model).start_budget_s(plan.engine))
+            return PendingPair(result, plan, parsed.body or {}, body, changes, plan.cfg.start_budget_s(plan.engine))
         if plan is not None:
             st.pd_note = f"skipped:{plan.skip}"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
@@ -291,15 +302,15 @@ class ExtProc:
         if started is None:
             st.pd_note = "fallback:prefill_failed"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
-            tried = frozenset(pair.targets[c.id].worker for c in pair.prefill.order[:2])
-            pool = self._fallback_pool(plan, tried)
-            if not pool:
+            fallback = result.fallback
+            if fallback is None:
                 return self._error(ClientError(
                     502, f"prefill/decode pair for model `{result.model}` could not start: prefill worker(s) "
                          f"{', '.join(c.id for c in pair.prefill.order[:2])} failed and no worker serves the "
                          "model alone"))
             # Nothing was sent to a decoder yet: Envoy serves the request on one worker, streaming as usual.
-            decision = self.router.choose(plan.prep, pool, commit=True)
+            decision = fallback.without(frozenset(pair.targets[c.id].worker for c in pair.prefill.order[:2]))
+            self._predict(result, decision)
             return self._single(st, decision, result.model, body, changes)
         st.pd = started
         st.pd_pending = pending
@@ -325,10 +336,11 @@ class ExtProc:
         # Envoy does not fix Content-Length after a body mutation; a stale one makes it answer 500.
         common.header_mutation.set_headers.append(_set("content-length", str(len(new_body))))
 
-    @staticmethod
-    def _fallback_pool(plan: PdPlan, exclude: frozenset[str]) -> list[TargetInfo]:
-        pools = plan.prep.pools
-        return fallback_pool(pools, exclude) if pools is not None else plan.single_pool
+    def _predict(self, result: RoutePlan, decision: Decision) -> None:
+        """The fallback's worker is about to hold the prompt: siblings follow it (as a committed decision does)."""
+        fallback = result.fallback
+        if fallback is not None and fallback.keys and decision.chosen.ledger_trusted:
+            self.predictions.record(decision.chosen.slot, fallback.keys)
 
     def on_response_headers(self, st: StreamState,
                             req: Any) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
@@ -379,7 +391,7 @@ class ExtProc:
             if fallback is not None:
                 return fallback
         elif not failed and pair.legs.phase is Phase.DECODE_STARTED and st.pd_pending is not None:
-            cfg = self.cfg.pd(st.pd_pending.result.model)
+            cfg = st.pd_pending.plan.cfg
             # The watchdog settles the pair by then; one second more covers its scheduling.
             return HoldHeaders(pair.legs.started + cfg.bootstrap_timeout_s + 1.0)
         return self._pd_pair_headers(st, served)
@@ -404,8 +416,8 @@ class ExtProc:
         exclude = {d.worker for d in pair.legs.decodes}
         if why != "decode_failed":
             exclude.add(pair.legs.prefill.worker)
-        pool = self._fallback_pool(pending.plan, frozenset(exclude))
-        return DecodeFallback(why, pool) if pool else None
+        fallback = pending.result.fallback
+        return DecodeFallback(why, fallback.without(frozenset(exclude))) if fallback is not None else None
 
     def _pd_pair_headers(self, st: StreamState, served: str) -> pb.ProcessingResponse:
         pair, prefill = st.pd, st.pd_prefill_decision
@@ -433,11 +445,12 @@ class ExtProc:
         own error goes to the client."""
         pending, pair = st.pd_pending, st.pd
         assert pending is not None and pair is not None
-        plan, model = pending.plan, pending.result.model
+        plan = pending.plan
         st.pd_note = f"fallback:{fb.why}"
         metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
-        decision = self.router.choose(plan.prep, fb.pool, commit=True)
-        timeout = aiohttp.ClientTimeout(total=self.cfg.pd(model).fallback_timeout_s, sock_connect=2.0)
+        decision = fb.decision
+        self._predict(pending.result, decision)
+        timeout = aiohttp.ClientTimeout(total=plan.cfg.fallback_timeout_s, sock_connect=2.0)
         tried: set[str] = set()
         for cand in decision.order:
             if cand.address in tried or len(tried) == 2:
@@ -567,9 +580,11 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
     cluster = ClusterView(cfg, cfg.view_path(), index)
     cluster.refresh()
     registry = ModelRegistry(cfg)
-    app = ExtProc(cfg, cluster, Router(cfg, cluster, registry))
+    source = Source(cfg, registry)
+    router = Router(cfg, cluster, registry, source)
+    app = ExtProc(source, cluster, router)
     # A bad edit is logged and ignored; listener, port and process-count changes need a restart.
-    watcher = ConfigWatcher(config_path, lambda c: (c, ModelRegistry(c, app.router.registry)))
+    watcher = ConfigWatcher(config_path, lambda c: (c, ModelRegistry(c, source.current.registry)))
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
         ("grpc.max_send_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
@@ -609,7 +624,7 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
                     served = True
                     log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port,
                              len(registry.bundles))
-                app.router.predictions.expire()
+                router.upkeep()
                 if time.monotonic() - polled_at >= 1.0:
                     polled_at = time.monotonic()
                     change = await watcher.poll()

@@ -20,12 +20,13 @@ from cortex.config import CortexConfig, parse_config
 from cortex.ledger_view import ViewWriter
 from cortex.piecewise_tokenize import SegmentEncoder, SegmentMismatch, TokenCursor
 from extproc.cluster_view import ClusterView
+from extproc.plan import RoutePlan as RouteResult
 from extproc.policies import Policies
 from extproc.predictions import Predictions
 from extproc.prompt_walk import TAIL_JOBS, DeferredTail, Tail
 from extproc.registry import ModelRegistry
 from extproc.request import parse_body
-from extproc.router import Router, RouteResult
+from extproc.router import Router
 
 MODEL = "qwen"
 WORKERS = 4
