@@ -43,7 +43,7 @@ from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
 from extproc.plan import RoutePlan
 from extproc.policies.base import EXACT, LOAD_AWARE, Decision
 from extproc.registry import ModelRegistry
-from extproc.request import ROUTED_PATHS, parse_body
+from extproc.request import ROUTED_PATHS, Kind, parse_body
 from extproc.router import Router
 from extproc.snapshot import Source
 
@@ -63,7 +63,7 @@ def _set(key: str, value: str) -> HeaderValueOption:
 
 def _immediate(status: int, body: bytes, content_type: str = "application/json") -> pb.ProcessingResponse:
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=HttpStatus(code=status),  # type: ignore[arg-type]
+        status=HttpStatus(code=status),
         headers=pb.HeaderMutation(set_headers=[_set("content-type", content_type)]),
         body=body, details="cortex"))
 
@@ -486,7 +486,7 @@ class ExtProc:
                     _set(H.ROUTE_REASON, decision.reason if chosen else f"retried:{decision.reason}"),
                     _set(H.PD, st.pd_note)]
             return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-                status=HttpStatus(code=status),  # type: ignore[arg-type]
+                status=HttpStatus(code=status),
                 headers=pb.HeaderMutation(set_headers=out), body=body, details="cortex_pd_fallback"))
         log.warning("PD pair prefill=%s failed (%s) and no single worker answered; the pair's error stands",
                     pair.legs.prefill.id, fb.why)
@@ -530,7 +530,7 @@ class ExtProc:
             raw = orjson.loads(body)
         except orjson.JSONDecodeError:
             raw = None
-        kind = "chat" if isinstance(raw, dict) and "messages" in raw else "completion"
+        kind: Kind = "chat" if isinstance(raw, dict) and "messages" in raw else "completion"
         result = self.router.route(parse_body(kind, body), commit=False)
         d = result.decision
         doc: dict[str, Any] = {

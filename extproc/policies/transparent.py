@@ -1,8 +1,8 @@
 """Transparent: another scheduler owns this model's placement (`models[].scheduling: transparent`, docs/pd.md).
 
 Cortex forwards by load alone: it makes no KV or PD decision and never claims a hit, but still observes
-(ledger, metrics, headers). Prepare therefore skips the prompt walk and the PD pools for such a model
-(`uses_prompt`), and the reason is always `transparent_proxy`.
+(ledger, metrics, headers). extproc/prepare.py therefore only counts such a prompt's tokens (no keys, no
+lookup, no PD pools), and the reason is always `transparent_proxy`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ REASON = "transparent_proxy"
 
 class Transparent:
     name = "transparent"
-    uses_prompt = False
-    """Nothing of the prompt (keys, ledger, PD pools) is used: prepare only counts its tokens."""
 
     def decide(self, cands: Sequence[Candidate], facts: Facts, rng: random.Random) -> Decision:
         plain = replace(facts, ledger_usable=False, why_not_exact=REASON, home=None)
