@@ -21,7 +21,7 @@ import pytest
 from cortex.config import SchedulerConfig
 from extproc import candidates
 from extproc.cluster_view import TargetInfo
-from extproc.policies import CacheAware, LoadAware, Policy, PowerOfTwo, RoundRobin, Transparent
+from extproc.policies import CacheAware, LoadAware, Policies, Policy, PowerOfTwo, RoundRobin, Transparent
 from extproc.policies.base import EXACT, Decision, Facts, still_hot
 from extproc.predictions import Predictions
 
@@ -161,3 +161,19 @@ def test_deterministic_given_a_seed(make: Callable[[], Policy]) -> None:
 
     assert stream(11) == stream(11)
     assert stream(11) != stream(12)
+
+
+def test_select_picks_the_step_of_the_chain_from_what_is_known() -> None:
+    p = Policies()
+    cands = candidates.build([target(0), target(1)], matches=None, keys=[], inflight=np.zeros(2, dtype=np.int64),
+                             alive=False, predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=S)
+    busy = candidates.build([target(0), target(1)], matches=None, keys=[], inflight=np.array([1, 0]),
+                            alive=False, predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=S)
+    # Only liveness known (ingest's view dead, nothing in flight): round robin, whatever the model.
+    assert p.select(cands, transparent=True, alive=False, ledger_usable=False) is p.round_robin
+    # An in-flight count tells the workers apart: the load-reading policies (p2c inside them for unknown loads).
+    assert p.select(busy, transparent=False, alive=False, ledger_usable=False) is p.load_aware
+    assert p.select(busy, transparent=True, alive=False, ledger_usable=False) is p.transparent
+    assert p.select(cands, transparent=False, alive=True, ledger_usable=True) is p.cache_aware
+    assert p.select(cands, transparent=False, alive=True, ledger_usable=False) is p.load_aware
+    assert p.select(cands, transparent=True, alive=True, ledger_usable=True) is p.transparent
