@@ -64,6 +64,8 @@ class Fallback:
             return self.decision
         kept_ids = {t.id for t in workers}
         kept = [c for c in self.cands if c.id in kept_ids]
+        if not kept:
+            return self.decision
         facts = Facts(self.facts.block_size, self.facts.ledger_usable,
                       candidates.why_not_exact(self.why, workers, self.matches, kept), self.facts.scoring,
                       self.facts.home)
