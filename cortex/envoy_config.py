@@ -29,19 +29,17 @@ from typing import Any
 
 import yaml
 
+from cortex import headers
 from cortex.config import CortexConfig, WorkerConfig
 
-POOL_HEADER = "x-cortex-pool"
-ENDPOINTS_HEADER = "x-gateway-destination-endpoint"
-PD_ROUTE_HEADER = "x-cortex-pd-route"
+POOL_HEADER = headers.POOL
+ENDPOINTS_HEADER = headers.ENDPOINTS
+PD_ROUTE_HEADER = headers.PD_ROUTE
 """Set by extproc on a PD pair's decode leg: the route that never retries after the request reached a worker."""
 ANY_CLUSTER = "cortex_any"
 EXTPROC_CLUSTER = "cortex_extproc"
 # Headers only Cortex may set on the request path; a client's copies are removed at the door.
-# x-data-parallel-rank pins a vLLM DP rank: Cortex's cache claims assume the rank it chose.
-RESERVED_REQUEST_HEADERS = (POOL_HEADER, ENDPOINTS_HEADER, "x-cortex-worker", "x-cortex-match-mode",
-                            "x-cortex-cache-hit-tokens", "x-cortex-assigned-worker", "x-cortex-route-reason",
-                            "x-data-parallel-rank", PD_ROUTE_HEADER, "x-cortex-pd")
+RESERVED_REQUEST_HEADERS = headers.RESERVED_REQUEST
 
 
 def envoy_binary() -> str:

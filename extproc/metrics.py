@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from extproc.router import RouteResult
+from extproc.plan import RoutePlan
 
 DECISIONS = Counter("cortex_route_decisions", "routing decisions by match mode and reason", ["mode", "reason"])
 CLIENT_ERRORS = Counter("cortex_client_errors", "requests refused by Cortex with a 4xx/5xx", ["status"])
@@ -26,7 +26,7 @@ PD_LEG_SECONDS = Histogram("cortex_pd_leg_seconds", "PD transfer path: prefill l
                                                        5.0, 10.0, 30.0))
 
 
-def observe_decision(result: RouteResult, total_s: float) -> None:
+def observe_decision(result: RoutePlan, total_s: float) -> None:
     d = result.decision
     DECISIONS.labels(d.mode, d.reason).inc()
     HIT_TOKENS.inc(d.hit_tokens)

@@ -1,4 +1,4 @@
-"""PD orchestration, the decision half: which pool serves a request, and which prefill/decode pair (no I/O).
+"""PD orchestration, the decision rules: pools, the skip rule, the fallback pool, the pair as a value (pure, no I/O).
 
 A model's healthy workers split into three pools by role (docs/pd.md):
   whole    role `both`: serves a request alone (a mixed pool);
@@ -10,21 +10,19 @@ needs a worker that can serve the whole request: a `both` worker, or for vLLM a 
 `kv_both` and prefill locally when no transfer params come). SGLang PD servers refuse requests without a
 bootstrap room, so an SGLang model can only skip to a `both` worker.
 
-The sending of the legs, their failures and the pair's state machine are `extproc.pd_dispatch`.
+extproc/plan.py applies these rules in order for one request (the PD planner step of its plan); the sending of
+the legs, their failures and the pair's state machine are `extproc.pd_dispatch`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cortex.config import PdConfig
 from extproc.cluster_view import TargetInfo
-from extproc.scheduler import Decision
-
-if TYPE_CHECKING:
-    from extproc.router import Prepared, Router
+from extproc.policies.base import Decision
 
 # Why a PD model's request went to one worker instead of a pair (the x-cortex-pd header and metrics).
 SKIP_SHORT = "short_uncached_part"
@@ -143,7 +141,7 @@ def request_shape_skip(body: dict[str, Any] | None, engine: str) -> str | None:
     return None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Pair:
     prefill: Decision
     decode: Decision
@@ -151,36 +149,16 @@ class Pair:
     """Target info by id, for the legs' addresses, bootstrap ports and ranks."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PdPlan:
+    """A PD model's part of a request's plan: the pair, or why it goes to one worker."""
+
     pair: Pair | None
     skip: str
     """Why no pair ('' when there is one)."""
-    single_pool: list[TargetInfo]
-    """Where the request goes without a pair (skip, or the fallback after a failed pair)."""
-    prep: Prepared
     engine: str
-
-
-def plan(prep: Prepared, pools: Pools, router: Router, *, commit: bool) -> PdPlan:
-    pd_cfg = router.cfg.pd(prep.model)
-    bs = router.cluster.block_size
-    single = pools.single
-    shape = request_shape_skip(prep.body, pools.engine)
-    if shape is not None and single:
-        return PdPlan(None, shape, single, prep, pools.engine)
-    prefill = router.choose(prep, pools.prefill, commit=False)
-    why = None
-    if single:
-        # The uncached part is measured on the worker that would serve alone (the one the scheduler picks, load
-        # included), not on the best holder: a skip to a cold worker computes the whole prompt again.
-        alone = router.choose(prep, single, commit=False).chosen
-        why = skip_reason(prompt_tokens=prep.prompt_tokens, prefill_cached_tokens=prefill.chosen.affinity_blocks * bs,
-                          single_cached_tokens=alone.affinity_blocks * bs, cfg=pd_cfg)
-    if why is not None:
-        return PdPlan(None, why, single, prep, pools.engine)
-    if commit and prep.keys and prefill.chosen.ledger_trusted:
-        router.predictions.record(prefill.chosen.slot, prep.keys)
-    decode = router.choose(prep, pools.decode, commit=False)
-    targets = {t.id: t for t in (*pools.prefill, *pools.decode)}
-    return PdPlan(Pair(prefill, decode, targets), "", single, prep, pools.engine)
+    model: str
+    cfg: PdConfig
+    """The model's PD settings of the config generation the plan was made with."""
+    stream: bool
+    """The client asked for a stream (an SGLang decode then answers its headers at once)."""

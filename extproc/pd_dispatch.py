@@ -33,12 +33,12 @@ from typing import Any
 import aiohttp
 import orjson
 
-from cortex.config import CortexConfig
+from cortex import headers as H
 from cortex.inflight import InflightBoard
 from extproc.cluster_view import TargetInfo
 from extproc.metrics import PD_FAILURES, PD_LEG_SECONDS
 from extproc.pd import Pair, PdPlan
-from extproc.scheduler import Candidate
+from extproc.policies.base import Candidate
 
 log = logging.getLogger("cortex.extproc.pd")
 
@@ -232,8 +232,7 @@ class PairLegs:
 
 
 class PdDispatcher:
-    def __init__(self, cfg: CortexConfig, inflight: InflightBoard | None = None) -> None:
-        self.cfg = cfg
+    def __init__(self, inflight: InflightBoard | None = None) -> None:
         # A prefill leg counts as in flight on its worker like any routed request, so a burst spreads over the
         # prefill pool instead of waiting for the engines' next load report.
         self.inflight = inflight
@@ -278,12 +277,12 @@ class PdDispatcher:
 
     async def sglang(self, plan: PdPlan, pair: Pair, body: bytes, path: str,
                      changes: Mapping[str, Any]) -> PairResult | None:
-        cfg = self.cfg.pd(plan.prep.model)
+        cfg = plan.cfg
         decode = pair.decode.chosen
         d_info = pair.targets[decode.id]
         decodes = [pair.targets[c.id] for c in pair.decode.order[:2]]
         # SGLang answers a streamed request's headers at once (StreamingResponse), before its bootstrap.
-        streamed = isinstance(plan.prep.body, dict) and plan.prep.body.get("stream") is True
+        streamed = plan.stream
         for attempt, cand in enumerate(pair.prefill.order[:2]):
             p = pair.targets[cand.id]
             dp_size = sum(1 for t in pair.targets.values() if t.worker == p.worker)
@@ -337,7 +336,7 @@ class PdDispatcher:
 
     async def vllm(self, plan: PdPlan, pair: Pair, body: bytes, doc: Mapping[str, Any], path: str,
                    changes: Mapping[str, Any]) -> PairResult | None:
-        cfg = self.cfg.pd(plan.prep.model)
+        cfg = plan.cfg
         decode = pair.decode.chosen
         d_info = pair.targets[decode.id]
         request_id = f"cortex-{uuid.uuid4().hex}"
@@ -345,7 +344,7 @@ class PdDispatcher:
             p = pair.targets[cand.id]
             headers = {"content-type": "application/json", "x-request-id": request_id}
             if p.rank is not None:
-                headers["x-data-parallel-rank"] = str(p.rank)
+                headers[H.DP_RANK] = str(p.rank)
             t0 = time.monotonic()
             try:
                 with self._counted(p):

@@ -1,4 +1,8 @@
-"""The ext_proc gRPC server: Envoy's per-request message stream in, header mutations out.
+"""The ext_proc gRPC server: Envoy's per-request message stream in, a plan, header and body mutations out.
+
+The router hands back one plan per request (extproc/plan.py); this module only maps it onto Envoy's mutations,
+runs the PD legs it names (extproc/pd_dispatch.py) and, when a pair fails before the client got a byte, serves
+the plan's precomputed fallback. It never asks the router for another decision.
 
 One stream per HTTP request (envoy-extproc.md §1): request headers (answered at once; Envoy sends the
 body without waiting), the buffered request body (parse, route, answer with the pool and the ordered
@@ -27,26 +31,27 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
 from cortex import grpc_health
+from cortex import headers as H
 from cortex.config import CortexConfig
 from cortex.config_watch import ConfigWatcher
-from cortex.envoy_config import ANY_CLUSTER, ENDPOINTS_HEADER, PD_ROUTE_HEADER, POOL_HEADER, pool_cluster
+from cortex.envoy_config import ANY_CLUSTER, pool_cluster
 from cortex.errors import ClientError
 from extproc import metrics
-from extproc.cluster_view import ClusterView, TargetInfo
-from extproc.pd import PdPlan, fallback_pool
+from extproc.cluster_view import ClusterView
+from extproc.pd import PdPlan
 from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
+from extproc.plan import RoutePlan
+from extproc.policies.base import EXACT, LOAD_AWARE, Decision
 from extproc.registry import ModelRegistry
-from extproc.request import ROUTED_PATHS, parse_body
-from extproc.router import Router, RouteResult
-from extproc.scheduler import EXACT, LOAD_AWARE, Candidate, Decision, decide
+from extproc.request import ROUTED_PATHS, Kind, parse_body
+from extproc.router import Router
+from extproc.snapshot import Source
 
 log = logging.getLogger("cortex.extproc")
 
 EXPLAIN_PATH = "/cortex/v1/route"
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/cortex/health"
-PD_HEADER = "x-cortex-pd"
-DP_RANK_HEADER = "x-data-parallel-rank"  # vLLM's selector of the engine inside a DP deployment
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 _EMPTY_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _EMPTY_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
@@ -58,7 +63,7 @@ def _set(key: str, value: str) -> HeaderValueOption:
 
 def _immediate(status: int, body: bytes, content_type: str = "application/json") -> pb.ProcessingResponse:
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=HttpStatus(code=status),  # type: ignore[arg-type]
+        status=HttpStatus(code=status),
         headers=pb.HeaderMutation(set_headers=[_set("content-type", content_type)]),
         body=body, details="cortex"))
 
@@ -67,7 +72,7 @@ def _immediate(status: int, body: bytes, content_type: str = "application/json")
 class PendingPair:
     """A routed request whose PD pair still has to be started (the only await on the request path)."""
 
-    result: RouteResult
+    result: RoutePlan
     plan: PdPlan
     doc: dict[str, Any]
     body: bytes
@@ -89,7 +94,8 @@ class DecodeFallback:
     """A pair that failed before the client got a byte, to be served by one worker from a cold start."""
 
     why: str
-    pool: list[TargetInfo]
+    decision: Decision
+    """The plan's fallback decision, without the pair's workers that failed (while others exist)."""
 
 
 # The event that failed a pair -> the x-cortex-pd fallback reason.
@@ -124,17 +130,24 @@ class StreamState:
 
 
 class ExtProc:
-    def __init__(self, cfg: CortexConfig, cluster: ClusterView, router: Router) -> None:
-        self.cfg = cfg
+    def __init__(self, source: Source, cluster: ClusterView, router: Router) -> None:
+        self.source = source
+        """The config generation in force (the router reads the same reference)."""
         self.cluster = cluster
         self.router = router
-        self.pd = PdDispatcher(cfg, cluster.inflight)
+        # Acting on a plan reports what was sent where, as the in-flight board does: a fallback that serves
+        # records the prompt's blocks as predicted on its worker.
+        self.predictions = router.predictions
+        self.pd = PdDispatcher(cluster.inflight)
         self.last_stream_at = 0.0
         """When the latest ext_proc stream (one per request) began (monotonic)."""
 
+    @property
+    def cfg(self) -> CortexConfig:
+        return self.source.current.cfg
+
     def reload(self, cfg: CortexConfig, registry: ModelRegistry) -> None:
-        self.router.reload(cfg, registry)
-        self.cfg = self.pd.cfg = self.cluster.cfg = cfg
+        self.router.reload(cfg, registry)  # swaps the one Source both read
         log.info("config reloaded: %d models, %d aliases", len(cfg.models), len(cfg.aliases))
 
     # -- the gRPC method ----------------------------------------------------------------------------------
@@ -184,7 +197,7 @@ class ExtProc:
                         # worker and answers with it. Envoy's deadline for this message is extended first.
                         pending = st.pd_pending
                         assert pending is not None
-                        timeout = self.cfg.pd(pending.result.model).fallback_timeout_s
+                        timeout = pending.plan.cfg.fallback_timeout_s
                         if timeout > self.cfg.extproc.message_timeout_ms / 1000:
                             yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=int(timeout) + 5))
                         answer = await self._decode_fallback(st, req, answer)
@@ -217,7 +230,7 @@ class ExtProc:
             elif h.key == ":method":
                 st.method = (h.raw_value or h.value.encode()).decode("latin-1")
         if st.method == "GET" and st.path == MODELS_PATH:
-            return _immediate(200, self.router.registry.models_body)
+            return _immediate(200, self.source.current.registry.models_body)
         if st.method == "GET" and st.path == HEALTH_PATH:
             # Answered here, so a 200 proves the whole chain Envoy -> extproc works.
             return _immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.synced}))
@@ -250,13 +263,10 @@ class ExtProc:
             st.fallback_reason = "extproc_error"
             return _EMPTY_BODY
         metrics.observe_decision(result, time.perf_counter() - t0)
-        changes: dict[str, object] = {}
-        if result.alias is not None:
-            changes["model"] = result.model  # the worker serves the model, not the public alias
+        changes = result.changes
         plan = result.pd
         if plan is not None and plan.pair is not None:
-            return PendingPair(result, plan, parsed.body or {}, body, changes,
-                               self.cfg.pd(result.model).start_budget_s(plan.engine))
+            return PendingPair(result, plan, parsed.body or {}, body, changes, plan.cfg.start_budget_s(plan.engine))
         if plan is not None:
             st.pd_note = f"skipped:{plan.skip}"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
@@ -292,15 +302,15 @@ class ExtProc:
         if started is None:
             st.pd_note = "fallback:prefill_failed"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
-            tried = frozenset(pair.targets[c.id].worker for c in pair.prefill.order[:2])
-            pool = self._fallback_pool(plan, tried)
-            if not pool:
+            fallback = result.fallback
+            if fallback is None:
                 return self._error(ClientError(
                     502, f"prefill/decode pair for model `{result.model}` could not start: prefill worker(s) "
                          f"{', '.join(c.id for c in pair.prefill.order[:2])} failed and no worker serves the "
                          "model alone"))
             # Nothing was sent to a decoder yet: Envoy serves the request on one worker, streaming as usual.
-            decision = self.router.choose(plan.prep, pool, commit=True)
+            decision = fallback.without(frozenset(pair.targets[c.id].worker for c in pair.prefill.order[:2]))
+            self._predict(result, decision)
             return self._single(st, decision, result.model, body, changes)
         st.pd = started
         st.pd_pending = pending
@@ -313,7 +323,7 @@ class ExtProc:
         self._count(st, started.decode.slot)
         response = self._routing_response(st, "request_body", pool_cluster(result.model))
         common = response.request_body.response
-        common.header_mutation.set_headers.append(_set(PD_ROUTE_HEADER, "1"))
+        common.header_mutation.set_headers.append(_set(H.PD_ROUTE, "1"))
         for k, v in started.decode_headers.items():
             common.header_mutation.set_headers.append(_set(k, v))
         self._set_body(response, started.decode_body)
@@ -326,10 +336,11 @@ class ExtProc:
         # Envoy does not fix Content-Length after a body mutation; a stale one makes it answer 500.
         common.header_mutation.set_headers.append(_set("content-length", str(len(new_body))))
 
-    @staticmethod
-    def _fallback_pool(plan: PdPlan, exclude: frozenset[str]) -> list[TargetInfo]:
-        pools = plan.prep.pools
-        return fallback_pool(pools, exclude) if pools is not None else plan.single_pool
+    def _predict(self, result: RoutePlan, decision: Decision) -> None:
+        """The fallback's worker is about to hold the prompt: siblings follow it (as a committed decision does)."""
+        fallback = result.fallback
+        if fallback is not None and fallback.keys and decision.chosen.ledger_trusted:
+            self.predictions.record(decision.chosen.slot, fallback.keys)
 
     def on_response_headers(self, st: StreamState,
                             req: Any) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
@@ -340,9 +351,9 @@ class ExtProc:
             info = self.cluster.by_address.get(served)
             mode = "fallback_p2c"
             reason = st.fallback_reason or "routed_by_envoy"
-            headers.append(_set("x-cortex-cache-hit-tokens", "0"))
+            headers.append(_set(H.CACHE_HIT_TOKENS, "0"))
             if info is not None:
-                headers.append(_set("x-cortex-assigned-worker", info.id))
+                headers.append(_set(H.ASSIGNED_WORKER, info.id))
         elif st.pd is not None:
             return self._pd_response_headers(st, req, served)
         else:
@@ -358,10 +369,10 @@ class ExtProc:
             if worker is not chosen:
                 reason = f"retried:{reason}"
                 mode = mode if mode != EXACT else LOAD_AWARE
-            headers += [_set("x-cortex-assigned-worker", worker.id), _set("x-cortex-cache-hit-tokens", str(hit))]
-        headers += [_set("x-cortex-match-mode", mode), _set("x-cortex-route-reason", reason)]
+            headers += [_set(H.ASSIGNED_WORKER, worker.id), _set(H.CACHE_HIT_TOKENS, str(hit))]
+        headers += [_set(H.MATCH_MODE, mode), _set(H.ROUTE_REASON, reason)]
         if st.pd_note:
-            headers.append(_set(PD_HEADER, st.pd_note))
+            headers.append(_set(H.PD, st.pd_note))
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
 
@@ -380,7 +391,7 @@ class ExtProc:
             if fallback is not None:
                 return fallback
         elif not failed and pair.legs.phase is Phase.DECODE_STARTED and st.pd_pending is not None:
-            cfg = self.cfg.pd(st.pd_pending.result.model)
+            cfg = st.pd_pending.plan.cfg
             # The watchdog settles the pair by then; one second more covers its scheduling.
             return HoldHeaders(pair.legs.started + cfg.bootstrap_timeout_s + 1.0)
         return self._pd_pair_headers(st, served)
@@ -405,8 +416,8 @@ class ExtProc:
         exclude = {d.worker for d in pair.legs.decodes}
         if why != "decode_failed":
             exclude.add(pair.legs.prefill.worker)
-        pool = self._fallback_pool(pending.plan, frozenset(exclude))
-        return DecodeFallback(why, pool) if pool else None
+        fallback = pending.result.fallback
+        return DecodeFallback(why, fallback.without(frozenset(exclude))) if fallback is not None else None
 
     def _pd_pair_headers(self, st: StreamState, served: str) -> pb.ProcessingResponse:
         pair, prefill = st.pd, st.pd_prefill_decision
@@ -418,9 +429,9 @@ class ExtProc:
         # the decode's usage. A re-picked prefill was not the one the ledger proved.
         hit = prefill.hit_tokens if not pair.repicked else 0
         mode = prefill.mode if not pair.repicked or prefill.mode != EXACT else LOAD_AWARE
-        headers = [_set("x-cortex-assigned-worker", f"prefill={pair.legs.prefill.id},decode={decode.id}"),
-                   _set("x-cortex-cache-hit-tokens", str(hit)), _set("x-cortex-match-mode", mode),
-                   _set("x-cortex-route-reason", f"pd:{prefill.reason}"), _set(PD_HEADER, st.pd_note)]
+        headers = [_set(H.ASSIGNED_WORKER, f"prefill={pair.legs.prefill.id},decode={decode.id}"),
+                   _set(H.CACHE_HIT_TOKENS, str(hit)), _set(H.MATCH_MODE, mode),
+                   _set(H.ROUTE_REASON, f"pd:{prefill.reason}"), _set(H.PD, st.pd_note)]
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
 
@@ -434,11 +445,12 @@ class ExtProc:
         own error goes to the client."""
         pending, pair = st.pd_pending, st.pd
         assert pending is not None and pair is not None
-        plan, model = pending.plan, pending.result.model
+        plan = pending.plan
         st.pd_note = f"fallback:{fb.why}"
         metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
-        decision = self.router.choose(plan.prep, fb.pool, commit=True)
-        timeout = aiohttp.ClientTimeout(total=self.cfg.pd(model).fallback_timeout_s, sock_connect=2.0)
+        decision = fb.decision
+        self._predict(pending.result, decision)
+        timeout = aiohttp.ClientTimeout(total=plan.cfg.fallback_timeout_s, sock_connect=2.0)
         tried: set[str] = set()
         for cand in decision.order:
             if cand.address in tried or len(tried) == 2:
@@ -451,7 +463,7 @@ class ExtProc:
                 if cand.engine == "sglang":
                     changes["routed_dp_rank"] = cand.rank
                 else:
-                    headers[DP_RANK_HEADER] = str(cand.rank)
+                    headers[H.DP_RANK] = str(cand.rank)
             try:
                 async with self.pd.session().post(f"http://{cand.address}{st.path}", data=splice(pending.body, changes),
                                                   headers=headers, timeout=timeout) as resp:
@@ -468,13 +480,13 @@ class ExtProc:
             chosen = cand is decision.chosen
             mode = decision.mode if chosen or decision.mode != EXACT else LOAD_AWARE
             out = [_set(k.lower(), v) for k, v in resp_headers.items() if k.lower() not in _NOT_COPIED]
-            out += [_set("x-cortex-assigned-worker", cand.id),
-                    _set("x-cortex-cache-hit-tokens", str(decision.hit_tokens if chosen else 0)),
-                    _set("x-cortex-match-mode", mode),
-                    _set("x-cortex-route-reason", decision.reason if chosen else f"retried:{decision.reason}"),
-                    _set(PD_HEADER, st.pd_note)]
+            out += [_set(H.ASSIGNED_WORKER, cand.id),
+                    _set(H.CACHE_HIT_TOKENS, str(decision.hit_tokens if chosen else 0)),
+                    _set(H.MATCH_MODE, mode),
+                    _set(H.ROUTE_REASON, decision.reason if chosen else f"retried:{decision.reason}"),
+                    _set(H.PD, st.pd_note)]
             return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-                status=HttpStatus(code=status),  # type: ignore[arg-type]
+                status=HttpStatus(code=status),
                 headers=pb.HeaderMutation(set_headers=out), body=body, details="cortex_pd_fallback"))
         log.warning("PD pair prefill=%s failed (%s) and no single worker answered; the pair's error stands",
                     pair.legs.prefill.id, fb.why)
@@ -491,27 +503,19 @@ class ExtProc:
         st.counted_slot = slot
 
     def _route_any(self, st: StreamState) -> None:
-        # Any worker will do, so no rank is pinned: let the worker's own DP balancing place it.
-        targets = [t for t in self.cluster.all_candidates() if t.rank in (None, 0)]
-        if not targets:
-            return
-        inflight = self.cluster.inflight.totals()
-        cands = [Candidate(id=t.worker, slot=t.slot, address=t.address,
-                           engine_load=t.engine_load if self.cluster.alive else None,
-                           inflight=int(inflight[t.slot]), suspect=t.suspect) for t in targets]
-        st.decision = decide(cands, block_size=self.cluster.block_size, ledger_usable=False,
-                             why_not_exact="not_an_inference_request", turn=int(time.monotonic_ns() >> 10))
-        self._count(st, st.decision.chosen.slot)
+        st.decision = self.router.route_any()
+        if st.decision is not None:
+            self._count(st, st.decision.chosen.slot)
 
     def _routing_response(self, st: StreamState, phase: str, pool: str = ANY_CLUSTER) -> pb.ProcessingResponse:
         if st.decision is None:
             return _EMPTY_HEADERS if phase == "request_headers" else _EMPTY_BODY
         # One entry per address: a retry must go to another worker, not another rank of the failed one.
         endpoints = ",".join(dict.fromkeys(c.address for c in st.decision.order))
-        headers = [_set(POOL_HEADER, pool), _set(ENDPOINTS_HEADER, endpoints)]
+        headers = [_set(H.POOL, pool), _set(H.ENDPOINTS, endpoints)]
         chosen = st.decision.chosen
         if chosen.rank is not None and chosen.engine == "vllm":
-            headers.append(_set(DP_RANK_HEADER, str(chosen.rank)))
+            headers.append(_set(H.DP_RANK, str(chosen.rank)))
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
         if phase == "request_headers":
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
@@ -526,7 +530,7 @@ class ExtProc:
             raw = orjson.loads(body)
         except orjson.JSONDecodeError:
             raw = None
-        kind = "chat" if isinstance(raw, dict) and "messages" in raw else "completion"
+        kind: Kind = "chat" if isinstance(raw, dict) and "messages" in raw else "completion"
         result = self.router.route(parse_body(kind, body), commit=False)
         d = result.decision
         doc: dict[str, Any] = {
@@ -576,9 +580,11 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
     cluster = ClusterView(cfg, cfg.view_path(), index)
     cluster.refresh()
     registry = ModelRegistry(cfg)
-    app = ExtProc(cfg, cluster, Router(cfg, cluster, registry))
+    source = Source(cfg, registry)
+    router = Router(cfg, cluster, registry, source)
+    app = ExtProc(source, cluster, router)
     # A bad edit is logged and ignored; listener, port and process-count changes need a restart.
-    watcher = ConfigWatcher(config_path, lambda c: (c, ModelRegistry(c, app.router.registry)))
+    watcher = ConfigWatcher(config_path, lambda c: (c, ModelRegistry(c, source.current.registry)))
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
         ("grpc.max_send_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
@@ -618,7 +624,7 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
                     served = True
                     log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port,
                              len(registry.bundles))
-                app.router.predictions.expire()
+                router.upkeep()
                 if time.monotonic() - polled_at >= 1.0:
                     polled_at = time.monotonic()
                     change = await watcher.poll()

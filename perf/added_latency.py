@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cortex import headers as H
 from tests.harness import MODEL, cluster, long_chat
 
 
@@ -49,7 +50,7 @@ def main() -> int:
         for words in (int(w) for w in args.words.split(",")):
             body = {"model": MODEL, "messages": long_chat(words, seed=words), "max_tokens": 1}
             r = client.post(f"{gw.url}/v1/chat/completions", json=body)
-            holder = next(s for s in gw.sims if s.id == r.headers["x-cortex-assigned-worker"])
+            holder = next(s for s in gw.sims if s.id == r.headers[H.ASSIGNED_WORKER])
             tokens = r.json()["usage"]["prompt_tokens"]
             measure(client, f"{holder.url}/v1/chat/completions", body, 20)  # warm both paths
             measure(client, f"{gw.url}/v1/chat/completions", body, 20)

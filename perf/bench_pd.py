@@ -27,6 +27,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cortex import headers as H
 from tests.harness import MODEL, long_chat, pd_cluster
 
 FREE = ("--prefill-ms-per-token", "0", "--decode-ms-per-token", "0", "--decode-ms-per-seq", "0")
@@ -43,7 +44,7 @@ def run(url: str, n: int, words: int, seed0: int) -> tuple[np.ndarray, set[str]]
             r.raise_for_status()
             if i >= 5:  # warm-up: connections, tokenizer caches
                 lat.append(dt * 1000)
-                modes.add(r.headers.get("x-cortex-pd", "-"))
+                modes.add(r.headers.get(H.PD, "-"))
     return np.array(lat), modes
 
 

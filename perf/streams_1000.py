@@ -36,6 +36,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cortex import headers as H
 from tests.faultkit import gateway_rss
 from tests.harness import MODEL, Gateway, cluster, long_chat
 
@@ -83,7 +84,7 @@ class Run:
                 self.open_now += 1
                 self.open_peak = max(self.open_peak, self.open_now)
                 try:
-                    hit = r.headers.get("x-cortex-cache-hit-tokens")
+                    hit = r.headers.get(H.CACHE_HIT_TOKENS)
                     s.claimed = int(hit) if hit is not None else None
                     done = False
                     while line := await r.content.readline():

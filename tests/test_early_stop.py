@@ -4,7 +4,6 @@ yet decides exactly as with the whole prompt; the rest still becomes the chosen 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,11 +20,13 @@ from cortex.config import CortexConfig, parse_config
 from cortex.ledger_view import ViewWriter
 from cortex.piecewise_tokenize import SegmentEncoder, SegmentMismatch, TokenCursor
 from extproc.cluster_view import ClusterView
+from extproc.plan import RoutePlan as RouteResult
+from extproc.policies import Policies
 from extproc.predictions import Predictions
 from extproc.prompt_walk import TAIL_JOBS, DeferredTail, Tail
 from extproc.registry import ModelRegistry
 from extproc.request import parse_body
-from extproc.router import Router, RouteResult
+from extproc.router import Router
 
 MODEL = "qwen"
 WORKERS = 4
@@ -107,8 +108,8 @@ class Fleet:
         if salt is not None:
             doc["cache_salt"] = salt
         # Ties are broken by turn and by random: pinned, so both computations meet the same tie-breaks.
-        self.router._turn = itertools.count(7)
-        self.router._tie_rng.seed(7)
+        self.router.rng.seed(7)
+        self.router.policies = Policies()
         random.seed(3)
         return self.router.route(parse_body("chat", orjson.dumps(doc)), commit=commit, full_tokens=full)
 

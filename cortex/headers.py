@@ -1,0 +1,34 @@
+"""HTTP header names Cortex sets or reads, written once (Envoy's config, extproc's mutations, tests and tools).
+
+Request side (set by extproc for Envoy's route; a client's own copies are removed at the door):
+  POOL              the Envoy cluster (model pool) the request goes to
+  ENDPOINTS         the ordered endpoint list Envoy's override_host policy walks (first attempt, then retries)
+  PD_ROUTE          on a PD pair's decode leg: the route that never retries once the request reached a worker
+  DP_RANK           vLLM's selector of the engine inside a data-parallel deployment
+Response side (set by extproc on the answer the client gets):
+  ASSIGNED_WORKER   the worker that served (prefill=<id>,decode=<id> for a pair)
+  CACHE_HIT_TOKENS  prompt tokens Cortex proves were cached on it (0 unless proven)
+  MATCH_MODE        the step of the fallback chain that decided (extproc/policies)
+  ROUTE_REASON      why, as a reason code
+  PD                a PD model's outcome: pair, pair:repicked, skipped:<why>, fallback:<why>
+"""
+
+from __future__ import annotations
+
+POOL = "x-cortex-pool"
+ENDPOINTS = "x-gateway-destination-endpoint"
+PD_ROUTE = "x-cortex-pd-route"
+DP_RANK = "x-data-parallel-rank"
+WORKER = "x-cortex-worker"
+"""Not set by Cortex today; reserved so a client cannot pretend to have picked a worker."""
+
+ASSIGNED_WORKER = "x-cortex-assigned-worker"
+CACHE_HIT_TOKENS = "x-cortex-cache-hit-tokens"
+MATCH_MODE = "x-cortex-match-mode"
+ROUTE_REASON = "x-cortex-route-reason"
+PD = "x-cortex-pd"
+
+RESERVED_REQUEST = (POOL, ENDPOINTS, WORKER, MATCH_MODE, CACHE_HIT_TOKENS, ASSIGNED_WORKER, ROUTE_REASON, DP_RANK,
+                    PD_ROUTE, PD)
+"""Headers only Cortex may set on the request path. DP_RANK pins a vLLM DP rank: Cortex's cache claims assume
+the rank it chose."""

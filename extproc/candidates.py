@@ -1,0 +1,81 @@
+"""Routing candidates, built in one place from the targets, the ledger's matches and Cortex's own counts.
+
+Every decision's candidates come from `build`: an inference request's (its model's pool, with cache facts) and
+a request that is no inference (`whole_workers`: any worker of the fleet). What a policy may use is decided
+here: a worker whose ledger ingest does not vouch for (`exact_kv` false) gets no matched or predicted blocks,
+whatever the view says, so no policy can claim or follow a hit it cannot prove.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from cortex.config import SchedulerConfig
+from extproc.cluster_view import TargetInfo
+from extproc.policies.base import Candidate, still_hot
+from extproc.predictions import Predictions
+
+
+class Hysteresis:
+    """Each target's hot flag, carried from one decision to the next (the watermarks' hysteresis)."""
+
+    def __init__(self) -> None:
+        self._hot: dict[int, bool] = {}
+
+    def update(self, slot: int, active: float, s: SchedulerConfig) -> bool:
+        hot = still_hot(self._hot.get(slot, False), active, s)
+        self._hot[slot] = hot
+        return hot
+
+
+def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Sequence[int], inflight: np.ndarray,
+          alive: bool, predictions: Predictions, hysteresis: Hysteresis, scoring: SchedulerConfig) -> list[Candidate]:
+    """An inference request's candidates. `matches`: leading blocks held per slot (None: the ledger did not
+    answer); `inflight`: Cortex's in-flight totals per slot; `alive`: ingest's view is live (else engine load is
+    not trusted)."""
+    cands = []
+    for w in workers:
+        if not w.healthy:
+            continue
+        trusted = matches is not None and w.exact_kv
+        matched = int(matches[w.slot]) if trusted and matches is not None else 0
+        engine_load = w.engine_load if alive else None
+        n_inflight = int(inflight[w.slot])
+        active = max(engine_load or 0.0, float(n_inflight))
+        cands.append(Candidate(
+            id=w.id, slot=w.slot, address=w.address, matched_blocks=matched, ledger_trusted=trusted,
+            predicted_blocks=predictions.extend(keys, w.slot, matched) if trusted else 0,
+            engine_load=engine_load, engine_waiting=w.engine_waiting if engine_load is not None else 0.0,
+            inflight=n_inflight, hot=hysteresis.update(w.slot, active, scoring), rank=w.rank, engine=w.engine,
+            suspect=w.suspect, new=w.age_s is not None and w.age_s < scoring.cold_start_s,
+        ))
+    return cands
+
+
+def whole_workers(targets: Sequence[TargetInfo], *, inflight: np.ndarray, alive: bool) -> list[Candidate]:
+    """A request that is no inference (any worker will do): one candidate per worker, by its id and without a
+    rank, so the worker's own DP balancing places it. No cache facts, and neither the hot nor the cold-start
+    guard: they protect cache affinity and warm-up, which such a request has nothing to do with."""
+    return [Candidate(id=t.worker, slot=t.slot, address=t.address, engine_load=t.engine_load if alive else None,
+                      inflight=int(inflight[t.slot]), suspect=t.suspect)
+            for t in targets if t.healthy and t.rank in (None, 0)]
+
+
+def why_not_exact(why: str, workers: Sequence[TargetInfo], matches: np.ndarray | None,
+                  cands: Sequence[Candidate]) -> str:
+    """The reason code when no proven hit decides, refined by what the ledger says about untrusted workers."""
+    if matches is None:
+        return why
+    # The prompt's blocks may sit on a target whose ledger is not trusted right now: say why.
+    untrusted = [(int(matches[w.slot]), w.why) for w in workers if not w.exact_kv and matches[w.slot] > 0]
+    if untrusted:
+        return max(untrusted)[1]
+    if not any(c.ledger_trusted for c in cands):
+        return "no_worker_ledger_ready"
+    if any(w.why == "ledger_stale" for w in workers):
+        # A STALE target is hidden in the view until its stream is back in sync (docs/ledger.md, "Windows"),
+        # so whether it holds this prompt is unknown: say that, not "nothing cached".
+        return "ledger_stale"
+    return why

@@ -1,0 +1,203 @@
+"""Decide: one request's plan from its snapshot, prepare -> policy -> PD planner -> RoutePlan.
+
+The plan is one value: the decision (the first attempt and its retry order), the PD pair or why the request
+skips it, the precomputed fallback for a pair that fails before the client got a byte, and the body changes.
+The server maps it onto Envoy's header and body mutations and runs the PD legs; it never asks for another
+decision. Apart from what a decision carries to the next request (the predictions a committed request
+records, the hot flags, the policies' rng), nothing here has side effects, and nothing does I/O.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from cortex.errors import ClientError
+from extproc import candidates, pd
+from extproc.candidates import Hysteresis
+from extproc.cluster_view import TargetInfo
+from extproc.policies import Policies
+from extproc.policies.base import Candidate, Decision, Facts, Policy
+from extproc.predictions import Predictions
+from extproc.prepare import Prepared, Timings
+from extproc.prompt_walk import DeferredTail
+from extproc.snapshot import Snapshot
+
+
+class State(Protocol):
+    """What decisions carry from one request to the next (extproc/router.py owns it)."""
+
+    predictions: Predictions
+    deferred: DeferredTail
+    hysteresis: Hysteresis
+    policies: Policies
+    rng: random.Random
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """Where a request whose PD pair failed before its first byte is served alone, decided with the plan (seed 000
+    §2.4): the fallback pool's candidates as the snapshot saw them, and the decision over all of them. Which of the
+    pair's workers to leave out is only known once it failed: `without` decides again over the rest, purely."""
+
+    pool: tuple[TargetInfo, ...]
+    cands: tuple[Candidate, ...]
+    facts: Facts
+    why: str
+    """prepare's reason, refined again for the workers left (candidates.why_not_exact)."""
+    matches: np.ndarray | None
+    policy: Policy
+    decision: Decision
+    keys: tuple[int, ...]
+    """The prompt's block keys: the serving worker's predictions, once it serves."""
+    seed: int
+
+    def without(self, exclude: frozenset[str]) -> Decision:
+        """The decision with the workers (ids without a rank) of `exclude` left out, unless nothing else is left."""
+        workers = [t for t in self.pool if t.worker not in exclude]
+        if not workers or len(workers) == len(self.pool):
+            return self.decision
+        kept_ids = {t.id for t in workers}
+        kept = [c for c in self.cands if c.id in kept_ids]
+        if not kept:
+            return self.decision
+        facts = Facts(self.facts.block_size, self.facts.ledger_usable,
+                      candidates.why_not_exact(self.why, workers, self.matches, kept), self.facts.scoring,
+                      self.facts.home)
+        return self.policy.decide(kept, facts, random.Random(self.seed))
+
+
+@dataclass(slots=True)
+class RoutePlan:
+    decision: Decision
+    """The first attempt and its retry order (a pair's decode leg when there is a pair)."""
+    prompt_tokens: int
+    token_ids: list[int] | None
+    timings: Timings = field(default_factory=Timings)
+    truncated: bool = False
+    """The prompt was longer than extproc.max_tokenize_chars; prompt_tokens counts only the routed prefix."""
+    model: str = ""
+    """The configured model that serves it (differs from the request's when an alias was used)."""
+    alias: str | None = None
+    """The public name the client used, when it was an alias."""
+    lora: str | None = None
+    """The LoRA adapter whose blocks the prompt was matched against (None: the base model's)."""
+    pd: pd.PdPlan | None = None
+    """Set when the model has a PD pool: the pair (prefill and decode decisions) or why the request skips it."""
+    prompt_tokens_estimated: bool = False
+    """Routing stopped before the end of the prompt (token_ids is None): prompt_tokens is an estimate."""
+    fallback: Fallback | None = None
+    """With a pair: where the request goes alone if the pair fails first (None: no worker serves it alone)."""
+    changes: dict[str, object] = field(default_factory=dict)
+    """Fields spliced into the body for every worker (the served model when the client named an alias)."""
+    generation: int = 0
+    """The config generation it was decided with."""
+
+
+def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
+            state: State) -> tuple[list[Candidate], Facts, Policy]:
+    matches, keys = prep.matches, prep.keys
+    scoring = snap.cfg.scheduler
+    cands = candidates.build(workers, matches=matches, keys=keys, inflight=snap.inflight, alive=snap.alive,
+                             predictions=state.predictions, hysteresis=state.hysteresis, scoring=scoring)
+    facts = Facts(block_size=snap.block_size, ledger_usable=matches is not None,
+                  why_not_exact=candidates.why_not_exact(prep.why, workers, matches, cands), scoring=scoring,
+                  home=keys[0] if keys and scoring.prompt_home else None)
+    policy = state.policies.select(cands, transparent=prep.transparent, alive=snap.alive,
+                                   ledger_usable=matches is not None)
+    return cands, facts, policy
+
+
+def choose(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo], state: State, *, commit: bool) -> Decision:
+    """One pool's decision for a prepared prompt (a pool whose workers publish no events simply holds nothing in
+    the ledger, so it is chosen by load). `commit` records the chosen target's coming blocks as predicted."""
+    t0 = time.perf_counter()
+    cands, facts, policy = _inputs(snap, prep, workers, state)
+    decision = policy.decide(cands, facts, state.rng)
+    prep.timings.score_s += time.perf_counter() - t0
+    keys = prep.keys
+    if commit and keys and decision.chosen.ledger_trusted:
+        state.predictions.record(decision.chosen.slot, keys)
+        if prep.tail is not None and not prep.tail.done:
+            # The rest of the prompt becomes this target's predictions after the answer.
+            prep.tail.slot = decision.chosen.slot
+            state.deferred.submit(prep.tail)
+    return decision
+
+
+def _pd(snap: Snapshot, prep: Prepared, pools: pd.Pools, state: State, *, commit: bool) -> pd.PdPlan:
+    """The PD planner step: the pair, or why one worker serves the request alone (docs/pd.md)."""
+    cfg = snap.cfg.pd(prep.model)
+    stream = isinstance(prep.body, dict) and prep.body.get("stream") is True
+
+    def skip(why: str) -> pd.PdPlan:
+        return pd.PdPlan(None, why, pools.engine, prep.model, cfg, stream)
+    single = pools.single
+    shape = pd.request_shape_skip(prep.body, pools.engine)
+    if shape is not None and single:
+        return skip(shape)
+    prefill = choose(snap, prep, pools.prefill, state, commit=False)
+    if single:
+        # The uncached part is measured on the worker that would serve alone (the one the policy picks, load
+        # included), not on the best holder: a skip to a cold worker computes the whole prompt again.
+        alone = choose(snap, prep, single, state, commit=False).chosen
+        bs = snap.block_size
+        why = pd.skip_reason(prompt_tokens=prep.prompt_tokens,
+                             prefill_cached_tokens=prefill.chosen.affinity_blocks * bs,
+                             single_cached_tokens=alone.affinity_blocks * bs, cfg=cfg)
+        if why is not None:
+            return skip(why)
+    if commit and prep.keys and prefill.chosen.ledger_trusted:
+        state.predictions.record(prefill.chosen.slot, prep.keys)
+    decode = choose(snap, prep, pools.decode, state, commit=False)
+    targets = {t.id: t for t in (*pools.prefill, *pools.decode)}
+    return pd.PdPlan(pd.Pair(prefill, decode, targets), "", pools.engine, prep.model, cfg, stream)
+
+
+def _fallback(snap: Snapshot, prep: Prepared, pools: pd.Pools, state: State) -> Fallback | None:
+    pool = pd.fallback_pool(pools)
+    if not pool:
+        return None
+    cands, facts, policy = _inputs(snap, prep, pool, state)
+    seed = state.rng.getrandbits(64)
+    decision = policy.decide(cands, facts, random.Random(seed))
+    return Fallback(tuple(pool), tuple(cands), facts, prep.why, prep.matches, policy, decision, tuple(prep.keys),
+                    seed)
+
+
+def plan(snap: Snapshot, prep: Prepared, state: State, *, commit: bool) -> RoutePlan:
+    pools = prep.pools
+    pd_plan = _pd(snap, prep, pools, state, commit=commit) if pools is not None and pools.pd_ready else None
+    fallback = None
+    if pd_plan is not None and pd_plan.pair is not None:
+        assert pools is not None
+        decision = pd_plan.pair.decode
+        fallback = _fallback(snap, prep, pools, state)
+    else:
+        # No pair: the workers that serve a request alone (all of them in transparent mode).
+        workers = prep.workers if pools is None else pools.single
+        if not workers:
+            assert pools is not None  # prepare() refused a model without healthy workers
+            raise ClientError(503, pd.no_pool_message(prep.model, pools), "model")
+        decision = choose(snap, prep, workers, state, commit=commit)
+    return RoutePlan(decision=decision, prompt_tokens=prep.prompt_tokens,
+                     token_ids=None if prep.walked else prep.ids, timings=prep.timings, truncated=prep.truncated,
+                     model=prep.model, alias=prep.alias, lora=prep.lora, pd=pd_plan,
+                     prompt_tokens_estimated=prep.estimated, fallback=fallback,
+                     # The worker serves the model, not the public alias.
+                     changes={"model": prep.model} if prep.alias is not None else {}, generation=snap.gen.number)
+
+
+def route_any(snap: Snapshot, state: State) -> Decision | None:
+    """A request that is no inference: the least loaded worker of the whole fleet (None: there is none)."""
+    cands = candidates.whole_workers(snap.all_candidates(), inflight=snap.inflight, alive=snap.alive)
+    if not cands:
+        return None
+    facts = Facts(block_size=snap.block_size, ledger_usable=False, why_not_exact="not_an_inference_request",
+                  scoring=snap.cfg.scheduler)
+    return state.policies.load_aware.decide(cands, facts, state.rng)

@@ -1,0 +1,127 @@
+"""What every routing policy sees and returns: candidates, the facts of one decision, the decision itself.
+
+A policy takes the candidates (built in one place, extproc/candidates.py) and the facts, and returns a
+`Decision`: an order of candidates, the match mode and a reason code. Never headers, never I/O: the server
+maps the decision onto Envoy's mutations. Randomness comes only from the `random.Random` a policy is handed,
+so a decision is deterministic given its seed (tests/test_policy_conformance.py).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from cortex.config import SchedulerConfig
+
+EXACT = "exact_kv_events"
+LOAD_AWARE = "load_aware"
+P2C = "fallback_p2c"
+ROUND_ROBIN = "fallback_round_robin"
+MODES = (EXACT, LOAD_AWARE, P2C, ROUND_ROBIN)
+
+DEFAULT_SCORING = SchedulerConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    id: str
+    slot: int
+    address: str
+    matched_blocks: int = 0
+    """Leading prompt blocks the ledger proves this worker holds (0 when the ledger is not trusted for it)."""
+    ledger_trusted: bool = False
+    engine_load: float | None = None
+    """running + waiting as the engine last reported it; None when unknown or too old."""
+    inflight: int = 0
+    """Requests Cortex routed to it that have not ended (all extproc processes)."""
+    predicted_blocks: int = 0
+    """Leading blocks it holds or is about to hold (a request Cortex just sent it): used to choose, never claimed."""
+    engine_waiting: float = 0.0
+    """The queued part of engine_load."""
+    hot: bool = False
+    """Over the high watermark and not yet back under the low one."""
+    new: bool = False
+    """Inside its cold-start window."""
+    rank: int | None = None
+    """Data-parallel rank to pin on the worker, or None."""
+    engine: str = "vllm"
+    suspect: bool = False
+    """Not in good standing: its latest health probe failed, or it was never probed yet (ingest's view)."""
+
+    @property
+    def affinity_blocks(self) -> int:
+        return max(self.matched_blocks, self.predicted_blocks)
+
+    @property
+    def load(self) -> float | None:
+        return None if self.engine_load is None else max(self.engine_load, float(self.inflight))
+
+    def score(self, s: SchedulerConfig, block_size: int) -> float:
+        """Milliseconds of time to first token saved (cache) minus lost (load, queue): cache_aware.py's formula."""
+        active = self.load if self.load is not None else float(self.inflight)
+        return (s.alpha_ms_per_token * self.affinity_blocks * block_size
+                - s.beta_ms_per_active * active
+                - s.gamma * self.engine_waiting * s.queued_request_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    order: tuple[Candidate, ...]
+    mode: str
+    reason: str
+    hit_tokens: int = 0
+    """Prompt tokens proven cached on order[0] (never a prediction); 0 unless mode is EXACT."""
+    matched_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def chosen(self) -> Candidate:
+        return self.order[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What one decision knows besides the candidates."""
+
+    block_size: int
+    ledger_usable: bool
+    """The ledger answered for this prompt (matches are known); False: no cache affinity can be used."""
+    why_not_exact: str
+    """The reason code when no proven hit decides."""
+    scoring: SchedulerConfig = DEFAULT_SCORING
+    home: int | None = None
+    """The prompt's first block key: its rendezvous home among equally loaded workers (None: no home)."""
+
+
+class Policy(Protocol):
+    """One routing policy. `decide` never sees headers or I/O, and draws randomness only from `rng`."""
+
+    name: str
+
+    def decide(self, cands: Sequence[Candidate], facts: Facts, rng: random.Random) -> Decision: ...
+
+
+def still_hot(was_hot: bool, active: float, s: SchedulerConfig) -> bool:
+    """Hysteresis: hot from the high watermark on, until the low watermark is reached again."""
+    return active > s.low_watermark if was_hot else active >= s.high_watermark
+
+
+def active_of(c: Candidate) -> float:
+    return c.load if c.load is not None else float(c.inflight)
+
+
+def by_load(cands: Sequence[Candidate], start: int) -> list[Candidate]:
+    # Rotate before the stable sort so equal loads take turns instead of always hitting the first worker.
+    k = start % len(cands)
+    rotated = list(cands[k:]) + list(cands[:k])
+    return sorted(rotated, key=active_of)
+
+
+def by_activity(cands: Iterable[Candidate]) -> list[Candidate]:
+    """Retry targets behind the competing ones: good standing first, then known load, then least active."""
+    return sorted(cands, key=lambda c: (c.suspect, c.load is None, active_of(c)))
+
+
+def matched_of(cands: Sequence[Candidate], block_size: int) -> dict[str, int]:
+    return {c.id: c.matched_blocks * block_size for c in cands if c.ledger_trusted}

@@ -1,0 +1,38 @@
+"""The tiers every load-reading policy shares (one bad worker never takes the fleet down a step of the chain).
+
+  1. standing: a worker in good standing (its last health probe passed, `suspect` false) goes before any worker
+     that failed its latest probe or was never probed yet, while one in good standing exists;
+  2. load: inside that tier, candidates whose engine load is known go to the policy's own rule (the decision's
+     mode and reason come from them alone); candidates whose load is unknown follow them, fewest Cortex
+     in-flight requests first. Only when no candidate of the tier has a known load does power of two choices
+     decide (p2c.py, reason `load_unknown`);
+  3. the other tier follows, known load before unknown, least active first, as retry targets only.
+So an unknown or failing worker can be a retry target but never takes a first attempt, nor a hit, from a worker
+that is known to be up.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from extproc.policies import p2c
+from extproc.policies.base import Candidate, Decision, Facts, by_activity, matched_of
+
+Lead = Callable[[Sequence[Candidate], Facts, int, random.Random, dict[str, int]], Decision]
+"""A policy's rule for the known-load candidates of the leading tier: (known, facts, turn, rng, matched)."""
+
+
+def tiered(cands: Sequence[Candidate], facts: Facts, turn: int, rng: random.Random, lead: Lead) -> Decision:
+    if not cands:
+        raise ValueError("no candidates")
+    matched = matched_of(cands, facts.block_size)
+    good = [c for c in cands if not c.suspect]
+    tier = good or list(cands)  # nobody in good standing: they all compete alike
+    known = [c for c in tier if c.load is not None]
+    first = lead(known, facts, turn, rng, matched) if known else p2c.pick(tier, rng, matched)
+    ranked = {id(c) for c in first.order}
+    rest = by_activity(c for c in cands if id(c) not in ranked)
+    if not rest:
+        return first
+    return Decision((*first.order, *rest), first.mode, first.reason, first.hit_tokens, matched)

@@ -1,0 +1,205 @@
+"""Prepare: everything about a request's prompt that does not depend on which pool serves it.
+
+resolve the model (registry: alias, LoRA) -> render the chat template -> tokenize piecewise -> block keys ->
+the ledger's matches per target, computed once per request whatever pools then compete for it. Real traffic
+stops tokenizing, hashing and looking up at the first block no worker holds or is predicted to hold
+(extproc/prompt_walk.py): every target's match is the same as with the whole prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cortex.blockkeys import chain_keys, root_key
+from cortex.errors import ClientError
+from cortex.model_bundle import ModelBundle, TemplateError
+from cortex.piecewise_tokenize import EncoderSet, SegmentMismatch, TokenCursor
+from extproc import pd
+from extproc.cluster_view import TargetInfo
+from extproc.predictions import Predictions
+from extproc.prompt_walk import DeferredTail, Tail, WalkResult, walk
+from extproc.request import ParsedRequest
+from extproc.snapshot import Snapshot
+
+
+@dataclass(slots=True)
+class Timings:
+    tokenize_s: float = 0.0
+    hash_s: float = 0.0
+    lookup_s: float = 0.0
+    score_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Prepared:
+    """The prompt as routing sees it, computed once per request whatever pools then compete for it."""
+
+    model: str
+    alias: str | None
+    workers: list[TargetInfo]
+    ids: list[int]
+    truncated: bool
+    """The prompt was longer than extproc.max_tokenize_chars; prompt_tokens counts only the routed prefix."""
+    keys: list[int]
+    matches: np.ndarray | None
+    why: str
+    timings: Timings
+    body: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    walked: bool = False
+    """Tokenized only as far as routing needed (extproc/prompt_walk.py): `ids` is empty, `prompt_tokens` may be an
+    estimate, and `tail` holds the rest, to become the chosen targets' predictions after the answer."""
+    estimated: bool = False
+    tail: Tail | None = None
+    pools: pd.Pools | None = None
+    """The model's workers by PD role (None in transparent mode, where roles are not Cortex's to use)."""
+    lora: str | None = None
+    transparent: bool = False
+    """Another scheduler places this model: no cache, no PD (extproc/policies/transparent.py)."""
+
+
+def prompt_text(req: ParsedRequest, bundle: ModelBundle) -> tuple[str, bool]:
+    """The prompt as text, and whether the tokenizer adds its special tokens (completions) or not (chat)."""
+    try:
+        if req.kind == "chat":
+            assert req.messages is not None
+            text = bundle.render_chat(req.messages, tools=req.tools,
+                                      add_generation_prompt=req.add_generation_prompt,
+                                      continue_final_message=req.continue_final_message,
+                                      chat_template_kwargs=req.chat_template_kwargs)
+            special = False
+        else:
+            assert req.prompt_text is not None
+            text, special = req.prompt_text, True
+    except TemplateError as exc:
+        raise ClientError(400, str(exc), "messages") from None
+    return text, special
+
+
+def tokens(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, segments: EncoderSet) -> tuple[list[int], bool]:
+    """The prompt's token ids, and whether they were cut short for routing.
+
+    Routing needs the prefix a cache can hold, not a prompt longer than any context window: text past
+    `max_tokenize_chars` is not tokenized. The tokens at the cut may differ from the engine's, so one
+    block more is dropped; a wrong token there could only turn a hit into a miss, never the reverse.
+    Pieces between special tokens seen before (system prompt, earlier turns) come from a cache.
+    """
+    if req.prompt_ids is not None:
+        return req.prompt_ids, False
+    seg = segments.get(bundle)
+    text, special = prompt_text(req, bundle)
+    cap = snap.cfg.extproc.max_tokenize_chars
+    if len(text) <= cap:
+        return seg.encode(text, add_special_tokens=special), False
+    ids = seg.encode(text[:cap], add_special_tokens=special)
+    return ids[: max(0, len(ids) - 2 * snap.block_size)], True
+
+
+def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list[TargetInfo], root: int,
+          timings: Timings, segments: EncoderSet, predictions: Predictions,
+          deferred: DeferredTail) -> tuple[WalkResult, bool]:
+    """Tokenize, hash and look up only as far as some worker can hold the prompt (extproc/prompt_walk.py)."""
+    t0 = time.perf_counter()
+    bs = snap.block_size
+    truncated = False
+    if req.prompt_ids is not None:
+        ids = req.prompt_ids
+        cursor = TokenCursor.of_ids(ids)
+
+        def whole() -> list[int]:
+            return ids
+    else:
+        text, special = prompt_text(req, bundle)
+        cap = snap.cfg.extproc.max_tokenize_chars
+        if len(text) > cap:
+            text, truncated = text[:cap], True
+        cursor = segments.get(bundle).cursor(text, add_special_tokens=special)
+
+        def whole() -> list[int]:
+            return bundle.tokenizer.encode(text, add_special_tokens=special).ids
+    timings.tokenize_s += time.perf_counter() - t0
+    watched = [w.slot for w in workers]
+    trusted = [w.slot for w in workers if w.exact_kv]
+
+    def go(cursor: TokenCursor) -> WalkResult:
+        # Past a cut the last tokens may differ from the engine's: two more blocks are left out, as in tokens().
+        return walk(cursor, block_size=bs, root=root, holdback=1 + 2 * bs * truncated, lookup=snap.match,
+                    predictions=predictions, watched=watched, trusted=trusted, timings=timings,
+                    catch_up=deferred.catch_up, whole=whole)
+    try:
+        result = go(cursor)
+    except SegmentMismatch:
+        # Where encode() falls back to whole-text ids for this prompt, the walk starts over with them.
+        t1 = time.perf_counter()
+        cursor = TokenCursor.of_ids(whole())
+        timings.tokenize_s += time.perf_counter() - t1
+        result = go(cursor)
+    if truncated:
+        result.prompt_tokens = max(0, result.prompt_tokens - 2 * bs)
+    return result, truncated
+
+
+def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: EncoderSet,
+            predictions: Predictions, deferred: DeferredTail) -> Prepared:
+    """Model, tokens, keys, and how many leading blocks each routing target holds.
+
+    Unless `full_tokens`, tokenizing, hashing and lookup stop at the first block no worker holds or is
+    predicted to hold: every target's match is the same as with the whole prompt. A model with a PD pool
+    ready gets the whole prompt, since its skip rule needs the exact prompt length.
+    """
+    registry = snap.gen.registry
+    resolved = registry.resolve(req.model, lambda m: bool(snap.candidates(m)), lora_path=req.lora_path)
+    # The chain starts where the engine's does: an adapter's blocks and a salted prompt's blocks are their own
+    # namespaces, keyed by the ledger from the adapter name and salt the engine publishes with them.
+    root = root_key(resolved.lora, req.cache_salt)
+    bundle = registry.bundles[resolved.model]
+    workers = snap.candidates(resolved.model)
+    if not workers:
+        raise ClientError(503, f"no healthy worker serves model `{req.model}`", "model")
+    timings = Timings()
+    transparent = snap.transparent(resolved.model)
+    pools = None if transparent else pd.split_pools(workers)
+    if not (full_tokens or pools is None or req.unroutable or not snap.alive or pools.pd_ready):
+        walked, truncated = _walk(snap, req, bundle, workers, root, timings, segments, predictions, deferred)
+        why = "no_cached_prefix"
+        if not walked.keys:
+            why = "prompt_shorter_than_a_block"
+        elif walked.matches is None:
+            why = "ledger_unavailable"
+        return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=[], truncated=truncated,
+                        keys=walked.keys, matches=walked.matches, why=why, timings=timings, body=req.body,
+                        prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
+                        tail=walked.tail, pools=pools, lora=resolved.lora)
+    t0 = time.perf_counter()
+    ids, truncated = tokens(snap, req, bundle, segments)
+    t1 = time.perf_counter()
+    timings.tokenize_s = t1 - t0
+    bs = snap.block_size
+    # An engine always computes at least the last prompt token, so a hit never covers it.
+    usable_blocks = max(0, (len(ids) - 1) // bs)
+    why = "no_cached_prefix"
+    matches = None
+    keys: list[int] = []
+    if transparent:
+        why = "transparent_proxy"
+    elif req.unroutable:
+        why = req.unroutable
+    elif not snap.alive:
+        why = "ledger_unavailable"
+    elif usable_blocks == 0:
+        why = "prompt_shorter_than_a_block"
+    else:
+        keys = chain_keys(ids, bs, root, max_blocks=usable_blocks)
+        t2 = time.perf_counter()
+        timings.hash_s = t2 - t1
+        matches = snap.match(keys)
+        timings.lookup_s = time.perf_counter() - t2
+        if matches is None:
+            why = "ledger_unavailable"
+    return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=ids, truncated=truncated,
+                    keys=keys, matches=matches, why=why, timings=timings, body=req.body, prompt_tokens=len(ids),
+                    pools=pools, lora=resolved.lora, transparent=transparent)

@@ -1,0 +1,179 @@
+"""The contract every routing policy keeps (the llm-d kv-cache `Index` conformance shape): one suite, run over
+every policy in extproc/policies, on candidates built the one way production builds them (extproc/candidates.py).
+
+  * never picks an unhealthy worker, and never a suspect one first while one in good standing exists;
+  * a claim it cannot trust (an untrusted ledger's matches) changes nothing: the decision is the one it makes
+    without the claim;
+  * never claims a hit it cannot prove: a hit is exact_kv_events on a trusted worker, exactly its proven blocks;
+  * ties are broken at random (seeded), not by a fixed order;
+  * stable under hysteresis: between the watermarks the decision does not flip with the load;
+  * deterministic given a seed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+
+from cortex.config import SchedulerConfig
+from extproc import candidates
+from extproc.cluster_view import TargetInfo
+from extproc.policies import CacheAware, LoadAware, Policies, Policy, PowerOfTwo, RoundRobin, Transparent
+from extproc.policies.base import EXACT, Decision, Facts, still_hot
+from extproc.predictions import Predictions
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "cache_aware": CacheAware, "load_aware": LoadAware, "p2c": PowerOfTwo, "round_robin": RoundRobin,
+    "transparent": Transparent,
+}
+BS = 16
+S = SchedulerConfig()
+KEYS = list(range(1, 201))
+
+
+@pytest.fixture(params=sorted(POLICIES))
+def make(request: pytest.FixtureRequest) -> Callable[[], Policy]:
+    return POLICIES[request.param]
+
+
+def target(i: int, *, load: float | None = 0.0, exact_kv: bool = True, healthy: bool = True,
+           suspect: bool = False) -> TargetInfo:
+    return TargetInfo(id=f"w{i}", worker=f"w{i}", rank=None, slot=i, model="m", engine="vllm",
+                      address=f"127.0.0.1:{9000 + i}", exact_kv=exact_kv, healthy=healthy, engine_load=load,
+                      why="" if exact_kv else "ledger_resyncing", suspect=suspect, added_at=None)
+
+
+def decide(policy: Policy, targets: Sequence[TargetInfo], held: dict[int, int], seed: int, *,
+           hysteresis: candidates.Hysteresis | None = None, inflight: Sequence[int] | None = None,
+           predictions: Predictions | None = None) -> Decision:
+    """The production path: targets + the ledger's answer -> candidates -> facts -> the policy."""
+    n = max(t.slot for t in targets) + 1
+    matches = np.zeros(n, dtype=np.int64)
+    for slot, blocks in held.items():
+        matches[slot] = blocks
+    cands = candidates.build(targets, matches=matches, keys=KEYS,
+                             inflight=np.array(inflight if inflight is not None else [0] * n),
+                             alive=True, predictions=predictions or Predictions(), scoring=S,
+                             hysteresis=hysteresis or candidates.Hysteresis())
+    facts = Facts(BS, True, candidates.why_not_exact("no_cached_prefix", targets, matches, cands), S, None)
+    return policy.decide(cands, facts, random.Random(seed))
+
+
+def summary(d: Decision) -> tuple[object, ...]:
+    return tuple(c.id for c in d.order), d.mode, d.reason, d.hit_tokens
+
+
+def random_fleet(rng: random.Random) -> tuple[list[TargetInfo], dict[int, int]]:
+    n = rng.randint(1, 6)
+    targets = [target(i, load=rng.choice([None, 0.0, 1.0, 3.0, 50.0]), exact_kv=rng.random() < 0.7,
+                      healthy=rng.random() < 0.85, suspect=rng.random() < 0.2) for i in range(n)]
+    if not any(t.healthy for t in targets):
+        targets[0] = target(0)
+    held = {i: rng.choice([0, 0, 3, 40, 200]) for i in range(n)}
+    return targets, held
+
+
+def test_never_picks_an_unhealthy_worker_nor_a_suspect_one_first(make: Callable[[], Policy]) -> None:
+    rng = random.Random(1)
+    for seed in range(300):
+        targets, held = random_fleet(rng)
+        d = decide(make(), targets, held, seed)
+        healthy = {t.id for t in targets if t.healthy}
+        assert {c.id for c in d.order} == healthy  # every healthy worker, as a retry target, and no other
+        if any(t.healthy and not t.suspect for t in targets):
+            assert not d.chosen.suspect
+
+
+def test_an_untrusted_claim_changes_nothing(make: Callable[[], Policy]) -> None:
+    # w0's ledger is not trusted and claims the whole prompt, on a worker one request busier than the rest.
+    targets = [target(0, load=1.0, exact_kv=False), target(1), target(2)]
+    for seed in range(50):
+        claimed = decide(make(), targets, {0: 200}, seed)
+        blind = decide(make(), targets, {}, seed)
+        assert [c.id for c in claimed.order] == [c.id for c in blind.order]
+        assert claimed.hit_tokens == 0 and claimed.mode != EXACT
+        assert all(not c.ledger_trusted and c.matched_blocks == 0 for c in claimed.order if c.id == "w0")
+
+
+def test_never_claims_a_hit_it_cannot_prove(make: Callable[[], Policy]) -> None:
+    rng = random.Random(2)
+    for seed in range(300):
+        targets, held = random_fleet(rng)
+        predictions = Predictions()
+        predictions.record(rng.randrange(len(targets)), KEYS[: rng.choice([0, 50, 200])])
+        d = decide(make(), targets, held, seed, predictions=predictions)
+        chosen = d.chosen
+        if d.hit_tokens:
+            assert d.mode == EXACT and chosen.ledger_trusted
+            assert d.hit_tokens == chosen.matched_blocks * BS == held[chosen.slot] * BS
+        else:
+            assert d.mode != EXACT
+        # Only trusted ledgers' blocks are reported as matched.
+        assert set(d.matched_tokens) <= {c.id for c in d.order if c.ledger_trusted}
+
+
+def test_ties_are_broken_at_random(make: Callable[[], Policy]) -> None:
+    targets = [target(i) for i in range(4)]
+    picks = [decide(make(), targets, {}, seed).chosen.id for seed in range(64)]
+    assert set(picks) == {"w0", "w1", "w2", "w3"}
+    assert picks == [decide(make(), targets, {}, seed).chosen.id for seed in range(64)]  # seeded, not a counter
+
+
+def test_stable_under_hysteresis(make: Callable[[], Policy]) -> None:
+    """w0 holds the prompt; its load climbs through the high watermark and falls back through the low one. The hot
+    flag follows the watermarks, and the decision changes only where the flag flips, never inside the band."""
+    hysteresis = candidates.Hysteresis()
+    loads = [20.0, 40.0, 47.0, 48.0, 44.0, 40.0, 47.0, 33.0, 32.0, 40.0, 47.0, 20.0]
+    hot, chosen = [], []
+    was = False
+    for load in loads:
+        targets = [target(0, load=load), target(1, load=0.0), target(2, load=0.0)]
+        d = decide(make(), targets, {0: 1250}, 5, hysteresis=hysteresis)
+        was = still_hot(was, load, S)
+        hot.append(was)
+        chosen.append(d.chosen.id)
+    assert hot == [False, False, False, True, True, True, True, True, False, False, False, False]
+    for i in range(1, len(loads)):
+        if hot[i] == hot[i - 1]:
+            assert chosen[i] == chosen[i - 1], (i, loads[i], chosen)
+
+
+def test_cache_aware_follows_the_holder_only_while_it_is_cool() -> None:
+    hysteresis = candidates.Hysteresis()
+    picks = []
+    for load in (40.0, 48.0, 40.0, 32.0, 40.0):
+        targets = [target(0, load=load), target(1, load=0.0), target(2, load=0.0)]
+        picks.append(decide(CacheAware(), targets, {0: 1250}, 5, hysteresis=hysteresis).chosen.id == "w0")
+    assert picks == [True, False, False, True, True]
+
+
+def test_deterministic_given_a_seed(make: Callable[[], Policy]) -> None:
+    fleets = [random_fleet(random.Random(i)) for i in range(100)]
+
+    def stream(seed: int) -> list[tuple[object, ...]]:
+        policy, hysteresis = make(), candidates.Hysteresis()
+        rng = random.Random(seed)
+        return [summary(decide(policy, t, h, rng.randrange(2**32), hysteresis=hysteresis,
+                               inflight=[rng.randrange(3) for _ in t])) for t, h in fleets]
+
+    assert stream(11) == stream(11)
+    assert stream(11) != stream(12)
+
+
+def test_select_picks_the_step_of_the_chain_from_what_is_known() -> None:
+    p = Policies()
+    cands = candidates.build([target(0), target(1)], matches=None, keys=[], inflight=np.zeros(2, dtype=np.int64),
+                             alive=False, predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=S)
+    busy = candidates.build([target(0), target(1)], matches=None, keys=[], inflight=np.array([1, 0]),
+                            alive=False, predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=S)
+    # Only liveness known (ingest's view dead, nothing in flight): round robin, whatever the model.
+    assert p.select(cands, transparent=True, alive=False, ledger_usable=False) is p.round_robin
+    # An in-flight count tells the workers apart: the load-reading policies (p2c inside them for unknown loads).
+    assert p.select(busy, transparent=False, alive=False, ledger_usable=False) is p.load_aware
+    assert p.select(busy, transparent=True, alive=False, ledger_usable=False) is p.transparent
+    assert p.select(cands, transparent=False, alive=True, ledger_usable=True) is p.cache_aware
+    assert p.select(cands, transparent=False, alive=True, ledger_usable=False) is p.load_aware
+    assert p.select(cands, transparent=True, alive=True, ledger_usable=True) is p.transparent
