@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cortex import engines
 from cortex.config import PdConfig
 from extproc.cluster_view import TargetInfo
 from extproc.policies.base import Decision
@@ -46,15 +47,16 @@ class Pools:
     @property
     def single(self) -> list[TargetInfo]:
         """Workers that can serve a request alone."""
-        return self.whole + (self.decode if self.engine == "vllm" else [])
+        return self.whole + (self.decode if engines.adapter(self.engine).pd_roles_serve_alone else [])
 
 
 def split_pools(workers: Sequence[TargetInfo]) -> Pools:
-    engine = workers[0].engine if workers else "vllm"
+    engine = workers[0].engine if workers else engines.DEFAULT_ENGINE
     return Pools(
         engine=engine,
         whole=[w for w in workers if w.role == "both"],
-        prefill=[w for w in workers if w.role == "prefill" and (w.engine != "sglang" or w.bootstrap_port)],
+        prefill=[w for w in workers if w.role == "prefill"
+                 and (w.bootstrap_port or not engines.adapter(w.engine).pd_prefill_needs_bootstrap_port)],
         decode=[w for w in workers if w.role == "decode"],
     )
 
@@ -120,7 +122,7 @@ def fallback_pool(pools: Pools, exclude: frozenset[str] = frozenset()) -> list[T
     """
     if pools.whole:
         candidates = pools.whole
-    elif pools.engine == "vllm":
+    elif engines.adapter(pools.engine).pd_roles_serve_alone:
         candidates = pools.decode + pools.prefill
     else:
         return []
@@ -133,7 +135,7 @@ def request_shape_skip(body: dict[str, Any] | None, engine: str) -> str | None:
     if body is None:
         return None
     n = body.get("n")
-    if engine == "vllm" and isinstance(n, int) and n > 1:
+    if isinstance(n, int) and n > 1 and engines.adapter(engine).pd_single_consumer:
         return SKIP_N
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from cortex import headers as H
+from cortex import engines
 from cortex.inflight import InflightBoard
 from extproc.cluster_view import TargetInfo
 from extproc.metrics import PD_FAILURES, PD_LEG_SECONDS
@@ -292,7 +292,7 @@ class PdDispatcher:
                                       "bootstrap_room": room, "rid": rid}
             if p.rank is not None:
                 fields["disagg_prefill_dp_rank"] = p.rank
-            legs = PairLegs(self, engine="sglang", prefill=p, decodes=decodes, rid=rid, phase=Phase.WAITING,
+            legs = PairLegs(self, engine=p.engine, prefill=p, decodes=decodes, rid=rid, phase=Phase.WAITING,
                             early_headers_s=cfg.dispatch_timeout_s if streamed else 0.0,
                             abort_window_s=cfg.bootstrap_timeout_s)
             sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -305,10 +305,10 @@ class PdDispatcher:
                 legs.watchdog = self.spawn(legs._watch(cfg.bootstrap_timeout_s))
                 decode_fields = dict(fields)
                 if d_info.rank is not None:
-                    decode_fields["routed_dp_rank"] = d_info.rank
+                    decode_fields.update(engines.adapter(d_info.engine).rank_body(d_info.rank))
                 return PairResult(legs, splice(body, decode_fields), {}, cand, decode, attempt > 0)
             task.cancel()
-            PD_FAILURES.labels("sglang", "prefill", "dispatch").inc()
+            PD_FAILURES.labels(p.engine, "prefill", "dispatch").inc()
             log.warning("PD prefill %s not reachable (%s); %s", p.id, _why(task, sent),
                         "re-picking the pair" if attempt == 0 else "giving up on PD for this request")
         return None
@@ -344,7 +344,7 @@ class PdDispatcher:
             p = pair.targets[cand.id]
             headers = {"content-type": "application/json", "x-request-id": request_id}
             if p.rank is not None:
-                headers[H.DP_RANK] = str(p.rank)
+                headers.update(engines.adapter(p.engine).rank_headers(p.rank))
             t0 = time.monotonic()
             try:
                 with self._counted(p):
@@ -356,7 +356,7 @@ class PdDispatcher:
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 status, raw = 0, repr(exc).encode()
             if 200 <= status < 300:
-                PD_LEG_SECONDS.labels("vllm", "prefill").observe(time.monotonic() - t0)
+                PD_LEG_SECONDS.labels(p.engine, "prefill").observe(time.monotonic() - t0)
                 try:
                     answer = orjson.loads(raw)
                 except orjson.JSONDecodeError:
@@ -364,13 +364,13 @@ class PdDispatcher:
                 params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
                 if not isinstance(params, dict):
                     # The decoder prefills locally (correct, only slower); SMG counts the same case.
-                    PD_FAILURES.labels("vllm", "prefill", "no_transfer_params").inc()
-                legs = PairLegs(self, engine="vllm", prefill=p, decodes=[d_info], rid=request_id,
+                    PD_FAILURES.labels(p.engine, "prefill", "no_transfer_params").inc()
+                legs = PairLegs(self, engine=p.engine, prefill=p, decodes=[d_info], rid=request_id,
                                 phase=Phase.PREFILLED)
                 fields = {**changes, "kv_transfer_params": params}
                 return PairResult(legs, splice(body, fields), {"x-request-id": request_id}, cand, decode,
                                   attempt > 0)
-            PD_FAILURES.labels("vllm", "prefill", "dispatch" if status == 0 else f"http_{status // 100}xx").inc()
+            PD_FAILURES.labels(p.engine, "prefill", "dispatch" if status == 0 else f"http_{status // 100}xx").inc()
             log.warning("PD prefill %s failed (%s); %s", p.id, status or raw[:200].decode(errors="replace"),
                         "re-picking the pair" if attempt == 0 else "giving up on PD for this request")
         return None

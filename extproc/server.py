@@ -30,7 +30,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
-from cortex import grpc_health
+from cortex import engines, grpc_health
 from cortex import headers as H
 from cortex.config import CortexConfig
 from cortex.config_watch import ConfigWatcher
@@ -278,8 +278,8 @@ class ExtProc:
         self._count(st, decision.chosen.slot)
         response = self._routing_response(st, "request_body", pool_cluster(model))
         chosen = decision.chosen
-        if chosen.rank is not None and chosen.engine == "sglang":
-            changes = {**changes, "routed_dp_rank": chosen.rank}  # SGLang pins a DP rank from the body only
+        if chosen.rank is not None and (placed := engines.adapter(chosen.engine).rank_body(chosen.rank)):
+            changes = {**changes, **placed}  # an engine that pins a DP rank from the body only (SGLang)
         if changes:
             self._set_body(response, splice(body, changes))
         return response
@@ -291,7 +291,7 @@ class ExtProc:
         pair = plan.pair
         assert pair is not None
         try:
-            if plan.engine == "sglang":
+            if engines.adapter(plan.engine).pd_legs == "concurrent":
                 started = await self.pd.sglang(plan, pair, body, st.path, changes)
             else:
                 started = await self.pd.vllm(plan, pair, body, pending.doc, st.path, changes)
@@ -460,10 +460,9 @@ class ExtProc:
             changes = dict(pending.changes)
             headers = {"content-type": "application/json"}
             if cand.rank is not None:
-                if cand.engine == "sglang":
-                    changes["routed_dp_rank"] = cand.rank
-                else:
-                    headers[H.DP_RANK] = str(cand.rank)
+                eng = engines.adapter(cand.engine)
+                changes.update(eng.rank_body(cand.rank))
+                headers.update(eng.rank_headers(cand.rank))
             try:
                 async with self.pd.session().post(f"http://{cand.address}{st.path}", data=splice(pending.body, changes),
                                                   headers=headers, timeout=timeout) as resp:
@@ -514,8 +513,8 @@ class ExtProc:
         endpoints = ",".join(dict.fromkeys(c.address for c in st.decision.order))
         headers = [_set(H.POOL, pool), _set(H.ENDPOINTS, endpoints)]
         chosen = st.decision.chosen
-        if chosen.rank is not None and chosen.engine == "vllm":
-            headers.append(_set(H.DP_RANK, str(chosen.rank)))
+        if chosen.rank is not None:
+            headers.extend(_set(k, v) for k, v in engines.adapter(chosen.engine).rank_headers(chosen.rank).items())
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
         if phase == "request_headers":
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))

@@ -12,13 +12,14 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from cortex import headers
 from cortex.engine_hashes import VLLM_HASH_ALGOS, VllmBlockHasher, none_hash_reproducible, vllm_wire_hash
 from cortex.engines.base import ChainStartHasher, EngineAdapter, NotReproducible, RankLoad
 
 if TYPE_CHECKING:
     from cortex.config import PdConfig
 
-DP_RANK_HEADER = "x-data-parallel-rank"
+DP_RANK_HEADER = headers.DP_RANK
 """vLLM's selector of the engine inside a DP deployment (one API server, `--data-parallel-size` engines)."""
 
 _SERIES = re.compile(

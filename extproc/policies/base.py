@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cortex import engines
 from cortex.config import SchedulerConfig
 
 EXACT = "exact_kv_events"
@@ -46,7 +47,7 @@ class Candidate:
     """Inside its cold-start window."""
     rank: int | None = None
     """Data-parallel rank to pin on the worker, or None."""
-    engine: str = "vllm"
+    engine: str = engines.DEFAULT_ENGINE
     suspect: bool = False
     """Not in good standing: its latest health probe failed, or it was never probed yet (ingest's view)."""
 
