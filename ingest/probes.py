@@ -3,7 +3,8 @@
 The readings land in one place, ingest/workers.py (`Worker.apply_health`, `apply_load`, `apply_tokens`), and
 the service (ingest/service.py) decides when to ask and what a change means (publish, prune, log).
 
-- health: `GET /health` (200 = passed); an SGLang prefill also reads its bootstrap port from `/server_info`.
+- health: `GET /health` (200 = passed); a prefill whose engine pairs by bootstrap port (SGLang) also reads
+  that port where its adapter says (`bootstrap_port_info`: SGLang's `/server_info`).
 - load: the engine adapter's load endpoint and parser (cortex/engines: vLLM `/metrics`, SGLang `/v1/loads`),
   running and waiting requests per DP rank plus a cumulative work counter.
 - tokenizer parity: the engine's own tokenize endpoint against Cortex's ids (ingest/tokenizer_parity.py).
@@ -43,7 +44,7 @@ async def read_load(session: aiohttp.ClientSession, cfg: WorkerConfig, timeout: 
 
 
 async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float, *,
-                       want_bootstrap_port: bool = False) -> HealthReading:
+                       bootstrap_port_info: tuple[str, str] | None = None) -> HealthReading:
     """One health probe; every expected failure (refused, timed out, non-200) is a failed reading."""
     try:
         async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
@@ -51,12 +52,13 @@ async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float,
     except (aiohttp.ClientError, TimeoutError, OSError):
         ok = False
     port = None
-    if ok and want_bootstrap_port:
+    if ok and bootstrap_port_info is not None:
         # Read, not assumed (engines.md §1.3): a decode told the wrong port waits for a KV that never comes.
+        path, key = bootstrap_port_info
         try:
-            async with session.get(f"{url}/server_info", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            async with session.get(f"{url}{path}", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 info = await r.json(content_type=None) if r.status == 200 else {}
-            found = info.get("disaggregation_bootstrap_port") if isinstance(info, dict) else None
+            found = info.get(key) if isinstance(info, dict) else None
             if isinstance(found, int) and not isinstance(found, bool) and 0 < found < 65536:
                 port = found
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):

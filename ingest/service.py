@@ -373,7 +373,7 @@ class Ingest:
             shown = (worker.healthy, worker.suspect, worker.bootstrap_port)
             try:
                 reading = await probe_health(self._session, worker.cfg.url, icfg.health_timeout_s,
-                                             want_bootstrap_port=worker.needs_bootstrap_port)
+                                             bootstrap_port_info=worker.bootstrap_port_info)
             except Exception:  # probe_health reads every expected failure itself; keep probing whatever else
                 log.exception("health probe of %s failed unexpectedly", worker.id)
             else:

@@ -228,13 +228,18 @@ class Worker:
     @property
     def suspect(self) -> bool:
         """Not in good standing: never probed yet, or its latest probe failed. Still routable while healthy,
-        but a worker in good standing gets the first attempt (extproc/scheduler.py)."""
+        but a worker in good standing gets the first attempt (extproc/policies/tiers.py)."""
         return not self.probed_ok or self.health_failures > 0
 
     @property
     def needs_bootstrap_port(self) -> bool:
         return (engines.adapter(self.cfg.engine).pd_prefill_needs_bootstrap_port and self.cfg.role == "prefill"
                 and self.bootstrap_port is None)
+
+    @property
+    def bootstrap_port_info(self) -> tuple[str, str] | None:
+        """Where the health probe reads this worker's bootstrap port, while it needs one and has none."""
+        return engines.adapter(self.cfg.engine).bootstrap_port_info if self.needs_bootstrap_port else None
 
     @property
     def tokens_trusted(self) -> bool:

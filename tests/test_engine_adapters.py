@@ -98,6 +98,11 @@ def test_facts_have_their_types(eng: EngineAdapter) -> None:
                  eng.pd_prefill_needs_bootstrap_port, eng.pd_single_consumer):
         assert isinstance(flag, bool)
     assert eng.pd_legs in get_args(engines.PdLegs)
+    # A bootstrap port that must be known must be readable from the worker, and only then.
+    assert (eng.bootstrap_port_info is not None) == eng.pd_prefill_needs_bootstrap_port
+    if eng.bootstrap_port_info is not None:
+        path, key = eng.bootstrap_port_info
+        assert path.startswith("/") and key
 
 
 def test_registry_is_what_the_config_accepts() -> None:

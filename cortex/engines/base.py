@@ -110,7 +110,10 @@ class EngineAdapter(ABC):
     """A `prefill` or `decode` worker can serve a whole request on its own (no PD fields): a PD model can then
     skip the prefill leg to a decoder, and fall back to either role when a pair fails."""
     pd_prefill_needs_bootstrap_port: ClassVar[bool]
-    """A prefill worker is paired only once its bootstrap port is known (config or the worker's /server_info)."""
+    """A prefill worker is paired only once its bootstrap port is known (config or `bootstrap_port_info`)."""
+    bootstrap_port_info: ClassVar[tuple[str, str] | None]
+    """(GET path, JSON field) where a prefill worker reports its bootstrap port, read by ingest's health
+    probe when the config does not give it; None when the engine needs no bootstrap port."""
     pd_single_consumer: ClassVar[bool]
     """A KV handoff has one consumer, so a request asking for n > 1 samples is not paired."""
 

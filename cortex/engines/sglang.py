@@ -80,6 +80,7 @@ class SglangAdapter(EngineAdapter):
     # A decode-mode server waits for a bootstrap that never comes; a prefill-mode one waits for its decode.
     pd_roles_serve_alone = False
     pd_prefill_needs_bootstrap_port = True
+    bootstrap_port_info = ("/server_info", "disaggregation_bootstrap_port")  # engines.md §1.3
     pd_single_consumer = False
 
     def pd_prefill_wait_s(self, pd: PdConfig) -> float:

@@ -96,6 +96,7 @@ class VllmAdapter(EngineAdapter):
     # NIXL workers are `kv_both`: a request without kv_transfer_params is an ordinary request on either role.
     pd_roles_serve_alone = True
     pd_prefill_needs_bootstrap_port = False
+    bootstrap_port_info = None
     pd_single_consumer = True  # engines.md §2.2: one transfer, one decode
 
     def pd_prefill_wait_s(self, pd: PdConfig) -> float:
