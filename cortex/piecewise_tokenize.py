@@ -26,9 +26,10 @@ What can break the equivalence, and what is done about it:
     that fails in both modes is encoded whole-text, and `reason` says why.
 
 The per-request path does no tokenizer introspection: one precompiled regex split, dictionary lookups, one
-batched `encode_batch_fast` call for the pieces not cached (no offsets are computed; pieces are encoded in
-parallel when the library's parallelism is on, TOKENIZERS_PARALLELISM=false keeps it to one core), and a
-list assembly. Not thread-safe: one encoder per event loop (extproc is single-threaded per process).
+encode call per piece not cached, and a list assembly. Pieces are encoded by tiktoken where cortex/fast_bpe.py
+proved at load that it gives the library's ids (`backend`, `backend_reason` say which and why), else by one
+batched `encode_batch_fast` call (no offsets computed; TOKENIZERS_PARALLELISM=false keeps it to one core).
+Not thread-safe: one encoder per event loop (extproc is single-threaded per process).
 """
 
 from __future__ import annotations
@@ -40,12 +41,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from prometheus_client import Gauge
+
+from cortex.fast_bpe import LIBRARY, PROOF_CORPUS_SIZE, TIKTOKEN, FastBPE
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from cortex.model_bundle import ModelBundle
 
 log = logging.getLogger("cortex.piecewise_tokenize")
+
+TOKENIZER_BACKEND = Gauge("cortex_tokenizer_backend", "1 for the library that encodes a model's prompt pieces: "
+                          "tiktoken (proven at load to give the tokenizers library's ids) or tokenizers",
+                          ["model", "backend"])
 
 SEGMENTED = "segmented"
 ANCHORED = "segmented_anchored"
@@ -136,7 +145,7 @@ class SegmentEncoder:
     """
 
     def __init__(self, tokenizer: Tokenizer, *, max_entries: int = 16384, max_bytes: int = 64 << 20,
-                 probes: Sequence[str] = (), enabled: bool = True) -> None:
+                 probes: Sequence[str] = (), enabled: bool = True, fast: bool = True) -> None:
         if max_entries < 1 or max_bytes < 1:
             raise ValueError("max_entries and max_bytes must be positive")
         self.tokenizer = tokenizer
@@ -148,10 +157,16 @@ class SegmentEncoder:
         self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
         self.miss_tokens = 0
         self._batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+        # Who encodes the pieces: the library, or a faster BPE proven at load to give the same ids (fast_bpe).
+        self._fast: FastBPE | None = None
+        self.backend = LIBRARY
+        self.backend_reason = "segmenting is off" if enabled else "segmenting turned off"
+        self._want_fast = fast
         self.mode = WHOLE_TEXT
         self.reason = ""
         self.special_reason = ""
         self.probes_checked = 0
+        self.fast_probes = 0
         self._affix: tuple[list[int], list[int]] | None = None
         self._anchor: tuple[str, int] | None = None
         self._rx: re.Pattern[str] | None = None
@@ -182,6 +197,13 @@ class SegmentEncoder:
             log.info("model %r: segment-wise tokenization on, anchored (%s)", bundle.name, enc.reason)
         else:
             log.warning("model %r: whole-text tokenization: %s", bundle.name, enc.reason)
+        if enc.backend == TIKTOKEN:
+            log.info("model %r: pieces are encoded with tiktoken (its ids equal the library's on %d probes)",
+                     bundle.name, enc.fast_probes)
+        else:
+            log.info("model %r: pieces are encoded with the tokenizers library: %s", bundle.name, enc.backend_reason)
+        for backend in (TIKTOKEN, LIBRARY):
+            TOKENIZER_BACKEND.labels(bundle.name, backend).set(int(backend == enc.backend))
         if enc.enabled and enc.special_reason:
             log.info("model %r: prompts with special tokens added are encoded whole-text: %s", bundle.name,
                      enc.special_reason)
@@ -261,11 +283,21 @@ class SegmentEncoder:
 
     def _fill(self, todo: dict[Any, list[int]], chunks: list[list[int]]) -> None:
         keys = list(todo)
-        encodings = self._batch([self._raw_text(k) for k in keys], add_special_tokens=False)
-        for key, enc in zip(keys, encodings, strict=True):
-            ids = self._accept(key, enc.ids)
+        encodings = self._encode_pieces([self._raw_text(k) for k in keys])
+        for key, got in zip(keys, encodings, strict=True):
+            ids = self._accept(key, got)
             for pos in todo[key]:
                 chunks[pos] = ids
+
+    def _encode_pieces(self, texts: list[str]) -> list[list[int]]:
+        """The library's ids of texts holding no boundary token, without special tokens (fast when proven)."""
+        fast = self._fast
+        if fast is not None:
+            try:
+                return [fast.encode(t) for t in texts]
+            except Exception:  # e.g. a lone surrogate: the library gives its own answer (or error) below
+                pass
+        return [e.ids for e in self._batch(texts, add_special_tokens=False)]
 
     def _raw_text(self, key: Any) -> str:
         """What the library is given for a piece's cache key (anchored pieces go behind their anchor)."""
@@ -356,11 +388,42 @@ class SegmentEncoder:
                 self.reason = f"segment-wise ids differ from whole-text ids for probe {failure!r}"
                 self.clear()
                 return
+        self._setup_fast(probes, normalized=any(a.normalized for a in added.values()))
         self._setup_specials(probes)
         self._setup_prefix(extra_probes)
         self.clear()
         self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
         self.miss_tokens = 0
+
+    def _setup_fast(self, probes: list[str], *, normalized: bool) -> None:
+        """Encode pieces with a faster BPE if it gives the library's ids on every probe piece and on the proof
+        corpus (cortex/fast_bpe.py); otherwise keep the library and say why."""
+        if not self._want_fast:
+            self.backend_reason = "turned off"
+            return
+        if self.mode != SEGMENTED:
+            self.backend_reason = f"only for plainly segmented tokenizers (mode {self.mode})"
+            return
+        if self._merge or normalized:
+            # A piece could then hold an added token, which only the library's own split handles.
+            self.backend_reason = "some added tokens are not cut out of the text (lstrip/rstrip/single_word, " \
+                                  "normalized, or special tokens encoded as text)"
+            return
+        pieces = sorted({p for probe in probes for p in self._split(probe)[::2] if p})
+        fast, why = FastBPE.build(self.tokenizer, pieces)
+        if fast is None:
+            self.backend_reason = why
+            return
+        self._fast = fast
+        self.backend = TIKTOKEN
+        self.backend_reason = ""
+        self.fast_probes = len(pieces) + PROOF_CORPUS_SIZE
+
+    def status(self) -> dict[str, Any]:
+        """How this tokenizer is encoded, and why: for logs, metrics and status pages."""
+        return {"mode": self.mode, "reason": self.reason, "backend": self.backend,
+                "backend_reason": self.backend_reason, "long_pieces_begun_alone": self._prefix_ok,
+                "prefix_reason": self.prefix_reason, "special_reason": self.special_reason}
 
     def _check(self, probes: list[str], mode: str) -> str | None:
         """The first probe whose segment-wise ids differ from the whole-text ids, or None."""
@@ -553,7 +616,7 @@ class TokenCursor:
                         out += begun[0]
                         break
                 self.chars += len(part)
-                out += enc._accept(key, enc._batch([enc._raw_text(key)], add_special_tokens=False)[0].ids)
+                out += enc._accept(key, enc._encode_pieces([enc._raw_text(key)])[0])
                 break
             self._pos = i
         if i >= n and self._suffix and self._partial is None:
@@ -569,7 +632,7 @@ class TokenCursor:
         enc = self._enc
         ids = enc._cache.get(key)
         if ids is None:
-            ids = enc._accept(key, enc._batch([enc._raw_text(key)], add_special_tokens=False)[0].ids)
+            ids = enc._accept(key, enc._encode_pieces([enc._raw_text(key)])[0])
         self._partial = None
         self._verify(begun, ids)
         self.chars += len(part) - covered
@@ -612,7 +675,7 @@ class TokenCursor:
         """The library's ids for `missing()` texts. Touches no Python state of the encoder: safe on a thread."""
         if self._enc is None or not texts:
             return []
-        return [e.ids for e in self._enc._batch(texts, add_special_tokens=False)]
+        return self._enc._encode_pieces(texts)
 
     def rest(self, encoded: dict[Any, list[int]] | None = None) -> list[int]:
         """All ids not returned yet; `encoded` maps `missing()` keys to `raw_encode()` results (others are
