@@ -22,6 +22,7 @@ says why (`FastBPE.build` returns the reason; the encoder's status carries it).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 log = logging.getLogger("cortex.fast_bpe")
+
+_BUILT: dict[str, tuple[FastBPE | None, str]] = {}
 
 TIKTOKEN = "tiktoken"
 LIBRARY = "tokenizers"
@@ -156,9 +159,23 @@ class FastBPE:
               ) -> tuple[FastBPE | None, str]:
         """A fast encoder proven on `probes` and `proof_corpus()`, or None and the reason it is not used."""
         try:
-            spec = json.loads(tokenizer.to_str())
+            text = tokenizer.to_str()
         except Exception as exc:  # a tokenizer that cannot serialize itself is simply not accelerated
             return None, f"tokenizer.json unreadable: {exc}"
+        # One proof per tokenizer and probe set in a process: a config reload or a second model of the same
+        # tokenizer does not pay the ~1 s again.
+        key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest() + f"/{corpus_seed}/" + \
+            hashlib.sha256("\0".join(probes).encode("utf-8", "surrogatepass")).hexdigest()
+        built = _BUILT.get(key)
+        if built is None:
+            built = _BUILT[key] = FastBPE._build(tokenizer, json.loads(text), probes, corpus_seed)
+            while len(_BUILT) > 8:
+                del _BUILT[next(iter(_BUILT))]
+        return built
+
+    @staticmethod
+    def _build(tokenizer: Tokenizer, spec: dict[str, Any], probes: Sequence[str], corpus_seed: int
+               ) -> tuple[FastBPE | None, str]:
         try:
             fast = FastBPE.from_json(spec)
         except ImportError:
