@@ -7,11 +7,13 @@ piece, and stops there. Its result equals what hashing and matching the whole pr
 both on random ledgers).
 
 The rest of the prompt still matters for one thing: the chosen worker's predicted blocks, which keep a burst
-of new siblings on one worker. `DeferredTail` finishes it after the answer went to Envoy -- the library
-encodes the remaining pieces on a thread (its batch call releases the GIL), the event loop hashes them and
-records the predictions -- with a bound on what may wait. A sibling that arrives first and reaches the block
-where an unfinished request stopped finishes that request's tail itself before deciding, so it sees the
-predictions the whole computation would have recorded; unrelated requests never pay for it.
+of new siblings on one worker. `DeferredTail` finishes it after the answer went to Envoy -- the remaining
+pieces are encoded on a thread (tiktoken and the library both release the GIL), the event loop hashes them and
+records the predictions -- with a bound on what may wait, and only when a prediction can use it (predictions
+on, the chosen worker's ledger trusted): otherwise the rest of the prompt is never tokenized. A sibling that
+arrives first and reaches the block where an unfinished request stopped finishes that request's tail itself
+before deciding, so it sees the predictions the whole computation would have recorded; unrelated requests never
+pay for it.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ MAX_CATCH_UP = 2
 TAIL_JOBS = Counter("cortex_deferred_tail_jobs",
                     "prompt tails finished after the routing answer, by outcome (done: in the background; "
                     "caught_up: by a sibling that needed its predictions; dropped: over the queue bound; "
-                    "failed: raised, logged)", ["outcome"])
+                    "failed: raised, logged; skipped: not tokenized, predictions are off)", ["outcome"])
 
 
 class Timed(Protocol):
@@ -220,6 +222,12 @@ class DeferredTail:
         return len(self._jobs)
 
     def submit(self, tail: Tail) -> None:
+        if self.predictions.ttl_s <= 0:
+            # Predictions are off (extproc.prediction_ttl_s: 0): the tail's only use is gone, so its text is
+            # never tokenized. (A chosen worker whose ledger is not trusted gets no tail: plan.choose.)
+            tail.done = True
+            TAIL_JOBS.labels("skipped").inc()
+            return
         tail.cost = tail.size()
         self._jobs[id(tail)] = tail
         self._by_frontier[tail.frontier] = tail

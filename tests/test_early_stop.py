@@ -499,3 +499,50 @@ def test_a_model_with_a_pd_pool_keeps_the_whole_prompt(tmp_path: Path) -> None:
         assert f.route(msgs, full=False, commit=True).prompt_tokens_estimated
     finally:
         f.writer.close(unlink=True)
+
+
+def _tail_work(fleet: Fleet, msgs: list[dict[str, str]]) -> tuple[int, int, int]:
+    """(pieces tokenized by the decision, tails queued, pieces tokenized after it by the queue)."""
+    enc = fleet.router.segments.get(fleet.bundle)
+    before = enc.misses
+    fleet.route(msgs, full=False, commit=True)
+    decided = enc.misses - before
+    queued = len(fleet.router.deferred)
+    fleet.router.deferred.run_pending()
+    return decided, queued, enc.misses - before - decided
+
+
+def _all_new(seed: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    return [{"role": "system", "content": words(rng, 40)}, {"role": "user", "content": words(rng, 600)},
+            {"role": "assistant", "content": words(rng, 600)}, {"role": "user", "content": words(rng, 300)}]
+
+
+def test_the_tail_is_tokenized_only_when_a_prediction_can_use_it(fleet: Fleet, tmp_path: Path) -> None:
+    # Useful: predictions on, the chosen worker's ledger trusted -> the rest is tokenized after the answer.
+    fleet.reset()
+    decided, queued, after = _tail_work(fleet, _all_new(21))
+    assert decided <= 1 and queued == 1 and after >= 2
+    # Predictions off: nothing would read them, so the rest of the prompt is never tokenized.
+    off = Fleet(tmp_path / "off", prediction_ttl_s=0)
+    try:
+        skipped = TAIL_JOBS.labels("skipped")._value.get()
+        decided, queued, after = _tail_work(off, _all_new(22))
+        assert decided <= 1 and (queued, after) == (0, 0)
+        assert TAIL_JOBS.labels("skipped")._value.get() == skipped + 1
+        assert len(off.router.predictions) == 0
+    finally:
+        off.writer.close(unlink=True)
+    # No trusted ledger anywhere: the chosen worker gets no predictions, so no tail either.
+    untrusted = Fleet(tmp_path / "untrusted")
+    try:
+        targets = [{"id": w.id, "worker": w.id, "rank": None, "slot": i, "model": MODEL, "engine": "vllm",
+                    "address": w.address(), "healthy": True, "exact_kv": False, "why": "ledger_resyncing",
+                    "age_s": 3600.0, "load": {"running": 0, "waiting": 0, "age_s": 0.05}}
+                   for i, w in enumerate(untrusted.cfg.workers)]
+        untrusted.writer.set_meta({"block_size": untrusted.cfg.block_size, "targets": targets})
+        untrusted.refresh()
+        decided, queued, after = _tail_work(untrusted, _all_new(23))
+        assert decided <= 1 and (queued, after) == (0, 0)
+    finally:
+        untrusted.writer.close(unlink=True)
