@@ -12,12 +12,18 @@ Llama 3 and most current models) maps onto a tiktoken Encoding:
   * added tokens are not given to it: Cortex cuts them out of the text itself (piecewise_tokenize), so a
     piece it encodes never holds one (a tokenizer whose added tokens are not all cut out is not accelerated).
 
-Where the two could still differ (regex engines: Oniguruma vs fancy-regex; Unicode tables; tiktoken's
-direct lookup of a whole word that is in the vocabulary; ties between merges yielding the same token) is
-what `prove()` looks for: at load, every probe piece plus a generated corpus (`proof_corpus`: prose,
-code, whitespace runs, digits, contractions, CJK, emoji, combining marks, random code points) is encoded
-both ways; one differing id and the fast encoder is not used. Cortex then encodes with the library, and
-says why (`FastBPE.build` returns the reason; the encoder's status carries it).
+Where the two could still differ:
+  * tiktoken takes a word found whole in the vocabulary as one token; the library merges it (unless
+    `ignore_merges`) and may spell it otherwise. Decided exactly, over the whole vocabulary, at load
+    (`shortcut_unsafe`): a text whose tiktoken ids hold such a token is encoded by the library.
+  * the regex engines (Oniguruma vs fancy-regex), Unicode tables, and merge priorities (tiktoken merges by
+    the merged token's rank, the library by the pair's place in `merges`): this is what `prove()` looks for.
+    At load, every probe piece, a generated corpus (`proof_corpus`: prose, code, whitespace runs, digits,
+    contractions, CJK, emoji, combining marks, random code points) and texts made of vocabulary tokens are
+    encoded both ways; one differing id and the fast encoder is not used. tests/test_fast_bpe.py also runs
+    the BPE cores against each other on every vocabulary token with letters added around it.
+Cortex then encodes with the library, and says why (`FastBPE.build` returns the reason; the encoder's status
+carries it).
 """
 
 from __future__ import annotations
@@ -123,16 +129,40 @@ def _ranks(model: Any) -> dict[bytes, int]:
     return ranks
 
 
+def shortcut_unsafe(tokenizer: Tokenizer, model: dict[str, Any]) -> frozenset[int]:
+    """Ids of vocab tokens that the library's BPE does not produce from their own text.
+
+    tiktoken returns a word found whole in the vocabulary as that one token without merging; the library
+    merges it (unless `ignore_merges`), and a vocab whose merges were not derived from it can spell such a
+    word in several tokens (588 of Llama 3.2's, e.g. " Belediyesi"). Checked on every token, so it is exact:
+    a tiktoken result that holds none of these ids took no shortcut the library would not also take.
+    """
+    if model.get("ignore_merges"):
+        return frozenset()  # the library takes the same shortcut
+    bpe = tokenizer.model
+    out = []
+    for token, i in (model.get("vocab") or {}).items():
+        got = bpe.tokenize(token)
+        if len(got) != 1 or got[0].id != i:
+            out.append(i)
+    return frozenset(out)
+
+
 @dataclass
 class FastBPE:
     """tiktoken's BPE over a tokenizer.json's vocab, merges and pattern (see the module doc)."""
 
     _encode: Callable[[str], list[int]]
     _normalize: Callable[[str], str] | None
+    _library: Callable[[str], list[int]]
     pattern: str
+    unsafe: frozenset[int]
+    """Vocab tokens the library's BPE does not produce from their own text (see `shortcut_unsafe`)."""
+    redone: int = 0
+    """Texts whose tiktoken ids held an unsafe token and were encoded by the library instead."""
 
     @classmethod
-    def from_json(cls, spec: dict[str, Any]) -> FastBPE:
+    def from_json(cls, spec: dict[str, Any], tokenizer: Tokenizer) -> FastBPE:
         """Raises NotSupported (or ImportError without tiktoken) when the tokenizer cannot be mapped."""
         import tiktoken
 
@@ -143,13 +173,23 @@ class FastBPE:
         # The core's own call raises on text UTF-8 cannot carry (lone surrogates), as the library does;
         # Encoding.encode_ordinary would quietly replace them with U+FFFD and yield other ids.
         core = getattr(enc, "_core_bpe", None)
-        return cls(core.encode_ordinary if core is not None else enc.encode_ordinary, normalize, pattern)
+
+        def library(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False).ids
+        return cls(core.encode_ordinary if core is not None else enc.encode_ordinary, normalize, library, pattern,
+                   shortcut_unsafe(tokenizer, spec.get("model") or {}))
 
     def encode(self, text: str) -> list[int]:
         """Ids of a text holding no added token, as the library's `encode(text, add_special_tokens=False)`."""
         if self._normalize is not None:
             text = self._normalize(text)
-        return self._encode(text)
+        ids = self._encode(text)
+        if self.unsafe and not self.unsafe.isdisjoint(ids):
+            # tiktoken may have taken a whole word straight from the vocabulary where the library's merges
+            # spell it otherwise: this text is the library's to encode.
+            self.redone += 1
+            return self._library(text)
+        return ids
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
@@ -177,14 +217,14 @@ class FastBPE:
     def _build(tokenizer: Tokenizer, spec: dict[str, Any], probes: Sequence[str], corpus_seed: int
                ) -> tuple[FastBPE | None, str]:
         try:
-            fast = FastBPE.from_json(spec)
+            fast = FastBPE.from_json(spec, tokenizer)
         except ImportError:
             return None, "tiktoken is not installed"
         except NotSupported as exc:
             return None, str(exc)
         except Exception as exc:  # e.g. a pattern tiktoken's regex engine rejects
             return None, f"tiktoken refused the tokenizer: {exc}"
-        failure = fast.prove(tokenizer, [*probes, *proof_corpus(corpus_seed)])
+        failure = fast.prove(tokenizer, [*probes, *proof_corpus(corpus_seed), *vocab_texts(spec, corpus_seed)])
         if failure is not None:
             return None, failure
         return fast, ""
@@ -269,6 +309,26 @@ def proof_corpus(seed: int = 14, n: int = PROOF_CORPUS_SIZE) -> list[str]:
             if kind != 3 and rng.random() < 0.6:
                 parts.append(" ")
         out.append("".join(parts))
+    return out
+
+
+def vocab_texts(spec: dict[str, Any], seed: int = 14, n: int = 200, per_text: int = 12) -> list[str]:
+    """Texts made of random vocabulary tokens (their text where it is whole UTF-8): every script the model
+    knows, joined with and without spaces."""
+    decode = _byte_decoder()
+    tokens = list((spec.get("model") or {}).get("vocab") or {})
+    if not tokens:
+        return []
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        words = []
+        for token in rng.sample(tokens, min(per_text, len(tokens))):
+            try:
+                words.append(bytes(decode[c] for c in token).decode("utf-8"))
+            except (KeyError, UnicodeDecodeError):
+                continue
+        out.append(("" if k % 3 == 0 else " ").join(words))
     return out
 
 

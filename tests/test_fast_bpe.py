@@ -72,6 +72,7 @@ TRICKY = [
     "=" * 80, "-" * 33 + ">", " " * 100 + "x", "\n" * 40, "ab" * 200, "////\\\\\\\\", "....!!!???",
     "def f(x):\n    return {'a': [1, 2]}\n\n\nclass A:\n\tpass\n", "<div>\n  <p>x</p>\n</div>",
     "\x00\x01\x7f\x80\u200b\u200d\u2028\u2029\ufeff\U0010ffff", "Zürich straße café naïve",
+    " Belediyesi", "Ankara Büyükşehir Belediyesi'nin", " zvlášť článek",
 ]
 
 
@@ -151,21 +152,69 @@ def _qwen_variant(tmp: Path, mutate: Any) -> ModelBundle:
 
 
 def test_a_tokenizer_the_proof_refutes_is_encoded_by_the_library(tmp_path: Path) -> None:
-    # Drop the merge that builds " Hello": the library now spells it in two tokens, while tiktoken still finds
-    # " Hello" whole in the vocabulary. Every structural check passes; only the proof can tell.
-    def drop_hello(spec: dict[str, Any]) -> None:
-        merges = spec["model"]["merges"]
-        vocab = spec["model"]["vocab"]
-        spec["model"]["merges"] = [m for m in merges if "".join(m if isinstance(m, list) else m.split(" ")) != "ĠHello"]
-        assert len(spec["model"]["merges"]) == len(merges) - 1 and "ĠHello" in vocab
+    # POSIX classes are Unicode in the library's regex engine (Oniguruma) and ASCII in tiktoken's: the same
+    # pattern cuts "naïve" or "日本語" differently. Every structural check passes; only the proof can tell.
+    def posix(spec: dict[str, Any]) -> None:
+        split = spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]
+        split["Regex"] = split["Regex"].replace("\\p{L}", "[[:alpha:]]")
 
-    b = _qwen_variant(tmp_path, drop_hello)
-    assert b.tokenizer.encode(" Hello").ids != [b.tokenizer.token_to_id("ĠHello")]
+    b = _qwen_variant(tmp_path, posix)
     enc = SegmentEncoder.for_bundle(b)
     assert enc.mode == SEGMENTED
     assert enc.backend == LIBRARY
     assert "tiktoken ids differ from the library's" in enc.backend_reason
-    assert enc.encode("Say Hello world") == b.tokenizer.encode("Say Hello world").ids
+    assert enc.encode("naïve 日本語 world") == b.tokenizer.encode("naïve 日本語 world").ids
+
+
+def test_a_word_the_library_spells_otherwise_is_left_to_it(tmp_path: Path) -> None:
+    # Drop the merge that builds " Hello": the library now spells it in two tokens, while tiktoken still finds
+    # " Hello" whole in the vocabulary. The vocabulary-wide check marks it; such texts go to the library.
+    def drop_hello(spec: dict[str, Any]) -> None:
+        merges = spec["model"]["merges"]
+        spec["model"]["merges"] = [m for m in merges if "".join(m if isinstance(m, list) else m.split(" ")) != "ĠHello"]
+        assert len(spec["model"]["merges"]) == len(merges) - 1
+
+    b = _qwen_variant(tmp_path, drop_hello)
+    hello = b.tokenizer.token_to_id("ĠHello")
+    assert b.tokenizer.encode(" Hello").ids != [hello]
+    enc = SegmentEncoder.for_bundle(b)
+    assert enc.backend == TIKTOKEN, enc.backend_reason
+    assert enc._fast is not None and hello in enc._fast.unsafe
+    for text in ("Say Hello world", " Hello", " Hellooo Hello"):
+        assert enc.encode(text) == b.tokenizer.encode(text).ids
+
+
+def test_llama_words_the_library_spells_otherwise() -> None:
+    # This Llama 3.2 tokenizer.json merges words (ignore_merges is false) that tiktoken would take whole.
+    assert len(fast("llama").unsafe) > 100 and not fast("qwen").unsafe
+    for text in (" Belediyesi", "Belediyesi", " zvlášť", "Ankara Büyükşehir Belediyesi'nin"):
+        assert fast("llama").encode(text) == lib("llama", text), text
+
+
+@pytest.mark.parametrize("name", list(PACKAGES))
+def test_bpe_cores_agree_around_every_vocab_token(name: str) -> None:
+    # Below the pre-tokenizer: tiktoken's BPE of one word against the library's model, on every vocabulary
+    # token with a letter, a space or a digit added before or after it (words not in the vocabulary, so
+    # tiktoken really merges). Where a merge could be taken in another order, this is where it would show.
+    import tiktoken
+
+    from cortex.fast_bpe import _byte_decoder, _pattern, _ranks
+
+    spec = json.loads(tok(name).to_str())
+    core = tiktoken.Encoding("t", pat_str=_pattern(spec["pre_tokenizer"]), mergeable_ranks=_ranks(spec["model"]),
+                             special_tokens={})
+    decode = _byte_decoder()
+    model = tok(name).model
+    vocab = spec["model"]["vocab"]
+    differ = []
+    for token in vocab:
+        for word in (token + "a", "Ġ" + token, token + "0"):
+            if word in vocab:
+                continue
+            want = [t.id for t in model.tokenize(word)]
+            if core._encode_single_piece(bytes(decode[c] for c in word)) != want:
+                differ.append(word)
+    assert not differ, differ[:10]
 
 
 def test_merge_order_unlike_id_order_is_not_accelerated(tmp_path: Path) -> None:
