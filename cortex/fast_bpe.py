@@ -333,7 +333,7 @@ def vocab_texts(spec: dict[str, Any], seed: int = 14, n: int = 200, per_text: in
 
 
 def _random_chars(rng: random.Random, k: int) -> str:
-    chars = []
+    chars: list[str] = []
     while len(chars) < k:
         plane = rng.random()
         cp = rng.randint(0x20, 0x2FF) if plane < 0.4 else rng.randint(0x300, 0xFFFF) if plane < 0.85 \
