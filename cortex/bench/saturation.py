@@ -128,13 +128,16 @@ def summarize(rows: list[dict[str, Any]], limit_ms: float) -> dict[str, Any]:
 def ratios(summaries: dict[str, dict[str, Any]], base: str = "cortex") -> dict[str, dict[str, Any]]:
     """base's highest rate over each other contestant's; `exact` False when either figure is a lower bound."""
     out: dict[str, dict[str, Any]] = {}
-    b = summaries.get(base) or {}
+    if base not in summaries:
+        return out
+    b = summaries[base]
     for name, s in summaries.items():
         if name == base:
             continue
         x, y = b.get("max_rate"), s.get("max_rate")
-        out[f"{base}/{name}"] = {"value": round(x / y, 2) if x and y else None,
-                                 "exact": not b.get("lower_bound", True) and not s.get("lower_bound", True)}
+        value = round(x / y, 2) if x and y else None
+        out[f"{base}/{name}"] = {"value": value, "exact": value is not None and not b.get("lower_bound", True)
+                                 and not s.get("lower_bound", True)}
     return out
 
 
