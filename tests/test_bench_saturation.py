@@ -101,9 +101,12 @@ def test_ratios_say_when_a_side_is_only_a_bound() -> None:
          "smg-cache-aware": {"max_rate": 400, "lower_bound": False},
          "envoy-alone": {"max_rate": 800, "lower_bound": True},
          "other": {"max_rate": None, "lower_bound": False}}
-    assert saturation.ratios(s) == {"cortex/smg-cache-aware": {"value": 0.25, "exact": True},
-                                    "cortex/envoy-alone": {"value": 0.12, "exact": False},
-                                    "cortex/other": {"value": None, "exact": False}}
+    assert saturation.ratios(s) == {"cortex/smg-cache-aware": {"value": 0.25, "exact": True, "bound": "="},
+                                    "cortex/envoy-alone": {"value": 0.12, "exact": False, "bound": "≤"},
+                                    "cortex/other": {"value": None, "exact": False, "bound": None}}
+    s["cortex"]["lower_bound"] = True
+    assert saturation.ratios(s)["cortex/smg-cache-aware"]["bound"] == "≥"
+    assert saturation.ratios(s)["cortex/envoy-alone"]["bound"] == "?"
     assert saturation.ratios({"envoy-alone": {"max_rate": 800, "lower_bound": True}}) == {}
 
 
@@ -123,12 +126,12 @@ def test_markdown_shows_the_figure_the_rows_and_the_ratios() -> None:
                "envoy-alone": {"rows": [rung], "summary": {"max_rate": 50.0, "stopped_at": None,
                                                            "stopped_by": "top of the ladder", "lower_bound": True}},
                "smg-cache-aware": {"unavailable": "smg is not installed"}},
-           "ratios": {"cortex/envoy-alone": {"value": 0.2, "exact": False}}}
+           "ratios": {"cortex/envoy-alone": {"value": 0.2, "exact": False, "bound": "≤"}}}
     text = saturation.markdown(out, "cortex bench --saturation")
     assert "| cortex | 10 | added p99 13 ms > 10 ms at 50/s |" in text
     assert "| envoy-alone | ≥ 50 | top of the ladder |" in text
     assert "| smg-cache-aware | – | smg is not installed |" in text
-    assert "cortex/envoy-alone 0.20 (a bound" in text
+    assert "cortex/envoy-alone ≤ 0.20 (a bound" in text
     assert "| 50 (broke the limit; sent again) | 45.7 | 0.4 | 12.0 |" in text
     assert "| 50 (again) | 45.7 | 0.4 | 13.0 | 3.0 / 9.0 | 2.6 / 5.8 | 0/115 | 0.61 |" in text
 
@@ -180,5 +183,5 @@ def test_saturation_quick_runs_cortex_and_envoy_alone(tmp_path: Path) -> None:
     assert {"envoy", "extproc", "ingest"} <= set(figures["saturation"]["cortex"]["rows"][-1][
         "gateway_cpu_ms_per_request_by_part"])
     assert set(figures["saturation"]["envoy-alone"]["rows"][-1]["gateway_cpu_ms_per_request_by_part"]) == {"envoy"}
-    assert figures["ratios"]["cortex/envoy-alone"] == {"value": 1.0, "exact": False}
+    assert figures["ratios"]["cortex/envoy-alone"] == {"value": 1.0, "exact": False, "bound": "?"}
     assert "| cortex | ≥ 40 | top of the ladder |" in r.stdout

@@ -126,7 +126,8 @@ def summarize(rows: list[dict[str, Any]], limit_ms: float) -> dict[str, Any]:
 
 
 def ratios(summaries: dict[str, dict[str, Any]], base: str = "cortex") -> dict[str, dict[str, Any]]:
-    """base's highest rate over each other contestant's; `exact` False when either figure is a lower bound."""
+    """base's highest rate over each other contestant's. `bound`: "=" when both figures are exact, "≥" or "≤"
+    when one is a lower bound (the ratio is then a bound itself), "?" when both are."""
     out: dict[str, dict[str, Any]] = {}
     if base not in summaries:
         return out
@@ -136,8 +137,11 @@ def ratios(summaries: dict[str, dict[str, Any]], base: str = "cortex") -> dict[s
             continue
         x, y = b.get("max_rate"), s.get("max_rate")
         value = round(x / y, 2) if x and y else None
-        out[f"{base}/{name}"] = {"value": value, "exact": value is not None and not b.get("lower_bound", True)
-                                 and not s.get("lower_bound", True)}
+        lo_x, lo_y = b.get("lower_bound", True), s.get("lower_bound", True)
+        # base's figure only a lower bound: the ratio is too; the other's only: the ratio is an upper bound.
+        bound = None if value is None else "=" if not lo_x and not lo_y else "≥" if not lo_y else "≤" if not lo_x \
+            else "?"
+        out[f"{base}/{name}"] = {"value": value, "exact": bound == "=", "bound": bound}
     return out
 
 
@@ -323,8 +327,10 @@ def markdown(out: dict[str, Any], command: str) -> str:
                      f"{s['stopped_by']}{at} |")
     parts.append("**Saturation**\n\n" + "\n".join(lines) + "\n")
     if out.get("ratios"):
+        shown = {"=": "", "≥": "≥ ", "≤": "≤ ", "?": "~", None: ""}
         parts.append("Ratios of the highest rates: " + "; ".join(
-            f"{k} {_f(v['value'], 2)}{'' if v['exact'] else ' (a bound: one side did not saturate)'}"
+            f"{k} {shown[v.get('bound')]}{_f(v['value'], 2)}" + ("" if v.get("exact") or v["value"] is None
+                                                                  else " (a bound: one side did not saturate)")
             for k, v in out["ratios"].items()) + "\n")
     for name, block in out["saturation"].items():
         if "rows" not in block:
