@@ -130,6 +130,8 @@ def _rates(spec: str) -> tuple[float, ...]:
 def _saturation(args: argparse.Namespace, argv: list[str]) -> int:
     if args.from_json:
         out = json.loads(Path(args.from_json[-1]).read_text())
+        # Recomputed from the saved summaries, so a run saved by an older version reads as this one would.
+        out["ratios"] = saturation.ratios({n: b["summary"] for n, b in out["saturation"].items() if "summary" in b})
         command = out["command"]
     else:
         names = args.contestant or list(saturation.CONTESTANTS)
