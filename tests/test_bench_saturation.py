@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 def row(rate: float, added_p99: float | None, *, errors: int = 0, direct_errors: int = 0, lag: float = 1.0,
         **extra: Any) -> dict[str, Any]:
     return {"rate": rate, "requests": 100, "added_p99_ms": added_p99, "errors": errors,
-            "direct_errors": direct_errors, "direct_send_lag_p99_ms": lag, **extra}
+            "direct_errors": direct_errors, "direct_send_lag_p90_ms": lag, **extra}
 
 
 def test_added_is_a_percentile_through_the_gateway_minus_the_same_percentile_direct() -> None:
@@ -39,13 +39,14 @@ def test_added_is_a_percentile_through_the_gateway_minus_the_same_percentile_dir
     assert saturation.added([], [0.002])["added_p99_ms"] is None
 
 
-def test_send_lag_is_how_late_the_client_sent_at_p99() -> None:
-    recs = [Record(i, 0, sent=i * 0.01 + (0.02 if i == 99 else 0.001)) for i in range(200)]
-    scheduled = {i: i * 0.01 for i in range(200)}
-    assert saturation.send_lag_p99_ms(recs, scheduled) == 1.0
-    recs += [Record(200, 0, sent=2.5), Record(201, 0, sent=2.5)]  # three late out of 202 make the p99
-    assert saturation.send_lag_p99_ms(recs, {**scheduled, 200: 2.0, 201: 2.0}) == 20.0
-    assert saturation.send_lag_p99_ms([Record(7, 0, sent=1.0)], {}) is None  # warm-up records are not scheduled
+def test_send_lag_is_how_late_the_client_sent() -> None:
+    recs = [Record(i, 0, sent=i * 0.01 + (0.5 if i < 5 else 0.001)) for i in range(100)]
+    scheduled = {i: i * 0.01 for i in range(100)}
+    assert saturation.send_lag_ms(recs, scheduled) == 1.0  # five stalled sends in 100 do not move the p90
+    assert saturation.send_lag_ms(recs, scheduled, 99) == 500.0
+    late = [Record(i, 0, sent=i * 0.01 + 0.03) for i in range(100)]  # every send late: the client is behind
+    assert saturation.send_lag_ms(late, scheduled) == 30.0
+    assert saturation.send_lag_ms([Record(7, 0, sent=1.0)], {}) is None  # warm-up records are not scheduled
 
 
 def test_stop_rule() -> None:
@@ -64,6 +65,8 @@ def test_stop_rule() -> None:
     # Only a latency breach is sent again, once.
     assert saturation.should_confirm(row(25, 12.0), limit)
     assert not saturation.should_confirm(row(25, 12.0, repeat=True), limit)
+    assert saturation.should_confirm(row(25, 1.0, lag=25.0), limit)
+    assert not saturation.should_confirm(row(25, 1.0, direct_errors=2), limit)
     assert not saturation.should_confirm(row(25, 2.0, errors=1), limit)
     assert not saturation.should_confirm(row(25, 2.0), limit)
 
@@ -84,7 +87,7 @@ def test_stop_rule() -> None:
      {"max_rate": None, "stopped_at": 10, "stopped_by": "added p99 31 ms > 10 ms", "lower_bound": False}),
     # The harness gave out first: a lower bound.
     ([row(10, 1), row(25, 2, lag=40.0)],
-     {"max_rate": 10, "stopped_at": 25, "stopped_by": "harness limit: the client sent 40 ms late (p99) on the "
+     {"max_rate": 10, "stopped_at": 25, "stopped_by": "harness limit: the client sent 40 ms late (p90) on the "
                                                       "direct path", "lower_bound": True}),
     # The sweep's time bound ended the ladder: a lower bound.
     ([row(10, 1), {"rate": 25, "time_bound": "time bound (150 s for the sweep)"}],
@@ -176,7 +179,8 @@ def test_saturation_quick_runs_cortex_and_envoy_alone(tmp_path: Path) -> None:
             assert x["errors"] == 0 and x["direct_errors"] == 0, (name, x)
             assert x["via_p99_ms"] >= x["via_p50_ms"] > 0 and x["direct_p99_ms"] >= x["direct_p50_ms"] > 0
             assert x["added_p99_ms"] == pytest.approx(x["via_p99_ms"] - x["direct_p99_ms"], abs=0.02)
-            assert x["gateway_cpu_ms_per_request"] > 0
+            # Envoy alone may spend less than one clock tick on a rung's few dozen requests; Cortex cannot.
+            assert x["gateway_cpu_ms_per_request"] > 0 if name == "cortex" else x["gateway_cpu_ms_per_request"] >= 0
         assert block["summary"] == {"max_rate": 40.0, "stopped_at": None, "stopped_by": "top of the ladder",
                                     "lower_bound": True}
     # Every Cortex process is counted; Envoy alone is one Envoy.

@@ -41,8 +41,10 @@ PROMPT_WORDS = 200
 MAX_TOKENS = 4
 WARMUP_S = 0.3
 HARNESS_LAG_FACTOR = 2.0
-"""The direct path's client sending this many times the limit late (p99): the client, on the same cores, is
-what saturates, and a difference of percentiles past that point measures it, not the gateway."""
+"""The direct path's client sending a tenth of its requests this many times the limit late (p90 of the send lag):
+the client, on the same cores, is what saturates (it no longer offers the rate), and the rung measures it, not the
+gateway. p90, not p99: one stall of the client's event loop on a loaded machine delays a handful of sends without
+changing the rate offered."""
 HARNESS = "harness limit"
 """The prefix of a stop reason that is the measuring setup's, not the gateway's."""
 
@@ -77,11 +79,11 @@ def added(via: list[float], direct: list[float]) -> dict[str, float | None]:
     return out
 
 
-def send_lag_p99_ms(records: list[Record], scheduled: dict[int, float]) -> float | None:
-    """How late the client sent (p99 of actual minus scheduled send time): above a few ms the client itself, not
-    what it measures, is the bottleneck."""
+def send_lag_ms(records: list[Record], scheduled: dict[int, float], q: float = 90) -> float | None:
+    """How late the client sent (percentile q of actual minus scheduled send time): once most sends are late, the
+    client itself, not what it measures, is the bottleneck."""
     lags = [r.sent - scheduled[r.session] for r in records if r.session in scheduled]
-    p = metrics.percentile(lags, 99)
+    p = metrics.percentile(lags, q)
     return None if p is None else round(max(p, 0.0) * 1000, 2)
 
 
@@ -91,9 +93,9 @@ def stop_reason(row: dict[str, Any], limit_ms: float) -> str | None:
         return f"failed: {row['failed']}"
     if row["direct_errors"]:
         return f"{HARNESS}: {row['direct_errors']} errors on the direct path"
-    lag = row.get("direct_send_lag_p99_ms")
+    lag = row.get("direct_send_lag_p90_ms")
     if lag is not None and lag > HARNESS_LAG_FACTOR * limit_ms:
-        return f"{HARNESS}: the client sent {lag:g} ms late (p99) on the direct path"
+        return f"{HARNESS}: the client sent {lag:g} ms late (p90) on the direct path"
     if row["errors"]:
         return f"{row['errors']} errors"
     if row["added_p99_ms"] is None:
@@ -104,10 +106,11 @@ def stop_reason(row: dict[str, Any], limit_ms: float) -> str | None:
 
 
 def should_confirm(row: dict[str, Any], limit_ms: float) -> bool:
-    """A rung that broke the latency limit only (no errors, no harness limit) and is not already a repeat is
-    sent again before the ladder stops on it."""
+    """A rung that broke the latency limit, or where the client fell behind, is sent again once before the ladder
+    stops on it (both can be one moment's load on a shared machine); errors are never sent again."""
     reason = stop_reason(row, limit_ms)
-    return reason is not None and reason.startswith("added p99") and not row.get("repeat")
+    return (reason is not None and reason.startswith(("added p99", f"{HARNESS}: the client"))
+            and not row.get("repeat"))
 
 
 def summarize(rows: list[dict[str, Any]], limit_ms: float) -> dict[str, Any]:
@@ -193,8 +196,8 @@ def rung(rate: float, i: int, target: str, procs: Procs, workers: list[Worker], 
         **added(via_ttft, direct_ttft),
         "errors": errors, "direct_errors": direct_errors,
         "error_examples": sorted({r.error for r in via.records + direct.records if r.error})[:3],
-        "send_lag_p99_ms": send_lag_p99_ms(via.records, scheduled),
-        "direct_send_lag_p99_ms": send_lag_p99_ms(direct.records, scheduled),
+        "send_lag_p90_ms": send_lag_ms(via.records, scheduled),
+        "direct_send_lag_p90_ms": send_lag_ms(direct.records, scheduled),
         "gateway_cpu_ms_per_request": round(sum(parts.values()), 3),
         "gateway_cpu_ms_per_request_by_part": parts,
     }
@@ -237,7 +240,7 @@ def _ladder(c: Contestant, workers: list[Worker], root: Path, plan: SaturationPl
             _log_row(c.name, row, reason, log)
             if reason is not None and should_confirm(row, plan.limit_ms) and _fits(rate, plan, until):
                 # One late request on a shared machine decides a p99 of a few hundred: a breach counts only when
-                # the same rung, sent again, breaks the limit too.
+                # the same rung, sent again, breaks the rule too.
                 row["superseded"] = True
                 again = rung(rate, i, target, procs, workers, plan)
                 again["repeat"] = True
