@@ -111,6 +111,10 @@ def test_ratios_say_when_a_side_is_only_a_bound() -> None:
     assert saturation.ratios(s)["cortex/smg-cache-aware"]["bound"] == "≥"
     assert saturation.ratios(s)["cortex/envoy-alone"]["bound"] == "?"
     assert saturation.ratios({"envoy-alone": {"max_rate": 800, "lower_bound": True}}) == {}
+    # Cortex broke the limit at the first rung (10/s): below 10 over the other's figure.
+    first = {"cortex": {"max_rate": None, "stopped_at": 10, "lower_bound": False},
+             "smg-cache-aware": {"max_rate": 200, "lower_bound": True}}
+    assert saturation.ratios(first) == {"cortex/smg-cache-aware": {"value": 0.05, "exact": False, "bound": "<"}}
 
 
 def test_markdown_shows_the_figure_the_rows_and_the_ratios() -> None:

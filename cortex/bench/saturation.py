@@ -130,7 +130,8 @@ def summarize(rows: list[dict[str, Any]], limit_ms: float) -> dict[str, Any]:
 
 def ratios(summaries: dict[str, dict[str, Any]], base: str = "cortex") -> dict[str, dict[str, Any]]:
     """base's highest rate over each other contestant's. `bound`: "=" when both figures are exact, "≥" or "≤"
-    when one is a lower bound (the ratio is then a bound itself), "?" when both are."""
+    when one is a lower bound (the ratio is then a bound itself), "?" when both are, "<" when base broke the rule
+    at its first rung (the ratio is below that rate over the other's figure)."""
     out: dict[str, dict[str, Any]] = {}
     if base not in summaries:
         return out
@@ -144,6 +145,9 @@ def ratios(summaries: dict[str, dict[str, Any]], base: str = "cortex") -> dict[s
         # base's figure only a lower bound: the ratio is too; the other's only: the ratio is an upper bound.
         bound = None if value is None else "=" if not lo_x and not lo_y else "≥" if not lo_y else "≤" if not lo_x \
             else "?"
+        if x is None and b.get("stopped_at") and y:
+            # base broke the rule at the ladder's first rung: below that rate, whatever the other's figure.
+            value, bound = round(b["stopped_at"] / y, 3), "<"
         out[f"{base}/{name}"] = {"value": value, "exact": bound == "=", "bound": bound}
     return out
 
@@ -330,10 +334,11 @@ def markdown(out: dict[str, Any], command: str) -> str:
                      f"{s['stopped_by']}{at} |")
     parts.append("**Saturation**\n\n" + "\n".join(lines) + "\n")
     if out.get("ratios"):
-        shown = {"=": "", "≥": "≥ ", "≤": "≤ ", "?": "~", None: ""}
+        shown = {"=": "", "≥": "≥ ", "≤": "≤ ", "?": "~", "<": "< ", None: ""}
         parts.append("Ratios of the highest rates: " + "; ".join(
-            f"{k} {shown[v.get('bound')]}{_f(v['value'], 2)}" + ("" if v.get("exact") or v["value"] is None
-                                                                  else " (a bound: one side did not saturate)")
+            f"{k} {shown[v.get('bound')]}{_f(v['value'], 2)}" + (
+                "" if v.get("exact") or v["value"] is None else " (broke the limit at the first rung)"
+                if v.get("bound") == "<" else " (a bound: one side did not saturate)")
             for k, v in out["ratios"].items()) + "\n")
     for name, block in out["saturation"].items():
         if "rows" not in block:
