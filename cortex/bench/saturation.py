@@ -328,9 +328,9 @@ def markdown(out: dict[str, Any], command: str) -> str:
             lines.append(f"| {name} | – | {block.get('unavailable') or block.get('failed', '')[:120]} |")
             continue
         s = block["summary"]
-        shown = _f(s["max_rate"], 0) if s["max_rate"] is not None else f"< {_f(block['rows'][0]['rate'], 0)}"
+        figure = _f(s["max_rate"], 0) if s["max_rate"] is not None else f"< {_f(s['stopped_at'], 0)}"
         at = f" at {_f(s['stopped_at'], 0)}/s" if s["stopped_at"] else ""
-        lines.append(f"| {name} | {'≥ ' if s['lower_bound'] and s['max_rate'] is not None else ''}{shown} | "
+        lines.append(f"| {name} | {'≥ ' if s['lower_bound'] and s['max_rate'] is not None else ''}{figure} | "
                      f"{s['stopped_by']}{at} |")
     parts.append("**Saturation**\n\n" + "\n".join(lines) + "\n")
     if out.get("ratios"):
