@@ -2,6 +2,7 @@
 
     cortex bench --workload shared-prefix --quick --json out.json
     cortex bench --report docs/benchmarks.md --img-dir docs/img --json bench.json      # the full run
+    cortex bench --saturation --quick --json saturation.json      # highest rate under 10 ms added TTFT p99
 
 See docs/benchmarks.md for the workloads, contestants and measures.
 """
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cortex.bench import report, runner, workloads
+from cortex.bench import report, runner, saturation, workloads
 from cortex.bench.contestants import BY_NAME, CONTESTANTS
 from cortex.bench.launch import ClusterSpec
 
@@ -65,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", metavar="S[,S...]",
                    help="repeat each cell with these seeds and report the mean and spread (overrides --seed)")
     p.add_argument("--max-seconds", type=float, default=None,
-                   help="no new session after this many seconds of a run (default 120, --quick 40)")
+                   help="no new session after this many seconds of a run (default 120, --quick 40); with "
+                        "--saturation, the whole sweep's bound (default 600, --quick 150)")
     p.add_argument("--sweep-rates", default=None,
                    help="comma-separated rates for the TTFT-vs-rate sweep of shared-prefix (default 4,8,16; "
                         "none with --quick; 'off' to skip)")
@@ -73,6 +75,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="light-load request pairs per gateway for the overhead figure (default 20, --quick 8)")
     p.add_argument("--work-dir", metavar="DIR", help="keep logs and configs here instead of a temporary directory")
     p.add_argument("--records", action="store_true", help="include every request's record in the JSON")
+    g = p.add_argument_group("saturation sweep (--saturation; docs/benchmarks.md, 'Saturation')")
+    g.add_argument("--saturation", action="store_true",
+                   help="instead of the workloads: per contestant (default cortex, smg-cache-aware, envoy-alone), "
+                        "the highest request rate at which the added TTFT p99 stays under --limit-ms, on workers "
+                        "with zero compute time (default a few minutes; --quick about two)")
+    g.add_argument("--saturation-rates", metavar="R[,R...]",
+                   help="the ladder of request rates (default 25,50,100,200,400,800; --quick 25,50,100,200,400)")
+    g.add_argument("--rung-seconds", type=float, default=None,
+                   help="seconds of arrivals per rung and path (default 6, --quick 2)")
+    g.add_argument("--limit-ms", type=float, default=saturation.LIMIT_MS,
+                   help="added TTFT p99 a rung may not exceed (default %(default)s)")
     p.add_argument("--from-json", metavar="PATH", action="append",
                    help="render the report and plots of saved --json runs instead of running (repeatable: the "
                         "runs' tables are put together)")
@@ -104,9 +117,52 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _rates(spec: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"cortex bench: --saturation-rates takes comma-separated numbers, not {spec!r}") from None
+    if not rates or any(not 0 < r <= 5000 for r in rates) or list(rates) != sorted(set(rates)):
+        raise SystemExit("cortex bench: --saturation-rates is a rising list of rates in (0, 5000] per second")
+    return rates
+
+
+def _saturation(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.from_json:
+        out = json.loads(Path(args.from_json[-1]).read_text())
+        # Recomputed from the saved summaries, so a run saved by an older version reads as this one would.
+        out["ratios"] = saturation.ratios({n: b["summary"] for n, b in out["saturation"].items() if "summary" in b})
+        command = out["command"]
+    else:
+        names = args.contestant or list(saturation.CONTESTANTS)
+        plan = saturation.SaturationPlan(
+            contestants=[BY_NAME[n] for n in names],
+            rates=_rates(args.saturation_rates) if args.saturation_rates else (
+                saturation.QUICK_RATES if args.quick else saturation.RATES),
+            rung_seconds=args.rung_seconds or (2.0 if args.quick else 6.0),
+            min_requests=40 if args.quick else 60,
+            limit_ms=args.limit_ms, max_seconds=args.max_seconds or (150.0 if args.quick else 600.0),
+            workers=args.workers or 4, engine=args.engine, seed=args.seed,
+            work_dir=Path(args.work_dir) if args.work_dir else None)
+        if plan.rung_seconds <= 0 or plan.max_seconds <= 0:
+            raise SystemExit("cortex bench: --rung-seconds and --max-seconds are positive")
+        out = saturation.run(plan)
+        command = "cortex bench " + shlex.join(argv)
+        out["command"] = command
+    text = saturation.markdown(out, command)
+    if args.report:
+        report.write_markdown(Path(args.report), text, args.report_section)
+    if args.json and not args.from_json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(text)
+    return 1 if any("failed" in b for b in out["saturation"].values()) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.saturation:
+        return _saturation(args, argv)
     names = args.workload or ["all"]
     if "all" in names:
         names = list(DEFAULT_WORKLOADS)

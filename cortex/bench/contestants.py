@@ -11,7 +11,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from cortex.bench.launch import MODEL, Procs, Worker, start_cortex, start_oracle, start_router, start_smg
+from cortex.bench.launch import (
+    MODEL,
+    Procs,
+    Worker,
+    start_cortex,
+    start_envoy_alone,
+    start_oracle,
+    start_router,
+    start_smg,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,4 +110,12 @@ CONTESTANTS: tuple[Contestant, ...] = (
                lambda procs, workers, n: [start_oracle(procs, workers)], replicable=False),
 )
 
-BY_NAME = {c.name: c for c in CONTESTANTS}
+# Run only when named (`--contestant`, or by `--saturation`): not a router of its own, the floor Cortex's Envoy
+# starts from.
+EXTRA: tuple[Contestant, ...] = (
+    Contestant("envoy-alone", "Envoy alone, no ext_proc: a static listener -> one cluster of all workers, "
+               "least_request (Envoy's own balancing, what Cortex falls back to; no cache awareness)",
+               _replicated(lambda procs, workers, n: start_envoy_alone(procs, workers, name=n), "envoy-alone")),
+)
+
+BY_NAME = {c.name: c for c in (*CONTESTANTS, *EXTRA)}

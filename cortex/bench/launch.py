@@ -177,11 +177,16 @@ class ClusterSpec:
     engine: str = "vllm"
     kv_tokens: int = 12288
     """KV pool per worker, in tokens (small on purpose: the workloads' prefixes must not all fit in one)."""
+    zero_compute: bool = False
+    """True: the workers model no prefill or decode time, so whatever sits in front of them is what saturates
+    (`cortex bench --saturation`)."""
 
     def sim_args(self) -> list[str]:
+        timing = (["--prefill-ms-per-token", "0", "--decode-ms-per-token", "0", "--decode-ms-per-seq", "0"]
+                  if self.zero_compute else [])
         if self.engine == "vllm":
-            return ["--num-blocks", str(self.kv_tokens // 16 + 1)]  # + vLLM's null block
-        return ["--max-total-tokens", str(self.kv_tokens)]
+            return ["--num-blocks", str(self.kv_tokens // 16 + 1), *timing]  # + vLLM's null block
+        return ["--max-total-tokens", str(self.kv_tokens), *timing]
 
 
 def start_workers(procs: Procs, spec: ClusterSpec) -> list[Worker]:
@@ -359,6 +364,54 @@ def start_smg(procs: Procs, workers: list[Worker], replicas: int, *, name: str, 
             except LaunchError as exc:
                 raise LaunchError(f"{node}: its mesh did not sync with all of {sorted(others)}: {exc}") from exc
     return urls
+
+
+def envoy_alone_config(workers: list[Worker], port: int, admin: int) -> dict[str, Any]:
+    """A minimal static Envoy in front of the workers: one listener, one cluster of every worker under
+    least_request, no ext_proc, no health checks, no retries. The floor any Envoy-based gateway starts from,
+    so `cortex bench --saturation` can tell Envoy's own cost from what Cortex adds to it. Generated here rather
+    than derived from Cortex's bootstrap so it stays the same baseline whatever Cortex's config becomes."""
+    endpoints = []
+    for w in workers:
+        host, wport = w.url.removeprefix("http://").rsplit(":", 1)
+        endpoints.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(wport)}}}})
+    hcm = {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                     "HttpConnectionManager",
+            "stat_prefix": "envoy_alone", "codec_type": "AUTO",
+            "route_config": {"name": "all", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+                {"match": {"prefix": "/"}, "route": {"cluster": "workers", "timeout": "0s"}}]}]},
+            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+        },
+    }
+    return {
+        "node": {"id": "envoy-alone", "cluster": "envoy-alone"},
+        "admin": {"address": {"socket_address": {"address": HOST, "port_value": admin}}},
+        "static_resources": {
+            "listeners": [{"name": "http", "address": {"socket_address": {"address": HOST, "port_value": port}},
+                           "filter_chains": [{"filters": [hcm]}]}],
+            "clusters": [{"name": "workers", "type": "STATIC", "connect_timeout": "5s", "lb_policy": "LEAST_REQUEST",
+                          "load_assignment": {"cluster_name": "workers", "endpoints": [{"lb_endpoints": endpoints}]}}],
+        },
+    }
+
+
+def start_envoy_alone(procs: Procs, workers: list[Worker], name: str = "envoy-alone") -> str:
+    """Envoy with `envoy_alone_config`, started as `cortex run` starts its Envoy (same binary, same worker-thread
+    count), so the two differ only by what Cortex adds."""
+    from cortex.envoy_config import envoy_binary
+
+    port, admin = free_ports(2)
+    path = procs.root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(envoy_alone_config(workers, port, admin)))
+    procs.start(name, [envoy_binary(), "-c", str(path), "--disable-hot-restart",
+                       "--concurrency", str(min(2, os.cpu_count() or 1)), "-l", "warning"])
+    url = f"http://{HOST}:{port}"
+    procs.wait(name, lambda: chat_ok(url), timeout=30)
+    return url
 
 
 def start_oracle(procs: Procs, workers: list[Worker], name: str = "oracle") -> str:
