@@ -23,6 +23,7 @@ from cortex.kv_events import END_SEQ
 from ingest.events import DecodeError, decode_batch
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import KeySink, Ledger
+from ingest.loop_cpu import timed
 from ingest.sync import Action, Apply, Clear, RequestReplay, SourceSync, SyncState
 
 log = logging.getLogger("cortex.ingest")
@@ -159,11 +160,12 @@ class EventSource:
         off anything still queued from the old connection (the old incarnation's late batches).
         """
         sock, monitor = self._socket()
+        poller = self._poller(sock, monitor)
+        # The same libzmq socket without the asyncio wrapper: once the poller says a batch is queued,
+        # everything queued is taken synchronously (no future per message; issue 14's ingest profile).
+        raw = zmq.Socket.shadow(sock.underlying)
         try:
             while True:
-                poller = zmq.asyncio.Poller()
-                poller.register(sock, zmq.POLLIN)
-                poller.register(monitor, zmq.POLLIN)
                 ready = dict(await poller.poll())
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
@@ -179,28 +181,41 @@ class EventSource:
                         self.perform(self.sync.disconnected("connection to the publisher lost"))
                         self._close(sock, monitor)
                         sock, monitor = self._socket()
+                        poller, raw = self._poller(sock, monitor), zmq.Socket.shadow(sock.underlying)
                         continue
                 if sock in ready:
-                    await self._receive(sock)
+                    self._receive(raw)
         finally:
             for task in (self._replay_task, self._tail_task):
                 if task is not None:
                     task.cancel()
             self._close(sock, monitor)
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+    @staticmethod
+    def _poller(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> zmq.asyncio.Poller:
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        return poller
+
+    def _receive(self, sock: zmq.Socket) -> None:
         """Take every batch already queued (up to DRAIN_MAX) and publish their net effect at once: under
         an event storm the view then sees a few large writes instead of many small ones."""
+        got = 0
         with self.ledger.deferred(self.sink):
             for _ in range(DRAIN_MAX):
-                frames = await sock.recv_multipart()
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break  # the queue is empty (also after a spurious wake-up)
+                got += 1
                 self.last_event_at = time.monotonic()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self.decode_errors += 1
                 else:
                     self.perform(self.sync.live(int.from_bytes(frames[1], "big"), frames[2]))
-                if not await sock.poll(0, zmq.POLLIN):  # type: ignore[call-arg]  # pyzmq's stubs lack flags
-                    break
+        if not got:
+            return
         if self.on_events is not None:
             self.on_events()
         self.check_tail()
@@ -210,7 +225,7 @@ class EventSource:
         each received group, and by the load poll when the engine did work (its whole output may have been
         lost, so no arrival would ever trigger the check)."""
         if self.replay_endpoint is not None and (self._tail_task is None or self._tail_task.done()):
-            self._tail_task = asyncio.create_task(self._tail_check())
+            self._tail_task = asyncio.create_task(timed("events", self._tail_check()))
 
     async def _tail_check(self) -> None:
         while True:
@@ -292,7 +307,7 @@ class EventSource:
         if self.replay_endpoint is None:
             self.perform(self.sync.replay_done(complete=False))
             return
-        self._replay_task = asyncio.create_task(self._replay(from_seq))
+        self._replay_task = asyncio.create_task(timed("events", self._replay(from_seq)))
 
     async def _replay(self, from_seq: int) -> None:
         try:
