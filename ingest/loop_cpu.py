@@ -64,6 +64,7 @@ class _Timed(Coroutine[Any, Any, T]):
 def timed(loop: str, coro: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
     """`coro`, with the CPU of each of its steps charged to `loop` (one of LOOPS) when run as a task."""
     if loop not in SECONDS:
+        coro.close()  # never to run: closed, so it is not reported as never awaited
         raise ValueError(f"unknown loop {loop!r}")
     return _Timed(loop, coro)
 
