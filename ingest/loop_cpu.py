@@ -5,7 +5,7 @@ thread CPU time of each of the task's steps (from one `await` that suspends to t
 counter. That counts the loop's own code and whatever runs inside its steps (the event decoder, the ledger,
 the view writes; the HTTP client's request and response handling; the load parser); it does not count what
 the event loop runs outside any task (socket readiness callbacks, aiohttp's transport reading a response,
-the admin API's handlers), which is `other`: the process's CPU minus the loops' (docs/observability.md).
+the admin API's handlers), which is `other`: the process's CPU minus the loops' (docs/performance.md, "Ingest's CPU").
 
 The label set is fixed (LOOPS + `other`), so the series stay bounded whatever the fleet. The cost is two
 `time.thread_time()` calls per task step: well under a microsecond each here, against the tens to hundreds
