@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from cortex.config import WorkerConfig
 from cortex.errors import error_body
+from ingest import loop_cpu
 from ingest.membership import MembershipError
 from ingest.readiness import Readiness
 from ingest.service import Ingest
@@ -112,6 +113,12 @@ class IngestCollector(Collector):
                     *counters.values(), dropped)
         yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view",
                                 value=self.ingest.view.size)
+        cpu = CounterMetricFamily("cortex_ingest_loop_cpu_seconds",
+                                  "CPU seconds spent in each ingest loop's tasks (other: the rest of the process)",
+                                  labels=["loop"])
+        for loop, seconds in loop_cpu.snapshot().items():
+            cpu.add_metric([loop], seconds)
+        yield cpu
 
 
 def build_app(ingest: Ingest) -> web.Application:

@@ -35,8 +35,9 @@ from cortex.model_bundle import ModelBundle
 from ingest import membership, silence, tokenizer_parity
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
+from ingest.loop_cpu import timed
 from ingest.membership import MembershipError
-from ingest.probes import check_tokens, probe_health, read_load
+from ingest.probes import LoadReader, check_tokens, probe_health
 from ingest.readiness import subscription
 from ingest.source import EventSource, cancel_quietly, rank_endpoint
 from ingest.sync import SourceSync, SyncState
@@ -86,9 +87,9 @@ class Ingest:
             self._add(wcfg, source)
         self._sync_envoy()
         self.publish_meta()
-        self._background = [asyncio.create_task(self._heartbeat_loop()),
-                            asyncio.create_task(self._token_parity_loop()),
-                            asyncio.create_task(self._config_loop())]
+        self._background = [asyncio.create_task(timed("heartbeat", self._heartbeat_loop())),
+                            asyncio.create_task(timed("parity", self._token_parity_loop())),
+                            asyncio.create_task(timed("config", self._config_loop()))]
 
     async def stop(self) -> None:
         for task in [*self._background, *self._sources.values(),
@@ -195,11 +196,13 @@ class Ingest:
             self.view.clear_worker(slot)
             worker.targets.append(target)
             if worker.events_usable:
-                self._sources[tid] = asyncio.get_running_loop().create_task(events.run(), name=f"src-{tid}")
+                self._sources[tid] = asyncio.get_running_loop().create_task(timed("events", events.run()),
+                                                                                name=f"src-{tid}")
         self.workers[wcfg.id] = worker
         loop = asyncio.get_running_loop()
-        self._probe_tasks[wcfg.id] = [loop.create_task(self._watch_health(worker), name=f"health-{wcfg.id}"),
-                                      loop.create_task(self._poll_load(worker), name=f"load-{wcfg.id}")]
+        self._probe_tasks[wcfg.id] = [
+            loop.create_task(timed("health", self._watch_health(worker)), name=f"health-{wcfg.id}"),
+            loop.create_task(timed("load", self._poll_load(worker)), name=f"load-{wcfg.id}")]
         self._parity_wakeup.set()
         self._meta_dirty = True
         log.info("worker %s added (%s, %s, %d target(s))", wcfg.id, wcfg.url, source, len(worker.targets))
@@ -293,13 +296,21 @@ class Ingest:
         last reading, KV events arriving, requests routed here in flight), every `idle_load_poll_interval_s`
         otherwise; a sign of work wakes the slow wait at once (_wake)."""
         assert self._session is not None
+        reader = LoadReader(worker.cfg)
+        try:
+            await self._poll_load_with(worker, reader)
+        finally:
+            reader.close()
+
+    async def _poll_load_with(self, worker: Worker, reader: LoadReader) -> None:
+        assert self._session is not None
         icfg = self.cfg.ingest
         while True:
             fast, slow = icfg.load_poll_interval_s, icfg.idle_load_poll_interval_s
             worker.wake.clear()
             if worker.healthy:
                 try:
-                    per_rank = await read_load(self._session, worker.cfg, timeout=max(fast * 5, 0.5))
+                    per_rank = await reader.read(self._session, timeout=max(fast * 5, 0.5))
                 except Exception as exc:  # a worker's bad answer must not end its polling
                     log.debug("load read failed for %s: %s", worker.id, exc)
                 else:
@@ -402,7 +413,8 @@ class Ingest:
                     continue  # a worker that does not answer holds up its own check only
                 if w.healthy and now >= w.token_parity.checked_at + (
                         interval if w.token_parity.status == tokenizer_parity.OK else 10.0):
-                    self._parity_tasks[w.id] = asyncio.create_task(self._check_tokens(w), name=f"parity-{w.id}")
+                    self._parity_tasks[w.id] = asyncio.create_task(timed("parity", self._check_tokens(w)),
+                                                                   name=f"parity-{w.id}")
             pending = any(w.token_parity.status != tokenizer_parity.OK for w in self.workers.values())
             self._parity_wakeup.clear()
             with contextlib.suppress(TimeoutError):

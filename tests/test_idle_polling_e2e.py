@@ -191,3 +191,21 @@ def test_a_request_routed_by_this_replica_wakes_fast_polling_at_once(gw: Gateway
         wait_for(lambda: every_s(gw, "sim-2") == FAST_S, timeout=WAKE_DEADLINE_S,
                  what="active cadence after routing")
         assert time.monotonic() - t0 < IDLE_S
+
+
+def test_ingest_counts_each_loops_cpu(gw: Gateway) -> None:
+    """cortex_ingest_loop_cpu_seconds_total{loop=...}: one series per loop, and the loops that ran have CPU."""
+    def series() -> dict[str, float]:
+        text = httpx.get(f"{gw.ingest_url}/metrics", timeout=5).text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("cortex_ingest_loop_cpu_seconds_total{"):
+                name, value = line.rsplit(" ", 1)
+                out[name.split('loop="')[1].split('"')[0]] = float(value)
+        return out
+
+    assert set(series()) == {"events", "load", "health", "heartbeat", "parity", "config", "other"}
+    # Every worker's load has been read and its health probed by now; sim-1's events arrive with its prefill.
+    with contextlib.ExitStack() as stack, streaming(stack, gw.sims[0].url, 9401, 50):
+        wait_for(lambda: all(series()[k] > 0 for k in ("events", "load", "health", "heartbeat")), timeout=30,
+                 what="CPU charged to the loops that ran")

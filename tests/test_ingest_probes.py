@@ -50,6 +50,28 @@ def test_vllm_metrics_vector() -> None:
     assert parse(b"") == {}
 
 
+def test_vllm_metrics_reads_only_its_sample_lines() -> None:
+    """The scan reads the three series' sample lines and nothing that merely contains their names."""
+    parse = engines.adapter("vllm").parse_load
+    body = (b"# HELP vllm:num_requests_running vllm:num_requests_running 99\n"
+            b"# TYPE vllm:num_requests_running gauge\n"
+            # a label value holding "}", an escaped quote and a fake engine label: the real `engine` wins
+            b'vllm:num_requests_running{model_name="a}b\\"engine=\\"5\\"",engine="1"} 2.0\n'
+            b'other_metric{note="vllm:num_requests_running 7"} 1\n'
+            b"vllm:num_requests_running_other 9.0\n"
+            b'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 8.0\n'
+            b'vllm:num_requests_waiting{engine="0"} 3 1700000000000\r\n'  # a timestamp, a CRLF line end
+            b'vllm:num_requests_waiting{engine="x"} 1.0\n'  # no numeric engine label: rank 0
+            b'vllm:prefix_cache_queries_created{engine="1"} 1.7e9\n'
+            b'vllm:num_requests_running{engine="2"}\n'  # no value: not a sample
+            b"vllm:prefix_cache_queries_total{engine=\"1\"} 64")  # the last line, without a newline
+    assert parse(body) == {0: (0.0, 4.0, 0.0), 1: (2.0, 0.0, 64.0)}
+    assert parse(b"x" * 1_000_000 + b"vllm:num_requests_running 3") == {}  # not at a line start
+    assert parse(b"\n" * 1000 + b"vllm:num_requests_running{engine=\"0\"") == {}  # unterminated label set
+    with pytest.raises(ValueError):
+        parse(b"vllm:num_requests_running{engine=\"0\"} not-a-number\n")  # a failed reading
+
+
 def test_sglang_loads_vector() -> None:
     doc = {"loads": [{"dp_rank": 0, "num_running_reqs": 2, "num_waiting_reqs": 1,
                       "total_prefill_uncached_tokens": 100},

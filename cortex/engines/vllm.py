@@ -22,21 +22,53 @@ if TYPE_CHECKING:
 DP_RANK_HEADER = headers.DP_RANK
 """vLLM's selector of the engine inside a DP deployment (one API server, `--data-parallel-size` engines)."""
 
-_SERIES = re.compile(
-    rb'^vllm:(num_requests_running|num_requests_waiting|prefix_cache_queries_total)(?:\{([^}]*)\})?\s+(\S+)', re.M)
-_ENGINE_LABEL = re.compile(rb'engine="(\d+)"')
-_INDEX = {b"num_requests_running": 0, b"num_requests_waiting": 1, b"prefix_cache_queries_total": 2}
+_SERIES = ((b"vllm:num_requests_running", 0), (b"vllm:num_requests_waiting", 1),
+           (b"vllm:prefix_cache_queries_total", 2))
+"""The only series Cortex reads, and where each lands in a RankLoad."""
+_LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 
 def parse_metrics(text: bytes) -> dict[int, RankLoad]:
     """(running, waiting, activity) per DP rank (vLLM's `engine` label; 0 when absent). Activity is a
-    cumulative counter (prompt tokens looked up in the prefix cache) that moves whenever a request ran."""
+    cumulative counter (prompt tokens looked up in the prefix cache) that moves whenever a request ran.
+
+    A real vLLM's exposition is mostly histograms (tens of families, buckets per model and rank): this looks
+    for the three names with bytes.find and reads only their sample lines, so the cost is a few passes of
+    C-speed search over the body plus a few lines of Python, not a parse of every family (issue 14)."""
     out: dict[int, list[float]] = {}
-    for name, labels, value in _SERIES.findall(text):
-        m = _ENGINE_LABEL.search(labels or b"")
-        rank = int(m.group(1)) if m else 0
-        out.setdefault(rank, [0.0, 0.0, 0.0])[_INDEX[name]] += float(value)
+    for name, index in _SERIES:
+        at = text.find(name)
+        while at >= 0:
+            end = text.find(b"\n", at)
+            if end < 0:
+                end = len(text)
+            # A sample line starts with the name; a HELP/TYPE comment or a label value that contains it does not.
+            if at == 0 or text[at - 1] == 0x0A:
+                sample = _sample(text[at + len(name):end])
+                if sample is not None:
+                    rank, value = sample
+                    out.setdefault(rank, [0.0, 0.0, 0.0])[index] += value
+            at = text.find(name, end)
     return {r: (v[0], v[1], v[2]) for r, v in out.items()}
+
+
+def _sample(rest: bytes) -> tuple[int, float] | None:
+    """(rank, value) from what follows the series name on its line: `{labels} value [timestamp]` or
+    ` value [timestamp]`. None for another series that shares the prefix (`..._running_other`) or a line
+    without a value; a value that is not a number raises ValueError (the poll counts a failed reading)."""
+    rank = 0
+    if rest[:1] == b"{":
+        close = rest.rfind(b"}")  # label values may hold "}"; nothing after the label set does
+        if close < 0:
+            return None
+        for key, value in _LABEL.findall(rest[1:close]):
+            if key == b"engine" and value.isdigit():
+                rank = int(value)
+        rest = rest[close + 1:]
+    elif rest[:1] not in (b" ", b"\t"):
+        return None
+    fields = rest.split()
+    return (rank, float(fields[0])) if fields else None
 
 
 class VllmAdapter(EngineAdapter):
