@@ -37,7 +37,7 @@ from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
 from ingest.loop_cpu import timed
 from ingest.membership import MembershipError
-from ingest.probes import LoadReader, check_tokens, probe_health
+from ingest.probes import check_tokens, probe_health, read_load
 from ingest.readiness import subscription
 from ingest.source import EventSource, cancel_quietly, rank_endpoint
 from ingest.sync import SourceSync, SyncState
@@ -296,21 +296,13 @@ class Ingest:
         last reading, KV events arriving, requests routed here in flight), every `idle_load_poll_interval_s`
         otherwise; a sign of work wakes the slow wait at once (_wake)."""
         assert self._session is not None
-        reader = LoadReader(worker.cfg)
-        try:
-            await self._poll_load_with(worker, reader)
-        finally:
-            reader.close()
-
-    async def _poll_load_with(self, worker: Worker, reader: LoadReader) -> None:
-        assert self._session is not None
         icfg = self.cfg.ingest
         while True:
             fast, slow = icfg.load_poll_interval_s, icfg.idle_load_poll_interval_s
             worker.wake.clear()
             if worker.healthy:
                 try:
-                    per_rank = await reader.read(self._session, timeout=max(fast * 5, 0.5))
+                    per_rank = await read_load(self._session, worker.cfg, timeout=max(fast * 5, 0.5))
                 except Exception as exc:  # a worker's bad answer must not end its polling
                     log.debug("load read failed for %s: %s", worker.id, exc)
                 else:
