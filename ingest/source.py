@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -78,6 +79,15 @@ def rank_endpoint(base: str | None, rank: int | None) -> str | None:
         return base
     host, port = base.rsplit(":", 1)
     return f"{host}:{int(port) + rank}"
+
+
+def _fd(sock: zmq.Socket[Any]) -> int:
+    return cast(int, sock.getsockopt(zmq.FD))
+
+
+def _readable(sock: zmq.Socket[Any]) -> bool:
+    """ZMQ_EVENTS has POLLIN (reading it also re-arms the socket's edge-triggered FD)."""
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 class EventSource:
@@ -167,7 +177,7 @@ class EventSource:
             while True:
                 # The sockets' ZMQ_FDs only say "something may have changed": ZMQ_EVENTS says what. Reading it
                 # also re-arms the FD, so a batch that arrives after this check wakes the wait below.
-                if mraw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if _readable(mraw):
                     event = parse_monitor_message(mraw.recv_multipart(zmq.NOBLOCK))["event"]
                     if event in (zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED):
                         # ingest.silence tells a worker whose publisher never accepts us from an idle one.
@@ -184,7 +194,7 @@ class EventSource:
                         sock, monitor = self._socket()
                         raw, mraw = self._watch(loop, wake, sock, monitor)
                     continue
-                if raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if _readable(raw):
                     self._receive(raw)
                     await asyncio.sleep(0)  # the rest of ingest runs between two groups of an event storm
                     continue
@@ -203,16 +213,17 @@ class EventSource:
         """Synchronous shadows of the two sockets, their FDs watched by the event loop. Instead of pyzmq's
         asyncio poller (a future per socket per wake-up) and a future per received batch, which were a third
         of ingest's CPU under load (issue 14): every batch queued is then taken synchronously."""
-        raw, mraw = zmq.Socket.shadow(sock.underlying), zmq.Socket.shadow(monitor.underlying)
+        raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        mraw: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
         for s in (raw, mraw):
-            loop.add_reader(s.getsockopt(zmq.FD), wake.set)
+            loop.add_reader(_fd(s), wake.set)
         return raw, mraw
 
     @staticmethod
     def _unwatch(loop: asyncio.AbstractEventLoop, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
         for s in (sock, monitor):
             with contextlib.suppress(zmq.ZMQError, ValueError, OSError):
-                loop.remove_reader(s.getsockopt(zmq.FD))
+                loop.remove_reader(_fd(s))
 
     def _receive(self, sock: zmq.Socket) -> None:
         """Take every batch already queued (up to DRAIN_MAX) and publish their net effect at once: under
