@@ -736,6 +736,15 @@ class EncoderSet:
 
     def update(self, bundles: Iterable[ModelBundle]) -> None:
         """Keep the encoders (and their warm caches) of tokenizers still in use, build the new ones, drop the rest."""
+        self.install(self.build(bundles))
+
+    def install(self, built: dict[int, SegmentEncoder]) -> None:
+        """Swap in what `build` returned (one assignment, on the thread that routes)."""
+        self._by_tokenizer = built
+
+    def build(self, bundles: Iterable[ModelBundle]) -> dict[int, SegmentEncoder]:
+        """The encoders `bundles` need: those already built are kept, new tokenizers are checked (their load-time
+        proofs take up to a second or two: call this off the event loop, then `install` the result)."""
         fresh: dict[int, SegmentEncoder] = {}
         for b in bundles:
             key = id(b.tokenizer)
@@ -743,7 +752,7 @@ class EncoderSet:
             if enc is None or enc.tokenizer is not b.tokenizer:  # an id reused by a new object
                 enc = SegmentEncoder.for_bundle(b, **self._kwargs)
             fresh[key] = enc
-        self._by_tokenizer = fresh
+        return fresh
 
     def get(self, bundle: ModelBundle) -> SegmentEncoder:
         enc = self._by_tokenizer.get(id(bundle.tokenizer))

@@ -14,7 +14,7 @@ import random
 
 from cortex.config import CortexConfig
 from cortex.model_bundle import ModelBundle
-from cortex.piecewise_tokenize import EncoderSet
+from cortex.piecewise_tokenize import EncoderSet, SegmentEncoder
 from extproc import plan, prepare, snapshot
 from extproc.candidates import Hysteresis
 from extproc.cluster_view import ClusterView
@@ -56,12 +56,14 @@ class Router:
     def bundles(self) -> dict[str, ModelBundle]:
         return self.source.current.registry.bundles
 
-    def reload(self, cfg: CortexConfig, registry: ModelRegistry) -> None:
-        """Swap in a new config generation (built off the request path): the next request's snapshot takes it."""
+    def reload(self, cfg: CortexConfig, registry: ModelRegistry,
+               encoders: dict[int, SegmentEncoder] | None = None) -> None:
+        """Swap in a new config generation (built off the request path, with its encoders from
+        `segments.build`): the next request's snapshot takes it."""
         self.source.swap(cfg, registry)
         # Caches derived from it: encoders (and their warm caches) are kept for tokenizers still in use, new ones
-        # are checked here; predictions made from now on live for the new TTL.
-        self.segments.update(registry.bundles.values())
+        # were checked off the loop; predictions made from now on live for the new TTL.
+        self.segments.install(encoders if encoders is not None else self.segments.build(registry.bundles.values()))
         self.predictions.ttl_s = cfg.extproc.prediction_ttl_s
 
     def snapshot(self) -> snapshot.Snapshot:

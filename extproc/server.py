@@ -36,6 +36,7 @@ from cortex.config import CortexConfig
 from cortex.config_watch import ConfigWatcher
 from cortex.envoy_config import ANY_CLUSTER, pool_cluster
 from cortex.errors import ClientError
+from cortex.piecewise_tokenize import SegmentEncoder
 from extproc import metrics
 from extproc.cluster_view import ClusterView
 from extproc.pd import PdPlan
@@ -146,8 +147,8 @@ class ExtProc:
     def cfg(self) -> CortexConfig:
         return self.source.current.cfg
 
-    def reload(self, cfg: CortexConfig, registry: ModelRegistry) -> None:
-        self.router.reload(cfg, registry)  # swaps the one Source both read
+    def reload(self, cfg: CortexConfig, registry: ModelRegistry, encoders: dict[int, SegmentEncoder]) -> None:
+        self.router.reload(cfg, registry, encoders)  # swaps the one Source both read
         log.info("config reloaded: %d models, %d aliases", len(cfg.models), len(cfg.aliases))
 
     # -- the gRPC method ----------------------------------------------------------------------------------
@@ -583,7 +584,12 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
     router = Router(cfg, cluster, registry, source)
     app = ExtProc(source, cluster, router)
     # A bad edit is logged and ignored; listener, port and process-count changes need a restart.
-    watcher = ConfigWatcher(config_path, lambda c: (c, ModelRegistry(c, source.current.registry)))
+    def prepare(c: CortexConfig) -> tuple[CortexConfig, ModelRegistry, dict[int, SegmentEncoder]]:
+        # In the watcher's thread: tokenizers load and new encoders prove themselves off the event loop.
+        registry = ModelRegistry(c, source.current.registry)
+        return c, registry, router.segments.build(registry.bundles.values())
+
+    watcher = ConfigWatcher(config_path, prepare)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
         ("grpc.max_send_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
