@@ -32,14 +32,8 @@ import yaml
 from cortex import headers
 from cortex.config import CortexConfig, WorkerConfig
 
-POOL_HEADER = headers.POOL
-ENDPOINTS_HEADER = headers.ENDPOINTS
-PD_ROUTE_HEADER = headers.PD_ROUTE
-"""Set by extproc on a PD pair's decode leg: the route that never retries after the request reached a worker."""
 ANY_CLUSTER = "cortex_any"
 EXTPROC_CLUSTER = "cortex_extproc"
-# Headers only Cortex may set on the request path; a client's copies are removed at the door.
-RESERVED_REQUEST_HEADERS = headers.RESERVED_REQUEST
 
 
 def envoy_binary() -> str:
@@ -154,7 +148,7 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": h} for h in RESERVED_REQUEST_HEADERS]},
+            "mutations": {"request_mutations": [{"remove": h} for h in headers.RESERVED_REQUEST]},
         },
     }
     retry = {
@@ -176,11 +170,11 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     # connection manager's once the request is routed: a prefill sends nothing, and that silence is normal.
     routed = {"timeout": "0s", "idle_timeout": _seconds(t.routed_idle_s)}
     routes = [
-        {"match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "present_match": True},
-                                              {"name": PD_ROUTE_HEADER, "present_match": True}]},
-         "route": {"cluster_header": POOL_HEADER, **routed, "retry_policy": pd_retry}},
-        {"match": {"prefix": "/", "headers": [{"name": POOL_HEADER, "present_match": True}]},
-         "route": {"cluster_header": POOL_HEADER, **routed, "retry_policy": retry}},
+        {"match": {"prefix": "/", "headers": [{"name": headers.POOL, "present_match": True},
+                                              {"name": headers.PD_ROUTE, "present_match": True}]},
+         "route": {"cluster_header": headers.POOL, **routed, "retry_policy": pd_retry}},
+        {"match": {"prefix": "/", "headers": [{"name": headers.POOL, "present_match": True}]},
+         "route": {"cluster_header": headers.POOL, **routed, "retry_policy": retry}},
         {"match": {"prefix": "/"},
          "route": {"cluster": ANY_CLUSTER, **routed, "retry_policy": retry}},
     ]
@@ -308,7 +302,7 @@ def _worker_cluster(name: str, cfg: CortexConfig) -> dict[str, Any]:
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3."
                      "OverrideHost",
-            "override_host_sources": [{"header": ENDPOINTS_HEADER}],
+            "override_host_sources": [{"header": headers.ENDPOINTS}],
             "fallback_policy": {"policies": [{"typed_extension_config": {
                 "name": "envoy.load_balancing_policies.least_request",
                 "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."

@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decision import Text, conversation, next_turn
 
-from cortex.envoy_config import RESERVED_REQUEST_HEADERS, envoy_binary
+from cortex import headers as H
+from cortex.envoy_config import envoy_binary
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 from tests.harness import MODEL, Gateway, cluster, free_ports, stop, wait_for
 
@@ -55,7 +56,7 @@ def plain_envoy_config(port: int, worker_port: int) -> dict[str, Any]:
     """Cortex's listener without ext_proc: header strip, then straight to the one worker."""
     strip = {"name": "envoy.filters.http.header_mutation", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-        "mutations": {"request_mutations": [{"remove": h} for h in RESERVED_REQUEST_HEADERS]}}}
+        "mutations": {"request_mutations": [{"remove": h} for h in H.RESERVED_REQUEST]}}}
     hcm = {"name": "envoy.filters.network.http_connection_manager", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
                  "HttpConnectionManager",
