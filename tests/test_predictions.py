@@ -33,3 +33,29 @@ def test_bounded_and_disabled() -> None:
     off = Predictions(ttl_s=0)
     off.record(0, [1])
     assert len(off) == 0
+
+
+def test_expire_drops_exactly_the_expired_keys_in_any_recording_order() -> None:
+    # Records at different times, re-records of old keys on another slot, a TTL change in between: expire()
+    # must leave every live (key, slot) usable and, once the longest TTL has passed, nothing behind.
+    import random
+
+    rng = random.Random(7)
+    for _ in range(50):
+        clock = Clock()
+        p = Predictions(ttl_s=2.0, clock=clock)
+        live: dict[tuple[int, int], float] = {}
+        for _step in range(40):
+            if rng.random() < 0.1:
+                p.ttl_s = rng.choice([0.5, 2.0, 4.0])
+            slot, keys = rng.randrange(3), [rng.randrange(30) for _ in range(rng.randint(1, 5))]
+            p.record(slot, keys)
+            for k in keys:
+                live[(k, slot)] = clock.now + p.ttl_s
+            clock.now += rng.choice([0.0, 0.1, 0.7, 1.5])
+            p.expire()
+            for (k, s), exp in live.items():
+                assert (p.extend([k], s, 0) == 1) == (exp > clock.now), (k, s, exp, clock.now)
+        clock.now += 5.0
+        p.expire()
+        assert len(p) == 0
