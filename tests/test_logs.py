@@ -219,3 +219,39 @@ def test_json_output_does_not_disturb_a_text_stream() -> None:
         lg.removeHandler(h)
         lg.propagate = True
     assert [_parse(line)["i"] for line in buf.getvalue().splitlines()] == [0, 1, 2]
+
+
+class _NullSink:
+    """The ledger view's writer interface, for a target whose stream never runs here."""
+
+    def add(self, worker: int, keys: list[int]) -> None: ...
+    def remove(self, worker: int, keys: list[int]) -> None: ...
+    def clear_worker(self, worker: int) -> None: ...
+
+
+def test_a_kv_stream_logs_its_sync_once_and_each_resync(caplog: pytest.LogCaptureFixture) -> None:
+    """Coming into sync is one INFO line; a gap is one WARNING that says what happened and never a line per
+    batch (ingest/source.py)."""
+    import zmq.asyncio
+
+    from cortex.kv_events import KVEventBatch, encode_batch
+    from ingest.hash_parity import ParityCheck
+    from ingest.ledger import Ledger
+    from ingest.source import EventSource
+    from ingest.sync import SourceSync
+
+    parity = ParityCheck(engine="vllm", page_size=16, hash_algo="sha256", hash_seed=None)
+    src = EventSource("w0", Ledger(slot=0, engine="vllm", block_size=16, parity=parity), parity,
+                      SourceSync(has_replay=False), zmq.asyncio.Context.instance(), _NullSink(), endpoint=None,
+                      replay_endpoint=None)
+    empty = encode_batch(KVEventBatch(ts=0.0, events=[]))
+    with caplog.at_level(logging.INFO, logger="cortex.ingest"):
+        src.perform(src.sync.connected())
+        for seq in (0, 1, 2):
+            src.perform(src.sync.live(seq, empty))
+        src.perform(src.sync.live(5, empty))  # 3 and 4 lost, and no replay to fetch them
+        src.perform(src.sync.live(6, empty))
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "cortex.ingest"]
+    assert lines == [
+        ("INFO", "target w0: KV events in sync (subscribed (no replay endpoint: batches sent earlier are unknown))"),
+        ("WARNING", "target w0: no replay endpoint to fill the gap; ledger cleared and rebuilt from live batches")]
