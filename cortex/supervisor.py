@@ -62,6 +62,13 @@ class _Child:
     started_at: float = 0.0
 
 
+def _report_crash(task: asyncio.Task[None]) -> None:
+    # Start-up (the gates, the ready announcement) must not fail silently: the person would wait for a ready
+    # line that never comes.
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("start-up failed: %r", exc, exc_info=exc)
+
+
 class GroupFailed(RuntimeError):
     pass
 
@@ -138,9 +145,9 @@ class Supervisor:
             self._event(message, logging.ERROR)
         self._done.set()
 
-    def stop(self) -> None:
+    def stop(self, sig: signal.Signals | None = None) -> None:
         if not self._done.is_set():
-            self._event("stopping")
+            self._event(f"stopping ({sig.name})" if sig is not None else "stopping")
         self._done.set()
 
     def pid_of(self, name: str) -> int | None:
@@ -176,10 +183,10 @@ class Supervisor:
         """Start everything, wait for a signal or a fatal failure, stop everything. Returns the exit code."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.stop)
+            loop.add_signal_handler(sig, self.stop, sig)
         watchers: list[asyncio.Task[None]] = []
         starter = asyncio.create_task(self._start(watchers, ready))
-        starter.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        starter.add_done_callback(_report_crash)
         try:
             await self._done.wait()
         finally:
@@ -196,19 +203,22 @@ class Supervisor:
 
     async def _terminate_all(self) -> None:
         for stage in reversed(self._stages()):
-            await self._terminate([c.proc for c in stage if c.proc is not None and c.proc.returncode is None])
+            await self._terminate([c for c in stage if c.proc is not None and c.proc.returncode is None])
 
-    async def _terminate(self, live: list[asyncio.subprocess.Process]) -> None:
+    async def _terminate(self, children: list[_Child]) -> None:
+        live = [c.proc for c in children if c.proc is not None]
         for p in live:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.gather(*(p.wait() for p in live)), self.grace_s)
         except TimeoutError:
-            for p in live:
-                if p.returncode is None:
+            for c in children:
+                if c.proc is not None and c.proc.returncode is None:
+                    log.warning("%s did not stop within %.0f s of SIGTERM: killed", c.spec.name, self.grace_s,
+                                extra={"child": c.spec.name})
                     with contextlib.suppress(ProcessLookupError):
-                        p.kill()
+                        c.proc.kill()
             await asyncio.gather(*(p.wait() for p in live))
 
     @property

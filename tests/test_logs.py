@@ -15,13 +15,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from cortex import logs
+from cortex.bench.launch import free_ports
 from cortex.config import ConfigError, parse_config
 from cortex.envoy_config import envoy_binary
 from cortex.supervisor import ChildSpec, Supervisor
+from tests.harness import Gateway, Sim, long_chat, serving, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = [sys.executable, "-m", "cortex.cli"]
@@ -255,3 +258,50 @@ def test_a_kv_stream_logs_its_sync_once_and_each_resync(caplog: pytest.LogCaptur
     assert lines == [
         ("INFO", "target w0: KV events in sync (subscribed (no replay endpoint: batches sent earlier are unknown))"),
         ("WARNING", "target w0: no replay endpoint to fill the gap; ledger cleared and rebuilt from live batches")]
+
+
+@pytest.mark.timeout(240)
+def test_a_real_gateway_writes_only_json_lines_from_every_process(tmp_path: Path) -> None:
+    """`cortex run --log-format json` (over `log.format: text` in the file: the flag wins): the supervisor,
+    ingest, extproc and Envoy all write JSON objects, one per line, nothing else, through a request, Envoy's
+    debug lines (multi-line header dumps), a child killed and restarted, and the stop."""
+    ports = free_ports(6)
+    gw = Gateway(root=tmp_path, sims=[Sim(id="sim-1", port=ports[0], kv_port=ports[1])], port=ports[2],
+                 admin_port=ports[3], ingest_port=ports[4], extproc_port=ports[5],
+                 extra_config={"log": {"format": "text"}}, run_args=("--log-format", "json"))
+    chat = {"model": MODEL, "messages": long_chat(50, seed=3), "max_tokens": 2}
+    with serving(gw):
+        wait_for(lambda: "ready: " in gw.log.read_text(), what="the ready line")
+        assert httpx.post(f"{gw.url}/v1/chat/completions", json=chat, timeout=30).status_code == 200
+        admin = f"http://127.0.0.1:{gw.admin_port}/logging"
+        assert httpx.post(f"{admin}?level=debug", timeout=5).status_code == 200
+        try:
+            assert httpx.post(f"{gw.url}/v1/chat/completions", json=chat, timeout=30).status_code == 200
+        finally:
+            httpx.post(f"{admin}?level=warning", timeout=5)
+        [extproc] = gw.child_pids("--index 0")
+        os.kill(extproc, 9)
+        wait_for(lambda: '"restarted extproc-0' in gw.log.read_text(), timeout=60, what="extproc restarted")
+    text = gw.log.read_text()
+    assert text.endswith("\n")
+    docs = []
+    for line in text.splitlines():
+        try:
+            docs.append(_parse(line))
+        except (ValueError, AssertionError):
+            raise AssertionError(f"not a JSON log line: {line!r}") from None
+    by_process: dict[str, list[dict[str, Any]]] = {}
+    for d in docs:
+        by_process.setdefault(d["process"], []).append(d)
+    assert {"supervisor", "ingest", "extproc-0", "envoy"} <= set(by_process), set(by_process)
+    assert all(d["logger"].startswith("envoy.") for d in by_process["envoy"])
+    assert any("\n" in d["msg"] for d in by_process["envoy"])  # a header dump, still one line
+    [ready] = [d for d in docs if d["msg"].startswith("ready: ")]
+    assert ready["logger"] == "cortex" and ready["process"] == "supervisor"
+    assert (ready["listen"], ready["workers"], ready["models"]) == (gw.url, ["sim-1"], [MODEL])
+    [died] = [d for d in docs if d.get("child") == "extproc-0" and d["level"] == "warning"]
+    assert died["exit_code"] == -9 and died["restarts"] == 1
+    assert [d["msg"] for d in by_process["extproc-0"] if "serving on" in d["msg"]] == [
+        f"extproc 0 serving on 127.0.0.1:{gw.extproc_port} (1 models)"] * 2  # started, then restarted
+    assert docs[-1]["msg"] == "stopped" and docs[-1]["process"] == "supervisor"
+    assert not [d for d in docs if d["level"] in ("error", "critical")], [d for d in docs if d["level"] == "error"]
