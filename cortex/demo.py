@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--ingest-port", type=int, default=9090, help="ingest port (/cortex/workers, /metrics)")
     p.add_argument("--extproc-port", type=int, default=50051, help="extproc gRPC port")
     p.add_argument("--runtime-dir", default="/tmp/cortex-demo")
-    logs.add_flags(p)
+    logs.add_flags(p, config=False)
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")

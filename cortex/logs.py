@@ -118,13 +118,15 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """`--log-format` and `--log-level`, None when not given (then cortex.yaml's `log` section, then the default)."""
+def add_flags(parser: argparse.ArgumentParser, config: bool = True) -> None:
+    """`--log-format` and `--log-level`, None when not given (then cortex.yaml's `log` section, then the default).
+    `config`: the command reads a cortex.yaml (the help says where the default comes from)."""
+    where = "log.{} in cortex.yaml, else " if config else ""
     parser.add_argument("--log-format", choices=FORMATS, default=None,
-                        help="text: readable lines; json: one JSON object per line, Envoy's included (default: "
-                             "log.format in cortex.yaml, else text)")
+                        help="text: readable lines; json: one JSON object per line, every process's and Envoy's "
+                             f"(default: {where.format('format')}text)")
     parser.add_argument("--log-level", type=str.lower, choices=LEVELS, default=None,
-                        help="lowest level written (default: log.level in cortex.yaml, else info)")
+                        help=f"lowest level written (default: {where.format('level')}info)")
 
 
 def resolve(flag_level: str | None, flag_format: str | None, verbose: bool = False, file_level: str = "info",
