@@ -219,13 +219,16 @@ ENVOY_ENV = {"TZ": "UTC"}
 
 def say(msg: str, *args: object, level: int = logging.INFO, **fields: Any) -> None:
     """A line for the person running `cortex run` / `cortex demo` (the VOICE logger), with structured fields for
-    JSON. Before `configure()` (Cortex used as a library) it is printed as text all the same: these lines (ready,
-    stopped, a child given up on) must never vanish for want of a handler."""
+    JSON, shown whatever the level. Before `configure()` (Cortex used as a library) it is printed as text all the
+    same: these lines (ready, stopped, a child given up on) must never vanish for want of a handler."""
     if not _state:
         head = "" if level < logging.WARNING else f"{logging.getLevelName(level).lower()}: "
         print(f"[{VOICE}] {head}{msg % args if args else msg}", file=sys.stderr, flush=True)
         return
-    logging.getLogger(VOICE).log(level, msg, *args, extra=fields)
+    # Past the level check: the few lines addressed to the operator show at any --log-level (the `cortex`
+    # logger's own level would be inherited by every cortex.* logger).
+    voice = logging.getLogger(VOICE)
+    voice.handle(voice.makeRecord(VOICE, level, "", 0, msg, args, None, extra=fields))
 
 
 def fatal(msg: str, who: str = "cortex") -> None:

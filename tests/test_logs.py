@@ -134,6 +134,11 @@ def test_configure_in_a_process_json_everywhere_including_warnings_and_crashes()
     env[logs.PROCESS_ENV] = "replica-2/ingest"
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert {_parse(line)["process"] for line in r.stderr.splitlines()} == {"replica-2/ingest"}
+    # At --log-level error, INFO is gone but the lines addressed to the operator (ready) stay.
+    r = subprocess.run([sys.executable, "-c", script.replace("'info', 'json'", "'error', 'json'")],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert [(d["level"], d["logger"]) for d in map(_parse, r.stderr.splitlines())] == [
+        ("info", "cortex"), ("critical", "cortex")]
 
 
 def test_bad_log_values_are_clear_config_errors(tmp_path: Path) -> None:
