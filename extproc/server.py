@@ -614,7 +614,10 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
     port = cfg.extproc.base_port + index
     server.add_insecure_port(f"{cfg.extproc.host}:{port}")
     await server.start()
-    log.debug("extproc %d listening on %s:%d", index, cfg.extproc.host, port)
+    # A restarted process finds ingest's view at once: it serves from here, and says so as a first start does.
+    (log.info if served else log.debug)("extproc %d %s on %s:%d (%d models)", index,
+                                        "serving" if served else "listening", cfg.extproc.host, port,
+                                        len(registry.bundles))
 
     async def upkeep() -> None:
         nonlocal served

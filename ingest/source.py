@@ -320,9 +320,9 @@ class EventSource:
         """A person sees each stream come into sync once, and each time it falls out and back (a resync)."""
         now, why = self.sync.state, self.sync.reason
         if now is SyncState.STALE:
-            log.warning("target %s: KV events out of sync (%s); routed by load until caught up", self.name, why)
+            log.warning("target %s: KV events out of sync: %s; routed by load until caught up", self.name, why)
         elif now is SyncState.READY:
-            log.info("target %s: KV events in sync (%s)", self.name, why)
+            log.info("target %s: KV events in sync: %s", self.name, why)
         else:
             log.debug("target %s: KV events %s -> %s (%s)", self.name, was.value, now.value, why)
 

@@ -261,7 +261,7 @@ def test_a_kv_stream_logs_its_sync_once_and_each_resync(caplog: pytest.LogCaptur
         src.perform(src.sync.live(6, empty))
     lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "cortex.ingest"]
     assert lines == [
-        ("INFO", "target w0: KV events in sync (subscribed (no replay endpoint: batches sent earlier are unknown))"),
+        ("INFO", "target w0: KV events in sync: subscribed (no replay endpoint: batches sent earlier are unknown)"),
         ("WARNING", "target w0: no replay endpoint to fill the gap; ledger cleared and rebuilt from live batches")]
 
 
@@ -286,7 +286,8 @@ def test_a_real_gateway_writes_only_json_lines_from_every_process(tmp_path: Path
             httpx.post(f"{admin}?level=warning", timeout=5)
         [extproc] = gw.child_pids("--index 0")
         os.kill(extproc, 9)
-        wait_for(lambda: '"restarted extproc-0' in gw.log.read_text(), timeout=60, what="extproc restarted")
+        wait_for(lambda: gw.log.read_text().count('"msg":"extproc 0 serving on') == 2, timeout=90,
+                 what="extproc restarted and serving")
     text = gw.log.read_text()
     assert text.endswith("\n")
     docs = []
