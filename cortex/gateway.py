@@ -137,13 +137,14 @@ def ready_fields(cfg: CortexConfig, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def ready_message(f: dict[str, Any]) -> str:
-    """`ready: http://127.0.0.1:8080  2 workers (sim-1, sim-2), 1 model (Qwen/...): all targets on exact-KV routing
-    (admin ..., envoy admin ...)`: one line a person reads to know where to send requests and what is behind."""
-    n, m = len(f["workers"]), len(f["models"])
+    """`ready: http://127.0.0.1:8080  2 workers (sim-1, sim-2), 1 model (Qwen/...), 2 extproc processes: all targets
+    on exact-KV routing  (admin ..., envoy admin ...)`: one line a person reads to know where to send requests and
+    what is behind."""
+    n, m, x = len(f["workers"]), len(f["models"]), f["extproc_processes"]
     fleet = f"{n} worker{'s' * (n != 1)} ({', '.join(f['workers']) or 'none yet'})"
     models = f"{m} model{'s' * (m != 1)} ({', '.join(f['models'])})"
     routing = f": {f['routing']}" if f["routing"] else ""
-    return (f"ready: {f['listen']}  {fleet}, {models}, {f['extproc_processes']} extproc{routing}  "
+    return (f"ready: {f['listen']}  {fleet}, {models}, {x} extproc process{'es' * (x != 1)}{routing}  "
             f"(admin {f['admin']}/cortex/workers, envoy admin {f['envoy_admin']})")
 
 

@@ -149,7 +149,8 @@ class ExtProc:
 
     def reload(self, cfg: CortexConfig, registry: ModelRegistry, encoders: dict[int, SegmentEncoder]) -> None:
         self.router.reload(cfg, registry, encoders)  # swaps the one Source both read
-        log.info("config reloaded: %d models, %d aliases", len(cfg.models), len(cfg.aliases))
+        logging.getLogger("cortex.config").info("config reloaded: %d models, %d aliases", len(cfg.models),
+                                                len(cfg.aliases))
 
     # -- the gRPC method ----------------------------------------------------------------------------------
 
@@ -655,6 +656,12 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
 
 
 def run(cfg: CortexConfig, index: int, config_path: Path | None = None) -> int:
+    if index > 0:
+        # Every extproc process loads the same tokenizers and applies (or refuses) the same config edits: process
+        # 0 tells the person once. The others keep their warnings (and, but for config refusals, errors).
+        for name in ("cortex.piecewise_tokenize", "cortex.fast_bpe"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger("cortex.config").setLevel(logging.CRITICAL)
     try:
         import uvloop
         uvloop.install()

