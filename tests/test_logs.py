@@ -331,3 +331,18 @@ def test_the_ready_line_names_where_and_what() -> None:
         "http://127.0.0.1:9901)")
     one = ready_message(ready_fields(cfg.model_copy(update={"workers": []}), {}) | {"extproc_processes": 1})
     assert "  0 workers (none yet), 1 model (" in one and ", 1 extproc process  (admin" in one
+
+
+def test_the_simulator_ready_line_in_json_keeps_its_fields() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(logs.PROCESS_ENV, None)
+    proc = subprocess.Popen([*PY, "sim", "--port", "0", "--kv-events-port", "0", "--worker-id", "w9",
+                             "--log-format", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None
+        doc = _parse(proc.stdout.readline().decode())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert (doc["msg"], doc["process"], doc["worker"], doc["kv_events"]) == ("sim ready", "w9", "w9", "off")
+    assert doc["http"].startswith("127.0.0.1:")
