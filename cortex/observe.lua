@@ -59,7 +59,7 @@ local function usage_finder(meta)
     else
       s = carry .. data
     end
-    carry = data:sub(-24)  -- a key split across two chunks is found in the next call
+    carry = s:sub(-24)  -- a key split across chunks is found with the next one
     while true do
       if not cap then
         local _, b = s:find(USAGE_KEY)

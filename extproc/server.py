@@ -32,6 +32,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from cortex import engines, grpc_health, observation
 from cortex import headers as H
+from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, MODELS_PATH
 from cortex.config import CortexConfig
 from cortex.config_watch import ConfigWatcher
 from cortex.envoy_config import ANY_CLUSTER, pool_cluster
@@ -50,9 +51,6 @@ from extproc.snapshot import Source
 
 log = logging.getLogger("cortex.extproc")
 
-EXPLAIN_PATH = "/cortex/v1/route"
-MODELS_PATH = "/v1/models"
-HEALTH_PATH = "/cortex/health"
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 _EMPTY_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _EMPTY_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())

@@ -33,7 +33,7 @@ CLAIM_CHECK = Counter("cortex_claim_check", "Cortex's claim against the engine's
 CLAIM_ERROR = Counter("cortex_claim_error_tokens", "|claim - engine's cached_tokens| summed, by direction",
                       ["model", "worker", "outcome"])
 ENTRIES = Counter("cortex_observer_entries", "access-log entries read: ok, not_routed (no extproc decision), "
-                  "malformed", ["outcome"])
+                  "health (a probe of /cortex/health, not counted as a request), malformed", ["outcome"])
 
 
 class Labels:

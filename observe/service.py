@@ -25,6 +25,7 @@ import orjson
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2
 
+from cortex.api_paths import HEALTH_PATH
 from cortex.config import CortexConfig
 from observe import metrics
 from observe.entry import Observation, read
@@ -92,6 +93,9 @@ class Observer:
             metrics.ENTRIES.labels("malformed").inc()
             log.exception("an access-log entry could not be read; it is skipped")
             return None
+        if o.path == HEALTH_PATH:  # a balancer's probe, every few seconds: not traffic
+            metrics.ENTRIES.labels("health").inc()
+            return o
         metrics.ENTRIES.labels("ok" if o.routed else "not_routed").inc()
         metrics.record(o, self.labels)
         self.recent.add(o, self.clock())
