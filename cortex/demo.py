@@ -176,6 +176,8 @@ See the decision without forwarding:
   curl -s {base}/cortex/v1/route -H 'content-type: application/json' -d '{body}'
 Ledger and workers:   curl -s http://127.0.0.1:{cfg.ingest.port}/cortex/workers
 Metrics:              curl -s http://127.0.0.1:{cfg.ingest.port}/metrics | grep cortex_
+Recent decisions:     curl -s http://127.0.0.1:{cfg.observe.http_port}/cortex/decisions
+Request log:          {cfg.observe.request_log_path}
 Envoy admin:          http://127.0.0.1:{cfg.admin.port}/clusters
 Stop with Ctrl-C.
 """, flush=True)
