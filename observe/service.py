@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -24,6 +25,8 @@ import grpc
 import orjson
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from cortex.api_paths import HEALTH_PATH
 from cortex.config import CortexConfig
@@ -132,10 +135,22 @@ class Observer:
         async def health(_: web.Request) -> web.Response:
             return web.json_response({"status": "ok"})
 
+        async def prometheus(_: web.Request) -> web.Response:
+            # extproc's and this process's series (the shared multi-process files), not ingest's: a scrape
+            # target that stays up while ingest restarts (ingest serves them too, unless ?scope=ingest).
+            body = generate_latest(shared) if shared is not None else b""
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        shared: CollectorRegistry | None = None
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            shared = CollectorRegistry()
+            MultiProcessCollector(shared)
+
         app = web.Application()
         app.router.add_get("/cortex/decisions", decisions)
         app.router.add_get("/cortex/hit-ratio", hit_ratio)
         app.router.add_get("/health", health)
+        app.router.add_get("/metrics", prometheus)
         return app
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,3 +195,24 @@ def test_endings_that_are_not_a_success_are_counted_by_cause(gw: Gateway) -> Non
     assert moved("cortex_requests_total", code="400") == 1
     assert moved("cortex_request_errors_total", cause="client_disconnect", model=MODEL) == 1
     assert moved("cortex_request_errors_total", cause="upstream_reset", model=MODEL) == 1
+
+
+def test_extproc_and_request_series_stay_scrapable_while_ingest_is_down(gw: Gateway) -> None:
+    r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=30,
+                   json={"model": MODEL, "messages": long_chat(120, seed=7), "max_tokens": 2})
+    assert r.status_code == 200
+    wait_for(lambda: total(scrape(gw.observe_url), "cortex_requests_total", code="200") > 0, timeout=20,
+             what="the request on the observer's /metrics")
+    # Two disjoint targets: ingest's own series, and extproc's with the observer's.
+    ingest_only = httpx.get(f"{gw.ingest_url}/metrics", params={"scope": "ingest"}, timeout=10).text
+    assert "cortex_worker_healthy" in ingest_only and "cortex_route_decisions_total" not in ingest_only
+    served = scrape(gw.observe_url)
+    assert total(served, "cortex_route_decisions_total") > 0 and total(served, "cortex_worker_healthy") == 0
+    (pid,) = gw.child_pids("cli ingest")
+    os.kill(pid, signal.SIGSTOP)  # ingest hangs: its port stops answering, the observer's does not
+    try:
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{gw.ingest_url}/metrics", timeout=1)
+        assert total(scrape(gw.observe_url), "cortex_route_decisions_total") > 0
+    finally:
+        os.kill(pid, signal.SIGCONT)
