@@ -11,8 +11,12 @@ other about one request, through Envoy's dynamic metadata (docs/observability.md
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
+
+import numpy as np
+import xxhash
 
 NAMESPACE = "cortex"
 """extproc's facts about the request."""
@@ -26,6 +30,7 @@ STREAM = "stream"
 PROMPT_HASH = "prompt_hash"
 FIRST_IDS = "first_ids"
 PROMPT_TOKENS = "prompt_tokens"
+"""Cortex's own count (an estimate when routing stopped early; the engine's usage is the exact one)."""
 WORKER = "worker"
 PREFILL = "prefill"
 MODE = "mode"
@@ -33,6 +38,17 @@ REASON = "reason"
 CLAIMED = "claimed_hit_tokens"
 FIRST_IDS_LOGGED = 64
 """How many of the prompt's first token ids the request log carries (never the text)."""
+
+
+def prompt_hash(text: str | None, ids: Sequence[int] | None) -> str:
+    """A fingerprint of the whole prompt for the request log: equal prompts (as rendered for the engine, or as
+    token ids) share it, and the text cannot be read back from it. XXH3-64 of the UTF-8 text, else of the ids
+    as little-endian uint32."""
+    if text is not None:
+        return xxhash.xxh3_64_hexdigest(text.encode("utf-8", "surrogatepass"))
+    if ids is not None:
+        return xxhash.xxh3_64_hexdigest(np.asarray(ids, dtype="<u4").tobytes())
+    return ""
 
 
 @cache

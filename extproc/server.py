@@ -274,7 +274,7 @@ class ExtProc:
             changes = {**changes, "stream_options": injected}
         response = self._single(st, result.decision, result.model, body, changes)
         _observe(response, {observation.MODEL: result.model, observation.STREAM: parsed.stream,
-                            observation.USAGE_INJECTED: injected is not None})
+                            observation.USAGE_INJECTED: injected is not None, **_prompt_facts(result)})
         return response
 
     def _wants_usage(self, stream: bool, body: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -345,7 +345,7 @@ class ExtProc:
             common.header_mutation.set_headers.append(_set(k, v))
         self._set_body(response, started.decode_body)
         _observe(response, {observation.MODEL: result.model, observation.STREAM: pending.doc.get("stream") is True,
-                            observation.USAGE_INJECTED: False})
+                            observation.USAGE_INJECTED: False, **_prompt_facts(result)})
         return response
 
     @staticmethod
@@ -585,6 +585,11 @@ class ExtProc:
 def _observe(response: pb.ProcessingResponse, facts: dict[str, Any]) -> None:
     """extproc's facts about this request, for the observation (cortex/observation.py)."""
     response.dynamic_metadata.update({observation.NAMESPACE: facts})
+
+
+def _prompt_facts(result: RoutePlan) -> dict[str, Any]:
+    return {observation.PROMPT_HASH: result.prompt_hash, observation.FIRST_IDS: result.head_ids,
+            observation.PROMPT_TOKENS: result.prompt_tokens}
 
 
 _CLAIM_KEYS = {H.ASSIGNED_WORKER: observation.WORKER, H.MATCH_MODE: observation.MODE,

@@ -69,6 +69,12 @@ class Observation:
     e2e_s: float | None
     chunks: int
     stream: bool
+    prompt_hash: str = ""
+    """observation.prompt_hash of the whole prompt ('' when extproc did not see one)."""
+    first_ids: tuple[int, ...] = ()
+    """The prompt's first token ids (up to observation.FIRST_IDS_LOGGED), never its text."""
+    routed_prompt_tokens: int | None = None
+    """Cortex's own count (an estimate when routing stopped early); prompt_tokens is the engine's."""
 
     @property
     def outcome(self) -> str | None:
@@ -93,6 +99,8 @@ def _scalars(s: struct_pb2.Struct) -> dict[str, Any]:
             out[key] = v.string_value
         elif kind == "bool_value":
             out[key] = v.bool_value
+        elif kind == "list_value":
+            out[key] = [x.number_value for x in v.list_value.values if x.WhichOneof("kind") == "number_value"]
     return out
 
 
@@ -151,4 +159,6 @@ def read(entry: al.HTTPAccessLogEntry, workers_by_address: Mapping[str, str]) ->
         claimed=_int(facts.get(obs.CLAIMED)), prompt_tokens=_int(seen.get("prompt_tokens")),
         completion_tokens=completion, cached_tokens=_int(seen.get("cached_tokens")),
         usage_injected=bool(facts.get(obs.USAGE_INJECTED)), ttft_s=ttft, itl_s=itl, e2e_s=e2e,
-        chunks=_int(seen.get("chunks")) or 0, stream=stream)
+        chunks=_int(seen.get("chunks")) or 0, stream=stream, prompt_hash=_str(facts.get(obs.PROMPT_HASH)),
+        first_ids=tuple(int(i) for i in facts.get(obs.FIRST_IDS, ())[:obs.FIRST_IDS_LOGGED]),
+        routed_prompt_tokens=_int(facts.get(obs.PROMPT_TOKENS)))

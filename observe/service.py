@@ -73,6 +73,10 @@ def log_line(o: Observation) -> bytes:
         "ttft_ms": None if o.ttft_s is None else round(o.ttft_s * 1000, 2),
         "itl_ms": None if o.itl_s is None else round(o.itl_s * 1000, 3),
         "e2e_ms": None if o.e2e_s is None else round(o.e2e_s * 1000, 2),
+        # The prompt, identified but unreadable: its fingerprint, its first token ids, its length (the engine's
+        # count, else Cortex's own, which is an estimate when routing stopped early).
+        "prompt_hash": o.prompt_hash, "first_ids": list(o.first_ids),
+        "token_count": o.prompt_tokens if o.prompt_tokens is not None else o.routed_prompt_tokens,
     }
     if o.prefill:
         doc["prefill_worker"] = o.prefill

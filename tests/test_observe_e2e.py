@@ -146,6 +146,16 @@ def test_twenty_requests_move_every_series_by_what_the_engines_did(gw: Gateway) 
     for chat in chats:
         for m in chat:
             assert m["content"][:40] not in text
+    # The prompt, identified: the same chat has the same fingerprint and first ids (the ids routing used, as
+    # the explain endpoint gives them), different chats differ; its length is the engine's count.
+    for c in range(5):
+        same = [lines[f"obs-test-{i}"] for i in range(c, 20, 5)]
+        assert len({d["prompt_hash"] for d in same}) == 1 and len({tuple(d["first_ids"]) for d in same}) == 1
+        explain = httpx.post(f"{gw.url}/cortex/v1/route?tokens=1", json={"model": MODEL, "messages": chats[c]},
+                             timeout=10).json()
+        assert same[0]["first_ids"] == explain["token_ids"][:64]
+        assert all(d["token_count"] == d["prompt_tokens"] == explain["prompt_tokens"] for d in same)
+    assert len({lines[f"obs-test-{c}"]["prompt_hash"] for c in range(5)}) == 5
 
     # The status page's source: the newest decision first, with the engine's figure beside the claim.
     doc = httpx.get(f"{gw.observe_url}/cortex/decisions?limit=5", timeout=5).json()

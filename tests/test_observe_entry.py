@@ -92,6 +92,14 @@ def test_every_ending_has_its_cause(status: int | None, details: str, flags: tup
     assert o.status == (status or 0)
 
 
+def test_the_prompt_is_identified_not_stored() -> None:
+    facts = {**ROUTED, obs.PROMPT_HASH: "9f2c", obs.PROMPT_TOKENS: 1040, obs.FIRST_IDS: list(range(70))}
+    o = read(entry(facts=facts, seen=SEEN), {})
+    assert (o.prompt_hash, o.routed_prompt_tokens, o.first_ids) == ("9f2c", 1040, tuple(range(64)))
+    assert obs.prompt_hash("a chat", None) == obs.prompt_hash("a chat", None) != obs.prompt_hash("a chat!", None)
+    assert obs.prompt_hash(None, [1, 2, 3]) != obs.prompt_hash(None, [1, 2, 4]) and obs.prompt_hash(None, None) == ""
+
+
 def test_what_is_missing_stays_missing() -> None:
     # Envoy answered itself (no extproc facts), the engine sent no usage, the client left before any byte.
     o = read(entry(status=None, details="", flags=("downstream_remote_reset",), e2e_s=None,
