@@ -261,7 +261,7 @@ class ExtProc:
             metrics.INTERNAL_ERRORS.inc()
             st.fallback_reason = "extproc_error"
             return _EMPTY_BODY
-        metrics.observe_decision(result, time.perf_counter() - t0)
+        metrics.observe_decision(result, time.perf_counter() - t0, self.cluster.block_size)
         changes = result.changes
         plan = result.pd
         if plan is not None and plan.pair is not None:

@@ -130,6 +130,10 @@ def test_twenty_requests_move_every_series_by_what_the_engines_did(gw: Gateway) 
     assert moved("cortex_claim_check_total", outcome="over", **labels) == 0
     assert moved("cortex_claim_check_total", **labels) == 20
     assert moved("cortex_claim_error_tokens_total", outcome="over", **labels) == 0
+    # The routing gain's baseline: a worker drawn at random (two here, one holding each repeated chat) would
+    # have had about half of what Cortex claimed.
+    random_hit = moved("cortex_random_choice_hit_tokens_total")
+    assert 0 < random_hit < claims
 
     # The request log: one line per request, its id, never the prompt's text.
     lines = {}
