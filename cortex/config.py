@@ -160,6 +160,9 @@ class ObserveConfig(_Strict):
     """Write one JSON line per request (never the prompt) to the observer's output."""
     request_log_path: str | None = None
     """File the request log is appended to (None: the observer's standard output, i.e. the gateway's log)."""
+    envoy_access_log_path: str | None = None
+    """Also have Envoy write its access log here, one JSON line per request with the request log's keys (those
+    Envoy knows), joinable on request_id; `/dev/stdout` for the gateway's output. None: no Envoy access log."""
     request_log_sample: float = Field(1.0, ge=0, le=1)
     """Share of requests whose line is written, chosen by request id (the same request in Envoy's log and
     Cortex's is either both or neither). Metrics always count every request."""

@@ -53,7 +53,8 @@ def engines(gw: Gateway) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     root = tmp_path_factory.mktemp("observe")
-    with cluster(root, extra_config={"observe": {"request_log_path": str(root / "requests.log")}}) as g:
+    with cluster(root, extra_config={"observe": {"request_log_path": str(root / "requests.log"),
+                                                 "envoy_access_log_path": str(root / "envoy-access.log")}}) as g:
         yield g
 
 
@@ -160,6 +161,16 @@ def test_twenty_requests_move_every_series_by_what_the_engines_did(gw: Gateway) 
         assert same[0]["first_ids"] == explain["token_ids"][:64]
         assert all(d["token_count"] == d["prompt_tokens"] == explain["prompt_tokens"] for d in same)
     assert len({lines[f"obs-test-{c}"]["prompt_hash"] for c in range(5)}) == 5
+    # Envoy's own access log: the same keys where Envoy knows them, the same values, joined on request_id.
+    envoy_log = gw.root / "envoy-access.log"
+    wait_for(lambda: envoy_log.exists() and "obs-test-19" in envoy_log.read_text(), timeout=20,
+             what="Envoy's access log line")
+    envoy_lines = {d["request_id"]: d for d in map(json.loads, envoy_log.read_text().splitlines())}
+    for i in range(20):
+        ours, theirs = lines[f"obs-test-{i}"], envoy_lines[f"obs-test-{i}"]
+        for key in ("method", "path", "status", "model", "worker", "mode", "reason", "claimed_hit_tokens",
+                    "engine_cached_tokens", "prompt_tokens", "completion_tokens", "stream", "prompt_hash"):
+            assert theirs[key] == ours[key], (i, key, theirs[key], ours[key])
 
     # The status page's source: the newest decision first, with the engine's figure beside the claim.
     doc = httpx.get(f"{gw.observe_url}/cortex/decisions?limit=5", timeout=5).json()
