@@ -18,6 +18,7 @@ local USAGE_KEY = '"usage"%s*:%s*{'
 local A_CHOICE = '"choices"%s*:%s*%[%s*{'
 local NO_CHOICES = '"choices"%s*:%s*%[%s*%]'
 local EVENT_END = "\n\r?\n"
+local EVERY = 16              -- running figures are written every this many chunks, and at the end
 
 local function now_us(h)
   return tonumber(h:timestampString(EnvoyTimestampResolution.MICROSECOND))
@@ -128,14 +129,19 @@ function envoy_on_response(h)
   if cortex ~= nil and cortex["usage_injected"] == true and sse then strip = usage_stripper() end
   local find_usage = usage_finder(meta)
   local chunks, bytes, first = 0, 0, false
+  -- The running figures are written every EVERY chunks and once at the end, not per chunk (each write is a
+  -- protobuf update); a stream cut short keeps those of its last multiple of EVERY chunks.
+  local function note(md)
+    md:set(NS, "last_us", now_us(h))
+    md:set(NS, "chunks", chunks)
+    md:set(NS, "bytes", bytes)
+  end
   for chunk in h:bodyChunks() do
     local n = chunk:length()
     if n > 0 then
-      local t = now_us(h)
-      local md = meta()
       if not first then
         first = true
-        md:set(NS, "first_us", t)
+        meta():set(NS, "first_us", now_us(h))
       end
       local data = chunk:getBytes(0, n)
       find_usage(data)
@@ -146,9 +152,8 @@ function envoy_on_response(h)
       end
       chunks = chunks + 1
       bytes = bytes + n
-      md:set(NS, "last_us", t)
-      md:set(NS, "chunks", chunks)
-      md:set(NS, "bytes", bytes)
+      if chunks % EVERY == 0 then note(meta()) end
     end
   end
+  if first then note(meta()) end
 end
