@@ -18,7 +18,7 @@ commands:
   bench    [flags]          benchmark Cortex against other routers on simulated workers (`cortex bench --help`)
   check    -c cortex.yaml   validate a config file and its model files, print it with every default filled in
   envoy-config -c cortex.yaml  print the Envoy bootstrap Cortex generates from a config
-  ingest / extproc          internal: the processes `cortex run` supervises
+  ingest / extproc / observe  internal: the processes `cortex run` supervises
 """
 
 
@@ -103,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         from extproc.server import run as run_extproc
 
         return run_extproc(cfg, args.index, Path(args.config))
+    if command == "observe":
+        from observe.service import run as run_observe
+
+        return run_observe(cfg)
     print(f"cortex: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -142,9 +142,11 @@ def build_app(ingest: Ingest) -> web.Application:
     async def close_readiness(_: web.Application) -> None:
         await readiness.close()
 
-    async def metrics(_: web.Request) -> web.Response:
+    async def metrics(request: web.Request) -> web.Response:
         body = generate_latest(own)
-        if shared is not None:
+        # ?scope=ingest: ingest's own series only, for a set-up that scrapes extproc's and the observer's from
+        # the observer's port, where they stay available while ingest restarts (docs/observability.md).
+        if shared is not None and request.query.get("scope") != "ingest":
             body += generate_latest(shared)
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
