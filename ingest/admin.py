@@ -64,6 +64,8 @@ class IngestCollector(Collector):
                                     labels=labels)
         waiting = GaugeMetricFamily("cortex_target_waiting_requests", "engine-reported waiting requests",
                                     labels=labels)
+        kv_usage = GaugeMetricFamily("cortex_target_kv_usage_ratio", "engine-reported share of the KV-cache pool in "
+                                     "use, 0..1 (vLLM kv_cache_usage_perc, SGLang token_usage)", labels=labels)
         event_age = GaugeMetricFamily("cortex_target_last_event_age_seconds", "time since the last event batch",
                                       labels=labels)
         lag = GaugeMetricFamily("cortex_ingest_lag_seconds",
@@ -98,6 +100,8 @@ class IngestCollector(Collector):
                 blocks.add_metric(key, ev.ledger.blocks)
                 running.add_metric(key, t.load.running)
                 waiting.add_metric(key, t.load.waiting)
+                if t.kv_usage is not None:
+                    kv_usage.add_metric(key, t.kv_usage)
                 if ev.last_event_at:
                     event_age.add_metric(key, now - ev.last_event_at)
                     lag.add_metric(key, ev.lag_s)
@@ -109,7 +113,7 @@ class IngestCollector(Collector):
                     counters[name].add_metric(key, value)
                 for reason, n in ev.ledger.dropped.items():
                     dropped.add_metric([*key, reason], n)
-        yield from (state, exact, silent, parity, healthy, tokens, blocks, running, waiting, event_age, lag,
+        yield from (state, exact, silent, parity, healthy, tokens, blocks, running, waiting, kv_usage, event_age, lag,
                     *counters.values(), dropped)
         yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view",
                                 value=self.ingest.view.size)

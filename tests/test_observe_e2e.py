@@ -231,6 +231,7 @@ def test_extproc_and_request_series_stay_scrapable_while_ingest_is_down(gw: Gate
     # Two disjoint targets: ingest's own series, and extproc's with the observer's.
     ingest_only = httpx.get(f"{gw.ingest_url}/metrics", params={"scope": "ingest"}, timeout=10).text
     assert "cortex_worker_healthy" in ingest_only and "cortex_route_decisions_total" not in ingest_only
+    assert "cortex_target_kv_usage_ratio{" in ingest_only  # the workers' own KV usage, read with their load
     served = scrape(gw.observe_url)
     assert total(served, "cortex_route_decisions_total") > 0 and total(served, "cortex_worker_healthy") == 0
     (pid,) = gw.child_pids("cli ingest")
