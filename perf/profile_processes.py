@@ -165,7 +165,10 @@ WAIT_LEAVES = re.compile(r"^(epoll_wait|epoll_pwait2?|(__)?poll|ppoll|__GI___pol
                          r"(__)?futex\w*|do_futex_wait\w*|__lll_lock_wait\w*|pthread_cond_(timed)?wait\w*|"
                          r"__pthread_cond_(timed)?wait\w*|___pthread_cond_(timed)?wait\w*|sem_(timed|clock)?wait\w*|"
                          r"__new_sem_wait\w*|nanosleep|clock_nanosleep\w*|__GI___clock_nanosleep|"
-                         r"__GI___nanosleep|zmq_poll|accept4?|__libc_accept|recvfrom_blocking)$")
+                         r"__GI___nanosleep|zmq_poll|accept4?|__libc_accept|"
+                         # CPython's lock and GIL waits (the semaphore or condition under them is often unnamed)
+                         r"PyThread_acquire_lock(_timed)?|acquire_timed|lock_PyThread_acquire_lock|rlock_acquire|"
+                         r"take_gil|PyCOND_(TIMED)?WAIT|_queue_SimpleQueue_get_impl)$")
 # libc's bare `syscall` is a futex wait when it is reached from one of these Python frames.
 WAIT_CALLERS = re.compile(r"^(get|wait|acquire|_wait_for_tstate_lock|_worker|join|result|sleep|select|poll)$")
 FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
@@ -659,8 +662,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if work.exists() and any(work.iterdir()):
         raise SystemExit(f"--work-dir {work} is not empty")
     work.mkdir(parents=True, exist_ok=True)
-    # Arrivals must outlast both windows: attaching and detaching the samplers adds ~5-8 s to the second one.
-    requests = args.requests or math.ceil(args.rate * (args.warmup + args.cpu_window + args.duration + 20))
+    # Arrivals must outlast both windows: attaching and detaching the samplers adds 5-15 s to the second one
+    # (more on a busy machine).
+    requests = args.requests or math.ceil(args.rate * (args.warmup + args.cpu_window + args.duration + 30))
     bench_json = work / "bench.json"
     argv = [sys.executable, "-m", "cortex.cli", "bench", "--workload", "unique", "--contestant", "cortex",
             "--overhead-probes", "0", "--sweep-rates", "off", "--rate", str(args.rate), "--requests", str(requests),
@@ -789,7 +793,42 @@ def _table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 
 def _cells(runs: Sequence[dict[str, Any]], get: Callable[[dict[str, Any]], str]) -> str:
-    return " / ".join(get(r) for r in runs)
+    """The runs' values as `a / b / c`, with their mean when there are several."""
+    vals = [get(r) for r in runs]
+    nums = [float(v) for v in vals if v != "–"]
+    return " / ".join(vals) + (f" (mean {sum(nums) / len(nums):.2f})" if len(nums) > 1 else "")
+
+
+def _pooled_rows(profs: dict[str, list[dict[str, Any]]], cols: Sequence[str], key: str, name_key: str,
+                 total_key: str, show: Callable[[str], str], limit: int | None = None) -> list[list[str]]:
+    """One row per name: per label, its share pooled over that label's runs (their samples summed), then the
+    runs' range when there are several. A name missing from a run's list counts 0 there (a top list is cut)."""
+    def pooled(c: str, name: str) -> tuple[float, list[float]]:
+        per = []
+        hits = total = 0
+        for p in profs[c]:
+            n = next((x["samples"] for x in p[key] if x[name_key] == name), 0)
+            hits += n
+            total += p[total_key]
+            per.append(n / p[total_key] if p[total_key] else 0.0)
+        return (hits / total if total else 0.0), per
+
+    names: list[str] = []
+    for c in cols:
+        for p in profs[c]:
+            names += [x[name_key] for x in p[key] if x[name_key] not in names]
+    names.sort(key=lambda n: -pooled(cols[0], n)[0] - sum(pooled(c, n)[0] for c in cols[1:]) / 1000)
+    rows = []
+    for n in names[:limit]:
+        cells = []
+        for c in cols:
+            share, per = pooled(c, n)
+            cell = _pct(share)
+            if len(per) > 1:
+                cell += f" ({100 * min(per):.0f}–{100 * max(per):.0f})"
+            cells.append(cell)
+        rows.append([show(n), *cells])
+    return rows
 
 
 def render(runs: Sequence[dict[str, Any]]) -> str:
@@ -827,11 +866,13 @@ def render(runs: Sequence[dict[str, Any]]) -> str:
                 if t["name"] not in names:
                     names.append(t["name"])
 
-        def thread_ms(r: dict[str, Any], name: str, k: str = k) -> str:
-            p = r["cpu"]["processes"].get(k, {})
-            cpu = sum(t["cpu_s"] for t in p.get("threads", []) if t["name"] == name)
-            return _ms(1000 * cpu / r["cpu"]["requests"]) if r["cpu"]["requests"] else "–"
-        trows = [[n, *(" / ".join(thread_ms(r, n) for r in labels[c]) for c in cols)] for n in names]
+        def thread_ms(name: str, k: str = k) -> Callable[[dict[str, Any]], str]:
+            def get(run: dict[str, Any]) -> str:
+                p = run["cpu"]["processes"].get(k, {})
+                cpu = sum(t["cpu_s"] for t in p.get("threads", []) if t["name"] == name)
+                return _ms(1000 * cpu / run["cpu"]["requests"]) if run["cpu"]["requests"] else "–"
+            return get
+        trows = [[n, *(_cells(labels[c], thread_ms(n)) for c in cols)] for n in names]
         out += [f"**{k}: CPU per request by thread (ms)**", "", _table(["thread", *cols], trows), ""]
 
     for k in procs:
@@ -840,40 +881,28 @@ def render(runs: Sequence[dict[str, Any]]) -> str:
         profs = {c: [r["profiles"].get(k, {}) for r in labels[c]] for c in cols}
         if not all("parts" in p for ps in profs.values() for p in ps):
             continue
-        partnames: list[str] = []
-        for ps in profs.values():
-            for p in ps:
-                partnames += [x["part"] for x in p["parts"] if x["part"] not in partnames]
-
-        def part_share(p: dict[str, Any], name: str) -> str:
-            return _pct(next((x["share"] for x in p["parts"] if x["part"] == name), 0.0))
-        prows = [[n, *(" / ".join(part_share(p, n) for p in profs[c]) for c in cols)] for n in partnames]
-        out += [f"**{k}: main thread by part (py-spy, share of its non-wait samples)**", "",
-                _table(["part", *cols], prows), ""]
+        prows = _pooled_rows(profs, cols, "parts", "part", "main_samples", lambda n: n)
+        out += [f"**{k}: main thread by part (py-spy; share of its non-wait samples, pooled over the runs, "
+                "and the runs' range)**", "", _table(["part", *cols], prows), ""]
         out.append("Samples (kept of all, waits dropped; main thread): " + "; ".join(
             f"{c}: " + " / ".join(f"{p['kept']} of {p['samples']} ({p['dropped_waits']} waits dropped), "
                                   f"main thread {p['main_samples']}" for p in profs[c]) for c in cols) + ".")
         out.append("")
-        for c in cols:
-            p = profs[c][0]
-            srows = [[f"`{s['frame']}`", _pct(s["share"])] for s in p["top_self"]]
-            out += [f"{k}, {c}: top self frames of the main thread (innermost non-interpreter frame)", "",
-                    _table(["frame", "share"], srows), ""]
+        srows = _pooled_rows(profs, cols, "top_self", "frame", "main_samples", lambda n: f"`{n}`", TOP)
+        out += [f"**{k}: top self frames of the main thread (innermost non-interpreter frame; pooled, range)**", "",
+                _table(["frame", *cols], srows), ""]
     envs = {c: [r["profiles"].get("envoy", {}) for r in labels[c]] for c in cols}
     if all("samples" in p for ps in envs.values() for p in ps):
+        out.append("Envoy samples: " + "; ".join(f"{c}: " + " / ".join(str(p["samples"]) for p in envs[c])
+                                                 for c in cols) + ".")
+        out.append("")
         for title, key in (("kernel vs user", "ring"), ("by thread", "threads"), ("by DSO (innermost frame)", "dsos"),
                            ("kernel samples by syscall", "syscalls"), ("kernel samples by path", "kernel_paths"),
                            ("top kernel symbols (innermost)", "kernel_symbols")):
-            names = []
-            for ps in envs.values():
-                for p in ps:
-                    names += [x["name"] for x in p[key] if x["name"] not in names]
-
-            def env_share(p: dict[str, Any], name: str, key: str = key) -> str:
-                return _pct(next((x["share"] for x in p[key] if x["name"] == name), 0.0))
-            erows = [[f"`{n}`" if key in ("kernel_symbols", "dsos") else n,
-                      *(" / ".join(env_share(p, n) for p in envs[c]) for c in cols)] for n in names[:TOP]]
-            out += [f"**Envoy (perf, share of all its samples): {title}**", "", _table([key, *cols], erows), ""]
+            erows = _pooled_rows(envs, cols, key, "name", "samples",
+                                 (lambda n: f"`{n}`") if key in ("kernel_symbols", "dsos") else (lambda n: n), TOP)
+            out += [f"**Envoy (perf; share of all its samples, pooled, range): {title}**", "",
+                    _table([key, *cols], erows), ""]
     return "\n".join(out)
 
 

@@ -28,6 +28,9 @@ def test_waits_are_dropped_and_work_is_kept() -> None:
     # A wait whose innermost frames libc leaves unnamed.
     assert is_wait(frames(f"_worker ({PY}/concurrent/futures/thread.py)", f"pthread_cond_timedwait ({LIBC})",
                           f"0x7f3bd9ca3f16 ({LIBC})"))
+    # A lock wait in CPython whose semaphore call libc leaves unnamed.
+    assert is_wait(frames(f"_worker ({PY}/concurrent/futures/thread.py)", "_queue_SimpleQueue_get_impl (x.c)",
+                          "PyThread_acquire_lock_timed (thread_pthread.h)", f"0x7f094b2aed90 ({LIBC})"))
     # The selector's wait when py-spy could not unwind the native frames under it.
     assert is_wait(frames(f"BaseEventLoop._run_once ({PY}/asyncio/base_events.py)",
                           f"EpollSelector.select ({PY}/selectors.py)"))
