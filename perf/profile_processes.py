@@ -10,17 +10,23 @@ then measures two back-to-back windows while the bench keeps sending:
    with `perf record -F 999 -g`, all at once; CPU per request is measured again (a sampler under ptrace
    inflates its target's CPU, so this window is for shares, the first for CPU).
 
-py-spy's idle detection misses threads parked in a native wait here, so samples whose innermost frame is a wait
-(epoll/poll/select, futex, condition variables, semaphores, libc `syscall` under a lock or queue get) are dropped
-and counted. The rest is reported by thread and, for each main thread, by part: the first frame, from the
-innermost outwards, that a part names (an enclosing context such as the deferred tail or the upkeep wins over
-what it calls). Envoy's binary is stripped, so it is reported by thread, by DSO, kernel against user, by syscall
-and by kernel symbol.
+py-spy's idle detection misses threads parked in a native wait here, so samples whose innermost named frame is
+a wait (epoll/poll/select, futex, condition variables, semaphores, CPython's lock and GIL waits, libc `syscall`
+under a queue get) are dropped and counted; pyzmq's zero-timeout polls are work. The rest is reported, for each
+main thread, by part: the first frame, from the innermost outwards, that a part names (an enclosing context such
+as the deferred tail or the upkeep wins over what it calls), and by self frame. Envoy's binary is stripped, so it
+is reported by thread, by DSO, kernel against user, by syscall, by kernel path and by kernel symbol. Threads' CPU
+comes from /proc (gRPC's and ZMQ's C threads are invisible to py-spy).
 
     python perf/profile_processes.py --json after.json --label after
     PYTHONPATH=/work/wt/before python perf/profile_processes.py --tree /work/wt/before --json before.json \\
         --label before
     python perf/profile_processes.py --from-json before.json --from-json after.json   # side by side
+
+With several runs per label the tables show each run (CPU) or the shares pooled over the runs with their range
+(profiles). `--work-dir DIR` keeps the raw samples; `--from-json X --reanalyze` recomputes a run's profiles from
+them after a change of the grouping rules. docs/performance.md, "Where each process's CPU goes under `unique`",
+has a run and how to read it.
 
 Numbers only, nothing asserted. Bounded: the bench sends a fixed number of requests; every wait has a deadline;
 every child (the bench and what it started, py-spy, perf) is stopped on exit or Ctrl-C. Loopback only (the
@@ -319,11 +325,6 @@ def in_file(*suffixes: str, funcs: Iterable[str] | None = None) -> Callable[[Fra
 
 def path_has(*needles: str) -> Callable[[Frame], bool]:
     return lambda f: any(n in f.file for n in needles)
-
-
-def func_is(*names: str) -> Callable[[Frame], bool]:
-    wanted = set(names)
-    return lambda f: f.func in wanted or f.func.rsplit(".", 1)[-1] in wanted
 
 
 @dataclass(frozen=True, slots=True)
@@ -938,6 +939,9 @@ def main() -> int:
         return 0
     if shutil.which("perf") is None or not PY_SPY.exists():
         raise SystemExit("needs perf on PATH and py-spy next to this Python")
+    # A shell starts a background job with SIGINT ignored, and children inherit an ignored signal: handle it here,
+    # so Ctrl-C (or kill -INT) still stops this script, and the bench it starts gets SIGINT's default back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: sys.exit(130))  # runs the cleanup in run()'s finally
     result = run(args)
