@@ -107,6 +107,17 @@ class IngestConfig(_Strict):
         return self
 
 
+class ObserveConfig(_Strict):
+    """The response observer `cortex observe`: per-request metrics and log lines, the last decisions."""
+
+    host: str = "127.0.0.1"
+    """Bind address of the observer's ports. Loopback by default."""
+    port: Port = 9092
+    """Envoy's access-log service streams one entry per finished request here."""
+    http_port: Port = 9093
+    """Serves /cortex/decisions and /cortex/hit-ratio (the status page on ingest's port reads them)."""
+
+
 class ExtprocConfig(_Strict):
     """The ext_proc servers Envoy calls for every request."""
 
@@ -375,6 +386,7 @@ class CortexConfig(_Strict):
     admin: AdminListen = AdminListen()
     ingest: IngestConfig = IngestConfig()
     extproc: ExtprocConfig = ExtprocConfig()
+    observe: ObserveConfig = ObserveConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     runtime_dir: str | None = None
