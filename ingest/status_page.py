@@ -263,8 +263,9 @@ def _hit_ratio_html(hr: dict[str, Any]) -> str:
             f'<b data-field="ratio">{_pct(hr["ratio"])}</b> ({_e(t["engine_cached_tokens"])} of '
             f'{_e(t["prompt_tokens"])} prompt tokens); claimed by Cortex <b data-field="claimed_ratio">'
             f'{_pct(hr["claimed_ratio"])}</b> ({_e(t["claimed_hit_tokens"])}).</p>'
-            f'{sparkline(points)}<div class="sub">one point per {_e(step)} bucket, 0–100 %; solid: engine-reported, '
-            f'dashed: claimed</div>')
+            f'{sparkline(points)}<div class="sub">one point per {_e(step)} bucket from {HIT_RATIO_WINDOW_S // 60} min '
+            f'ago (left) to now (right), 0–100 %; <span class="ok">solid: engine-reported</span>, '
+            f'<span class="warn">dashed: claimed</span></div>')
 
 
 def render(data: dict[str, Any], refresh_s: int = REFRESH_S) -> str:
