@@ -141,6 +141,11 @@ def _e(value: Any) -> str:
     return "–" if value is None or value == "" else html.escape(str(value), quote=True)
 
 
+def _num(v: Any) -> str:
+    """A count as a person reads it: 3, not 3.0 (vLLM reports its queue lengths as float gauges)."""
+    return _e(int(v) if isinstance(v, float) and v.is_integer() else v)
+
+
 def _clock(t: Any) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(t)) if isinstance(t, int | float) else "–"
 
@@ -184,8 +189,8 @@ def _fleet_html(rows: list[dict[str, Any]]) -> str:
             ("health", _e(r["health"]), _HEALTH.get(r["health"], "")),
             ("state", _e(r["state"]), _STATE.get(r["state"], "")),
             ("subscription", _e(r["subscription"]), ""),
-            ("running", _e(r["running"]), "num"), ("waiting", _e(r["waiting"]), "num"),
-            ("cached_blocks", _e(r["cached_blocks"]), "num"),
+            ("running", _num(r["running"]), "num"), ("waiting", _num(r["waiting"]), "num"),
+            ("cached_blocks", _num(r["cached_blocks"]), "num"),
             ("exact_kv", exact, "why"),
             ("hash_parity", _e(r["hash_parity"]), "bad" if r["hash_parity"] == "failed" else ""),
             ("token_parity", _e(r["token_parity"]), "bad" if r["token_parity"] == "failed" else ""),
@@ -219,38 +224,32 @@ def _decisions_html(rows: list[dict[str, Any]]) -> str:
     return f'<table id="decisions">{head}{"".join(body)}</table>'
 
 
-def sparkline(points: list[dict[str, Any]], width: int = 600, height: int = 80) -> str:
-    """Inline SVG: the engine-reported hit ratio per bucket (solid) and the claimed one (dashed), 0..100 %.
-    A bucket without prompt tokens breaks the line instead of drawing a false zero."""
-    n = len(points)
-
-    def xy(i: int, r: float) -> str:
-        x = 4 + (width - 8) * (i / (n - 1) if n > 1 else 0.5)
-        return f"{x:.1f},{4 + (height - 8) * (1 - r):.1f}"
-
-    def lines(key: str, color: str, extra: str) -> str:
-        runs: list[list[str]] = [[]]
-        for i, p in enumerate(points):
-            r = p.get(key)
-            if r is None:
-                runs.append([])
-            else:
-                runs[-1].append(xy(i, min(max(r, 0.0), 1.0)))
-        out = []
-        for run in runs:
-            if len(run) == 1:
-                x, y = run[0].split(",")
-                out.append(f'<circle cx="{x}" cy="{y}" r="2" fill="{color}"/>')
-            elif run:
-                out.append(f'<polyline fill="none" stroke="{color}" {extra} points="{" ".join(run)}"/>')
-        return "".join(out)
-
-    grid = "".join(f'<line x1="0" x2="{width}" y1="{4 + (height - 8) * f:.1f}" y2="{4 + (height - 8) * f:.1f}" '
+def hit_ratio_chart(points: list[dict[str, Any]], width: int = 600, height: int = 80) -> str:
+    """Inline SVG, one slot per bucket (oldest left): a bar to the engine-reported hit ratio and a tick at the
+    claimed one, 0..100 %. A bucket with requests but no hit keeps a thin baseline; a bucket without prompt
+    tokens stays empty, so no traffic never reads as a zero hit ratio."""
+    n = max(len(points), 1)
+    slot = (width - 8) / n
+    bar = max(slot * 0.7, 1.0)
+    top, span = 4.0, height - 8.0
+    base = top + span
+    out = []
+    for i, p in enumerate(points):
+        r, c = p.get("ratio"), p.get("claimed_ratio")
+        if r is None:
+            continue
+        x = 4 + i * slot + (slot - bar) / 2
+        h = max(span * min(max(r, 0.0), 1.0), 1.0)
+        out.append(f'<rect class="bucket" x="{x:.1f}" y="{base - h:.1f}" width="{bar:.1f}" height="{h:.1f}" '
+                   f'fill="#3a9a6b"/>')
+        if c is not None:
+            y = base - span * min(max(c, 0.0), 1.0)
+            out.append(f'<line class="claim" x1="{x - 1:.1f}" x2="{x + bar + 1:.1f}" y1="{y:.1f}" y2="{y:.1f}" '
+                       f'stroke="#a86400" stroke-width="2"/>')
+    grid = "".join(f'<line x1="0" x2="{width}" y1="{top + span * f:.1f}" y2="{top + span * f:.1f}" '
                    f'stroke="#eef1f5"/>' for f in (0.0, 0.5, 1.0))
-    claimed = lines("claimed_ratio", "#a86400", 'stroke-width="1.5" stroke-dasharray="4 3"')
-    actual = lines("ratio", "#13794b", 'stroke-width="2"')
     return (f'<svg id="hit-ratio-chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-            f'role="img" aria-label="hit ratio per bucket, 0 to 100 percent">{grid}{claimed}{actual}</svg>')
+            f'role="img" aria-label="hit ratio per bucket, 0 to 100 percent">{grid}{"".join(out)}</svg>')
 
 
 def _hit_ratio_html(hr: dict[str, Any]) -> str:
@@ -263,9 +262,9 @@ def _hit_ratio_html(hr: dict[str, Any]) -> str:
             f'<b data-field="ratio">{_pct(hr["ratio"])}</b> ({_e(t["engine_cached_tokens"])} of '
             f'{_e(t["prompt_tokens"])} prompt tokens); claimed by Cortex <b data-field="claimed_ratio">'
             f'{_pct(hr["claimed_ratio"])}</b> ({_e(t["claimed_hit_tokens"])}).</p>'
-            f'{sparkline(points)}<div class="sub">one point per {_e(step)} bucket from {HIT_RATIO_WINDOW_S // 60} min '
-            f'ago (left) to now (right), 0–100 %; <span class="ok">solid: engine-reported</span>, '
-            f'<span class="warn">dashed: claimed</span></div>')
+            f'{hit_ratio_chart(points)}<div class="sub">one bar per {_e(step)} bucket from '
+            f'{HIT_RATIO_WINDOW_S // 60} min ago (left) to now (right), 0–100 %; <span class="ok">bar: '
+            f'engine-reported</span>, <span class="warn">tick: claimed by Cortex</span></div>')
 
 
 def render(data: dict[str, Any], refresh_s: int = REFRESH_S) -> str:

@@ -9,7 +9,7 @@
 * The observer not answering (accepting connections and never replying): the page still shows the fleet and
   says "observation unavailable".
 * Pure parts with vectors: every value escaped, no field outside the decision contract (no prompt) shown,
-  claim checks, hit-ratio buckets, the sparkline's gaps, the observer refused or silent.
+  claim checks, hit-ratio buckets, the chart's empty buckets, the observer refused or silent.
 
 Until `cortex observe` (OBS_SPEC, the lead's branch) is in this tree, the first test serves the observer's
 HTTP contract itself from the real responses it got (`ContractObserver`); once `cortex.observe` exists the
@@ -122,6 +122,11 @@ def load_page(gw: Gateway) -> Page:
 
 # ---- what /cortex/workers says the page must show ---------------------------------------------------------------
 
+def num(v: float | int | None) -> str:
+    """A count as the page writes it (3, not 3.0; a dash when unknown)."""
+    return "–" if v is None else str(int(v) if float(v).is_integer() else v)
+
+
 def expected_fleet(gw: Gateway) -> dict[str, dict[str, str]]:
     out = {}
     for w in gw.workers().values():
@@ -129,8 +134,8 @@ def expected_fleet(gw: Gateway) -> dict[str, dict[str, str]]:
             out[t["id"]] = {
                 "worker": w["id"], "model": w["model"], "engine": w["engine"], "state": t["state"],
                 "health": "down" if not t["healthy"] else "suspect" if t["suspect"] else "healthy",
-                "running": str(t["load"]["running"]), "waiting": str(t["load"]["waiting"]),
-                "cached_blocks": str(t["cached_blocks"]), "hash_parity": t["parity"]["status"],
+                "running": num(t["load"]["running"]), "waiting": num(t["load"]["waiting"]),
+                "cached_blocks": num(t["cached_blocks"]), "hash_parity": t["parity"]["status"],
                 "token_parity": w["token_parity"]["status"], "subscription": t["subscription"]["state"],
                 "exact_kv": "yes" if t["exact_kv"] else f"no: {t['reason']}",
             }
@@ -418,13 +423,16 @@ def test_hit_ratio_buckets_and_totals() -> None:
     assert "hit-ratio-chart" not in empty and "No finished request" in empty
 
 
-def test_sparkline_breaks_at_empty_buckets() -> None:
-    pts = [{"ratio": 0.5, "claimed_ratio": 0.5}, {"ratio": 1.0, "claimed_ratio": 1.0},
+def test_chart_leaves_empty_buckets_empty() -> None:
+    pts = [{"ratio": 0.5, "claimed_ratio": 0.25}, {"ratio": 1.0, "claimed_ratio": 1.0},
            {"ratio": None, "claimed_ratio": None}, {"ratio": 0.0, "claimed_ratio": 0.0}]
-    svg = sp.sparkline(pts, width=108, height=108)
-    # Two series, each: one line over the first two buckets, one dot for the last (the gap is not a zero).
-    assert svg.count("<polyline") == 2 and svg.count("<circle") == 2
-    assert 'points="4.0,54.0 37.3,4.0"' in svg and 'cx="104.0" cy="104.0"' in svg
+    svg = sp.hit_ratio_chart(pts, width=108, height=108)
+    # Slots of 25 px, bars of 17.5: a bucket without traffic draws nothing; a zero hit keeps a 1 px baseline.
+    assert svg.count('class="bucket"') == 3 and svg.count('class="claim"') == 3
+    assert '<rect class="bucket" x="7.8" y="54.0" width="17.5" height="50.0"' in svg
+    assert '<rect class="bucket" x="32.8" y="4.0" width="17.5" height="100.0"' in svg
+    assert '<rect class="bucket" x="82.8" y="103.0" width="17.5" height="1.0"' in svg
+    assert 'x1="6.8" x2="26.2" y1="79.0" y2="79.0"' in svg  # the claim (25 %) under the engine's 50 %
 
 
 def test_observer_refused_or_silent_is_unavailable() -> None:
