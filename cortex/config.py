@@ -58,7 +58,7 @@ class IngestConfig(_Strict):
     host: str = "127.0.0.1"
     """Bind address of ingest's HTTP port."""
     port: Port = 9090
-    """Serves /health/live, /health/ready, /metrics and /cortex/workers."""
+    """Serves /health/live, /health/ready, /metrics, /cortex/workers and the status page /cortex/ui."""
     heartbeat_interval_s: float = Field(0.25, gt=0, le=5)
     """How often ingest stamps the shared ledger view while nothing changes (each change is published and stamped
     at once, at most every 0.1 s); extproc treats `extproc.view_stale_after_s` (1 s) of silence as ingest dead,

@@ -6,6 +6,8 @@ Cortex (Envoy listening, every extproc process serving, the ledger view live), e
 /metrics serves ingest's own series (read live from its state by a collector, so nothing is kept twice)
 plus every extproc process's series, which prometheus_client's multiprocess mode keeps in files under
 PROMETHEUS_MULTIPROC_DIR; one scrape target covers the whole gateway.
+
+/cortex/ui is the status page for a person (ingest/status_page.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ingest.membership import MembershipError
 from ingest.readiness import Readiness
 from ingest.service import Ingest
 from ingest.silence import SILENT
+from ingest.status_page import add_routes as add_status_page
 from ingest.sync import SyncState
 
 
@@ -184,4 +187,5 @@ def build_app(ingest: Ingest) -> web.Application:
     app.router.add_get("/cortex/workers", workers)
     app.router.add_post("/cortex/workers", add_worker)
     app.router.add_delete("/cortex/workers/{worker_id}", remove_worker)
+    add_status_page(app, ingest)  # /cortex/ui: the status page for a person (ingest/status_page.py)
     return app
