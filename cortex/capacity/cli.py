@@ -212,7 +212,7 @@ def calculator_text(layout: KVLayout, cap: Capacity, args: argparse.Namespace, n
     if layout.sliding_layers:
         layers += f": {layout.full_layers} full, {layout.sliding_layers} sliding (window {layout.sliding_window})"
     weights_per_gpu = args.weights_gib / (args.tp * args.pp)
-    overhead = f" - overhead {args.overhead_gib:g}" if args.overhead_gib else ""
+    overhead = f" - overhead {args.overhead_gib:g} GiB" if args.overhead_gib else ""
     fits = f"{cap.memory_bound_requests} fit in KV memory"
     if cap.limited_by == "max_num_seqs":
         fits += f", capped by --max-num-seqs {args.max_num_seqs}"
@@ -224,7 +224,7 @@ def calculator_text(layout: KVLayout, cap: Capacity, args: argparse.Namespace, n
         f"kv_bytes_per_token           {layout.kv_bytes_per_token} ({_size(layout.kv_bytes_per_token)}; "
         f"{layout.kv_bytes_per_token_per_gpu} per GPU)",
         f"usable KV memory per GPU     {_size(cap.usable_kv_bytes_per_gpu)} = {args.gpu_memory_gib:g} GiB x "
-        f"{args.gpu_util:g} - weights {weights_per_gpu:.2f}{overhead}",
+        f"{args.gpu_util:g} - weights {weights_per_gpu:.2f} GiB{overhead}",
         f"kv_tokens_per_gpu            {cap.kv_tokens_per_gpu} ({cap.kv_blocks_per_gpu} blocks of {cap.block_size}"
         + (f"; at {cap.context_tokens}-token requests" if layout.sliding_layers else "") + ")",
         f"context per request          {cap.context_tokens} tokens, {_size(cap.kv_bytes_per_request)} of KV per GPU",
