@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     except CapacityError as exc:
         print(f"cortex capacity: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # asyncio.run has cancelled the probe's requests by now (their connections are closed).
+        print("cortex capacity: interrupted", file=sys.stderr)
+        return 130
 
 
 def _calculator(args: argparse.Namespace) -> int:

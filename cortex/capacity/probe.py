@@ -227,12 +227,11 @@ async def _one(http: aiohttp.ClientSession, url: str, body: dict[str, Any], samp
 
 
 async def _request(http: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float,
-                   deadline: float) -> Sample:
-    sample = Sample()
+                   deadline: float, sample: Sample) -> None:
     budget = deadline - time.monotonic()
     if budget <= 0:
         sample.cut = True
-        return sample
+        return
     try:
         await asyncio.wait_for(_one(http, url, body, sample), timeout=min(timeout_s, budget))
     except TimeoutError:
@@ -242,23 +241,22 @@ async def _request(http: aiohttp.ClientSession, url: str, body: dict[str, Any], 
             sample.cut = True
     except (aiohttp.ClientError, ValueError) as exc:
         sample.error = f"{type(exc).__name__}: {exc}"[:200]
-    return sample
 
 
 async def run_step(http: aiohttp.ClientSession, url: str, model: str, prompts: Prompts, concurrency: int,
                    requests: int, settings: ProbeSettings, deadline: float) -> StepResult:
     """`requests` requests through `concurrency` closed-loop slots (fewer when the deadline comes first)."""
+    # By issue order, not completion order: the first `concurrency` are the first wave.
     samples: list[Sample] = []
-    issued = 0
 
     async def slot() -> None:
-        nonlocal issued
-        while issued < requests and time.monotonic() < deadline:
-            issued += 1
+        while len(samples) < requests and time.monotonic() < deadline:
+            sample = Sample()
+            samples.append(sample)
             messages, max_tokens = prompts.next()
             body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
                     "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
-            samples.append(await _request(http, url, body, settings.request_timeout_s, deadline))
+            await _request(http, url, body, settings.request_timeout_s, deadline, sample)
 
     start = time.monotonic()
     await asyncio.gather(*(slot() for _ in range(concurrency)))
