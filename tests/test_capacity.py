@@ -336,3 +336,20 @@ def test_cli_argument_errors(capsys: pytest.CaptureFixture[str]) -> None:
             capacity_main(argv)
         assert exc.value.code == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_probe_report_text() -> None:
+    from cortex.capacity.cli import probe_text
+    from cortex.capacity.probe import ProbeResult, StepResult
+
+    steps = [step(1, 100, p90=0.03), step(2, 200, p90=0.035), step(4, 210, p90=0.4, errors=1)]
+    results = tuple(StepResult(s, sent=s.completed + s.errors, cut=0, wall_s=1.0, e2e_p50_s=0.3,
+                               first_error="HTTP 503: queue full" if s.errors else None) for s in steps)
+    knee = find_knee(steps)
+    text = probe_text(ProbeResult(url="http://127.0.0.1:8000", model="m", steps=results, knee=knee,
+                                  requests_sent=31, duration_s=3.2, stopped="stopped at the first step past the knee",
+                                  prompts="synthetic"))
+    assert "knee: concurrency 2 (at concurrency 4: 1 of 11 requests failed)" in text
+    assert "recommended max_concurrent: 1 (80% of the knee" in text
+    assert "first error at concurrency 4: HTTP 503: queue full" in text
+    assert "          2        10       0           18           35         300           200" in text
