@@ -250,9 +250,11 @@ def _probe(args: argparse.Namespace) -> int:
                              request_timeout_s=args.request_timeout_s, seed=args.seed, api_key=args.api_key,
                              rule=rule, knee_fraction=args.knee_fraction)
     if not args.json:
-        print(f"probing {settings.url}: {STEP_HEADER}", file=sys.stderr)
+        print(f"probing {settings.url}, one line per step:\n{STEP_HEADER}", file=sys.stderr)
     result = asyncio.run(probe(settings, progress=None if args.json else _progress))
-    print(json.dumps(result.as_json(), indent=2) if args.json else probe_text(result))
+    # On a terminal the steps were just printed as they finished; redirected output gets them in the report.
+    table = not (sys.stdout.isatty() and sys.stderr.isatty())
+    print(json.dumps(result.as_json(), indent=2) if args.json else probe_text(result, table=table))
     return 0
 
 
@@ -273,10 +275,10 @@ def _progress(r: StepResult) -> None:
     print(step_line(r), file=sys.stderr, flush=True)
 
 
-def probe_text(result: ProbeResult) -> str:
+def probe_text(result: ProbeResult, table: bool = True) -> str:
     knee = result.knee
-    lines = [f"worker {result.url}, model {result.model}; prompts: {result.prompts}", STEP_HEADER,
-             *(step_line(r) for r in result.steps),
+    rows = [STEP_HEADER, *(step_line(r) for r in result.steps)] if table else []
+    lines = [f"worker {result.url}, model {result.model}; prompts: {result.prompts}", *rows,
              f"{result.requests_sent} requests in {result.duration_s:.1f} s; {result.stopped}",
              (f"knee: concurrency {knee.concurrency} ({knee.reason})" if knee.found else f"knee: {knee.reason}"),
              f"recommended max_concurrent: {knee.recommended_max_concurrent}"
