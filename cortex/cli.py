@@ -16,6 +16,7 @@ commands:
   demo                      start simulated workers and a gateway in front of them, print what to curl
   sim      [flags]          run one simulated engine (see `cortex sim --help`)
   bench    [flags]          benchmark Cortex against other routers on simulated workers (`cortex bench --help`)
+  capacity [flags]          KV memory per worker and the max_concurrent to set (`cortex capacity --help`)
   check    -c cortex.yaml   validate a config file and its model files, print it with every default filled in
   envoy-config -c cortex.yaml  print the Envoy bootstrap Cortex generates from a config
   ingest / extproc / observe  internal: the processes `cortex run` supervises
@@ -62,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         from cortex.bench.cli import main as bench_main
 
         return bench_main(rest)
+    if command == "capacity":
+        from cortex.capacity.cli import main as capacity_main
+
+        return capacity_main(rest)
     if command == "demo":
         from cortex.demo import main as demo_main
 
