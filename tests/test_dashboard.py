@@ -341,12 +341,14 @@ def _missing(exposed: dict[str, str], observation: bool) -> dict[str, list[str]]
 
 
 def test_existing_metrics_exist(exposed: dict[str, str]) -> None:
-    assert not _missing(exposed, observation=False)
+    missing = _missing(exposed, observation=False)
+    assert not missing, f"queried but not exposed: {sorted(missing)}"
 
 
 def test_observer_metrics_exist(exposed: dict[str, str]) -> None:
     """Fails until the observation (issue 15, `cortex observe`) is merged: then every name must be there."""
-    assert not _missing(exposed, observation=True)
+    missing = _missing(exposed, observation=True)
+    assert not missing, f"queried but not exposed: {sorted(missing)}"
 
 
 def test_suffixes_match_the_exposed_types(exposed: dict[str, str]) -> None:
