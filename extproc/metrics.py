@@ -3,7 +3,7 @@ writes its samples to files there and ingest's /metrics serves the sum: one scra
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from extproc.plan import RoutePlan
 
@@ -27,6 +27,11 @@ PD_FAILURES = Counter("cortex_pd_failures", "PD leg failures (dispatch, HTTP sta
 PD_LEG_SECONDS = Histogram("cortex_pd_leg_seconds", "PD transfer path: prefill leg dispatch to its answer",
                            ["engine", "leg"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                                                        5.0, 10.0, 30.0))
+
+# A restart shows as a new value (the supervisor restarts a dead process under the same index): "max" keeps the
+# newest start of each index across the per-process files, whose dead predecessors' files stay behind.
+START_TIME = Gauge("cortex_extproc_start_time_seconds", "unix time the extproc process of this index started",
+                   ["process"], multiprocess_mode="max")
 
 
 def observe_decision(result: RoutePlan, total_s: float, block_size: int) -> None:

@@ -704,6 +704,7 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
 
 
 def run(cfg: CortexConfig, index: int, config_path: Path | None = None) -> int:
+    metrics.START_TIME.labels(str(index)).set_to_current_time()
     try:
         import uvloop
         uvloop.install()

@@ -33,6 +33,9 @@ from ingest.silence import SILENT
 from ingest.status_page import add_routes as add_status_page
 from ingest.sync import SyncState
 
+STARTED_AT = time.time()
+"""This process's start (module import, at ingest's start): a new value in /metrics is a restart."""
+
 
 def _error(status: int, message: str) -> web.Response:
     return web.Response(status=status, body=error_body(status, message), content_type="application/json")
@@ -118,6 +121,8 @@ class IngestCollector(Collector):
                     dropped.add_metric([*key, reason], n)
         yield from (state, exact, silent, parity, healthy, tokens, blocks, running, waiting, kv_usage, event_age, lag,
                     *counters.values(), dropped)
+        yield GaugeMetricFamily("cortex_ingest_start_time_seconds", "unix time this ingest process started",
+                                value=STARTED_AT)
         yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view",
                                 value=self.ingest.view.size)
         cpu = CounterMetricFamily("cortex_ingest_loop_cpu_seconds",

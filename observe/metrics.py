@@ -4,9 +4,11 @@ MAX_WORKERS distinct values, then `other`), `code` an HTTP status, `cause` and `
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from collections.abc import Iterable
 
-from observe.entry import Observation
+from prometheus_client import Counter, Gauge, Histogram
+
+from observe.entry import CAUSES, OUTCOMES, Observation
 
 MAX_WORKERS = 1024
 
@@ -32,8 +34,25 @@ CLAIM_CHECK = Counter("cortex_claim_check", "Cortex's claim against the engine's
                       "more: an alarm), exact, under, unreported", ["model", "worker", "outcome"])
 CLAIM_ERROR = Counter("cortex_claim_error_tokens", "|claim - engine's cached_tokens| summed, by direction",
                       ["model", "worker", "outcome"])
+START_TIME = Gauge("cortex_observer_start_time_seconds", "unix time the observer process started (a new value: a "
+                   "restart)", multiprocess_mode="max")
 ENTRIES = Counter("cortex_observer_entries", "access-log entries read: ok, not_routed (no extproc decision), "
                   "health (a probe of /cortex/health, not counted as a request), malformed", ["outcome"])
+
+
+def prime(models: Iterable[str], workers: Iterable[str], labels: Labels) -> None:
+    """The alarm series exist at 0 from the start for the configured models and workers, so that the first
+    over-claim or error is an increase Prometheus sees (a series born at 1 has no earlier sample to rise from)."""
+    workers = list(workers)
+    for model in models:
+        for worker in workers:
+            w = labels.worker(worker)
+            for outcome in OUTCOMES:
+                CLAIM_CHECK.labels(model, w, outcome)
+            for outcome in ("over", "under"):
+                CLAIM_ERROR.labels(model, w, outcome)
+            for cause in CAUSES[1:]:
+                ERRORS.labels(model, w, cause)
 
 
 class Labels:

@@ -89,6 +89,7 @@ class Observer:
         self.cfg = cfg
         self.by_address = worker_addresses(cfg)
         self.labels = metrics.Labels()
+        metrics.prime([m.name for m in cfg.models], [w.id for w in cfg.workers], self.labels)
         self.recent = Recent()
         self.out = out if out is not None else sys.stdout.buffer
         self.clock = clock
@@ -159,6 +160,7 @@ class Observer:
 
 
 async def serve(cfg: CortexConfig) -> None:
+    metrics.START_TIME.set_to_current_time()
     path = cfg.observe.request_log_path
     # Line-buffered appends: each request's line is whole in the file even if the process stops mid-batch.
     out = open(path, "ab", buffering=0) if path else None  # noqa: SIM115 (held for the process's life)
