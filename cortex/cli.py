@@ -16,11 +16,12 @@ commands:
   demo                      start simulated workers and a gateway in front of them, print what to curl
   sim      [flags]          run one simulated engine (see `cortex sim --help`)
   bench    [flags]          benchmark Cortex against other routers on simulated workers (`cortex bench --help`)
+  capacity [flags]          KV memory per worker and the max_concurrent to set (`cortex capacity --help`)
   check    -c cortex.yaml   validate a config file and its model files, print it with every default filled in
   envoy-config -c cortex.yaml  print the Envoy bootstrap Cortex generates from a config
-  ingest / extproc          internal: the processes `cortex run` supervises
+  ingest / extproc / observe  internal: the processes `cortex run` supervises
 
-logs (run, demo, sim, ingest, extproc):
+logs (run, demo, sim, ingest, extproc, observe):
   --log-format text|json    text: readable lines; json: one JSON object per line (default: log.format in
                             cortex.yaml, else text)
   --log-level debug|info|warning|error   (default: log.level in cortex.yaml, else info; -v is debug)
@@ -62,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         from cortex.bench.cli import main as bench_main
 
         return bench_main(rest)
+    if command == "capacity":
+        from cortex.capacity.cli import main as capacity_main
+
+        return capacity_main(rest)
     if command == "demo":
         from cortex.demo import main as demo_main
 
@@ -108,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         from extproc.server import run as run_extproc
 
         return run_extproc(cfg, args.index, Path(args.config))
+    if command == "observe":
+        from observe.service import run as run_observe
+
+        return run_observe(cfg)
     print(f"cortex: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

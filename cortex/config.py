@@ -58,7 +58,7 @@ class IngestConfig(_Strict):
     host: str = "127.0.0.1"
     """Bind address of ingest's HTTP port."""
     port: Port = 9090
-    """Serves /health/live, /health/ready, /metrics and /cortex/workers."""
+    """Serves /health/live, /health/ready, /metrics, /cortex/workers and the status page /cortex/ui."""
     heartbeat_interval_s: float = Field(0.25, gt=0, le=5)
     """How often ingest stamps the shared ledger view while nothing changes (each change is published and stamped
     at once, at most every 0.1 s); extproc treats `extproc.view_stale_after_s` (1 s) of silence as ingest dead,
@@ -136,6 +136,36 @@ class ExtprocConfig(_Strict):
     claimed hit), until the worker's own events confirm them; 0 turns predictions off."""
     view_stale_after_s: float = Field(1.0, gt=0)
     """Ledger heartbeat age after which extproc stops trusting it and routes by load."""
+
+
+class ObserveConfig(_Strict):
+    """`cortex observe`: Envoy's access log of every request becomes per-request metrics (TTFT, inter-token time,
+    tokens, the engine's own cached_tokens against Cortex's claim), the request log and the status page's recent
+    decisions (docs/observability.md)."""
+
+    enabled: bool = True
+    """Run the observer and Envoy's response observation (a Lua filter and a gRPC access log). Off: none of the
+    per-request series, no request log, and streams are never asked for usage."""
+    host: str = "127.0.0.1"
+    """Bind address of both observer ports (Envoy connects to the first; keep it private)."""
+    port: Port = 9092
+    """gRPC access-log service Envoy streams every finished request to."""
+    http_port: Port = 9093
+    """/cortex/decisions and /cortex/hit-ratio (JSON for the status page)."""
+    stream_usage: bool = True
+    """Ask the engine for a streamed request's usage (`stream_options.include_usage`) when the client did not,
+    and cut that usage event out of the stream again: every request's tokens and cached_tokens are then known.
+    Off: a stream whose client did not ask has no usage (its tokens and hits are not counted)."""
+    request_log: bool = True
+    """Write one JSON line per request (never the prompt) to the observer's output."""
+    request_log_path: str | None = None
+    """File the request log is appended to (None: the observer's standard output, i.e. the gateway's log)."""
+    envoy_access_log_path: str | None = None
+    """Also have Envoy write its access log here, one JSON line per request with the request log's keys (those
+    Envoy knows), joinable on request_id; `/dev/stdout` for the gateway's output. None: no Envoy access log."""
+    request_log_sample: float = Field(1.0, ge=0, le=1)
+    """Share of requests whose line is written, chosen by request id (the same request in Envoy's log and
+    Cortex's is either both or neither). Metrics always count every request."""
 
 
 class SchedulerConfig(_Strict):
@@ -390,6 +420,7 @@ class CortexConfig(_Strict):
     admin: AdminListen = AdminListen()
     ingest: IngestConfig = IngestConfig()
     extproc: ExtprocConfig = ExtprocConfig()
+    observe: ObserveConfig = ObserveConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     log: LogConfig = LogConfig()

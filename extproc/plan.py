@@ -97,6 +97,9 @@ class RoutePlan:
     """Fields spliced into the body for every worker (the served model when the client named an alias)."""
     generation: int = 0
     """The config generation it was decided with."""
+    head_ids: list[int] = field(default_factory=list)
+    """The prompt's first ids and its fingerprint (Prepared's), for the request log."""
+    prompt_hash: str = ""
 
 
 def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
@@ -190,7 +193,8 @@ def plan(snap: Snapshot, prep: Prepared, state: State, *, commit: bool) -> Route
                      model=prep.model, alias=prep.alias, lora=prep.lora, pd=pd_plan,
                      prompt_tokens_estimated=prep.estimated, fallback=fallback,
                      # The worker serves the model, not the public alias.
-                     changes={"model": prep.model} if prep.alias is not None else {}, generation=snap.gen.number)
+                     changes={"model": prep.model} if prep.alias is not None else {}, generation=snap.gen.number,
+                     head_ids=prep.head_ids, prompt_hash=prep.prompt_hash)
 
 
 def route_any(snap: Snapshot, state: State) -> Decision | None:

@@ -9,11 +9,12 @@ stops tokenizing, hashing and looking up at the first block no worker holds or i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from cortex import observation
 from cortex.blockkeys import chain_keys, root_key
 from cortex.errors import ClientError
 from cortex.model_bundle import ModelBundle, TemplateError
@@ -60,6 +61,10 @@ class Prepared:
     lora: str | None = None
     transparent: bool = False
     """Another scheduler places this model: no cache, no PD (extproc/policies/transparent.py)."""
+    head_ids: list[int] = field(default_factory=list)
+    """The prompt's first ids (observation.FIRST_IDS_LOGGED), for the request log."""
+    prompt_hash: str = ""
+    """observation.prompt_hash of the whole prompt, for the request log."""
 
 
 def prompt_text(req: ParsedRequest, bundle: ModelBundle) -> tuple[str, bool]:
@@ -88,20 +93,28 @@ def tokens(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, segments: En
     block more is dropped; a wrong token there could only turn a hit into a miss, never the reverse.
     Pieces between special tokens seen before (system prompt, earlier turns) come from a cache.
     """
+    ids, truncated, _ = _tokens(snap, req, bundle, segments)
+    return ids, truncated
+
+
+def _tokens(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle,
+            segments: EncoderSet) -> tuple[list[int], bool, str]:
+    """tokens(), and the prompt's observation.prompt_hash."""
     if req.prompt_ids is not None:
-        return req.prompt_ids, False
+        return req.prompt_ids, False, observation.prompt_hash(None, req.prompt_ids)
     seg = segments.get(bundle)
     text, special = prompt_text(req, bundle)
+    fingerprint = observation.prompt_hash(text, None)
     cap = snap.cfg.extproc.max_tokenize_chars
     if len(text) <= cap:
-        return seg.encode(text, add_special_tokens=special), False
+        return seg.encode(text, add_special_tokens=special), False, fingerprint
     ids = seg.encode(text[:cap], add_special_tokens=special)
-    return ids[: max(0, len(ids) - 2 * snap.block_size)], True
+    return ids[: max(0, len(ids) - 2 * snap.block_size)], True, fingerprint
 
 
 def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list[TargetInfo], root: int,
           timings: Timings, segments: EncoderSet, predictions: Predictions,
-          deferred: DeferredTail) -> tuple[WalkResult, bool]:
+          deferred: DeferredTail) -> tuple[WalkResult, bool, str]:
     """Tokenize, hash and look up only as far as some worker can hold the prompt (extproc/prompt_walk.py)."""
     t0 = time.perf_counter()
     bs = snap.block_size
@@ -109,11 +122,13 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
     if req.prompt_ids is not None:
         ids = req.prompt_ids
         cursor = TokenCursor.of_ids(ids)
+        fingerprint = observation.prompt_hash(None, ids)
 
         def whole() -> list[int]:
             return ids
     else:
         text, special = prompt_text(req, bundle)
+        fingerprint = observation.prompt_hash(text, None)
         cap = snap.cfg.extproc.max_tokenize_chars
         if len(text) > cap:
             text, truncated = text[:cap], True
@@ -140,7 +155,7 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
         result = go(cursor)
     if truncated:
         result.prompt_tokens = max(0, result.prompt_tokens - 2 * bs)
-    return result, truncated
+    return result, truncated, fingerprint
 
 
 def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: EncoderSet,
@@ -164,7 +179,8 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     transparent = snap.transparent(resolved.model)
     pools = None if transparent else pd.split_pools(workers)
     if not (full_tokens or pools is None or req.unroutable or not snap.alive or pools.pd_ready):
-        walked, truncated = _walk(snap, req, bundle, workers, root, timings, segments, predictions, deferred)
+        walked, truncated, fingerprint = _walk(snap, req, bundle, workers, root, timings, segments, predictions,
+                                               deferred)
         why = "no_cached_prefix"
         if not walked.keys:
             why = "prompt_shorter_than_a_block"
@@ -173,9 +189,10 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
         return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=[], truncated=truncated,
                         keys=walked.keys, matches=walked.matches, why=why, timings=timings, body=req.body,
                         prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
-                        tail=walked.tail, pools=pools, lora=resolved.lora)
+                        tail=walked.tail, pools=pools, lora=resolved.lora,
+                        head_ids=walked.head, prompt_hash=fingerprint)
     t0 = time.perf_counter()
-    ids, truncated = tokens(snap, req, bundle, segments)
+    ids, truncated, fingerprint = _tokens(snap, req, bundle, segments)
     t1 = time.perf_counter()
     timings.tokenize_s = t1 - t0
     bs = snap.block_size
@@ -202,4 +219,5 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
             why = "ledger_unavailable"
     return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=ids, truncated=truncated,
                     keys=keys, matches=matches, why=why, timings=timings, body=req.body, prompt_tokens=len(ids),
-                    pools=pools, lora=resolved.lora, transparent=transparent)
+                    pools=pools, lora=resolved.lora, transparent=transparent,
+                    head_ids=ids[:observation.FIRST_IDS_LOGGED], prompt_hash=fingerprint)

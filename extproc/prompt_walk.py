@@ -31,6 +31,7 @@ import numpy as np
 from prometheus_client import Counter
 
 from cortex.blockkeys import chain_keys
+from cortex.observation import FIRST_IDS_LOGGED as HEAD_IDS
 from cortex.piecewise_tokenize import SegmentMismatch, TokenCursor
 from extproc.predictions import Predictions
 
@@ -111,6 +112,8 @@ class WalkResult:
     """Set when the walk stopped before the end of a routable prompt."""
     reach: dict[int, int] = field(default_factory=dict)
     """Per trusted slot, its confirmed-then-predicted run (Predictions.extend from its match)."""
+    head: list[int] = field(default_factory=list)
+    """The prompt's first HEAD_IDS token ids (fewer when it is shorter): the request log's."""
 
 
 def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
@@ -135,6 +138,7 @@ def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
     parent = root
     perf = time.perf_counter
     catch_ups = 0
+    head: list[int] = []
     while True:
         t0 = perf()
         chunk = cursor.next()
@@ -142,6 +146,8 @@ def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
         timings.tokenize_s += t1 - t0
         if chunk is None:
             break
+        if len(head) < HEAD_IDS:
+            head += chunk[:HEAD_IDS - len(head)]
         seen += len(chunk)
         ids = np.asarray(chunk, dtype=np.uint32)
         carry = np.concatenate((carry, ids)) if carry.size else ids
@@ -159,7 +165,7 @@ def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
             held = lookup(new)
             timings.lookup_s += perf() - t3
             if held is None:  # the view cannot be read now: the decision will not use it at all
-                return WalkResult(keys, None, _estimate(seen, cursor), not cursor.done)
+                return WalkResult(keys, None, _estimate(seen, cursor), not cursor.done, head=head)
             counts = _advance(counts, held, start)
             alive = bool((counts[watch] == len(keys)).any())
             for s, r in reach.items():
@@ -175,8 +181,8 @@ def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
                     alive = alive or r == len(keys)
             if not alive:
                 tail = Tail(cursor, carry, seen, parent, len(keys), holdback, bs, root, whole or _no_whole)
-                return WalkResult(keys, counts, _estimate(seen, cursor), not cursor.done, tail, reach)
-    return WalkResult(keys, counts if keys else None, seen, False, None, reach)
+                return WalkResult(keys, counts, _estimate(seen, cursor), not cursor.done, tail, reach, head)
+    return WalkResult(keys, counts if keys else None, seen, False, None, reach, head)
 
 
 def _advance(counts: np.ndarray | None, held: np.ndarray, start: int) -> np.ndarray:

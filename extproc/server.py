@@ -30,8 +30,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
-from cortex import engines, grpc_health
+from cortex import engines, grpc_health, observation
 from cortex import headers as H
+from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, MODELS_PATH
 from cortex.config import CortexConfig
 from cortex.config_watch import ConfigWatcher
 from cortex.envoy_config import ANY_CLUSTER, pool_cluster
@@ -50,9 +51,6 @@ from extproc.snapshot import Source
 
 log = logging.getLogger("cortex.extproc")
 
-EXPLAIN_PATH = "/cortex/v1/route"
-MODELS_PATH = "/v1/models"
-HEALTH_PATH = "/cortex/health"
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 _EMPTY_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _EMPTY_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
@@ -264,7 +262,7 @@ class ExtProc:
             metrics.INTERNAL_ERRORS.inc()
             st.fallback_reason = "extproc_error"
             return _EMPTY_BODY
-        metrics.observe_decision(result, time.perf_counter() - t0)
+        metrics.observe_decision(result, time.perf_counter() - t0, self.cluster.block_size)
         changes = result.changes
         plan = result.pd
         if plan is not None and plan.pair is not None:
@@ -272,7 +270,25 @@ class ExtProc:
         if plan is not None:
             st.pd_note = f"skipped:{plan.skip}"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
-        return self._single(st, result.decision, result.model, body, changes)
+        injected = self._wants_usage(parsed.stream, parsed.body)
+        if injected is not None:
+            changes = {**changes, "stream_options": injected}
+        response = self._single(st, result.decision, result.model, body, changes)
+        _observe(response, {observation.MODEL: result.model, observation.STREAM: parsed.stream,
+                            observation.USAGE_INJECTED: injected is not None, **_prompt_facts(result)})
+        return response
+
+    def _wants_usage(self, stream: bool, body: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The stream_options to send when the engine must be asked for a stream's usage on the client's behalf
+        (cortex/observe.lua cuts that usage event out again), else None. Not for a PD pair: its legs are built
+        by extproc itself."""
+        if not (stream and self.cfg.observe.enabled and self.cfg.observe.stream_usage):
+            return None
+        options = (body or {}).get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        if options.get("include_usage") is True:
+            return None
+        return {**options, "include_usage": True}
 
     def _single(self, st: StreamState, decision: Decision, model: str, body: bytes,
                 changes: dict[str, object]) -> pb.ProcessingResponse:
@@ -329,6 +345,8 @@ class ExtProc:
         for k, v in started.decode_headers.items():
             common.header_mutation.set_headers.append(_set(k, v))
         self._set_body(response, started.decode_body)
+        _observe(response, {observation.MODEL: result.model, observation.STREAM: pending.doc.get("stream") is True,
+                            observation.USAGE_INJECTED: False, **_prompt_facts(result)})
         return response
 
     @staticmethod
@@ -375,8 +393,10 @@ class ExtProc:
         headers += [_set(H.MATCH_MODE, mode), _set(H.ROUTE_REASON, reason)]
         if st.pd_note:
             headers.append(_set(H.PD, st.pd_note))
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+        response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
+        _observe_claim(response, headers)
+        return response
 
     def _pd_response_headers(self, st: StreamState, req: Any,
                              served: str) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
@@ -434,8 +454,12 @@ class ExtProc:
         headers = [_set(H.ASSIGNED_WORKER, f"prefill={pair.legs.prefill.id},decode={decode.id}"),
                    _set(H.CACHE_HIT_TOKENS, str(hit)), _set(H.MATCH_MODE, mode),
                    _set(H.ROUTE_REASON, f"pd:{prefill.reason}"), _set(H.PD, st.pd_note)]
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+        response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
+        _observe_claim(response, headers)
+        # The decode worker answers (and reports the usage); the pair's prefill is kept beside it.
+        _observe(response, {observation.WORKER: decode.id, observation.PREFILL: pair.legs.prefill.id})
+        return response
 
     async def _decode_fallback(self, st: StreamState, req: Any, fb: DecodeFallback) -> pb.ProcessingResponse:
         """Serve a request whose pair failed before the client got a byte on one worker, from a cold start.
@@ -486,9 +510,11 @@ class ExtProc:
                     _set(H.MATCH_MODE, mode),
                     _set(H.ROUTE_REASON, decision.reason if chosen else f"retried:{decision.reason}"),
                     _set(H.PD, st.pd_note)]
-            return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+            response = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
                 status=HttpStatus(code=status),
                 headers=pb.HeaderMutation(set_headers=out), body=body, details="cortex_pd_fallback"))
+            _observe_claim(response, out)
+            return response
         log.warning("PD pair prefill=%s failed (%s) and no single worker answered; the pair's error stands",
                     pair.legs.prefill.id, fb.why)
         st.pd_note = f"fallback_failed:{fb.why}"
@@ -555,6 +581,32 @@ class ExtProc:
         if "tokens=1" in st.query.split("&"):
             doc["token_ids"] = result.token_ids
         return _immediate(200, orjson.dumps(doc))
+
+
+def _observe(response: pb.ProcessingResponse, facts: dict[str, Any]) -> None:
+    """extproc's facts about this request, for the observation (cortex/observation.py)."""
+    response.dynamic_metadata.update({observation.NAMESPACE: facts})
+
+
+def _prompt_facts(result: RoutePlan) -> dict[str, Any]:
+    return {observation.PROMPT_HASH: result.prompt_hash, observation.FIRST_IDS: result.head_ids,
+            observation.PROMPT_TOKENS: result.prompt_tokens}
+
+
+_CLAIM_KEYS = {H.ASSIGNED_WORKER: observation.WORKER, H.MATCH_MODE: observation.MODE,
+               H.ROUTE_REASON: observation.REASON}
+
+
+def _observe_claim(response: pb.ProcessingResponse, headers: list[HeaderValueOption]) -> None:
+    """What the x-cortex-* headers of this answer claim, as the observation compares it with the engine's usage."""
+    facts: dict[str, Any] = {}
+    for h in headers:
+        key = h.header.key
+        if key in _CLAIM_KEYS:
+            facts[_CLAIM_KEYS[key]] = h.header.raw_value.decode("latin-1")
+        elif key == H.CACHE_HIT_TOKENS:
+            facts[observation.CLAIMED] = int(h.header.raw_value)
+    _observe(response, facts)
 
 
 def _served(req: Any) -> str:
@@ -662,6 +714,7 @@ def run(cfg: CortexConfig, index: int, config_path: Path | None = None) -> int:
         for name in ("cortex.piecewise_tokenize", "cortex.fast_bpe"):
             logging.getLogger(name).setLevel(logging.WARNING)
         logging.getLogger("cortex.config").setLevel(logging.CRITICAL)
+    metrics.START_TIME.labels(str(index)).set_to_current_time()
     try:
         import uvloop
         uvloop.install()

@@ -6,6 +6,8 @@ Cortex (Envoy listening, every extproc process serving, the ledger view live), e
 /metrics serves ingest's own series (read live from its state by a collector, so nothing is kept twice)
 plus every extproc process's series, which prometheus_client's multiprocess mode keeps in files under
 PROMETHEUS_MULTIPROC_DIR; one scrape target covers the whole gateway.
+
+/cortex/ui is the status page for a person (ingest/status_page.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ from ingest.membership import MembershipError
 from ingest.readiness import Readiness
 from ingest.service import Ingest
 from ingest.silence import SILENT
+from ingest.status_page import add_routes as add_status_page
 from ingest.sync import SyncState
+
+STARTED_AT = time.time()
+"""This process's start (module import, at ingest's start): a new value in /metrics is a restart."""
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -64,6 +70,8 @@ class IngestCollector(Collector):
                                     labels=labels)
         waiting = GaugeMetricFamily("cortex_target_waiting_requests", "engine-reported waiting requests",
                                     labels=labels)
+        kv_usage = GaugeMetricFamily("cortex_target_kv_usage_ratio", "engine-reported share of the KV-cache pool in "
+                                     "use, 0..1 (vLLM kv_cache_usage_perc, SGLang token_usage)", labels=labels)
         event_age = GaugeMetricFamily("cortex_target_last_event_age_seconds", "time since the last event batch",
                                       labels=labels)
         lag = GaugeMetricFamily("cortex_ingest_lag_seconds",
@@ -98,6 +106,8 @@ class IngestCollector(Collector):
                 blocks.add_metric(key, ev.ledger.blocks)
                 running.add_metric(key, t.load.running)
                 waiting.add_metric(key, t.load.waiting)
+                if t.kv_usage is not None:
+                    kv_usage.add_metric(key, t.kv_usage)
                 if ev.last_event_at:
                     event_age.add_metric(key, now - ev.last_event_at)
                     lag.add_metric(key, ev.lag_s)
@@ -109,8 +119,10 @@ class IngestCollector(Collector):
                     counters[name].add_metric(key, value)
                 for reason, n in ev.ledger.dropped.items():
                     dropped.add_metric([*key, reason], n)
-        yield from (state, exact, silent, parity, healthy, tokens, blocks, running, waiting, event_age, lag,
+        yield from (state, exact, silent, parity, healthy, tokens, blocks, running, waiting, kv_usage, event_age, lag,
                     *counters.values(), dropped)
+        yield GaugeMetricFamily("cortex_ingest_start_time_seconds", "unix time this ingest process started",
+                                value=STARTED_AT)
         yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view",
                                 value=self.ingest.view.size)
         cpu = CounterMetricFamily("cortex_ingest_loop_cpu_seconds",
@@ -142,9 +154,11 @@ def build_app(ingest: Ingest) -> web.Application:
     async def close_readiness(_: web.Application) -> None:
         await readiness.close()
 
-    async def metrics(_: web.Request) -> web.Response:
+    async def metrics(request: web.Request) -> web.Response:
         body = generate_latest(own)
-        if shared is not None:
+        # ?scope=ingest: ingest's own series only, for a set-up that scrapes extproc's and the observer's from
+        # the observer's port, where they stay available while ingest restarts (docs/observability.md).
+        if shared is not None and request.query.get("scope") != "ingest":
             body += generate_latest(shared)
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -178,4 +192,5 @@ def build_app(ingest: Ingest) -> web.Application:
     app.router.add_get("/cortex/workers", workers)
     app.router.add_post("/cortex/workers", add_worker)
     app.router.add_delete("/cortex/workers/{worker_id}", remove_worker)
+    add_status_page(app, ingest)  # /cortex/ui: the status page for a person (ingest/status_page.py)
     return app

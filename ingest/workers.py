@@ -20,6 +20,7 @@ import msgspec
 from cortex import engines
 from cortex.config import WorkerConfig
 from cortex.contract import LoadReading, TargetMeta, target_id
+from cortex.engines import RankLoad
 from ingest import silence
 from ingest.probes import HealthReading, LoadByRank
 from ingest.source import EventSource, rank_endpoint
@@ -61,6 +62,8 @@ class Target:
     busy_since: float = 0.0
     activity: float = 0.0
     """The engine's own cumulative work counter, from the load poll."""
+    kv_usage: float | None = None
+    """Share of its KV-cache pool in use (0..1) at the last load reading; None: not reported."""
     activity_checked: float = 0.0
     """Its value when the last tail check was asked for: a change means batches may exist we never saw."""
     was_busy: bool = False
@@ -177,7 +180,7 @@ class Target:
         del meta["age_s"]  # the contract's legacy field; the age in seconds follows
         return {
             **meta,
-            "load": {**self.load.to_json(now), "every_s": self.worker.poll_every},
+            "load": {**self.load.to_json(now), "every_s": self.worker.poll_every, "kv_usage": self.kv_usage},
             "age_s": round(now - self.worker.added_at, 1),
             "kv_events": self.endpoint(self.worker.cfg.kv_events),
             "kv_replay": self.endpoint(self.worker.cfg.kv_replay),
@@ -272,11 +275,18 @@ class Worker:
         """A load reading, per rank: each target takes its rank's (a worker without DP, the sum)."""
         for target in self.targets:
             if target.rank is None:
-                running, waiting, activity = (sum(v[i] for v in per_rank.values()) for i in range(3))
+                readings = per_rank.values()
+                running = sum(v.running for v in readings)
+                waiting = sum(v.waiting for v in readings)
+                activity = sum(v.activity for v in readings)
+                # The ranks' pools are alike: the worker's usage is their mean.
+                usages = [v.kv_usage for v in per_rank.values() if v.kv_usage is not None]
+                kv_usage = sum(usages) / len(usages) if usages else None
             else:
-                running, waiting, activity = per_rank.get(target.rank, (0.0, 0.0, 0.0))
+                running, waiting, activity, kv_usage = per_rank.get(target.rank, RankLoad(0.0, 0.0, 0.0))
             target.load = Load(running=running, waiting=waiting, at=now)
             target.activity = activity
+            target.kv_usage = kv_usage
             if running > 0 and not target.busy_since:
                 target.busy_since = now
             elif running == 0:

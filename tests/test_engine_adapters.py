@@ -52,10 +52,10 @@ NOT_REPRODUCIBLE: dict[str, list[tuple[str | None, str | None, str]]] = {
              ("md5", None, "not reproduced")],
     "sglang": [],
 }
-# The fixture's readings: (running, waiting, activity) per DP rank.
+# The fixture's readings: (running, waiting, activity, KV usage) per DP rank.
 LOADS = {
-    "vllm": {0: (3.0, 2.0, 48213.0), 1: (1.0, 0.0, 1607.0)},
-    "sglang": {0: (5.0, 7.0, 902211.0), 1: (0.0, 0.0, 31.0)},
+    "vllm": {0: (3.0, 2.0, 48213.0, 0.4212), 1: (1.0, 0.0, 1607.0, 0.0815)},
+    "sglang": {0: (5.0, 7.0, 902211.0, 0.197), 1: (0.0, 0.0, 31.0, 0.0)},
 }
 RANK = {"vllm": ({"x-data-parallel-rank": "3"}, {}), "sglang": ({}, {"routed_dp_rank": 3})}
 LORA = {"vllm": (True, False, False), "sglang": (False, True, True)}  # as model, as suffix, lora_path

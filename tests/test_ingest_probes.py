@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from cortex import engines
 from cortex.config import CortexConfig, WorkerConfig, parse_config
+from cortex.engines import RankLoad as L
 from ingest import membership, tokenizer_parity
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
@@ -45,8 +46,8 @@ vllm:num_requests_running_other 9.0
 
 def test_vllm_metrics_vector() -> None:
     parse = engines.adapter("vllm").parse_load  # what ingest.probes.read_load applies to /metrics
-    assert parse(VLLM_METRICS) == {0: (2.0, 3.0, 512.0), 1: (1.0, 0.0, 64.0)}
-    assert parse(b"vllm:num_requests_running 4\nvllm:num_requests_waiting 1\n") == {0: (4.0, 1.0, 0.0)}
+    assert parse(VLLM_METRICS) == {0: L(2.0, 3.0, 512.0), 1: L(1.0, 0.0, 64.0)}
+    assert parse(b"vllm:num_requests_running 4\nvllm:num_requests_waiting 1\n") == {0: L(4.0, 1.0, 0.0)}
     assert parse(b"") == {}
 
 
@@ -65,7 +66,7 @@ def test_vllm_metrics_reads_only_its_sample_lines() -> None:
             b'vllm:prefix_cache_queries_created{engine="1"} 1.7e9\n'
             b'vllm:num_requests_running{engine="2"}\n'  # no value: not a sample
             b"vllm:prefix_cache_queries_total{engine=\"1\"} 64")  # the last line, without a newline
-    assert parse(body) == {0: (0.0, 4.0, 0.0), 1: (2.0, 0.0, 64.0)}
+    assert parse(body) == {0: L(0.0, 4.0, 0.0), 1: L(2.0, 0.0, 64.0)}
     assert parse(b"x" * 1_000_000 + b"vllm:num_requests_running 3") == {}  # not at a line start
     assert parse(b"\n" * 1000 + b"vllm:num_requests_running{engine=\"0\"") == {}  # unterminated label set
     with pytest.raises(ValueError):
@@ -78,7 +79,7 @@ def test_sglang_loads_vector() -> None:
                      {"dp_rank": 1, "num_running_reqs": 0, "num_waiting_reqs": 4},
                      {"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 0}, "junk"]}
     parse = engines.adapter("sglang").parse_load  # ... and to /v1/loads
-    assert parse(orjson.dumps(doc)) == {0: (3.0, 1.0, 100.0), 1: (0.0, 4.0, 0.0)}
+    assert parse(orjson.dumps(doc)) == {0: L(3.0, 1.0, 100.0), 1: L(0.0, 4.0, 0.0)}
     assert parse(b"[]") == {}
 
 
@@ -112,15 +113,32 @@ def test_health_readings_down_after_n_failures_up_at_one_success() -> None:
 
 def test_load_readings_per_rank_or_summed() -> None:
     dp = worker(WCFG, [0, 1])
-    dp.apply_load({0: (2.0, 1.0, 50.0), 1: (0.0, 0.0, 7.0)}, now=100.0)
+    dp.apply_load({0: L(2.0, 1.0, 50.0), 1: L(0.0, 0.0, 7.0)}, now=100.0)
     assert [(t.load.running, t.load.waiting, t.load.at, t.activity, t.busy_since) for t in dp.targets] == [
         (2.0, 1.0, 100.0, 50.0, 100.0), (0.0, 0.0, 100.0, 7.0, 0.0)]
-    dp.apply_load({0: (1.0, 0.0, 60.0)}, now=101.0)  # still busy: busy since the first reading; rank 1 absent: 0
+    dp.apply_load({0: L(1.0, 0.0, 60.0)}, now=101.0)  # still busy: busy since the first reading; rank 1 absent: 0
     assert [(t.load.running, t.busy_since, t.activity) for t in dp.targets] == [(1.0, 100.0, 60.0), (0.0, 0.0, 0.0)]
     one = worker(WCFG, [None])
-    one.apply_load({0: (2.0, 1.0, 50.0), 1: (1.0, 3.0, 7.0)}, now=5.0)
+    one.apply_load({0: L(2.0, 1.0, 50.0), 1: L(1.0, 3.0, 7.0)}, now=5.0)
     t = one.targets[0]
     assert (t.load.running, t.load.waiting, t.activity) == (3.0, 4.0, 57.0)
+
+
+def test_kv_usage_per_rank_and_for_the_whole_worker_their_mean() -> None:
+    parse = engines.adapter("vllm").parse_load
+    body = (b'vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:kv_cache_usage_perc{engine="1"} 0.25\n'
+            b'vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_running{engine="1"} 0\n')
+    loads = parse(body)
+    assert loads == {0: L(1.0, 0.0, 0.0, 0.5), 1: L(0.0, 0.0, 0.0, 0.25)}
+    dp, one = worker(WCFG, [0, 1]), worker(WCFG, [None])
+    dp.apply_load(loads, now=1.0)
+    one.apply_load(loads, now=1.0)
+    assert [t.kv_usage for t in dp.targets] == [0.5, 0.25] and one.targets[0].kv_usage == 0.375
+    one.apply_load(parse(b"vllm:num_requests_running 2\n"), now=2.0)  # an engine that does not say
+    assert one.targets[0].kv_usage is None
+    sglang = engines.adapter("sglang").parse_load
+    assert sglang(orjson.dumps({"loads": [{"dp_rank": 0, "num_running_reqs": 1, "token_usage": 0.7}]})) == {
+        0: L(1.0, 0.0, 0.0, 0.7)}
 
 
 def test_token_parity_readings() -> None:
@@ -179,25 +197,25 @@ def test_the_fleet_persists_what_the_api_changed(tmp_path: Path) -> None:
 def test_a_load_reading_is_news_when_it_changed_or_its_published_one_ages() -> None:
     t = worker(WCFG, [None]).targets[0]
     assert not t.load_news(now=10.0, every_s=0.1)  # never read
-    t.worker.apply_load({0: (1.0, 0.0, 0.0)}, now=10.0)
+    t.worker.apply_load({0: L(1.0, 0.0, 0.0)}, now=10.0)
     assert t.load_news(now=10.0, every_s=0.1)
     t.mark_published()
-    t.worker.apply_load({0: (1.0, 0.0, 0.0)}, now=10.5)
+    t.worker.apply_load({0: L(1.0, 0.0, 0.0)}, now=10.5)
     assert not t.load_news(now=10.5, every_s=0.1)  # same values, published one 0.5 s old
     assert t.load_news(now=11.0, every_s=0.1)  # ... 1 s old
     assert not t.load_news(now=11.0, every_s=5.0)  # idle cadence: republished every interval
-    t.worker.apply_load({0: (2.0, 0.0, 0.0)}, now=10.6)
+    t.worker.apply_load({0: L(2.0, 0.0, 0.0)}, now=10.6)
     assert t.load_news(now=10.6, every_s=5.0)
 
 
 def test_a_tail_check_is_due_after_work() -> None:
     t = worker(WCFG, [None]).targets[0]
     assert not t.tail_check_due()
-    t.worker.apply_load({0: (0.0, 0.0, 5.0)}, now=1.0)  # the counter moved
+    t.worker.apply_load({0: L(0.0, 0.0, 5.0)}, now=1.0)  # the counter moved
     assert t.tail_check_due() and not t.tail_check_due()
-    t.worker.apply_load({0: (1.0, 0.0, 5.0)}, now=2.0)  # running
+    t.worker.apply_load({0: L(1.0, 0.0, 5.0)}, now=2.0)  # running
     assert t.tail_check_due()
-    t.worker.apply_load({0: (0.0, 0.0, 5.0)}, now=3.0)  # just finished
+    t.worker.apply_load({0: L(0.0, 0.0, 5.0)}, now=3.0)  # just finished
     assert t.tail_check_due() and not t.tail_check_due()
 
 
@@ -206,9 +224,9 @@ def test_a_working_engine_whose_events_never_arrive_turns_silent() -> None:
     t.worker.apply_health(HealthReading(ok=True), failures=3)
     ev = t.events
     ev.link_up, ev.link_since = False, 0.0
-    t.worker.apply_load({0: (0.0, 0.0, 100.0)}, now=1.0)
+    t.worker.apply_load({0: L(0.0, 0.0, 100.0)}, now=1.0)
     assert t.observe_publisher(now=1.0, bound_s=10.0) == "waiting" and t.events_status == "waiting"
-    t.worker.apply_load({0: (1.0, 0.0, 150.0)}, now=2.0)  # working from now on
+    t.worker.apply_load({0: L(1.0, 0.0, 150.0)}, now=2.0)  # working from now on
     assert t.observe_publisher(now=2.0, bound_s=10.0) == "waiting" and t.events_status == "waiting"
     assert t.observe_publisher(now=12.5, bound_s=10.0) == "waiting"
     assert t.events_status == "silent" and t.silence_reason

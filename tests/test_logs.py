@@ -48,7 +48,7 @@ def _record(msg: str, *args: object, level: int = logging.INFO, name: str = "cor
 def _parse(line: str) -> dict[str, Any]:
     doc = json.loads(line)
     assert isinstance(doc, dict)
-    assert list(doc)[:5] == ["ts", "level", "logger", "process", "msg"], doc
+    assert {"ts", "level", "logger", "process", "msg"} <= set(doc), doc
     assert TS.match(doc["ts"]), doc["ts"]
     return doc
 
@@ -62,6 +62,7 @@ def test_json_line_carries_core_keys_then_fields_and_never_lets_a_field_overwrit
     line = logs.json_line("worker w1 added", logger="cortex.ingest", process="ingest", ts=0.5, worker="w1",
                           targets=2)
     assert "\n" not in line
+    assert list(json.loads(line))[:5] == ["ts", "level", "logger", "process", "msg"]
     assert json.loads(line) == {"ts": "1970-01-01T00:00:00.500Z", "level": "info", "logger": "cortex.ingest",
                                 "process": "ingest", "msg": "worker w1 added", "worker": "w1", "targets": 2}
     record = _record("m")
@@ -268,8 +269,8 @@ def test_a_kv_stream_logs_its_sync_once_and_each_resync(caplog: pytest.LogCaptur
 @pytest.mark.timeout(240)
 def test_a_real_gateway_writes_only_json_lines_from_every_process(tmp_path: Path) -> None:
     """`cortex run --log-format json` (over `log.format: text` in the file: the flag wins): the supervisor,
-    ingest, extproc and Envoy all write JSON objects, one per line, nothing else, through a request, Envoy's
-    debug lines (multi-line header dumps), a child killed and restarted, and the stop."""
+    ingest, extproc, the observer and Envoy all write JSON objects, one per line, nothing else, through two
+    requests, Envoy's debug lines (multi-line header dumps), a child killed and restarted, and the stop."""
     ports = free_ports(6)
     gw = Gateway(root=tmp_path, sims=[Sim(id="sim-1", port=ports[0], kv_port=ports[1])], port=ports[2],
                  admin_port=ports[3], ingest_port=ports[4], extproc_port=ports[5],
@@ -299,7 +300,10 @@ def test_a_real_gateway_writes_only_json_lines_from_every_process(tmp_path: Path
     by_process: dict[str, list[dict[str, Any]]] = {}
     for d in docs:
         by_process.setdefault(d["process"], []).append(d)
-    assert {"supervisor", "ingest", "extproc-0", "envoy"} <= set(by_process), set(by_process)
+    assert {"supervisor", "ingest", "extproc-0", "observe", "envoy"} <= set(by_process), set(by_process)
+    # The observer's per-request lines share the shape (cortex/logs.py json_line).
+    requests = [d for d in by_process["observe"] if d["logger"] == "cortex.request"]
+    assert len(requests) == 2 and all(d["msg"] == "request" and d["status"] == 200 for d in requests)
     assert all(d["logger"].startswith("envoy.") for d in by_process["envoy"])
     assert any("\n" in d["msg"] for d in by_process["envoy"])  # a header dump, still one line
     [ready] = [d for d in docs if d["msg"].startswith("ready: ")]

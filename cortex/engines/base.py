@@ -14,14 +14,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 if TYPE_CHECKING:
     from cortex.config import PdConfig
 
-RankLoad = tuple[float, float, float]
-"""(running requests, waiting requests, activity) of one DP rank. Activity is a cumulative counter that moves
-whenever the rank did prefill work, so ingest can tell an idle worker from a busy one between readings."""
+class RankLoad(NamedTuple):
+    """One DP rank's load reading."""
+
+    running: float
+    waiting: float
+    activity: float
+    """A cumulative counter that moves whenever the rank did prefill work, so ingest can tell an idle worker from
+    a busy one between readings."""
+    kv_usage: float | None = None
+    """Share of the rank's KV-cache pool in use, 0..1 (vLLM kv_cache_usage_perc, SGLang token_usage); None when
+    the engine did not report it. Shown to operators; routing does not read it."""
 
 PdLegs = Literal["sequential", "concurrent"]
 

@@ -25,15 +25,20 @@ _U64 = (1 << 64) - 1
 
 
 def parse_loads(doc: Any) -> dict[int, RankLoad]:
-    """(running, waiting, activity) per DP rank from /v1/loads; activity is its cumulative prefill-token count."""
+    """(running, waiting, activity, KV usage) per DP rank from /v1/loads; activity is its cumulative prefill-token
+    count, KV usage its `token_usage` (0..1)."""
     loads = doc.get("loads", []) if isinstance(doc, dict) else []
     out: dict[int, RankLoad] = {}
     for e in loads:
         if isinstance(e, dict):
             rank = int(e.get("dp_rank") or 0)
-            prev = out.get(rank, (0.0, 0.0, 0.0))
-            out[rank] = (prev[0] + float(e.get("num_running_reqs", 0)), prev[1] + float(e.get("num_waiting_reqs", 0)),
-                         prev[2] + float(e.get("total_prefill_uncached_tokens", 0)))
+            prev = out.get(rank, RankLoad(0.0, 0.0, 0.0))
+            usage = e.get("token_usage")
+            kv = float(usage) if isinstance(usage, (int, float)) and not isinstance(usage, bool) else None
+            out[rank] = RankLoad(prev.running + float(e.get("num_running_reqs", 0)),
+                                 prev.waiting + float(e.get("num_waiting_reqs", 0)),
+                                 prev.activity + float(e.get("total_prefill_uncached_tokens", 0)),
+                                 kv if prev.kv_usage is None else max(prev.kv_usage, kv or 0.0))
     return out
 
 

@@ -23,19 +23,20 @@ DP_RANK_HEADER = headers.DP_RANK
 """vLLM's selector of the engine inside a DP deployment (one API server, `--data-parallel-size` engines)."""
 
 _SERIES = ((b"vllm:num_requests_running", 0), (b"vllm:num_requests_waiting", 1),
-           (b"vllm:prefix_cache_queries_total", 2))
+           (b"vllm:prefix_cache_queries_total", 2), (b"vllm:kv_cache_usage_perc", 3))
 """The only series Cortex reads, and where each lands in a RankLoad."""
 _LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 
 def parse_metrics(text: bytes) -> dict[int, RankLoad]:
-    """(running, waiting, activity) per DP rank (vLLM's `engine` label; 0 when absent). Activity is a
+    """(running, waiting, activity, KV usage) per DP rank (vLLM's `engine` label; 0 when absent). Activity is a
     cumulative counter (prompt tokens looked up in the prefix cache) that moves whenever a request ran.
 
     A real vLLM's exposition is mostly histograms (tens of families, buckets per model and rank): this looks
-    for the three names with bytes.find and reads only their sample lines, so the cost is a few passes of
+    for the four names with bytes.find and reads only their sample lines, so the cost is a few passes of
     C-speed search over the body plus a few lines of Python, not a parse of every family (issue 14)."""
     out: dict[int, list[float]] = {}
+    usage: dict[int, float] = {}
     for name, index in _SERIES:
         at = text.find(name)
         while at >= 0:
@@ -47,9 +48,12 @@ def parse_metrics(text: bytes) -> dict[int, RankLoad]:
                 sample = _sample(text[at + len(name):end])
                 if sample is not None:
                     rank, value = sample
-                    out.setdefault(rank, [0.0, 0.0, 0.0])[index] += value
+                    if index == 3:  # a ratio: one per rank, never summed
+                        usage[rank] = value
+                    else:
+                        out.setdefault(rank, [0.0, 0.0, 0.0])[index] += value
             at = text.find(name, end)
-    return {r: (v[0], v[1], v[2]) for r, v in out.items()}
+    return {r: RankLoad(v[0], v[1], v[2], usage.get(r)) for r, v in out.items()}
 
 
 def _sample(rest: bytes) -> tuple[int, float] | None:

@@ -1,0 +1,56 @@
+"""The contract of the response observation: what extproc, Envoy's Lua filter and `cortex observe` say to each
+other about one request, through Envoy's dynamic metadata (docs/observability.md).
+
+- extproc writes its facts into namespace `cortex` (ext_proc `metadata_options.receiving_namespaces`): on the
+  routing answer the model, whether it asked the engine for a stream's usage on the client's behalf, and what
+  the request looked like (prompt hash, first token ids); on the response-headers answer the worker that
+  served and the claim that went out in the x-cortex-* headers (a retried request claims nothing).
+- the Lua filter (cortex/observe.lua) writes what it saw of the response into `cortex.observed`.
+- Envoy's gRPC access log carries both, with its own status, flags and timings, to `cortex observe`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+NAMESPACE = "cortex"
+"""extproc's facts about the request."""
+OBSERVED = "cortex.observed"
+"""What the Lua filter saw of the response."""
+
+# Keys in NAMESPACE.
+MODEL = "model"
+USAGE_INJECTED = "usage_injected"
+STREAM = "stream"
+PROMPT_HASH = "prompt_hash"
+FIRST_IDS = "first_ids"
+PROMPT_TOKENS = "prompt_tokens"
+"""Cortex's own count (an estimate when routing stopped early; the engine's usage is the exact one)."""
+WORKER = "worker"
+PREFILL = "prefill"
+MODE = "mode"
+REASON = "reason"
+CLAIMED = "claimed_hit_tokens"
+FIRST_IDS_LOGGED = 64
+"""How many of the prompt's first token ids the request log carries (never the text)."""
+
+
+def prompt_hash(text: str | None, ids: Sequence[int] | None) -> str:
+    """A fingerprint of the whole prompt for the request log: equal prompts (as rendered for the engine, or as
+    token ids) share it, and the text cannot be read back from it. XXH3-64 of the UTF-8 text, else of the ids
+    as little-endian uint32."""
+    if text is not None:
+        return xxhash.xxh3_64_hexdigest(text.encode("utf-8", "surrogatepass"))
+    if ids is not None:
+        return xxhash.xxh3_64_hexdigest(np.asarray(ids, dtype="<u4").tobytes())
+    return ""
+
+
+@cache
+def lua_source() -> str:
+    return (Path(__file__).with_name("observe.lua")).read_text()
