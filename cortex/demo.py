@@ -173,7 +173,8 @@ def main(argv: list[str]) -> int:
         base = f"http://127.0.0.1:{cfg.listen.port}"
         if logs.current_format() == "json":  # a log shipper wants records, not a banner
             logs.say("demo up: %d simulated vLLM workers behind %s", len(cfg.workers), base,
-                     config=str(gateways[0].config_path), admin=f"http://127.0.0.1:{cfg.ingest.port}")
+                     config=str(gateways[0].config_path), admin=f"http://127.0.0.1:{cfg.ingest.port}",
+                     request_log=cfg.observe.request_log_path)
             return
         print(f"""
 Cortex demo is up: {len(cfg.workers)} simulated vLLM workers behind Envoy + Cortex on {base}
