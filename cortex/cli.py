@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
+from cortex import logs
 from cortex.config import ConfigError, CortexConfig, dump_config, load_config
 
 USAGE = """cortex <command> [options]
@@ -20,19 +20,19 @@ commands:
   check    -c cortex.yaml   validate a config file and its model files, print it with every default filled in
   envoy-config -c cortex.yaml  print the Envoy bootstrap Cortex generates from a config
   ingest / extproc / observe  internal: the processes `cortex run` supervises
+
+logs (run, demo, sim, ingest, extproc, observe):
+  --log-format text|json    text: readable lines; json: one JSON object per line (default: log.format in
+                            cortex.yaml, else text)
+  --log-level debug|info|warning|error   (default: log.level in cortex.yaml, else info; -v is debug)
 """
-
-
-def _logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="[%(name)s] %(levelname)s %(message)s", stream=sys.stderr)
 
 
 def _load(path: str) -> CortexConfig:
     try:
         return load_config(path)
     except ConfigError as exc:
-        print(f"cortex: {exc}", file=sys.stderr)
+        logs.fatal(str(exc))
         raise SystemExit(2) from None
 
 
@@ -44,7 +44,7 @@ def _models_ok(cfg: CortexConfig) -> bool:
     try:
         check_models(cfg)
     except BundleError as exc:
-        print(f"cortex: {exc}", file=sys.stderr)
+        logs.fatal(str(exc))
         return False
     return True
 
@@ -73,15 +73,20 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(rest)
     parser = argparse.ArgumentParser(prog=f"cortex {command}")
     parser.add_argument("-c", "--config", required=True, help="path to cortex.yaml")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="same as --log-level debug")
+    logs.add_flags(parser)
     if command == "extproc":
         parser.add_argument("--index", type=int, default=0)
     if command == "run":
         parser.add_argument("--reset-workers", action="store_true",
                             help="forget the workers added or removed through the admin API (runtime_dir/workers.json)")
     args = parser.parse_args(rest)
-    _logging(args.verbose)
+    process = f"extproc-{args.index}" if command == "extproc" else "supervisor" if command == "run" else command
+    # The flags alone first, so a refused config is reported in the format asked for; then the file's `log`.
+    logs.configure(*logs.resolve(args.log_level, args.log_format, args.verbose), process=process)
     cfg = _load(args.config)
+    logs.configure(*logs.resolve(args.log_level, args.log_format, args.verbose, cfg.log.level, cfg.log.format),
+                   process=process)
     if command == "check":
         if not _models_ok(cfg):
             return 2

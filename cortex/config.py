@@ -273,6 +273,21 @@ class TimeoutsConfig(_Strict):
     make it longer than your slowest prefill plus queueing (non-streaming: the whole generation)."""
 
 
+class LogConfig(_Strict):
+    """Logs of Cortex's processes and Envoy (docs/deployment.md "Logs"), read at start; command-line flags win."""
+
+    format: Literal["text", "json"] = "text"
+    """`text`: a readable line per event (`[cortex.ingest] INFO ...`). `json`: one JSON object per line (ts,
+    level, logger, process, msg and the event's fields), Envoy's own lines included."""
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level Cortex's processes write. Envoy's own lines stay at warning and above."""
+
+    @field_validator("format", "level", mode="before")
+    @classmethod
+    def _lower(cls, v: object) -> object:
+        return v.lower() if isinstance(v, str) else v
+
+
 class ModelConfig(_Strict):
     """A served model: the name clients send, the engine family, and the files that tokenize like it."""
 
@@ -408,6 +423,7 @@ class CortexConfig(_Strict):
     observe: ObserveConfig = ObserveConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
+    log: LogConfig = LogConfig()
     runtime_dir: str | None = None
     """Where generated Envoy files, the shared ledger view, logs and workers.json live (default
     /tmp/cortex-<listen port>). workers.json keeps fleet changes made through the admin API across restarts;

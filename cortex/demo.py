@@ -17,6 +17,7 @@ from pathlib import Path
 import orjson
 import yaml
 
+from cortex import logs
 from cortex.config import parse_config
 from cortex.gateway import GatewaySpec, run_gateways
 from cortex.supervisor import ChildSpec
@@ -121,6 +122,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--observe-port", type=int, default=9092,
                    help="observer ports: this one (Envoy's access log) and the next (recent decisions)")
     p.add_argument("--runtime-dir", default="/tmp/cortex-demo")
+    logs.add_flags(p, config=False)
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
@@ -133,9 +135,11 @@ def main(argv: list[str]) -> int:
     if problem:
         p.error(problem)
     several = args.replicas > 1
-    # Several gateways' start-up lines would fill the screen: their processes log to files (named below).
-    logging.basicConfig(level=logging.WARNING if several else logging.INFO,
-                        format="[%(name)s] %(levelname)s %(message)s")
+    # Several gateways' start-up lines would fill the screen: their processes log to files (named below), and
+    # the supervisor's own INFO lines are left out unless asked for.
+    logs.configure(args.log_level or "info", args.log_format or "text", process="demo")
+    if several and args.log_level is None:
+        logging.getLogger("cortex.supervisor").setLevel(logging.WARNING)
     root = Path(args.runtime_dir)
     gateways: list[GatewaySpec] = []
     for rp in plan:
@@ -157,7 +161,8 @@ def main(argv: list[str]) -> int:
     sims = [ChildSpec(f"sim-{i + 1}", [sys.executable, "-m", "cortex.cli", "sim", "--engine", "vllm",
                                        "--port", str(args.sim_base_port + i), "--worker-id", f"sim-{i + 1}",
                                        "--model", MODEL, "--kv-events-port", str(args.kv_base_port + i),
-                                       "--kv-replay-port", str(args.kv_replay_base_port + i)])
+                                       "--kv-replay-port", str(args.kv_replay_base_port + i),
+                                       "--log-format", logs.current_format()])
             for i in range(args.workers)]
     body = orjson.dumps({"model": MODEL, "messages": [
         {"role": "system", "content": "You are a concise assistant."},
@@ -166,6 +171,11 @@ def main(argv: list[str]) -> int:
     def tell() -> None:
         cfg = gateways[0].cfg
         base = f"http://127.0.0.1:{cfg.listen.port}"
+        if logs.current_format() == "json":  # a log shipper wants records, not a banner
+            logs.say("demo up: %d simulated vLLM workers behind %s", len(cfg.workers), base,
+                     config=str(gateways[0].config_path), admin=f"http://127.0.0.1:{cfg.ingest.port}",
+                     request_log=cfg.observe.request_log_path)
+            return
         print(f"""
 Cortex demo is up: {len(cfg.workers)} simulated vLLM workers behind Envoy + Cortex on {base}
   config:  {gateways[0].config_path}
@@ -183,6 +193,10 @@ Stop with Ctrl-C.
 """, flush=True)
 
     def tell_replicas() -> None:
+        if logs.current_format() == "json":
+            logs.say("demo up: %d replicas over %d simulated vLLM workers; each replica's log: %s/replica-<n>/"
+                     "cortex.log", len(gateways), args.workers, root)
+            return
         print(replicas_banner(gateways, plan, args.workers, root, body, cores), flush=True)
 
     # The gateways start once the simulated workers answer, so each ingest meets a warm fleet.

@@ -160,7 +160,8 @@ def envoy_request_log(path: str) -> dict[str, Any]:
         return f"%DYNAMIC_METADATA({ns}:{key})%"
 
     fmt = {
-        "ts": "%START_TIME(%Y-%m-%dT%H:%M:%S.%3fZ)%", "level": "info", "logger": "envoy.access", "msg": "request",
+        "ts": "%START_TIME(%Y-%m-%dT%H:%M:%S.%3fZ)%", "level": "info", "logger": "envoy.access", "process": "envoy",
+        "msg": "request",
         "request_id": "%REQ(X-REQUEST-ID)%", "method": "%REQ(:METHOD)%", "path": "%REQ_WITHOUT_QUERY(:PATH)%",
         "status": "%RESPONSE_CODE%", "response_flags": "%RESPONSE_FLAGS%", "upstream_host": "%UPSTREAM_HOST%",
         "model": meta(OBSERVE_NAMESPACE, "model"), "worker": meta(OBSERVE_NAMESPACE, "worker"),

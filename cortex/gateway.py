@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
-from cortex import grpc_health
+from cortex import grpc_health, logs
 from cortex.config import CortexConfig, check_models, reachable_host
 from cortex.envoy_config import envoy_binary, write_bootstrap
 from cortex.model_bundle import BundleError
@@ -42,21 +44,22 @@ def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path,
     env = {"PROMETHEUS_MULTIPROC_DIR": str(cfg.runtime_path() / "metrics"), "PYTHONUNBUFFERED": "1"}
     py = [sys.executable, "-m", "cortex.cli"]
     prefix = f"{name}/" if name else ""
+    flags = logs.child_args()  # the log format and level resolved once, by the supervisor
     specs = [
-        ChildSpec(f"{prefix}ingest", [*py, "ingest", "-c", str(config_path)], env, stage=1, gate=ingest_gate,
-                  log=log),
-        *(ChildSpec(f"{prefix}extproc-{i}", [*py, "extproc", "-c", str(config_path), "--index", str(i)], env,
-                    stage=1, log=log)
+        ChildSpec(f"{prefix}ingest", [*py, "ingest", "-c", str(config_path), *flags], env, stage=1,
+                  gate=ingest_gate, log=log),
+        *(ChildSpec(f"{prefix}extproc-{i}", [*py, "extproc", "-c", str(config_path), "--index", str(i), *flags],
+                    env, stage=1, log=log)
           for i in range(cfg.extproc.process_count())),
-        *([ChildSpec(f"{prefix}observe", [*py, "observe", "-c", str(config_path)], env, stage=1, log=log)]
+        *([ChildSpec(f"{prefix}observe", [*py, "observe", "-c", str(config_path), *flags], env, stage=1, log=log)]
           if cfg.observe.enabled else []),
         ChildSpec(f"{prefix}envoy", [envoy_binary(), "-c", str(envoy_yaml), "--disable-hot-restart",
                                      "--concurrency", str(min(2, os.cpu_count() or 1)), "-l", "warning",
                                      # `main` warns of every signal it is sent ("caught ENVOY_SIGTERM"): a
                                      # normal stop.
                                      "--component-log-level", "main:error",
-                                     "--log-format", "[envoy] [%l] %v"],
-                  stage=2, gate=lambda: wait_extprocs(cfg), log=log),
+                                     *logs.envoy_args(f"{prefix}envoy")],
+                  logs.ENVOY_ENV, stage=2, gate=lambda: wait_extprocs(cfg), log=log),
     ]
     return specs
 
@@ -102,9 +105,9 @@ async def wait_urls(urls: Sequence[str], timeout_s: float = START_TIMEOUT_S) -> 
             await asyncio.sleep(0.2)
 
 
-async def wait_ready(cfg: CortexConfig, timeout_s: float = 60.0) -> tuple[bool, str]:
-    """(True, "") once ingest's /health/ready answers 200 (Envoy, every extproc process and the ledger view
-    are up: ingest/readiness.py); else (False, the last reason it gave)."""
+async def wait_ready(cfg: CortexConfig, timeout_s: float = 60.0) -> tuple[bool, str, dict[str, Any]]:
+    """(True, "", its body) once ingest's /health/ready answers 200 (Envoy, every extproc process and the ledger
+    view are up: ingest/readiness.py); else (False, the last reason it gave, {})."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     url = f"http://{reachable_host(cfg.ingest.host)}:{cfg.ingest.port}/health/ready"
     reason = "ingest not answering"
@@ -114,12 +117,37 @@ async def wait_ready(cfg: CortexConfig, timeout_s: float = 60.0) -> tuple[bool, 
                 async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
                     body = await r.json(content_type=None)
                     if r.status == 200:
-                        return True, ""
+                        return True, "", body if isinstance(body, dict) else {}
                     reason = str(body.get("reason", r.status))
             except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
                 reason = f"ingest not answering ({type(exc).__name__})"
             await asyncio.sleep(0.2)
-    return False, reason
+    return False, reason, {}
+
+
+def ready_fields(cfg: CortexConfig, body: dict[str, Any]) -> dict[str, Any]:
+    """What the ready line says, as JSON fields: where to connect, the fleet as ingest sees it (workers restored
+    from workers.json included), the models."""
+    workers = [w.get("id", "?") for w in body.get("workers", [])] if "workers" in body else [
+        w.id for w in cfg.workers]
+    return {"listen": f"http://{cfg.listen.host}:{cfg.listen.port}",
+            "admin": f"http://{cfg.ingest.host}:{cfg.ingest.port}",
+            "envoy_admin": f"http://{cfg.admin.host}:{cfg.admin.port}",
+            "workers": workers, "models": [m.name for m in cfg.models],
+            "extproc_processes": cfg.extproc.process_count(),
+            "routing": str(body.get("detail", ""))}
+
+
+def ready_message(f: dict[str, Any]) -> str:
+    """`ready: http://127.0.0.1:8080  2 workers (sim-1, sim-2), 1 model (Qwen/...), 2 extproc processes: all targets
+    on exact-KV routing  (admin ..., envoy admin ...)`: one line a person reads to know where to send requests and
+    what is behind."""
+    n, m, x = len(f["workers"]), len(f["models"]), f["extproc_processes"]
+    fleet = f"{n} worker{'s' * (n != 1)} ({', '.join(f['workers']) or 'none yet'})"
+    models = f"{m} model{'s' * (m != 1)} ({', '.join(f['models'])})"
+    routing = f": {f['routing']}" if f["routing"] else ""
+    return (f"ready: {f['listen']}  {fleet}, {models}, {x} extproc process{'es' * (x != 1)}{routing}  "
+            f"(admin {f['admin']}/cortex/workers, envoy admin {f['envoy_admin']})")
 
 
 def reset_workers(cfg: CortexConfig) -> None:
@@ -127,8 +155,7 @@ def reset_workers(cfg: CortexConfig) -> None:
     state = cfg.runtime_path() / "workers.json"
     if state.exists():
         state.unlink()
-        print(f"[cortex] workers added or removed through the admin API forgotten ({state} deleted)",
-              file=sys.stderr, flush=True)
+        logs.say("workers added or removed through the admin API forgotten (%s deleted)", state)
 
 
 @dataclass(frozen=True)
@@ -158,7 +185,7 @@ def run_gateways(gateways: Sequence[GatewaySpec], extra: list[ChildSpec] | None 
         for g in gateways:
             check_models(g.cfg)
     except BundleError as exc:
-        print(f"cortex: {exc}", file=sys.stderr, flush=True)
+        logs.fatal(str(exc))
         return 2
     gate = (lambda: wait_urls(ready_urls)) if ready_urls else None
     specs = [*(extra or [])]
@@ -168,21 +195,24 @@ def run_gateways(gateways: Sequence[GatewaySpec], extra: list[ChildSpec] | None 
 
     async def announce() -> None:
         results = await asyncio.gather(*(wait_ready(g.cfg) for g in gateways))
-        waiting = [(g, reason) for g, (ok, reason) in zip(gateways, results, strict=True) if not ok]
+        waiting = [(g, reason) for g, (ok, reason, _) in zip(gateways, results, strict=True) if not ok]
+        for g, reason in waiting:
+            logs.say("%snot ready after 60 s: %s; still waiting", f"{g.name} " if g.name else "", reason,
+                     level=logging.WARNING, gateway=g.name, reason=reason)
         if waiting:
-            for g, reason in waiting:
-                who = f"{g.name} " if g.name else ""
-                print(f"[cortex] warning: {who}not ready after 60 s: {reason}", file=sys.stderr, flush=True)
-            return
+            # Still announced once it comes: a slow start must not leave the person without a ready line.
+            later = await asyncio.gather(*(wait_ready(g.cfg, timeout_s=24 * 3600) for g, _ in waiting))
+            results = [later.pop(0) if not r[0] else r for r in results]
+            if not all(ok for ok, _, _ in results):
+                return
         if len(gateways) == 1:
-            cfg = gateways[0].cfg
-            print(f"[cortex] ready: http://{cfg.listen.host}:{cfg.listen.port}  "
-                  f"(admin http://{cfg.ingest.host}:{cfg.ingest.port}/cortex/workers, "
-                  f"envoy admin http://{cfg.admin.host}:{cfg.admin.port})", file=sys.stderr, flush=True)
+            fields = ready_fields(gateways[0].cfg, results[0][2])
+            logs.say("%s", ready_message(fields), **fields)
         else:
             listing = ", ".join(f"{g.name or 'gateway'} http://{g.cfg.listen.host}:{g.cfg.listen.port}"
                                 for g in gateways)
-            print(f"[cortex] ready: {len(gateways)} gateways ({listing})", file=sys.stderr, flush=True)
+            logs.say("ready: %d gateways (%s)", len(gateways), listing,
+                     gateways=[ready_fields(g.cfg, r[2]) for g, r in zip(gateways, results, strict=True)])
         if on_ready is not None:
             on_ready()
 

@@ -18,12 +18,13 @@ import ctypes
 import logging
 import os
 import signal
-import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cortex import logs
 
 log = logging.getLogger("cortex.supervisor")
 
@@ -61,6 +62,13 @@ class _Child:
     started_at: float = 0.0
 
 
+def _report_crash(task: asyncio.Task[None]) -> None:
+    # Start-up (the gates, the ready announcement) must not fail silently: the person would wait for a ready
+    # line that never comes.
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("start-up failed: %r", exc, exc_info=exc)
+
+
 class GroupFailed(RuntimeError):
     pass
 
@@ -72,13 +80,21 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.grace_s = grace_s
-        self.on_event = on_event or (lambda msg: print(f"[cortex] {msg}", file=sys.stderr, flush=True))
+        self.on_event = on_event
+        """Receives each event line ("error: " before a fatal one) instead of the `cortex` logger (tests)."""
         self._stopping = False
         self._failed: str | None = None
         self._done = asyncio.Event()
 
+    def _event(self, msg: str, level: int = logging.INFO, **fields: object) -> None:
+        if self.on_event is not None:
+            self.on_event(f"error: {msg}" if level >= logging.ERROR else msg)
+        else:
+            logs.say("%s", msg, level=level, **fields)
+
     async def _spawn(self, child: _Child) -> None:
-        env = {**os.environ, **child.spec.env}
+        # The child's name is its `process` in JSON log lines.
+        env = {**os.environ, logs.PROCESS_ENV: child.spec.name, **child.spec.env}
         # A process group of its own: the terminal's Ctrl-C goes to the supervisor alone, which then stops the
         # children in order with one SIGTERM each. In the terminal's group every child also got the SIGINT, so
         # the supervisor's SIGTERM raced its shutdown (uvloop leaves the signal wakeup fd set after its handlers
@@ -94,7 +110,8 @@ class Supervisor:
             if out is not None:
                 out.close()
         child.started_at = time.monotonic()
-        log.info("started %s (pid %d)", child.spec.name, child.proc.pid)
+        log.info("%s %s (pid %d)", "restarted" if child.restarts else "started", child.spec.name, child.proc.pid,
+                 extra={"child": child.spec.name, "pid": child.proc.pid})
 
     async def _watch(self, child: _Child) -> None:
         while not self._stopping:
@@ -114,8 +131,9 @@ class Supervisor:
                            f"(last exit code {code}); giving up{_see(child.spec)}")
                 return
             delay = min(5.0, 0.25 * 2 ** (len(child.restarts) - 1))
-            self.on_event(f"{child.spec.name} exited with code {code}; restarting in {delay:.2f}s "
-                          f"({len(child.restarts)}/{self.max_restarts} in {self.window_s:.0f}s){_see(child.spec)}")
+            self._event(f"{child.spec.name} exited with code {code}; restarting in {delay:.2f}s "
+                        f"({len(child.restarts)}/{self.max_restarts} in {self.window_s:.0f}s){_see(child.spec)}",
+                        logging.WARNING, child=child.spec.name, exit_code=code, restarts=len(child.restarts))
             await asyncio.sleep(delay)
             if self._stopping:
                 return
@@ -124,12 +142,12 @@ class Supervisor:
     def _fail(self, message: str) -> None:
         if self._failed is None:
             self._failed = message
-            self.on_event(f"error: {message}")
+            self._event(message, logging.ERROR)
         self._done.set()
 
-    def stop(self) -> None:
+    def stop(self, sig: signal.Signals | None = None) -> None:
         if not self._done.is_set():
-            self.on_event("stopping")
+            self._event(f"stopping ({sig.name})" if sig is not None else "stopping")
         self._done.set()
 
     def pid_of(self, name: str) -> int | None:
@@ -165,10 +183,10 @@ class Supervisor:
         """Start everything, wait for a signal or a fatal failure, stop everything. Returns the exit code."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.stop)
+            loop.add_signal_handler(sig, self.stop, sig)
         watchers: list[asyncio.Task[None]] = []
         starter = asyncio.create_task(self._start(watchers, ready))
-        starter.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        starter.add_done_callback(_report_crash)
         try:
             await self._done.wait()
         finally:
@@ -180,24 +198,27 @@ class Supervisor:
             for w in watchers:
                 w.cancel()
         if not self._failed:
-            self.on_event("stopped")
+            self._event("stopped")
         return 1 if self._failed else 0
 
     async def _terminate_all(self) -> None:
         for stage in reversed(self._stages()):
-            await self._terminate([c.proc for c in stage if c.proc is not None and c.proc.returncode is None])
+            await self._terminate([c for c in stage if c.proc is not None and c.proc.returncode is None])
 
-    async def _terminate(self, live: list[asyncio.subprocess.Process]) -> None:
+    async def _terminate(self, children: list[_Child]) -> None:
+        live = [c.proc for c in children if c.proc is not None]
         for p in live:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.gather(*(p.wait() for p in live)), self.grace_s)
         except TimeoutError:
-            for p in live:
-                if p.returncode is None:
+            for c in children:
+                if c.proc is not None and c.proc.returncode is None:
+                    log.warning("%s did not stop within %.0f s of SIGTERM: killed", c.spec.name, self.grace_s,
+                                extra={"child": c.spec.name})
                     with contextlib.suppress(ProcessLookupError):
-                        p.kill()
+                        c.proc.kill()
             await asyncio.gather(*(p.wait() for p in live))
 
     @property

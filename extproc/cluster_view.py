@@ -207,7 +207,7 @@ class ClusterView:
         # The first sight of the view is the normal start (the server logs that it serves); a loss and a
         # recovery are what an operator must see.
         if alive and not self.alive:
-            (log.warning if self._lost else log.debug)("ledger view available%s", " again" if self._lost else "")
+            (log.info if self._lost else log.debug)("ledger view available%s", " again" if self._lost else "")
         elif self.alive and not alive:
             self._lost = True
             log.warning("ledger view unavailable: %s", why)

@@ -147,7 +147,8 @@ class ExtProc:
 
     def reload(self, cfg: CortexConfig, registry: ModelRegistry, encoders: dict[int, SegmentEncoder]) -> None:
         self.router.reload(cfg, registry, encoders)  # swaps the one Source both read
-        log.info("config reloaded: %d models, %d aliases", len(cfg.models), len(cfg.aliases))
+        logging.getLogger("cortex.config").info("config reloaded: %d models, %d aliases", len(cfg.models),
+                                                len(cfg.aliases))
 
     # -- the gRPC method ----------------------------------------------------------------------------------
 
@@ -666,7 +667,10 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
     port = cfg.extproc.base_port + index
     server.add_insecure_port(f"{cfg.extproc.host}:{port}")
     await server.start()
-    log.debug("extproc %d listening on %s:%d", index, cfg.extproc.host, port)
+    # A restarted process finds ingest's view at once: it serves from here, and says so as a first start does.
+    (log.info if served else log.debug)("extproc %d %s on %s:%d (%d models)", index,
+                                        "serving" if served else "listening", cfg.extproc.host, port,
+                                        len(registry.bundles))
 
     async def upkeep() -> None:
         nonlocal served
@@ -704,6 +708,12 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
 
 
 def run(cfg: CortexConfig, index: int, config_path: Path | None = None) -> int:
+    if index > 0:
+        # Every extproc process loads the same tokenizers and applies (or refuses) the same config edits: process
+        # 0 tells the person once. The others keep their warnings (and, but for config refusals, errors).
+        for name in ("cortex.piecewise_tokenize", "cortex.fast_bpe"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger("cortex.config").setLevel(logging.CRITICAL)
     metrics.START_TIME.labels(str(index)).set_to_current_time()
     try:
         import uvloop

@@ -118,6 +118,8 @@ class EventSource:
         self._tail_task: asyncio.Task[None] | None = None
         self._shown = False
         """Whether the view shows this target's keys: only while its stream is in sync (READY)."""
+        self._told = sync.state
+        """The sync state last logged: each change is one line, not one per batch."""
         self.last_event_at = 0.0
         self.batches = 0
         self.decode_errors = 0
@@ -279,6 +281,7 @@ class EventSource:
     def perform(self, actions: list[Action]) -> None:
         if self.closed:  # a late callback from a removed incarnation: fenced off
             return
+        cleared = False
         changed = False
         # One net view write for the whole list: a reader never sees a batch's additions without the
         # removals of the next one, nor a target shown again before its catch-up batches are in.
@@ -288,6 +291,7 @@ class EventSource:
                     self._apply(action.payload)
                 elif isinstance(action, Clear):
                     log.warning("target %s: %s", self.name, action.reason)
+                    cleared = True
                     self.ledger.clear(self.sink)
                     if action.publisher_restart:
                         self.parity.reset()
@@ -305,8 +309,22 @@ class EventSource:
             elif ready and not self._shown:
                 self.ledger.reveal(self.sink)
             self._shown = ready
+        if self.sync.state is not self._told:
+            if not cleared:  # a clear already said why
+                self._log_sync(self._told)
+            self._told = self.sync.state
         if changed:
             self.on_change()
+
+    def _log_sync(self, was: SyncState) -> None:
+        """A person sees each stream come into sync once, and each time it falls out and back (a resync)."""
+        now, why = self.sync.state, self.sync.reason
+        if now is SyncState.STALE:
+            log.warning("target %s: KV events out of sync: %s; routed by load until caught up", self.name, why)
+        elif now is SyncState.READY:
+            log.info("target %s: KV events in sync: %s", self.name, why)
+        else:
+            log.debug("target %s: KV events %s -> %s (%s)", self.name, was.value, now.value, why)
 
     def _apply(self, payload: bytes) -> None:
         try:

@@ -17,17 +17,16 @@ import sys
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
 from typing import IO, Any
 from urllib.parse import urlsplit
 
 import grpc
-import orjson
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from cortex import logs
 from cortex.api_paths import HEALTH_PATH
 from cortex.config import CortexConfig
 from observe import metrics
@@ -64,8 +63,6 @@ def sampled(request_id: str, ratio: float) -> bool:
 def log_line(o: Observation) -> bytes:
     """One request, never its text (seed 004 §5.3)."""
     doc: dict[str, Any] = {
-        "ts": datetime.fromtimestamp(o.start_s, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-        "level": "info", "logger": "cortex.request", "msg": "request",
         "request_id": o.request_id, "method": o.method, "path": o.path, "status": o.status, "cause": o.cause,
         "model": o.model, "worker": o.worker, "mode": o.mode, "reason": o.reason,
         "claimed_hit_tokens": o.claimed, "engine_cached_tokens": o.cached_tokens,
@@ -80,7 +77,9 @@ def log_line(o: Observation) -> bytes:
     }
     if o.prefill:
         doc["prefill_worker"] = o.prefill
-    return orjson.dumps(doc) + b"\n"
+    # The shape of every Cortex JSON log line (ts, level, logger, process, msg, fields): cortex/logs.py.
+    return logs.json_line("request", logger="cortex.request", process=logs.process_name("observe"), ts=o.start_s,
+                          **doc).encode() + b"\n"
 
 
 class Observer:

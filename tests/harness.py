@@ -101,6 +101,8 @@ class Gateway:
     extra_config: dict[str, Any] = field(default_factory=dict)
     model_extra: dict[str, Any] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    run_args: tuple[str, ...] = ()
+    """Extra `cortex run` flags (`--log-format json`)."""
     log: Path = field(init=False)
     observe_port: int = 0
     """The observer's access-log port (its HTTP port is the next field); 0: two free ports are taken."""
@@ -181,7 +183,7 @@ def start_sim(sim: Sim, root: Path, *extra: str) -> None:
 def start_gateway(gw: Gateway) -> None:
     cfg_path = gw.root / "cortex.yaml"
     cfg_path.write_text(yaml.safe_dump(gw.config()))
-    gw.proc = subprocess.Popen([*PY, "run", "-c", str(cfg_path)], stdout=open(gw.log, "wb"),  # noqa: SIM115
+    gw.proc = subprocess.Popen([*PY, "run", "-c", str(cfg_path), *gw.run_args], stdout=open(gw.log, "wb"),  # noqa: SIM115
                                stderr=subprocess.STDOUT, start_new_session=True)
 
     def ready() -> bool:

@@ -13,14 +13,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import sys
+from typing import Any
 
 import uvloop
 import zmq
 
+from cortex import logs
 from cortex.engine_hashes import VLLM_HASH_ALGOS, LoraRef, resolve_none_hash_seed
 from cortex.model_bundle import BundleError
 from cortex.sim.config import DEFAULT_BOOTSTRAP_PORT, ENGINES, ROLES
@@ -116,7 +117,12 @@ def _parser() -> argparse.ArgumentParser:
         else:
             g.add_argument(flag, dest=f"fault_{name}", type=float, default=None)
     g.add_argument("--fault-seed", type=int, default=None, help="seed of the probabilistic faults")
-    p.add_argument("--log-level", default="WARNING", help="Python logging level (default %(default)s)")
+    p.add_argument("--log-level", default="WARNING", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="Python logging level (default %(default)s)")
+    p.add_argument("--log-format", choices=logs.FORMATS, default="text",
+                   help="text (default) or json: one JSON object per line, the ready line included (its fields "
+                        "are the text line's key=value pairs)")
     return p
 
 
@@ -168,7 +174,12 @@ async def _serve(server: SimServer) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await server.start()
-        print(server.ready_line(), flush=True)
+        line = server.ready_line()
+        if logs.current_format() == "json":
+            fields: dict[str, Any] = dict(part.split("=", 1) for part in line.split()[2:])
+            line = logs.json_line("sim ready", logger="cortex.sim", process=logs.process_name(server.worker_id),
+                                  **fields)
+        print(line, flush=True)
         await stop.wait()
     finally:
         await server.stop()
@@ -180,7 +191,8 @@ async def _serve(server: SimServer) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(), format="[sim] %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format, process=args.worker_id,
+                   text_pattern="[sim] %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
         config.validate()
@@ -189,12 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = SimServer(config)
     except BundleError as exc:
-        print(f"cortex sim: {exc}", file=sys.stderr)
+        logs.fatal(str(exc), who="cortex sim")
         return 2
     try:
         # uvloop roughly halves the simulator's own CPU cost per streamed token.
         uvloop.run(_serve(server))
     except (OSError, zmq.ZMQError) as exc:
-        print(f"cortex sim: cannot bind: {exc}", file=sys.stderr)
+        logs.fatal(f"cannot bind: {exc}", who="cortex sim")
         return 1
     return 0
