@@ -142,6 +142,17 @@ class EventSource:
         self.perform(self.sync.silent(reason))
         self.last_event_at = now
 
+    def lost(self, reason: str) -> None:
+        """The connection to the publisher dropped: clear the target, and fence off the replay and tail check
+        asked of the old publisher. Their answers (frames already queued, or a partial answer returned when the
+        dead socket falls silent) hold the old process's batches; applied after the clear, or buffered into the
+        new publisher's first replay, they would list blocks a restarted engine does not hold and make its own
+        low sequence numbers look like duplicates."""
+        for task in (self._replay_task, self._tail_task):
+            if task is not None and not task.done():
+                task.cancel()
+        self.perform(self.sync.disconnected(reason))
+
     def _socket(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         assert self.endpoint is not None
         sock = self.ctx.socket(zmq.SUB)
@@ -188,7 +199,7 @@ class EventSource:
                         # exactly what the initial replay fills.
                         self.perform(self.sync.connected())
                     elif event == zmq.EVENT_DISCONNECTED:
-                        self.perform(self.sync.disconnected("connection to the publisher lost"))
+                        self.lost("connection to the publisher lost")
                         self._unwatch(loop, sock, monitor)
                         self._close(sock, monitor)
                         sock, monitor = self._socket()
