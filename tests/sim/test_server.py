@@ -369,6 +369,23 @@ def test_output_blocks_are_published_as_they_fill(algo: str, seed: str | None) -
     serve(scenario, hash_algo=algo, hash_seed=seed)
 
 
+def test_report_mode_full_republishes_the_hit_and_bad_xargs_are_refused() -> None:
+    """`vllm_xargs: {"kv_cache_report_mode": "full"}` (vLLM 0.33: sampling_params.extra_args): the request's
+    prefix hit is published again as a BlockStored with no parent, before its own new blocks."""
+    async def scenario(srv: SimServer, http: aiohttp.ClientSession) -> None:
+        prompt = list(range(3000, 3040))  # two full blocks and a partial one
+        for xargs in (None, {"kv_cache_report_mode": "full"}):
+            req = {"prompt": prompt, "max_tokens": 1, **({"vllm_xargs": xargs} if xargs else {})}
+            async with http.post("/v1/completions", json=req) as resp:
+                assert resp.status == 200, await resp.text()
+        stores = [e for e in replay_events(srv) if isinstance(e, BlockStored)]
+        assert [(s.block_hashes, s.parent_block_hash) for s in stores] == [(wires(prompt), None)] * 2
+        async with http.post("/v1/completions", json={"prompt": prompt, "vllm_xargs": "full"}) as resp:
+            assert resp.status == 400 and "vllm_xargs" in (await resp.json())["error"]["message"]
+
+    serve(scenario)
+
+
 # --- scheduling -----------------------------------------------------------------------------------
 
 
