@@ -1,5 +1,6 @@
 """One target's event source (ingest/source.py) against a real ROUTER answering replays in vLLM's layout: an
-answer asked of a publisher whose connection has since dropped never reaches the ledger.
+answer asked of a publisher that has since gone (its connection dropped, or its numbering restarted) never
+reaches the ledger.
 
 A tail check or replay is a DEALER of its own, so its answer is not fenced by re-creating the SUB socket. An
 engine that dies right after answering (or mid-answer: the DEALER returns what it got once the socket falls
@@ -64,8 +65,10 @@ async def answer(router: zmq.asyncio.Socket, ident: bytes, batches: list[tuple[i
     await router.send_multipart([ident, b"", b"", END_SEQ, b""])
 
 
-@pytest.mark.parametrize("old_answer_arrives", ["before_reconnect", "during_new_replay"])
-def test_an_answer_from_before_a_lost_connection_never_reaches_the_ledger(old_answer_arrives: str) -> None:
+@pytest.mark.parametrize("old_answer_arrives", ["before_reconnect", "during_new_replay", "after_restart_by_seq"])
+def test_an_answer_from_a_gone_publisher_never_reaches_the_ledger(old_answer_arrives: str) -> None:
+    """The publisher goes away while a tail check waits for its answer: the connection drops (an engine restart)
+    and comes back, or, on the same connection, its numbering starts again (seen by the sequence alone)."""
     async def scenario() -> None:
         ctx = zmq.asyncio.Context()
         router = ctx.socket(zmq.ROUTER)
@@ -88,9 +91,18 @@ def test_an_answer_from_before_a_lost_connection_never_reaches_the_ledger(old_an
             src.check_tail()
             tail_ident, start = await request(router)
             assert start == 1
+            stale = [(1, batch([2], OLD2))]
+            if old_answer_arrives == "after_restart_by_seq":
+                src.perform(src.sync.live(0, batch([9], NEW)))  # same number, other bytes: a new publisher
+                assert src.sync.restarts == 1 and sink.held[0] == {key(NEW)}
+                await answer(router, tail_ident, stale)
+                await asyncio.sleep(0.05)  # room for the stale answer to land, if anything still listened for it
+                assert sink.held[0] == {key(NEW)}, "the old publisher's batch reached the ledger"
+                src.perform(src.sync.live(1, batch([10], NEW[:8] * 2, parent=9)))
+                assert src.sync.last_applied == 1 and len(sink.held[0]) == 2
+                return
             src.lost("connection to the publisher lost")
             assert not sink.held.get(0) and src.sync.state is SyncState.CONNECTING
-            stale = [(1, batch([2], OLD2))]
             if old_answer_arrives == "before_reconnect":
                 await answer(router, tail_ident, stale)
             # The engine comes back as a new process: seq from 0, its own blocks.
