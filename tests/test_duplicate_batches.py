@@ -84,17 +84,23 @@ class Stream:
                 # A tail check: the publisher's ring may be ahead of the live stream.
                 self.perform(s.tail_checked([(q, p) for q, p in self.ring if q > s.last_applied]))
 
-    def serve(self, rid: str, prompt: list[int], report: bool) -> None:
-        """One request as the simulator's engine runs it: admit + prefill, three decode steps, free."""
-        hashes = self.cache.prompt_hashes(prompt)
-        assert self.cache.admit(rid, prompt, max_new_tokens=4, block_hashes=hashes, report_hits=report)
-        self.cache.commit(rid, len(prompt))
+    def serve(self, rid: str, prompt: list[int], report: bool, *, also: list[int] | None = None) -> None:
+        """One request (two with `also`, scheduled in the same steps) as the simulator's engine runs it: admit
+        and cache the prompt when scheduled (vLLM's allocate_slots), three decode steps, free."""
+        running = []
+        for k, p in enumerate([prompt] if also is None else [prompt, also]):
+            hashes = self.cache.prompt_hashes(p)
+            if self.cache.admit(f"{rid}.{k}", p, max_new_tokens=4, block_hashes=hashes, report_hits=report):
+                self.cache.commit(f"{rid}.{k}", len(p))
+                running.append((f"{rid}.{k}", p))
+        assert running
         self.publish()
-        for k in range(3):
-            self.cache.extend(rid, [7 + k])
-            self.cache.commit(rid, len(prompt) + k + 1)
-            if k == 2:
-                self.cache.free(rid)
+        for step in range(3):
+            for r, p in running:
+                self.cache.extend(r, [7 + step])
+                self.cache.commit(r, len(p) + step + 1)
+                if step == 2:
+                    self.cache.free(r)
             self.publish()
 
     def copies(self) -> dict[int, int]:
@@ -129,6 +135,22 @@ def test_delivered_batches_keep_the_ledger_exact(seed: int, report: bool) -> Non
         full_hits += cached == (len(prompt) - 1) // BS * BS
         w.serve(f"r{r}", prompt, report=report and rng.random() < 0.7)
     assert w.sync.duplicates > 50 and w.cache.num_cached_blocks < 300 and full_hits > 5
+
+
+@pytest.mark.parametrize("report", [False, True], ids=["incremental", "report-full"])
+def test_requests_scheduled_together_keep_the_ledger_exact(report: bool) -> None:
+    """Two requests per step, often with the same prompt: vLLM caches blocks when it schedules them, so the
+    second hits the first's instead of storing a copy, and the ledger stays exact."""
+    rng = random.Random(11)
+    w = Stream(rng, duplicates=0.5, old_duplicates=0.2, tail_checks=0.3)
+    chats = [c for c in prompts(rng) if len(c) < 1200]
+    for r in range(100):
+        w.deliver()
+        assert w.ledger.hash_refs == w.copies(), f"step {r}"
+        pair = [chats[rng.randrange(len(chats))] for _ in range(2)]
+        for prompt in pair:
+            assert claim(w.sink, prompt) == w.cache.lookup(len(prompt), w.cache.prompt_hashes(prompt))
+        w.serve(f"r{r}", pair[0], report=report, also=pair[1])
 
 
 def test_an_undelivered_batch_is_the_one_way_to_over_claim() -> None:
