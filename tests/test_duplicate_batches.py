@@ -2,12 +2,13 @@
 block the worker has evicted.
 
 The worker is the simulator's vLLM cache (cortex/sim/prefix_cache.py: vLLM 0.33's allocation, hit cap, no-dedupe
-and tail-first eviction), driven like tests/test_faults_e2e.py: one request at a time over a few long prompts
-and a 300-block pool, so blocks are evicted all the time. Its batches, in vLLM's own msgpack layout, reach the
-sync state machine and the ledger as ingest's event path delivers them, with the faults in between: every batch
-may be sent twice, an old batch may come again after newer ones (a removal among them), and a tail check may
-answer batches before their live copies arrive. Once a request's batches have arrived, the ledger must hold
-exactly the worker's blocks, and a claim for any prompt must not exceed what the worker would find."""
+and tail-first eviction), driven like tests/test_faults_e2e.py: one request at a time (or two scheduled together)
+over a few long prompts and a 300-block pool, so blocks are evicted all the time. Its batches, in vLLM's own
+msgpack layout, reach the sync state machine and the ledger as ingest's event path delivers them, with the faults
+in between: every batch may be sent twice, an old batch may come again after newer ones (a removal among them),
+and a tail check may answer batches before their live copies arrive. Once a request's batches have arrived, the
+ledger must hold exactly the worker's blocks, and a claim for any prompt must not exceed what the worker would
+find."""
 
 from __future__ import annotations
 
