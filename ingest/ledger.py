@@ -11,7 +11,11 @@ block's earlier pages never leave before the page that completes it. Cortex neve
 engine can reuse.
 
 vLLM may store one hash twice on one worker (it does not dedupe), so hashes are reference-counted, and a
-key leaves the shared view only when its last owner goes.
+key leaves the shared view only when its last owner goes. A reference must stand for a block the engine made:
+vLLM also announces blocks it already holds (`kv_cache_report_mode: "full"` publishes a request's prefix hit as
+a chain start, parent None, at each lookup), and their one eviction sends one BlockRemoved. So a chain start
+that repeats a hash the ledger holds adds no reference; where vLLM did make a second copy there (a prompt of one
+block, or one that skips prefix-cache reads), the key then leaves with the first copy: a miss, never a false hit.
 
 Invariant: what the ledger lists is a subset of what the GPU holds, as far as the received events show.
 Anything that breaks that (an unknown parent, a page size that does not divide Cortex's block) drops the
@@ -63,6 +67,8 @@ class Ledger:
     dropped: Counter[str] = field(default_factory=Counter)
     blocks_stored: int = 0
     blocks_removed: int = 0
+    blocks_restated: int = 0
+    """Blocks a chain start announced again while the ledger held them: counted, no new reference."""
     events_applied: int = 0
     _delta: _Delta | None = field(default=None, repr=False)
 
@@ -159,12 +165,18 @@ class Ledger:
             key, pending = found, self.pending_of.get(event.parent_block_hash, _EMPTY)
         hashes = event.block_hashes
         refs, key_of, key_refs = self.hash_refs, self.key_of, self.key_refs
+        # A chain start may announce blocks the engine already holds (vLLM's reported prefix hits): a hash held
+        # already is then no new block, and counting it would outlive the block's one BlockRemoved.
+        restated = event.parent_block_hash is None
         if page == self.block_size:
             for engine_hash, k in zip(hashes, chain_keys(event.token_ids, page, key), strict=True):
                 r = refs.get(engine_hash)
                 if r is None:
                     refs[engine_hash] = 1
                     key_of[engine_hash] = k
+                elif restated:
+                    self.blocks_restated += 1
+                    continue
                 else:  # stored twice (vLLM does not dedupe): the first mapping stands
                     refs[engine_hash] = r + 1
                     k = key_of[engine_hash]
@@ -188,6 +200,9 @@ class Ledger:
                     self.owns[engine_hash] = completed
                     if pending:
                         self.pending_of[engine_hash] = pending
+                elif restated:
+                    self.blocks_restated += 1
+                    continue
                 else:
                     refs[engine_hash] = r + 1
                     completed = self.owns[engine_hash]

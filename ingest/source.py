@@ -144,6 +144,23 @@ class EventSource:
         self.perform(self.sync.silent(reason))
         self.last_event_at = now
 
+    def lost(self, reason: str) -> None:
+        """The connection to the publisher dropped: it may come back as another process."""
+        self.perform(self.sync.disconnected(reason))
+
+    def _fence(self) -> None:
+        """Cancel the replay and tail check asked of a publisher that is gone (connection lost, or restarted).
+        Each has a DEALER of its own, which re-creating the SUB socket does not fence; their answers (frames
+        already queued, or what a dying socket sent before it fell silent) hold the old process's batches.
+        Applied after the clear, or buffered into the new publisher's first replay, they listed blocks the
+        restarted engine does not hold, and made its own low sequence numbers look like duplicates."""
+        pending = [t for t in (self._replay_task, self._tail_task) if t is not None and not t.done()]
+        if pending:  # tasks exist only on a running loop
+            current = asyncio.current_task()
+            for task in pending:
+                if task is not current:
+                    task.cancel()
+
     def _socket(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         assert self.endpoint is not None
         sock = self.ctx.socket(zmq.SUB)
@@ -190,7 +207,7 @@ class EventSource:
                         # exactly what the initial replay fills.
                         self.perform(self.sync.connected())
                     elif event == zmq.EVENT_DISCONNECTED:
-                        self.perform(self.sync.disconnected("connection to the publisher lost"))
+                        self.lost("connection to the publisher lost")
                         self._unwatch(loop, sock, monitor)
                         self._close(sock, monitor)
                         sock, monitor = self._socket()
@@ -295,6 +312,7 @@ class EventSource:
                     self.ledger.clear(self.sink)
                     if action.publisher_restart:
                         self.parity.reset()
+                        self._fence()
                     changed = True
                 elif isinstance(action, RequestReplay):
                     self._start_replay(action.from_seq)

@@ -143,6 +143,8 @@ class SourceSync:
         return actions + self._overflow_check()
 
     def replayed(self, seq: int, payload: bytes) -> list[Action]:
+        if self.state is SyncState.CONNECTING:
+            return []  # asked of a publisher whose connection has dropped since: maybe another process
         if (self.last_applied is not None and seq <= self.last_applied) or seq in self.buffer:
             return []
         self.fresh += 1
@@ -154,6 +156,8 @@ class SourceSync:
 
     def replay_done(self, complete: bool = True) -> list[Action]:
         """The replay answered its end marker (complete) or timed out / failed (not complete)."""
+        if self.state is SyncState.CONNECTING:
+            return []  # the connection it was asked on has dropped; the next one replays from 0
         # Cut short after delivering batches: the publisher may hold newer ones, removals among them, that
         # neither this replay nor the live stream delivered (an idle worker sends nothing live that would show
         # the gap). Trusted as it stands, the ledger would list blocks the worker has since evicted: ask for
@@ -190,6 +194,8 @@ class SourceSync:
 
         The loss of the newest batch cannot show as a gap until a later batch arrives; when traffic stops,
         that may be never. Asking the publisher's replay buffer for anything newer closes the window."""
+        if self.state is SyncState.CONNECTING:
+            return []
         actions: list[Action] = []
         for seq, payload in batches:
             if self.last_applied is not None and seq > self.last_applied and seq not in self.buffer:

@@ -194,7 +194,8 @@ class Target:
             "tail_checks": ev.tail_checks, "tail_recoveries": s.tail_recoveries,
             "parity": {"status": parity.status, "reason": parity.reason, "checked": parity.checked},
             "cached_blocks": ledger.blocks, "blocks_stored": ledger.blocks_stored,
-            "blocks_removed": ledger.blocks_removed, "dropped_events": dict(ledger.dropped),
+            "blocks_removed": ledger.blocks_removed, "blocks_restated": ledger.blocks_restated,
+            "dropped_events": dict(ledger.dropped),
         }
 
 

@@ -72,13 +72,29 @@ def test_unknown_parent_is_dropped_not_guessed() -> None:
 
 
 def test_duplicate_store_needs_two_removals() -> None:
+    """vLLM does not dedupe: a fully cached prompt of whole blocks recomputes its last block (the hit leaves the
+    last token) and stores a second copy under the same parent; each copy's eviction sends a BlockRemoved."""
+    sink, led = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
+    led.apply([stored([11, 22], TOKENS), stored([22], TOKENS[16:], parent=11)], sink)
+    first, key = chain_keys(TOKENS, 16, root_key())
+    led.apply([BlockRemoved([22], "GPU")], sink)
+    assert sink.held[0] == {first, key}
+    led.apply([BlockRemoved([22], "GPU")], sink)
+    assert sink.held[0] == {first} and led.blocks == 1
+
+
+def test_a_chain_start_repeating_held_blocks_adds_no_copy() -> None:
+    """vLLM 0.33 publishes a request's prefix hit again as a chain start when it asks for it
+    (kv_cache_report_mode "full"): no new block, so one removal takes the key. (Where vLLM did make a second
+    copy of a chain start, a one-block prompt or one skipping prefix-cache reads, the key leaves with the first
+    copy: a miss, never a false hit.)"""
     sink, led = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
     led.apply([stored([11], TOKENS[:16]), stored([11], TOKENS[:16])], sink)
-    key = chain_keys(TOKENS[:16], 16, root_key())[0]
-    led.apply([BlockRemoved([11], "GPU")], sink)
-    assert sink.held[0] == {key}
+    assert sink.held[0] == {chain_keys(TOKENS[:16], 16, root_key())[0]} and led.blocks_restated == 1
     led.apply([BlockRemoved([11], "GPU")], sink)
     assert sink.held[0] == set() and led.blocks == 0
+    led.apply([BlockRemoved([11], "GPU")], sink)  # a second copy's removal, if there was one: nothing to drop
+    assert led.dropped["unknown_removal"] == 1 and sink.held[0] == set()
 
 
 def test_other_media_do_not_count_as_gpu_hits() -> None:

@@ -120,6 +120,24 @@ def test_restart_seen_through_repeated_numbers_with_other_bytes() -> None:
     assert isinstance(out[0], Clear) and out[0].publisher_restart and acts(out[1:]) == [("Apply", 0)]
 
 
+def test_an_answer_asked_before_the_connection_dropped_changes_nothing() -> None:
+    """A tail check or replay asked of a publisher whose connection then dropped answers with that process's
+    batches. Applied to the cleared ledger, they listed blocks a restarted engine does not hold, and the number
+    they left in last_applied made the new publisher's first batches look like duplicates."""
+    s = SourceSync(has_replay=True)
+    s.connected()
+    s.replay_done()
+    for i in range(3):
+        s.live(i, b"old-%d" % i)
+    s.disconnected("connection lost")
+    assert s.tail_checked([(3, b"old-3")]) == [] and s.replayed(4, b"old-4") == []
+    assert s.replay_done(complete=False) == []
+    assert s.state is SyncState.CONNECTING and s.last_applied is None and not s.buffer
+    assert acts(s.connected()) == [("RequestReplay", 0)]
+    assert s.replayed(0, b"new-0") == [] and acts(s.replay_done()) == [("Apply", 0)]
+    assert acts(s.live(1, b"new-1")) == [("Apply", 1)] and s.duplicates == 0
+
+
 def test_silence_probe() -> None:
     s = SourceSync(has_replay=True)
     s.connected()
@@ -264,9 +282,14 @@ def test_ready_ledger_never_claims_a_block_the_worker_lacks(seed: int, has_repla
         if fault == "restart":
             # A restarted engine is a new process: the SUB's connection drops and comes back. The source
             # re-creates its SUB socket then, so nothing queued from the old connection is delivered.
+            # Whatever a replay or tail check asked of the old process answers after the drop is fenced off
+            # (EventSource.lost cancels them); the sync state ignores it too.
+            stale = list(pub.buffer)
             pub.restart()
             held_back = None
             run(sync.disconnected("connection lost"))
+            run(sync.tail_checked(stale))
+            run(sync.replay_done(complete=False))
             run(sync.connected())
             check()
             continue

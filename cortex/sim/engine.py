@@ -8,9 +8,10 @@ its own KV-event publisher, its own queues. It is a single asyncio task; each st
    room, the step's token budget (``max_num_batched_tokens`` / SGLang's ``chunked_prefill_size``) is not used
    up and their blocks fit (a head that does not fit blocks the queue, as in both engines);
 2. sleeps for the step's modelled duration (``TimingModel``), minus the CPU time the step itself took;
-3. commits the computed tokens to the cache, samples one token for every request whose prompt is now fully
-   computed, publishes the step's events as one batch and only then hands tokens to the HTTP handlers, so a
-   prompt's ``BlockStored`` is on the wire before its first token.
+3. commits the computed tokens to the cache (vLLM's cache committed them when it scheduled the step, as
+   ``allocate_slots`` does), samples one token for every request whose prompt is now fully computed, publishes
+   the step's events as one batch and only then hands tokens to the HTTP handlers, so a prompt's
+   ``BlockStored`` is on the wire before its first token.
 
 KV transfer (PD) enters as ``num_external_tokens``: tokens whose KV arrives from another worker and so cost
 no prefill compute here, but are cached like computed ones. A vLLM prefill that hands its KV to a remote
@@ -44,6 +45,8 @@ class KVCache(Protocol):
     num_blocks: int
     query_tokens: int
     hit_tokens: int
+    caches_on_schedule: bool
+    """True: the step's blocks are committed when it is scheduled (vLLM), else once computed (SGLang)."""
 
     @property
     def usage(self) -> float: ...
@@ -61,7 +64,8 @@ class KVCache(Protocol):
 
     def admit(self, request_id: str, token_ids: list[int], *, max_new_tokens: int = 1,
               block_hashes: list[bytes] | None = None, cache_salt: str | None = None,
-              lora: LoraRef | None = None, extra_key: str | None = None) -> Admission | None: ...
+              lora: LoraRef | None = None, extra_key: str | None = None,
+              report_hits: bool = False) -> Admission | None: ...
 
     def extend(self, request_id: str, new_token_ids: list[int]) -> None: ...
 
@@ -125,6 +129,8 @@ class SimRequest:
     """Prompt tokens whose KV is transferred in (PD decode); they cost no prefill here."""
     hold_blocks: bool = False
     """vLLM prefill for a remote decoder: keep the blocks pinned after finishing, until read or expired."""
+    report_hits: bool = False
+    """vLLM's ``kv_cache_report_mode: "full"``: its prefix hit is published again as a BlockStored."""
     arrival: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -314,24 +320,29 @@ class EngineCore:
         budget = self.timing.max_num_batched_tokens
         decodes: list[SimRequest] = []
         prefills: list[tuple[SimRequest, int]] = []
+        early = self.cache.caches_on_schedule
         for req in self.running:
             if req.prefill_done:
                 # The token sampled last step is computed this step and needs its KV slot now.
                 self.cache.extend(req.request_id, [req.output_token_ids[-1]])
                 decodes.append(req)
+                if early:
+                    self.cache.commit(req.request_id, req.num_computed_tokens + 1)
         budget -= len(decodes)
         for req in self.running:
             if not req.prefill_done and budget > 0:
                 n = min(len(req.prompt_token_ids) - req.num_computed_tokens, budget)
                 prefills.append((req, n))
                 budget -= n
+                if early:
+                    self.cache.commit(req.request_id, req.num_computed_tokens + n)
         admitted = 0
         while self.waiting and len(self.running) + admitted < self.max_running and budget > 0:
             req = self.waiting[0]
             try:
                 admission = self.cache.admit(req.request_id, req.prompt_token_ids, max_new_tokens=req.max_tokens,
                                              block_hashes=req.block_hashes, cache_salt=req.cache_salt,
-                                             lora=req.lora, extra_key=req.extra_key)
+                                             lora=req.lora, extra_key=req.extra_key, report_hits=req.report_hits)
             except CapacityError as exc:
                 self.waiting.popleft()
                 req.finish_reason = "error"
@@ -347,6 +358,9 @@ class EngineCore:
             prefills.append((req, n))
             budget -= n
             self.running.append(req)
+            if early:
+                # Cached now, as vLLM's allocate_slots does: the next admission, even in this step, hits them.
+                self.cache.commit(req.request_id, req.num_computed_tokens + n)
         return _Step(prefills, decodes)
 
     def _finish_step(self, step: _Step) -> None:
@@ -357,7 +371,8 @@ class EngineCore:
                 continue
             req.num_computed_tokens += n
             self.stats.prefill_computed_tokens += n
-            self.cache.commit(req.request_id, req.num_computed_tokens)
+            if not self.cache.caches_on_schedule:
+                self.cache.commit(req.request_id, req.num_computed_tokens)
             if req.prefill_done:
                 self.stats.prompt_tokens += len(req.prompt_token_ids)
                 sampled.append(req)
@@ -365,7 +380,8 @@ class EngineCore:
             if req.aborted:
                 continue
             req.num_computed_tokens += 1
-            self.cache.commit(req.request_id, req.num_computed_tokens)
+            if not self.cache.caches_on_schedule:
+                self.cache.commit(req.request_id, req.num_computed_tokens)
             sampled.append(req)
         deliveries: list[tuple[SimRequest, Delta]] = []
         for req, _ in step.prefills:

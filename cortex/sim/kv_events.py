@@ -62,12 +62,16 @@ class EventPublisher(Protocol):
 
     def close(self) -> None: ...
 
+    @property
+    def last_seq(self) -> int | None: ...
+
 
 class NullEventPublisher:
     """Events disabled: the engine still produces them and nobody sends them (no ``if enabled`` checks)."""
 
     endpoint: str | None = None
     replay_endpoint: str | None = None
+    last_seq: int | None = None
 
     def publish(self, batch: AnyBatch) -> None:
         return None
@@ -179,6 +183,12 @@ class ZmqEventPublisher:
         with self._progress:
             self._published += 1
         self._queue.put(_RESTART)
+
+    @property
+    def last_seq(self) -> int | None:
+        """The number of the newest batch sent since the last (re)start, None before the first; after flush()
+        it covers every batch published so far."""
+        return self._next_seq - 1 if self._next_seq else None
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every batch published so far is sent and replayable; False on timeout."""

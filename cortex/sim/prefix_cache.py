@@ -13,8 +13,15 @@ Model (``vllm/v1/core/block_pool.py``, ``kv_cache_manager.py``, ``single_type_kv
   Allocation pops the queue head and, if the popped block was cached, evicts it (one ``BlockRemoved``).
   A finishing request frees its blocks tail first, so a chain's leaves are evicted before its root and,
   across requests, the least recently freed block goes first.
-* Full blocks enter the hash map once computed (``commit``), prompt and output alike, one ``BlockStored``
-  per commit covering the newly cached blocks, with the parent being the block just before them.
+* Full blocks enter the hash map as soon as the step that computes them is scheduled (``commit``, called by
+  the engine when it schedules: vLLM's ``allocate_slots`` caches up to the tokens scheduled), prompt and output
+  alike, one ``BlockStored`` per commit covering the newly cached blocks, with the parent being the block just
+  before them. A request scheduled after it, in the same step or later, hits them; two requests store the
+  same hash only when the second could not hit it (the ``len - 1`` cap recomputes a whole-block prompt's last
+  block; vLLM also skips prefix-cache reads for prompt logprobs).
+* A request with ``kv_cache_report_mode: "full"`` (vLLM's ``vllm_xargs``) also gets a ``BlockStored`` for the
+  blocks it hit, parent None, at every lookup (``emit_cached_block_events``): the same hashes again, with no new
+  block behind them, so the block's one eviction still produces one ``BlockRemoved``.
 
 Simplification, on purpose: vLLM admits a request when its prompt fits and preempts running requests when
 decode runs out of blocks. Here admission reserves the worst case (prompt + ``max_new_tokens - 1`` slots; the
@@ -77,6 +84,9 @@ class Admission:
 
 
 class PrefixCache:
+    caches_on_schedule = True
+    """vLLM caches a request's full blocks when it allocates them for a step, before they are computed."""
+
     def __init__(self, num_blocks: int, block_size: int = 16, *, hasher: VllmBlockHasher | None = None,
                  medium: str = MEDIUM_GPU, group_idx: int = 0, kv_cache_spec_kind: str | None = None,
                  int_block_hashes: bool = True) -> None:
@@ -159,11 +169,14 @@ class PrefixCache:
 
     def admit(self, request_id: str, token_ids: list[int], *, max_new_tokens: int = 1,
               block_hashes: list[bytes] | None = None, cache_salt: str | None = None,
-              lora: LoraRef | None = None, extra_key: str | None = None) -> Admission | None:
+              lora: LoraRef | None = None, extra_key: str | None = None,
+              report_hits: bool = False) -> Admission | None:
         """Pin the prompt's cached prefix and allocate blocks for the rest of the prompt.
 
         Returns None when the blocks are not free now (the caller keeps the request waiting) and raises
         CapacityError when they never will be. `extra_key` is SGLang's and ignored here (vLLM has none).
+        `report_hits` is vLLM's ``kv_cache_report_mode: "full"``: the hit is announced again as a BlockStored
+        whenever it is looked up, admitted or not (vLLM emits it in ``get_computed_blocks``, before allocating).
         """
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already admitted")
@@ -172,6 +185,8 @@ class PrefixCache:
         if block_hashes is None:
             block_hashes = self.prompt_hashes(token_ids, cache_salt=cache_salt, lora=lora)
         hits = self._hit_blocks(num_tokens, block_hashes)
+        if report_hits and hits:
+            self._events.append(self._stored_event(token_ids, block_hashes, 0, len(hits), cache_salt, lora))
         total = self._total_blocks(num_tokens, max_new_tokens)
         prompt_blocks = _cdiv(num_tokens, self.block_size)
         evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
@@ -228,21 +243,26 @@ class PrefixCache:
             block.block_hash = seq.block_hashes[idx]
             self._cached.setdefault(block.block_hash, {})[block.block_id] = block
         seq.num_cached_blocks = num_full
+        self._events.append(self._stored_event(seq.token_ids, seq.block_hashes, first, num_full, seq.cache_salt,
+                                               seq.lora))
+
+    def _stored_event(self, token_ids: list[int], block_hashes: list[bytes], first: int, end: int,
+                      cache_salt: str | None, lora: LoraRef | None) -> BlockStored:
+        """vLLM's ``_build_block_stored_event`` for blocks first..end-1 (new ones, or a reported hit)."""
         bs = self.block_size
-        self._events.append(BlockStored(
-            block_hashes=[self._wire(h) for h in seq.block_hashes[first:num_full]],
-            parent_block_hash=self._wire(seq.block_hashes[first - 1]) if first > 0 else None,
-            token_ids=seq.token_ids[first * bs: num_full * bs],
+        return BlockStored(
+            block_hashes=[self._wire(h) for h in block_hashes[first:end]],
+            parent_block_hash=self._wire(block_hashes[first - 1]) if first > 0 else None,
+            token_ids=token_ids[first * bs: end * bs],
             block_size=bs,
-            lora_id=seq.lora.int_id if seq.lora else None,
+            lora_id=lora.int_id if lora else None,
             medium=self.medium,
-            lora_name=seq.lora.name if seq.lora else None,
-            extra_keys=[vllm_event_extra_keys(vllm_extra_keys(i * bs, cache_salt=seq.cache_salt,
-                                                              lora=seq.lora))
-                        for i in range(first, num_full)],
+            lora_name=lora.name if lora else None,
+            extra_keys=[vllm_event_extra_keys(vllm_extra_keys(i * bs, cache_salt=cache_salt, lora=lora))
+                        for i in range(first, end)],
             group_idx=self.group_idx,
             kv_cache_spec_kind=self.kv_cache_spec_kind,
-        ))
+        )
 
     def free(self, request_id: str) -> None:
         """Unpin a finished or aborted request's blocks; cached ones stay hittable until evicted."""

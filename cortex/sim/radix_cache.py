@@ -114,6 +114,9 @@ class _Seq:
 
 
 class RadixCache:
+    caches_on_schedule = False
+    """SGLang inserts a chunk into the tree once it is computed (``checkpoint``)."""
+
     def __init__(self, num_pages: int, page_size: int = 1, *, enabled: bool = True, dynamo_format: bool = False,
                  medium: str = MEDIUM_GPU) -> None:
         """`enabled=False` is SGLang's ChunkCache (e.g. a decode server without
@@ -229,7 +232,9 @@ class RadixCache:
 
     def admit(self, request_id: str, token_ids: list[int], *, max_new_tokens: int = 1,
               block_hashes: list[bytes] | None = None, cache_salt: str | None = None,
-              lora: LoraRef | None = None, extra_key: str | None = None) -> Admission | None:
+              lora: LoraRef | None = None, extra_key: str | None = None,
+              report_hits: bool = False) -> Admission | None:
+        # report_hits is vLLM's kv_cache_report_mode; SGLang has no such mode.
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already admitted")
         num_tokens = len(token_ids)

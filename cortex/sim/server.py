@@ -183,7 +183,7 @@ class SimServer:
             app.add_routes(self.api.routes())
             app.add_routes([web.get("/sim/faults", self._get_faults), web.post("/sim/faults", self._post_faults),
                             web.post("/sim/prefix_match", self._prefix_match),
-                            web.get("/sim/requests", self._get_requests)])
+                            web.get("/sim/requests", self._get_requests), web.get("/sim/events", self._get_events)])
             app.on_response_prepare.append(self._tag_response)
             for engine in self.engines:
                 self._engine_tasks.append(asyncio.create_task(
@@ -207,6 +207,12 @@ class SimServer:
     async def _get_requests(self, request: web.Request) -> web.Response:
         # What a gateway's polling costs a worker, counted rather than guessed (perf/idle_replica.py, tests).
         return json_response({"paths": dict(self.requests)})
+
+    async def _get_events(self, request: web.Request) -> web.Response:
+        """Per rank, the number of the newest KV-event batch sent, answered once every batch the engine has
+        published is sent: a test can wait for a gateway to have received them before its next request."""
+        await asyncio.to_thread(lambda: [p.flush(10.0) for p in self.publishers])
+        return json_response({"last_seq": [getattr(p, "last_seq", None) for p in self.publishers]})
 
     async def _get_faults(self, request: web.Request) -> web.Response:
         return json_response(self.faults.snapshot())

@@ -52,6 +52,16 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 _REQUIRED_REMOTE = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
+def report_mode(body: Mapping[str, Any]) -> Any:
+    """`vllm_xargs.kv_cache_report_mode` (vLLM: sampling_params.extra_args, read by v1/request.py)."""
+    xargs = body.get("vllm_xargs")
+    if xargs is None:
+        return "incremental"
+    if not isinstance(xargs, dict):
+        raise ApiError(400, "vllm_xargs must be an object")
+    return xargs.get("kv_cache_report_mode", "incremental")
+
+
 def validate_cache_salt(salt: Any) -> str | None:
     # vLLM's validate_cache_salt (entrypoints/generate/base/protocol.py).
     if salt is None:
@@ -326,11 +336,13 @@ class VllmApi(OpenAIServing):
         if max_tokens is None:
             max_tokens = int_field(body, "max_tokens", None, 1) or DEFAULT_MAX_TOKENS
         cache_salt = validate_cache_salt(body.get("cache_salt"))
+        report_hits = report_mode(body) == "full"
         self.validate_lengths(prompt, max_tokens)
         engine = self.pick_engine(request, body)
         prepared = await self.prepare(request, body, prompt, engine)
         req = self.new_request(self.request_id("chatcmpl" if chat else "cmpl"), prompt, max_tokens, engine,
                                prepared, cache_salt=cache_salt, lora=self.resolve_lora(body))
+        req.report_hits = report_hits
         return await self.run(request, body, req, engine, prepared, stream=stream, chat=chat)
 
     def overload_response(self) -> ApiError:

@@ -230,3 +230,31 @@ def test_hit_equals_shared_full_blocks_capped(cached_len: int, prompt_len: int, 
     cached_blocks = cached_len // BS
     expected = min(shared // BS, cached_blocks, (prompt_len - 1) // BS) * BS
     assert cache.lookup(prompt_len, cache.prompt_hashes(prompt)) == expected
+
+
+def test_report_mode_full_announces_the_hit_again_at_every_lookup() -> None:
+    """vLLM 0.33's kv_cache_report_mode "full" (KVCacheManager.get_computed_blocks ->
+    BlockPool.emit_cached_block_events): the hit blocks as one BlockStored, parent None, emitted before the
+    allocation, so again at each step the request waits for blocks. No block is added: one eviction each."""
+    cache = PrefixCache(8, BS)  # 7 usable blocks
+    prompt = toks(40)
+    run(cache, "a", prompt)
+    stored_first = cache.take_events()
+    assert [type(e) for e in stored_first] == [BlockStored]
+    hog = cache.admit("hog", toks(80, start=5000))  # pins 5 blocks: "b" fits only once "hog" is done
+    assert hog is not None
+    cache.take_events()
+    for _ in range(2):
+        assert cache.admit("b", prompt, max_new_tokens=1, report_hits=True) is None
+        (event,) = cache.take_events()
+        assert isinstance(event, BlockStored) and event.parent_block_hash is None
+        assert event.block_hashes == wires(prompt)[:2] and event.token_ids == prompt[:32]
+        assert event.extra_keys == stored_first[0].extra_keys
+    cache.free("hog")
+    assert cache.admit("b", prompt, max_new_tokens=1, report_hits=True) is not None
+    assert [e.block_hashes for e in cache.take_events() if isinstance(e, BlockStored)] == [wires(prompt)[:2]]
+    cache.commit("b", 40)
+    cache.free("b")
+    assert cache.num_cached_blocks == 2  # the announcements added nothing
+    assert run(cache, "c", toks(112, start=7000)) == 0  # takes every block: one removal per cached block
+    assert sorted(removed(cache.take_events())) == sorted(wires(prompt)[:2])

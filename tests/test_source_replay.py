@@ -1,0 +1,130 @@
+"""One target's event source (ingest/source.py) against a real ROUTER answering replays in vLLM's layout: an
+answer asked of a publisher that has since gone (its connection dropped, or its numbering restarted) never
+reaches the ledger.
+
+A tail check or replay is a DEALER of its own, so its answer is not fenced by re-creating the SUB socket. An
+engine that dies right after answering (or mid-answer: the DEALER returns what it got once the socket falls
+silent) leaves the old process's batches queued; applied after the clear, they listed blocks the restarted
+engine does not hold, and the new publisher's first numbers were then dropped as duplicates."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from cortex.blockkeys import chain_keys, root_key
+from cortex.kv_events import END_SEQ, BlockStored, KVEventBatch, encode_batch
+from ingest.hash_parity import ParityCheck
+from ingest.ledger import Ledger
+from ingest.source import EventSource
+from ingest.sync import SourceSync, SyncState
+from tests.harness import free_ports
+from tests.test_ledger import SetSink
+
+pytestmark = pytest.mark.timeout(60)
+
+OLD = list(range(1000, 1016))  # the dead engine's blocks
+OLD2 = list(range(1100, 1116))
+NEW = list(range(2000, 2016))  # the restarted engine's
+
+
+def batch(hashes: list[int], tokens: list[int], parent: int | None = None) -> bytes:
+    """One vLLM 0.33 batch with one BlockStored (cortex/kv_events.py: the engine's own schema)."""
+    return encode_batch(KVEventBatch(ts=time.time(), events=[BlockStored(
+        block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=16, lora_id=None,
+        medium="GPU", lora_name=None)]))
+
+
+def key(tokens: list[int]) -> int:
+    return chain_keys(tokens, 16, root_key())[0]
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+async def request(router: zmq.asyncio.Socket) -> tuple[bytes, int]:
+    """The next replay request the ROUTER receives: (client identity, start seq)."""
+    assert await router.poll(10_000), "no replay request arrived"
+    ident, empty, start = await router.recv_multipart()
+    assert empty == b""
+    return ident, int.from_bytes(start, "big")
+
+
+async def answer(router: zmq.asyncio.Socket, ident: bytes, batches: list[tuple[int, bytes]]) -> None:
+    for seq, payload in batches:
+        await router.send_multipart([ident, b"", b"topic", seq.to_bytes(8, "big"), payload])
+    await router.send_multipart([ident, b"", b"", END_SEQ, b""])
+
+
+@pytest.mark.parametrize("old_answer_arrives", ["before_reconnect", "during_new_replay", "after_restart_by_seq"])
+def test_an_answer_from_a_gone_publisher_never_reaches_the_ledger(old_answer_arrives: str) -> None:
+    """The publisher goes away while a tail check waits for its answer: the connection drops (an engine restart)
+    and comes back, or, on the same connection, its numbering starts again (seen by the sequence alone)."""
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        (port,) = free_ports(1)
+        router.bind(f"tcp://127.0.0.1:{port}")
+        sink, ledger = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
+        src = EventSource("t", ledger, ParityCheck(engine="vllm", page_size=16), SourceSync(has_replay=True), ctx,
+                          sink, endpoint=None, replay_endpoint=f"tcp://127.0.0.1:{port}")
+        try:
+            # Connected: the first replay brings the old engine's batch 0.
+            src.perform(src.sync.connected())
+            ident, start = await request(router)
+            assert start == 0
+            await answer(router, ident, [(0, batch([1], OLD))])
+            await until(lambda: src.sync.state is SyncState.READY, "the first sync")
+            assert sink.held[0] == {key(OLD)}
+
+            # A tail check asks the old engine for anything after 0; the engine dies before its answer is read.
+            src.check_tail()
+            tail_ident, start = await request(router)
+            assert start == 1
+            stale = [(1, batch([2], OLD2))]
+            if old_answer_arrives == "after_restart_by_seq":
+                src.perform(src.sync.live(0, batch([9], NEW)))  # same number, other bytes: a new publisher
+                assert src.sync.restarts == 1 and sink.held[0] == {key(NEW)}
+                await answer(router, tail_ident, stale)
+                await asyncio.sleep(0.05)  # room for the stale answer to land, if anything still listened for it
+                assert sink.held[0] == {key(NEW)}, "the old publisher's batch reached the ledger"
+                src.perform(src.sync.live(1, batch([10], NEW[:8] * 2, parent=9)))
+                assert src.sync.last_applied == 1 and len(sink.held[0]) == 2
+                return
+            src.lost("connection to the publisher lost")
+            assert not sink.held.get(0) and src.sync.state is SyncState.CONNECTING
+            if old_answer_arrives == "before_reconnect":
+                await answer(router, tail_ident, stale)
+            # The engine comes back as a new process: seq from 0, its own blocks.
+            src.perform(src.sync.connected())
+            ident, start = await request(router)
+            assert start == 0
+            if old_answer_arrives == "during_new_replay":
+                await answer(router, tail_ident, stale)
+            await answer(router, ident, [(0, batch([9], NEW))])
+            await until(lambda: src.sync.state is SyncState.READY, "the new publisher's sync")
+            await asyncio.sleep(0.05)  # room for a stale answer to land, if anything still listened for it
+            assert sink.held[0] == {key(NEW)}, "the dead engine's batch reached the ledger"
+            assert src.sync.last_applied == 0
+            # The new publisher's next batch is applied, not taken for a duplicate of the old one.
+            src.perform(src.sync.live(1, batch([10], NEW[:8] * 2, parent=9)))
+            assert src.sync.last_applied == 1 and len(sink.held[0]) == 2
+        finally:
+            tasks = [t for t in (src._replay_task, src._tail_task) if t is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # their DEALERs close before the context ends
+            router.close(0)
+            ctx.term()
+
+    asyncio.run(scenario())
