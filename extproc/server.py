@@ -456,9 +456,9 @@ class ExtProc:
                    _set(H.ROUTE_REASON, f"pd:{prefill.reason}"), _set(H.PD, st.pd_note)]
         response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
-        _observe_claim(response, headers)
         # The decode worker answers (and reports the usage); the pair's prefill is kept beside it.
-        _observe(response, {observation.WORKER: decode.id, observation.PREFILL: pair.legs.prefill.id})
+        _observe(response, {**_claim_facts(headers), observation.WORKER: decode.id,
+                            observation.PREFILL: pair.legs.prefill.id})
         return response
 
     async def _decode_fallback(self, st: StreamState, req: Any, fb: DecodeFallback) -> pb.ProcessingResponse:
@@ -597,8 +597,8 @@ _CLAIM_KEYS = {H.ASSIGNED_WORKER: observation.WORKER, H.MATCH_MODE: observation.
                H.ROUTE_REASON: observation.REASON}
 
 
-def _observe_claim(response: pb.ProcessingResponse, headers: list[HeaderValueOption]) -> None:
-    """What the x-cortex-* headers of this answer claim, as the observation compares it with the engine's usage."""
+def _claim_facts(headers: list[HeaderValueOption]) -> dict[str, Any]:
+    """What the x-cortex-* headers of an answer claim, as the observation compares it with the engine's usage."""
     facts: dict[str, Any] = {}
     for h in headers:
         key = h.header.key
@@ -606,7 +606,11 @@ def _observe_claim(response: pb.ProcessingResponse, headers: list[HeaderValueOpt
             facts[_CLAIM_KEYS[key]] = h.header.raw_value.decode("latin-1")
         elif key == H.CACHE_HIT_TOKENS:
             facts[observation.CLAIMED] = int(h.header.raw_value)
-    _observe(response, facts)
+    return facts
+
+
+def _observe_claim(response: pb.ProcessingResponse, headers: list[HeaderValueOption]) -> None:
+    _observe(response, _claim_facts(headers))
 
 
 def _served(req: Any) -> str:

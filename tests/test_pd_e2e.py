@@ -94,6 +94,15 @@ def test_sglang_pair_streams_and_claims_the_prefill_hit(sglang_gw: Gateway) -> N
             assert again.text.rstrip().endswith("data: [DONE]")
     p = next(s for s in gw.sims if s.id == prefill)
     assert sglang_queues(p)[0] == 0 and sglang_queues(gw.sims[2])[1] == 0
+    # The observer sees the pair as the decode's request, the prefill beside it, with the claim checked.
+    def observed() -> list[dict[str, Any]] | None:
+        ds = httpx.get(f"{gw.observe_url}/cortex/decisions?limit=3", timeout=5).json()["decisions"]
+        return ds if len(ds) >= 3 else None
+
+    wait_for(observed, timeout=20, what="the pair's requests observed")
+    newest = (observed() or [])[0]
+    assert (newest["worker"], newest["mode"]) == ("d1", "exact_kv_events")
+    assert 0 < newest["claimed_hit_tokens"] <= newest["engine_cached_tokens"]
 
 
 def test_sglang_bootstrap_never_arrives_is_cut_by_the_watchdog(sglang_gw: Gateway) -> None:
