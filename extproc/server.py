@@ -270,25 +270,15 @@ class ExtProc:
         if plan is not None:
             st.pd_note = f"skipped:{plan.skip}"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
-        injected = self._wants_usage(parsed.stream, parsed.body)
+        injected = None
+        if self.cfg.observe.enabled and self.cfg.observe.stream_usage:
+            injected = usage_options(parsed.stream, parsed.body)
         if injected is not None:
             changes = {**changes, "stream_options": injected}
         response = self._single(st, result.decision, result.model, body, changes)
         _observe(response, {observation.MODEL: result.model, observation.STREAM: parsed.stream,
                             observation.USAGE_INJECTED: injected is not None, **_prompt_facts(result)})
         return response
-
-    def _wants_usage(self, stream: bool, body: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The stream_options to send when the engine must be asked for a stream's usage on the client's behalf
-        (cortex/observe.lua cuts that usage event out again), else None. Not for a PD pair: its legs are built
-        by extproc itself."""
-        if not (stream and self.cfg.observe.enabled and self.cfg.observe.stream_usage):
-            return None
-        options = (body or {}).get("stream_options")
-        options = options if isinstance(options, dict) else {}
-        if options.get("include_usage") is True:
-            return None
-        return {**options, "include_usage": True}
 
     def _single(self, st: StreamState, decision: Decision, model: str, body: bytes,
                 changes: dict[str, object]) -> pb.ProcessingResponse:
@@ -581,6 +571,20 @@ class ExtProc:
         if "tokens=1" in st.query.split("&"):
             doc["token_ids"] = result.token_ids
         return _immediate(200, orjson.dumps(doc))
+
+
+def usage_options(stream: bool, body: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The stream_options to send when the engine must be asked for a stream's usage on the client's behalf
+    (cortex/observe.lua cuts that usage event out again), else None (not a stream, or the client asked).
+    continuous_usage_stats is turned off: without include_usage the client would have had no usage in its chunks
+    either. Not for a PD pair: its legs are built by extproc itself."""
+    if not stream:
+        return None
+    options = (body or {}).get("stream_options")
+    options = options if isinstance(options, dict) else {}
+    if options.get("include_usage") is True:
+        return None
+    return {**options, "include_usage": True, "continuous_usage_stats": False}
 
 
 def _observe(response: pb.ProcessingResponse, facts: dict[str, Any]) -> None:

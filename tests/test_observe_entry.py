@@ -129,3 +129,19 @@ def test_recent_keeps_the_last_decisions_the_minute_and_the_hour() -> None:
     assert all(p["prompt_tokens"] == 1042 and p["engine_cached_tokens"] == 1024 for p in points)
     assert [p["t"] for p in r.hit_ratio(1100.0, 30)["points"]] == [1080]
     assert r.hit_ratio(1000.0 + 3700, 3600)["points"] == []
+
+
+@pytest.mark.parametrize(("stream", "body", "sent"), [
+    (False, {"stream_options": None}, None),  # not a stream: nothing asked
+    (True, {}, {"include_usage": True, "continuous_usage_stats": False}),
+    (True, {"stream_options": {"include_usage": True}}, None),  # the client asked itself
+    (True, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, None),
+    # Asked not to: Cortex asks, and per-chunk usage stays off as the client would have had it.
+    (True, {"stream_options": {"include_usage": False, "continuous_usage_stats": True}},
+     {"include_usage": True, "continuous_usage_stats": False}),
+    (True, {"stream_options": "odd"}, {"include_usage": True, "continuous_usage_stats": False}),
+])
+def test_what_cortex_asks_the_engine_for_a_streams_usage(stream: bool, body: dict[str, Any],
+                                                          sent: dict[str, Any] | None) -> None:
+    from extproc.server import usage_options
+    assert usage_options(stream, body) == sent
