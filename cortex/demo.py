@@ -188,6 +188,7 @@ See the decision without forwarding:
 Ledger and workers:   curl -s http://127.0.0.1:{cfg.ingest.port}/cortex/workers
 Metrics:              curl -s http://127.0.0.1:{cfg.ingest.port}/metrics | grep cortex_
 Recent decisions:     curl -s http://127.0.0.1:{cfg.observe.http_port}/cortex/decisions
+Status page:          http://127.0.0.1:{cfg.ingest.port}/cortex/ui
 Request log:          {cfg.observe.request_log_path}
 Envoy admin:          http://127.0.0.1:{cfg.admin.port}/clusters
 Stop with Ctrl-C.
