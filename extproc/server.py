@@ -593,7 +593,8 @@ def _observe(response: pb.ProcessingResponse, facts: dict[str, Any]) -> None:
 
 
 def _prompt_facts(result: RoutePlan) -> dict[str, Any]:
-    return {observation.PROMPT_HASH: result.prompt_hash, observation.FIRST_IDS: result.head_ids,
+    # The ids as one string: a protobuf list of 64 numbers costs ~40 µs to build, the string ~3.
+    return {observation.PROMPT_HASH: result.prompt_hash, observation.FIRST_IDS: ",".join(map(str, result.head_ids)),
             observation.PROMPT_TOKENS: result.prompt_tokens}
 
 

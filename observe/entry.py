@@ -99,9 +99,17 @@ def _scalars(s: struct_pb2.Struct) -> dict[str, Any]:
             out[key] = v.string_value
         elif kind == "bool_value":
             out[key] = v.bool_value
-        elif kind == "list_value":
-            out[key] = [x.number_value for x in v.list_value.values if x.WhichOneof("kind") == "number_value"]
     return out
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    """The prompt's first ids, sent as "id,id,..." (cortex/observation.py); anything else reads as none."""
+    if not isinstance(value, str) or not value:
+        return ()
+    try:
+        return tuple(int(i) for i in value.split(",")[:obs.FIRST_IDS_LOGGED])
+    except ValueError:
+        return ()
 
 
 def _seconds(d: Any) -> float | None:
@@ -160,5 +168,5 @@ def read(entry: al.HTTPAccessLogEntry, workers_by_address: Mapping[str, str]) ->
         completion_tokens=completion, cached_tokens=_int(seen.get("cached_tokens")),
         usage_injected=bool(facts.get(obs.USAGE_INJECTED)), ttft_s=ttft, itl_s=itl, e2e_s=e2e,
         chunks=_int(seen.get("chunks")) or 0, stream=stream, prompt_hash=_str(facts.get(obs.PROMPT_HASH)),
-        first_ids=tuple(int(i) for i in facts.get(obs.FIRST_IDS, ())[:obs.FIRST_IDS_LOGGED]),
+        first_ids=_ids(facts.get(obs.FIRST_IDS)),
         routed_prompt_tokens=_int(facts.get(obs.PROMPT_TOKENS)))

@@ -93,9 +93,11 @@ def test_every_ending_has_its_cause(status: int | None, details: str, flags: tup
 
 
 def test_the_prompt_is_identified_not_stored() -> None:
-    facts = {**ROUTED, obs.PROMPT_HASH: "9f2c", obs.PROMPT_TOKENS: 1040, obs.FIRST_IDS: list(range(70))}
+    facts = {**ROUTED, obs.PROMPT_HASH: "9f2c", obs.PROMPT_TOKENS: 1040,
+             obs.FIRST_IDS: ",".join(map(str, range(70)))}
     o = read(entry(facts=facts, seen=SEEN), {})
     assert (o.prompt_hash, o.routed_prompt_tokens, o.first_ids) == ("9f2c", 1040, tuple(range(64)))
+    assert read(entry(facts={**ROUTED, obs.FIRST_IDS: "1,x"}, seen=SEEN), {}).first_ids == ()
     assert obs.prompt_hash("a chat", None) == obs.prompt_hash("a chat", None) != obs.prompt_hash("a chat!", None)
     assert obs.prompt_hash(None, [1, 2, 3]) != obs.prompt_hash(None, [1, 2, 4]) and obs.prompt_hash(None, None) == ""
 
