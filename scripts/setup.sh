@@ -16,8 +16,9 @@ fi
 # Debian machine, as root; elsewhere without root this only says what to install.
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+    # Only the browser test needs it: a failed install warns and leaves the demo's setup to finish.
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        chromium >/dev/null; } || echo "setup: warning: chromium could not be installed (see above)" >&2
   else
     echo "setup: chromium not found; the browser test needs it: apt-get install --no-install-recommends chromium" >&2
   fi
