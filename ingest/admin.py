@@ -12,19 +12,18 @@ PROMETHEUS_MULTIPROC_DIR; one scrape target covers the whole gateway.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
 from cortex.config import WorkerConfig
 from cortex.errors import error_body
+from cortex.shared_metrics import shared_registry
 from ingest import loop_cpu
 from ingest.membership import MembershipError
 from ingest.readiness import Readiness
@@ -136,10 +135,7 @@ class IngestCollector(Collector):
 def build_app(ingest: Ingest) -> web.Application:
     own = CollectorRegistry()
     own.register(IngestCollector(ingest))
-    shared: CollectorRegistry | None = None
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        shared = CollectorRegistry()
-        MultiProcessCollector(shared)
+    shared = shared_registry()
 
     async def live(_: web.Request) -> web.Response:
         return web.json_response({"status": "live"})

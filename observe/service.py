@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -23,12 +22,12 @@ from urllib.parse import urlsplit
 import grpc
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cortex import logs
 from cortex.api_paths import HEALTH_PATH
 from cortex.config import CortexConfig
+from cortex.shared_metrics import shared_registry
 from observe import metrics
 from observe.entry import Observation, read
 from observe.recent import Recent
@@ -145,10 +144,7 @@ class Observer:
             body = generate_latest(shared) if shared is not None else b""
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-        shared: CollectorRegistry | None = None
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            shared = CollectorRegistry()
-            MultiProcessCollector(shared)
+        shared = shared_registry()
 
         app = web.Application()
         app.router.add_get("/cortex/decisions", decisions)

@@ -42,6 +42,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decision import Text, conversation, next_turn
+from procstat import cpu_seconds
 
 from cortex import headers as H
 from cortex.envoy_config import envoy_binary
@@ -158,10 +159,6 @@ def compare(gw: Gateway, paths: dict[str, str], make: Callable[[int], list[bytes
     after = decision_seconds(gw)
     return result, (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1000
 
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bodies_for(text: Text, base: list[dict[str, Any]], size: int, n: int) -> list[bytes]:

@@ -26,14 +26,13 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procstat import cpu_seconds
+
 from tests.harness import MODEL, Gateway, cluster, long_chat
 
 SIM_ARGS = ("--prefill-ms-per-token", "0", "--decode-ms-per-token", "0", "--decode-ms-per-seq", "0")
 
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def children(gw: Gateway) -> dict[str, int]:

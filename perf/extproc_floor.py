@@ -41,6 +41,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procstat import cpu_seconds
+
 from cortex.envoy_config import envoy_binary
 from tests.harness import free_ports
 
@@ -153,10 +156,6 @@ def envoy_config(plain: int, extproc: int, upstream: int, grpc_port: int) -> dic
         "listeners": [listener("plain", plain, []), listener("extproc", extproc, [ext_proc])],
         "clusters": [cluster("upstream", upstream, False), cluster("extproc", grpc_port, True)]}}
 
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(xs: list[float], q: float) -> float:

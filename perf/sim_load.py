@@ -26,9 +26,11 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procstat import cpu_seconds
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -36,10 +38,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
 
 
 def start_workers(n: int, engine: str, extra: list[str]) -> tuple[list[subprocess.Popen[bytes]], list[str]]:

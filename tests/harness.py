@@ -266,16 +266,14 @@ def long_chat(n_words: int = 1500, seed: int = 0) -> list[dict[str, str]]:
             {"role": "user", "content": "Summarise the context in one line."}]
 
 
-@contextlib.contextmanager
-def demo(root: Path, workers: int = 2) -> Iterator[Gateway]:
-    """`cortex demo` itself (its simulated workers and gateway under one supervisor) on free ports, seen as a
-    Gateway: url, ingest_url, observe_url, sims (their URLs), root (its runtime directory), child_pids."""
+def start_demo(runtime: Path, log: Path, workers: int = 2) -> Gateway:
+    """Start `cortex demo` itself (its simulated workers and gateway under one supervisor) on free ports, its
+    output to `log`, and return it as a Gateway (url, ingest_url, observe_url, sims, root = its runtime directory,
+    proc, child_pids) without waiting for it."""
     gw_port, admin, ingest = free_ports(3)
-    extproc = free_consecutive(os.cpu_count() or 1)
+    extproc = free_consecutive(os.cpu_count() or 1)  # one extproc process per core, on consecutive ports
     sim_base, kv_base, replay_base = (free_consecutive(workers) for _ in range(3))
     observe = free_consecutive(2)
-    runtime = root / "demo"
-    log = root / "demo.log"
     proc = subprocess.Popen([*PY, "demo", "--workers", str(workers), "--port", str(gw_port),
                              "--sim-base-port", str(sim_base), "--kv-base-port", str(kv_base),
                              "--kv-replay-base-port", str(replay_base), "--runtime-dir", str(runtime),
@@ -286,6 +284,16 @@ def demo(root: Path, workers: int = 2) -> Iterator[Gateway]:
     gw = Gateway(root=runtime, sims=sims, port=gw_port, admin_port=admin, ingest_port=ingest, extproc_port=extproc,
                  observe_port=observe, observe_http_port=observe + 1)
     gw.proc = proc
+    return gw
+
+
+@contextlib.contextmanager
+def demo(root: Path, workers: int = 2) -> Iterator[Gateway]:
+    """`cortex demo` (start_demo), once it announced itself and its workers are in sync; stopped after."""
+    log = root / "demo.log"
+    gw = start_demo(root / "demo", log, workers)
+    assert gw.proc is not None
+    proc = gw.proc
     try:
         wait_for(lambda: b"Cortex demo is up" in log.read_bytes() or proc.poll() is not None, timeout=180,
                  what="the demo to announce itself")

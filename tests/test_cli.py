@@ -20,7 +20,7 @@ import yaml
 from cortex.config import ConfigError, load_config, parse_config
 from cortex.model_bundle import shipped_tokenizer_dir
 from cortex.supervisor import ChildSpec, Supervisor
-from tests.harness import MODEL, free_consecutive, free_ports, long_chat, wait_for
+from tests.harness import MODEL, long_chat, start_demo, wait_for
 
 PY = [sys.executable, "-m", "cortex.cli"]
 
@@ -238,17 +238,10 @@ NOISE = (b"Traceback", b"Exception ignored", b"no healthy upstream", b"Received 
 a stop that looks like a failure (ingest outliving the simulated workers it subscribes to)."""
 
 
-def _demo(tmp_path: Path, runtime: Path, log: Path) -> tuple[subprocess.Popen[bytes], int, int, int]:
-    gw, admin, ingest = free_ports(3)
-    extproc = free_consecutive(os.cpu_count() or 1)  # one extproc process per core, on consecutive ports
-    sim1, kv1, replay1 = free_consecutive(2), free_consecutive(2), free_consecutive(2)
-    observe = free_consecutive(2)
-    proc = subprocess.Popen([*PY, "demo", "--port", str(gw), "--sim-base-port", str(sim1),
-                             "--kv-base-port", str(kv1), "--kv-replay-base-port", str(replay1),
-                             "--runtime-dir", str(runtime), "--admin-port", str(admin), "--ingest-port", str(ingest),
-                             "--extproc-port", str(extproc), "--observe-port", str(observe)],
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, gw, ingest, sim1
+def _demo(runtime: Path, log: Path) -> tuple[subprocess.Popen[bytes], int, int, int]:
+    gw = start_demo(runtime, log)
+    assert gw.proc is not None
+    return gw.proc, gw.port, gw.ingest_port, gw.sims[0].port
 
 
 def _ctrl_c(proc: subprocess.Popen[bytes]) -> None:
@@ -262,7 +255,7 @@ def _ctrl_c(proc: subprocess.Popen[bytes]) -> None:
 def test_demo_runs_routes_and_stops_cleanly(tmp_path: Path) -> None:
     runtime = tmp_path / "demo"
     log = tmp_path / "demo.log"
-    proc, gw, ingest, sim1 = _demo(tmp_path, runtime, log)
+    proc, gw, ingest, sim1 = _demo(runtime, log)
     try:
         wait_for(lambda: b"Cortex demo is up" in log.read_bytes() or proc.poll() is not None, timeout=180,
                  what="the demo to announce itself")
@@ -299,7 +292,7 @@ def test_demo_runs_routes_and_stops_cleanly(tmp_path: Path) -> None:
 
     # The next demo in the same runtime directory starts with its own two workers only.
     log = tmp_path / "demo2.log"
-    proc, gw, ingest, sim1 = _demo(tmp_path, runtime, log)
+    proc, gw, ingest, sim1 = _demo(runtime, log)
     try:
         ids = wait_for(lambda: [w["id"] for w in httpx.get(f"http://127.0.0.1:{ingest}/cortex/workers",
                                                            timeout=2).json()["workers"]], timeout=180,
