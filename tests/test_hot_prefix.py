@@ -1,6 +1,13 @@
 """One hot prefix floods a 4-worker simulated cluster, beside cooler prefixes, with KV pools too small to
 hold everything everywhere. Cortex must keep the holder at or under its high watermark (spilling the rest)
-and still reuse more cache than pure load balancing. Assertions are on counts and ratios, never on time."""
+and still reuse more cache than pure load balancing. Assertions are on counts and ratios, never on time.
+
+The shape is chosen so the comparison has a wide margin whatever the threads' timing: each prompt is ~190
+KV blocks and a worker holds 800, so a worker keeps ~4 prompts. Cortex homes the ten cool prefixes (~2.5 per
+worker, beside the hot one) and keeps them; load balancing sends all eleven everywhere and evicts them in
+turn. Measured over eight runs: Cortex 1.5-1.7x the baseline's hit ratio, asserted at 1.1x. (With 400 blocks
+and six cool prefixes both sides fitted almost everything and the gap was 1.1-1.35x, within the threads'
+noise.)"""
 
 from __future__ import annotations
 
@@ -26,10 +33,10 @@ SCHEDULER = {"high_watermark": HIGH, "low_watermark": LOW}
 def workload(n: int, seed: int) -> list[list[dict[str, str]]]:
     rng = random.Random(seed)
     hot = long_chat(900, seed=1)
-    cool = [long_chat(900, seed=100 + i) for i in range(6)]
+    cool = [long_chat(900, seed=100 + i) for i in range(10)]
     out = []
     for i in range(n):
-        base = hot if rng.random() < 0.6 else cool[rng.randrange(len(cool))]
+        base = hot if rng.random() < 0.4 else cool[rng.randrange(len(cool))]
         out.append([base[0], {"role": "user", "content": f"Question {i}: what does item {rng.randrange(999)} mean?"}])
     return out
 
@@ -71,7 +78,7 @@ def run(root: Path, events: bool) -> dict[str, Any]:
     home (a hash of its first block, itself a cache-affinity rule), routes by load alone."""
     root.mkdir()
     scheduler = SCHEDULER if events else {**SCHEDULER, "prompt_home": False}
-    with cluster(root, n_sims=4, sim_args=("--num-blocks", "400"), extra_config={"scheduler": scheduler},
+    with cluster(root, n_sims=4, sim_args=("--num-blocks", "800"), extra_config={"scheduler": scheduler},
                  events=events) as gw:
         return flood(gw, workload(160, seed=7))
 
