@@ -354,6 +354,10 @@ class AliasConfig(_Strict):
     targets: list[AliasTarget] = Field(min_length=1)
     fallback: str | None = None
     """Model used when the drawn target has no healthy worker."""
+    draw: Literal["request", "session"] = "request"
+    """`request`: each request draws its target by weight. `session`: a request with a session key
+    (`session.headers`) draws by a hash of (alias, key), so a conversation stays on one version and keeps its KV
+    cache (a canary by session; requests without a key still draw per request)."""
 
 
 class WorkerConfig(_Strict):
@@ -413,6 +417,128 @@ class WorkerConfig(_Strict):
         return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
+class TenantLimits(_Strict):
+    """What one tenant may use, per gateway replica (docs/tenancy.md: divide fleet-wide figures by the replica
+    count, as SMG's limits are per router). None: no limit of that kind."""
+
+    requests_per_s: float | None = Field(None, gt=0)
+    """Sustained request rate (a token bucket shared by the replica's extproc processes)."""
+    burst: int | None = Field(None, ge=1)
+    """Requests that may arrive at once above the rate (the bucket's depth). Default: max(1, requests_per_s)."""
+    tokens_per_minute: int | None = Field(None, ge=1)
+    """Charged tokens (prompt + completion, weighted by `admission.charge`) per minute, reserved at admission and
+    settled with the engine's usage when the request ends."""
+    max_concurrent: int | None = Field(None, ge=1)
+    """Requests of this tenant in flight at once."""
+    token_quota: int | None = Field(None, ge=1)
+    """Charged tokens per `quota_period_s` (a daily budget by default)."""
+    quota_period_s: int = Field(86400, ge=60)
+    """The token quota's period, in seconds, aligned to the Unix epoch (86400: each UTC day)."""
+
+
+class TenantConfig(_Strict):
+    """One tenant: who it is (API keys, or the trusted tenant header's value), its priority and its limits."""
+
+    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    """Name in metrics, logs and the tenant header. Metrics label by it (bounded by the config)."""
+    api_keys: list[str] = Field(default_factory=list)
+    """`sha256:<64 hex>` digests of the tenant's API keys (`cortex hash-key` prints one); a plain key is refused,
+    so the file never holds a secret. Clients send `Authorization: Bearer <key>`."""
+    priority: int = Field(0, ge=-100, le=100)
+    """Priority band: a higher band's waiting requests are released first; within a band tenants share by
+    `weight`."""
+    weight: float = Field(1.0, gt=0)
+    """Share of its band's releases when several tenants wait (weighted fair queueing)."""
+    limits: TenantLimits = TenantLimits()
+    trusted: bool = False
+    """Sees Cortex's routing headers (x-cortex-*, which reveal cache hits) and may call route explain. Others get
+    neither: a hit on another tenant's prompt must not be observable."""
+    shared_prefix_group: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    """Tenants naming the same group share KV cache (they trust each other); every other tenant's prompts are
+    salted apart (`admission.isolate_caches`)."""
+
+    @field_validator("api_keys")
+    @classmethod
+    def _digests(cls, value: list[str]) -> list[str]:
+        for key in value:
+            if not re.fullmatch(r"sha256:[0-9a-f]{64}", key):
+                raise ValueError("api_keys holds SHA-256 digests written `sha256:<64 lowercase hex>`, never a key "
+                                 "itself (`cortex hash-key` prints the digest of a key)")
+        return value
+
+
+class AuthConfig(_Strict):
+    """Who is calling: API keys (Authorization: Bearer), or a tenant header set by a trusted auth layer."""
+
+    required: bool = False
+    """Refuse (401) a request whose key is missing or unknown, before any routing work. Off: such requests are
+    the `default_tenant`'s."""
+    tenant_header: str | None = Field(None, pattern=r"^[a-z0-9-]+$")
+    """A header naming the tenant, set by an authenticating proxy in front of Cortex (lowercase). Off by default:
+    only enable it when clients cannot reach Cortex except through that proxy, since any client could set it."""
+    default_tenant: str = "default"
+    """Tenant of unauthenticated traffic when `required` is false; configured like any other, or unlimited."""
+
+
+class WaitingRoomConfig(_Strict):
+    """Where requests wait when every candidate worker is full, instead of piling onto the engines."""
+
+    enabled: bool = True
+    """Off: a full fleet still gets the request (the least loaded worker), as before."""
+    ttl_s: float = Field(30.0, gt=0)
+    """Longest wait; then 503 with Retry-After and `x-cortex-dropped-reason: queue_ttl`."""
+    max_requests: int = Field(256, ge=1)
+    """Waiting requests per extproc process; an arrival past it is refused at once (503, `queue_full`)."""
+    max_bytes: int = Field(64 << 20, ge=1 << 20)
+    """Request bytes waiting per extproc process (the bodies Envoy holds for them); past it, `queue_full`."""
+    queue_depth: int | None = Field(None, ge=0)
+    """A worker whose engine queue (waiting requests) is over this also counts as full. None: watermark only."""
+
+
+class ChargeWeights(_Strict):
+    """How tokens are charged against `tokens_per_minute` and `token_quota` (seed 004 §3.4)."""
+
+    uncached_prompt: float = Field(1.0, ge=0)
+    """Per prompt token the engine computes."""
+    cached_prompt: float = Field(0.1, ge=0)
+    """Per prompt token served from the KV cache."""
+    completion: float = Field(1.0, ge=0)
+    """Per generated token."""
+
+
+class AdmissionConfig(_Strict):
+    """Tenancy and overload: limits, the waiting room, charging, cache isolation (docs/tenancy.md)."""
+
+    waiting_room: WaitingRoomConfig = WaitingRoomConfig()
+    charge: ChargeWeights = ChargeWeights()
+    default_max_tokens: int = Field(1024, ge=1)
+    """Completion tokens reserved for a request that sets no max_tokens (settled with the real figure after)."""
+    isolate_caches: bool = True
+    """When tenants are configured, salt each tenant's prompts apart (vLLM/SGLang `cache_salt`) so no tenant's
+    request ever hits another's KV blocks, except within a `shared_prefix_group`."""
+    retry_after_s: int = Field(1, ge=1)
+    """Retry-After on a 503 from the waiting room (a 429 carries the time until the limit allows one)."""
+
+
+class SessionConfig(_Strict):
+    """Session affinity: requests naming the same session key stay on one worker and one canary target."""
+
+    headers: list[str] = Field(default_factory=lambda: ["x-smg-routing-key", "x-session-id"])
+    """Request headers read, in order, for the session key (lowercase). Empty: no session affinity."""
+
+
+class StructuredOutputConfig(_Strict):
+    """Checks of `response_format: json_schema` and the engines' guided_json / json_schema (seed 004 §3.3)."""
+
+    check_schema: bool = True
+    """Refuse (400) a request whose JSON schema is itself invalid, before routing."""
+    cache_size: int = Field(1024, ge=0)
+    """Validated schemas remembered by digest (bounded)."""
+    validate_responses: bool = False
+    """Check the JSON of non-streamed answers against their schema and count the outcomes (the answer is never
+    changed)."""
+
+
 class CortexConfig(_Strict):
     """The whole file. Unknown keys are errors, so a typo never silently falls back to a default."""
 
@@ -424,6 +550,12 @@ class CortexConfig(_Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     log: LogConfig = LogConfig()
+    auth: AuthConfig = AuthConfig()
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    """Who may call and how much (docs/tenancy.md). Empty: one unlimited default tenant, no keys."""
+    admission: AdmissionConfig = AdmissionConfig()
+    session: SessionConfig = SessionConfig()
+    structured_output: StructuredOutputConfig = StructuredOutputConfig()
     runtime_dir: str | None = None
     """Where generated Envoy files, the shared ledger view, logs and workers.json live (default
     /tmp/cortex-<listen port>). workers.json keeps fleet changes made through the admin API across restarts;
@@ -483,6 +615,16 @@ class CortexConfig(_Strict):
             raise ValueError(f"timeouts.request_receive_s: {self.timeouts.request_receive_s} s would cut requests "
                              f"while extproc may still hold them (up to {hold} s: extproc.message_timeout_ms and "
                              "the PD start budgets); raise it or set 0")
+        tenant_ids = [t.id for t in self.tenants]
+        dup = sorted({i for i in tenant_ids if tenant_ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"tenants: duplicate tenant id {dup}")
+        keys = [k for t in self.tenants for k in t.api_keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("tenants: the same API key digest is listed for two tenants (or twice)")
+        if self.auth.required and not keys and self.auth.tenant_header is None:
+            raise ValueError("auth.required: no tenant has an API key and no auth.tenant_header is set, so every "
+                             "request would be refused")
         targets = sum(w.dp_size for w in self.workers)
         if targets > self.ingest.max_workers:
             raise ValueError(f"workers: {targets} routing targets (workers x dp ranks) but ingest.max_workers is "
@@ -594,4 +736,5 @@ def reference_markdown() -> str:
     section("workers[]", WorkerConfig, "")
     section("aliases[]", AliasConfig, "")
     section("aliases[].targets[]", AliasTarget, "")
+    section("tenants[]", TenantConfig, "")
     return "\n".join(lines)

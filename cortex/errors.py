@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import orjson
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
           429: "rate_limit_error", 503: "service_unavailable_error"}
 

@@ -48,6 +48,7 @@ from extproc.registry import ModelRegistry
 from extproc.request import ROUTED_PATHS, Kind, parse_body
 from extproc.router import Router
 from extproc.snapshot import Source
+from extproc.tenants import Tenant
 
 log = logging.getLogger("cortex.extproc")
 
@@ -126,6 +127,8 @@ class StreamState:
     pd_pending: PendingPair | None = None
     """The request as the client sent it, kept while a pair serves it: a pair that fails before the first byte
     is served again by one worker."""
+    tenant: Tenant | None = None
+    """Who sent it (extproc/tenants.py), known from the request headers on."""
 
 
 class ExtProc:
@@ -223,17 +226,29 @@ class ExtProc:
     # -- phases ---------------------------------------------------------------------------------------------
 
     def on_request_headers(self, st: StreamState, headers: Any) -> pb.ProcessingResponse:
+        gen = self.source.current
+        tenant_header = gen.tenants.header
+        authorization = tenant_value = None
         for h in headers.headers.headers:
-            if h.key == ":path":
+            key = h.key
+            if key == ":path":
                 path = (h.raw_value or h.value.encode()).decode("latin-1")
                 st.path, _, st.query = path.partition("?")
-            elif h.key == ":method":
+            elif key == ":method":
                 st.method = (h.raw_value or h.value.encode()).decode("latin-1")
-        if st.method == "GET" and st.path == MODELS_PATH:
-            return _immediate(200, self.source.current.registry.models_body)
+            elif key == "authorization":
+                authorization = (h.raw_value or h.value.encode()).decode("latin-1")
+            elif key == tenant_header:
+                tenant_value = (h.raw_value or h.value.encode()).decode("latin-1")
         if st.method == "GET" and st.path == HEALTH_PATH:
             # Answered here, so a 200 proves the whole chain Envoy -> extproc works.
             return _immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.synced}))
+        try:
+            st.tenant = gen.tenants.identify(authorization, tenant_value)
+        except ClientError as exc:  # before any routing work
+            return self._error(exc)
+        if st.method == "GET" and st.path == MODELS_PATH:
+            return _immediate(200, gen.registry.models_body)
         wants_body = st.method == "POST" and (st.path in ROUTED_PATHS or
                                               (st.path == EXPLAIN_PATH and self.cfg.extproc.route_explain))
         if wants_body and headers.end_of_stream:

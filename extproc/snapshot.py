@@ -11,13 +11,14 @@ so a reload or a refresh between two of them cannot mix two states into one plan
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from cortex.config import CortexConfig, ModelConfig
 from extproc.cluster_view import ClusterView, TargetInfo
 from extproc.registry import ModelRegistry
+from extproc.tenants import Directory
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,10 @@ class Generation:
     number: int
     cfg: CortexConfig
     registry: ModelRegistry
+    tenants: Directory = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tenants", Directory(self.cfg))
 
 
 class Source:
