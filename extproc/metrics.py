@@ -28,6 +28,12 @@ PD_LEG_SECONDS = Histogram("cortex_pd_leg_seconds", "PD transfer path: prefill l
                            ["engine", "leg"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                                                        5.0, 10.0, 30.0))
 
+# Tenancy and overload (docs/tenancy.md). Reasons are a fixed set: unauthenticated, rate_limited, concurrency,
+# tokens_per_minute, token_quota, queue_full, queue_ttl; tenants are bounded by the config.
+ADMISSION_REJECTIONS = Counter("cortex_admission_rejections", "requests refused before reaching a worker, by reason",
+                               ["tenant", "reason"])
+ADMITTED = Counter("cortex_admitted_requests", "requests admitted, by tenant", ["tenant"])
+
 # A restart shows as a new value (the supervisor restarts a dead process under the same index): "max" keeps the
 # newest start of each index across the per-process files, whose dead predecessors' files stay behind.
 START_TIME = Gauge("cortex_extproc_start_time_seconds", "unix time the extproc process of this index started",
