@@ -19,6 +19,7 @@ commands:
   capacity [flags]          KV memory per worker and the max_concurrent to set (`cortex capacity --help`)
   check    -c cortex.yaml   validate a config file and its model files, print it with every default filled in
   envoy-config -c cortex.yaml  print the Envoy bootstrap Cortex generates from a config
+  hash-key                  read an API key from stdin, print the digest to list in tenants[].api_keys
   ingest / extproc / observe  internal: the processes `cortex run` supervises
 
 logs (run, demo, sim, ingest, extproc, observe):
@@ -49,6 +50,21 @@ def _models_ok(cfg: CortexConfig) -> bool:
     return True
 
 
+def _hash_key() -> int:
+    """The key comes from stdin, never the command line (which other users of the machine can read)."""
+    import getpass
+
+    from extproc.tenants import digest
+
+    key = getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.readline()
+    key = key.strip()
+    if not key:
+        logs.fatal("hash-key: no key on stdin (e.g. `printf %s \"$KEY\" | cortex hash-key`)")
+        return 2
+    print(digest(key))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -67,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         from cortex.capacity.cli import main as capacity_main
 
         return capacity_main(rest)
+    if command == "hash-key":
+        return _hash_key()
     if command == "demo":
         from cortex.demo import main as demo_main
 

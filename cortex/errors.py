@@ -17,11 +17,14 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 class ClientError(Exception):
     """A request Cortex refuses, answered by Cortex itself and never forwarded to a worker."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers or {}
+        """Sent with the error (Retry-After, a dropped reason)."""
 
     def body(self) -> bytes:
         return error_body(self.status, self.message, self.param)

@@ -11,6 +11,8 @@ Response side (set by extproc on the answer the client gets):
   MATCH_MODE        the step of the fallback chain that decided (extproc/policies)
   ROUTE_REASON      why, as a reason code
   PD                a PD model's outcome: pair, pair:repicked, skipped:<why>, fallback:<why>
+  DROPPED_REASON    why Cortex refused a request before it reached a worker (429/503; docs/tenancy.md), also
+                    under llm-d's name LLMD_DROPPED_REASON
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ CACHE_HIT_TOKENS = "x-cortex-cache-hit-tokens"
 MATCH_MODE = "x-cortex-match-mode"
 ROUTE_REASON = "x-cortex-route-reason"
 PD = "x-cortex-pd"
+DROPPED_REASON = "x-cortex-dropped-reason"
+LLMD_DROPPED_REASON = "x-llm-d-request-dropped-reason"
 
 RESERVED_REQUEST = (POOL, ENDPOINTS, WORKER, MATCH_MODE, CACHE_HIT_TOKENS, ASSIGNED_WORKER, ROUTE_REASON, DP_RANK,
                     PD_ROUTE, PD)

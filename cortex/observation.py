@@ -37,6 +37,11 @@ PREFILL = "prefill"
 MODE = "mode"
 REASON = "reason"
 CLAIMED = "claimed_hit_tokens"
+TENANT = "tenant"
+RESERVED = "reserved_tokens"
+"""Tokens the request holds reserved against its tenant's token limits (absent: none): the observer settles them."""
+QUOTA_PERIOD = "quota_period_s"
+"""The tenant's token-quota period in force when it was admitted (the observer charges that window)."""
 FIRST_IDS_LOGGED = 64
 """How many of the prompt's first token ids the request log carries (never the text)."""
 

@@ -38,7 +38,9 @@ from cortex.config_watch import ConfigWatcher
 from cortex.envoy_config import ANY_CLUSTER, pool_cluster
 from cortex.errors import ClientError
 from cortex.piecewise_tokenize import SegmentEncoder
+from cortex.tenancy.board import TenancyBoard
 from extproc import metrics
+from extproc.admission import Admission, Ticket
 from extproc.cluster_view import ClusterView
 from extproc.pd import PdPlan
 from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
@@ -129,10 +131,12 @@ class StreamState:
     is served again by one worker."""
     tenant: Tenant | None = None
     """Who sent it (extproc/tenants.py), known from the request headers on."""
+    ticket: Ticket | None = None
+    """What it holds of its tenant's limits until it ends (extproc/admission.py)."""
 
 
 class ExtProc:
-    def __init__(self, source: Source, cluster: ClusterView, router: Router) -> None:
+    def __init__(self, source: Source, cluster: ClusterView, router: Router, admission: Admission) -> None:
         self.source = source
         """The config generation in force (the router reads the same reference)."""
         self.cluster = cluster
@@ -143,6 +147,7 @@ class ExtProc:
         self.pd = PdDispatcher(cluster.inflight)
         self.last_stream_at = 0.0
         """When the latest ext_proc stream (one per request) began (monotonic)."""
+        self.admission = admission
 
     @property
     def cfg(self) -> CortexConfig:
@@ -222,6 +227,7 @@ class ExtProc:
             if st.pd is not None:
                 st.pd.legs.release_abort()  # the client left while the decode's headers were held
                 st.pd.legs.event("stream_end")
+            self.admission.release(st.ticket)
 
     # -- phases ---------------------------------------------------------------------------------------------
 
@@ -246,9 +252,15 @@ class ExtProc:
         try:
             st.tenant = gen.tenants.identify(authorization, tenant_value)
         except ClientError as exc:  # before any routing work
+            metrics.ADMISSION_REJECTIONS.labels("", "unauthenticated").inc()
             return self._error(exc)
         if st.method == "GET" and st.path == MODELS_PATH:
             return _immediate(200, gen.registry.models_body)
+        if st.method == "POST" and st.path in ROUTED_PATHS:
+            try:
+                st.ticket = self.admission.admit(st.tenant)
+            except ClientError as exc:
+                return self._error(exc)
         wants_body = st.method == "POST" and (st.path in ROUTED_PATHS or
                                               (st.path == EXPLAIN_PATH and self.cfg.extproc.route_explain))
         if wants_body and headers.end_of_stream:
@@ -278,6 +290,12 @@ class ExtProc:
             st.fallback_reason = "extproc_error"
             return _EMPTY_BODY
         metrics.observe_decision(result, time.perf_counter() - t0, self.cluster.block_size)
+        if st.ticket is not None:
+            try:
+                self.admission.reserve(st.ticket, result.prompt_tokens, result.decision.hit_tokens,
+                                       completion_budget(parsed.body, self.cfg.admission.default_max_tokens))
+            except ClientError as exc:
+                return self._error(exc)
         changes = result.changes
         plan = result.pd
         if plan is not None and plan.pair is not None:
@@ -292,7 +310,8 @@ class ExtProc:
             changes = {**changes, "stream_options": injected}
         response = self._single(st, result.decision, result.model, body, changes)
         _observe(response, {observation.MODEL: result.model, observation.STREAM: parsed.stream,
-                            observation.USAGE_INJECTED: injected is not None, **_prompt_facts(result)})
+                            observation.USAGE_INJECTED: injected is not None, **_prompt_facts(result),
+                            **_tenant_facts(st)})
         return response
 
     def _single(self, st: StreamState, decision: Decision, model: str, body: bytes,
@@ -351,7 +370,7 @@ class ExtProc:
             common.header_mutation.set_headers.append(_set(k, v))
         self._set_body(response, started.decode_body)
         _observe(response, {observation.MODEL: result.model, observation.STREAM: pending.doc.get("stream") is True,
-                            observation.USAGE_INJECTED: False, **_prompt_facts(result)})
+                            observation.USAGE_INJECTED: False, **_prompt_facts(result), **_tenant_facts(st)})
         return response
 
     @staticmethod
@@ -555,7 +574,10 @@ class ExtProc:
 
     def _error(self, exc: ClientError) -> pb.ProcessingResponse:
         metrics.CLIENT_ERRORS.labels(str(exc.status)).inc()
-        return _immediate(exc.status, exc.body())
+        response = _immediate(exc.status, exc.body())
+        for k, v in exc.headers.items():
+            response.immediate_response.headers.set_headers.append(_set(k, v))
+        return response
 
     def _explain(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
         try:
@@ -588,6 +610,21 @@ class ExtProc:
         return _immediate(200, orjson.dumps(doc))
 
 
+def completion_budget(body: dict[str, Any] | None, default: int) -> int:
+    """The completion tokens a request may generate, as reserved against its tenant's token limits: its
+    max_completion_tokens or max_tokens (default when unset), times n."""
+    body = body or {}
+    limit = body.get("max_completion_tokens")
+    if limit is None:
+        limit = body.get("max_tokens")
+    n = body.get("n")
+    # parse_body checked both are integers >= 0 (n >= 1) or null, in the engines' lax coercion ("5", 5.0).
+    try:
+        return int(float(limit if limit is not None else default)) * int(float(n if n is not None else 1))
+    except (TypeError, ValueError):
+        return default
+
+
 def usage_options(stream: bool, body: dict[str, Any] | None) -> dict[str, Any] | None:
     """The stream_options to send when the engine must be asked for a stream's usage on the client's behalf
     (cortex/observe.lua cuts that usage event out again), else None (not a stream, or the client asked).
@@ -611,6 +648,17 @@ def _prompt_facts(result: RoutePlan) -> dict[str, Any]:
     # The ids as one string: a protobuf list of 64 numbers costs ~40 µs to build, the string ~3.
     return {observation.PROMPT_HASH: result.prompt_hash, observation.FIRST_IDS: ",".join(map(str, result.head_ids)),
             observation.PROMPT_TOKENS: result.prompt_tokens}
+
+
+def _tenant_facts(st: StreamState) -> dict[str, Any]:
+    """Who sent it and what it reserved: the observer settles the reservation with the engine's usage."""
+    if st.tenant is None:
+        return {}
+    facts: dict[str, Any] = {observation.TENANT: st.tenant.id}
+    if st.ticket is not None and st.ticket.reserved:
+        facts[observation.RESERVED] = st.ticket.reserved
+        facts[observation.QUOTA_PERIOD] = st.tenant.limits.quota_period_s
+    return facts
 
 
 _CLAIM_KEYS = {H.ASSIGNED_WORKER: observation.WORKER, H.MATCH_MODE: observation.MODE,
@@ -659,7 +707,8 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
     registry = ModelRegistry(cfg)
     source = Source(cfg, registry)
     router = Router(cfg, cluster, registry, source)
-    app = ExtProc(source, cluster, router)
+    board = TenancyBoard(cfg.runtime_path() / "tenancy", f"x{index}", cfg.extproc.process_count())
+    app = ExtProc(source, cluster, router, Admission(cfg, board))
     # A bad edit is logged and ignored; listener, port and process-count changes need a restart.
     def prepare(c: CortexConfig) -> tuple[CortexConfig, ModelRegistry, dict[int, SegmentEncoder]]:
         # In the watcher's thread: tokenizers load and new encoders prove themselves off the event loop.

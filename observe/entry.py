@@ -75,6 +75,10 @@ class Observation:
     """The prompt's first token ids (up to observation.FIRST_IDS_LOGGED), never its text."""
     routed_prompt_tokens: int | None = None
     """Cortex's own count (an estimate when routing stopped early); prompt_tokens is the engine's."""
+    tenant: str = ""
+    reserved_tokens: int | None = None
+    """Tokens it held reserved against its tenant's token limits (None: it held none)."""
+    quota_period_s: int | None = None
 
     @property
     def outcome(self) -> str | None:
@@ -169,4 +173,5 @@ def read(entry: al.HTTPAccessLogEntry, workers_by_address: Mapping[str, str]) ->
         usage_injected=bool(facts.get(obs.USAGE_INJECTED)), ttft_s=ttft, itl_s=itl, e2e_s=e2e,
         chunks=_int(seen.get("chunks")) or 0, stream=stream, prompt_hash=_str(facts.get(obs.PROMPT_HASH)),
         first_ids=_ids(facts.get(obs.FIRST_IDS)),
-        routed_prompt_tokens=_int(facts.get(obs.PROMPT_TOKENS)))
+        routed_prompt_tokens=_int(facts.get(obs.PROMPT_TOKENS)), tenant=_str(facts.get(obs.TENANT)),
+        reserved_tokens=_int(facts.get(obs.RESERVED)), quota_period_s=_int(facts.get(obs.QUOTA_PERIOD)))

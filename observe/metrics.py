@@ -34,6 +34,8 @@ CLAIM_CHECK = Counter("cortex_claim_check", "Cortex's claim against the engine's
                       "more: an alarm), exact, under, unreported", ["model", "worker", "outcome"])
 CLAIM_ERROR = Counter("cortex_claim_error_tokens", "|claim - engine's cached_tokens| summed, by direction",
                       ["model", "worker", "outcome"])
+TENANT_CHARGED = Counter("cortex_tenant_charged_tokens", "tokens charged to tenants with token limits, settled "
+                         "from the engines' usage (weighted by admission.charge)", ["tenant"])
 START_TIME = Gauge("cortex_observer_start_time_seconds", "unix time the observer process started (a new value: a "
                    "restart)", multiprocess_mode="max")
 ENTRIES = Counter("cortex_observer_entries", "access-log entries read: ok, not_routed (no extproc decision), "

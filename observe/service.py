@@ -28,6 +28,8 @@ from cortex import logs
 from cortex.api_paths import HEALTH_PATH
 from cortex.config import CortexConfig
 from cortex.shared_metrics import shared_registry
+from cortex.tenancy import limits
+from cortex.tenancy.board import TenancyBoard
 from observe import metrics
 from observe.entry import Observation, read
 from observe.recent import Recent
@@ -83,8 +85,10 @@ def log_line(o: Observation) -> bytes:
 
 class Observer:
     def __init__(self, cfg: CortexConfig, out: IO[bytes] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, board: TenancyBoard | None = None) -> None:
         self.cfg = cfg
+        self.board = board
+        """Where requests that reserved tokens are settled (None: not settled here)."""
         self.by_address = worker_addresses(cfg)
         self.labels = metrics.Labels()
         metrics.prime([m.name for m in cfg.models], [w.id for w in cfg.workers], self.labels)
@@ -104,11 +108,28 @@ class Observer:
             return o
         metrics.ENTRIES.labels("ok" if o.routed else "not_routed").inc()
         metrics.record(o, self.labels)
+        if o.reserved_tokens is not None and self.board is not None:
+            self.settle(o)
         self.recent.add(o, self.clock())
         oc = self.cfg.observe
         if oc.request_log and sampled(o.request_id, oc.request_log_sample):
             self.out.write(log_line(o))
         return o
+
+    def settle(self, o: Observation) -> None:
+        """Charge the tenant what the request really cost (its reservation was released by extproc when it
+        ended); the windows are those of the request's start, as its admission saw them. A worker's 4xx computed
+        nothing and costs nothing."""
+        assert self.board is not None
+        amount = limits.settled(self.cfg.admission.charge, prompt_tokens=o.prompt_tokens,
+                                cached_tokens=o.cached_tokens, completion_tokens=o.completion_tokens,
+                                reached_worker=bool(o.worker) and not 400 <= o.status < 500,
+                                routed_prompt_tokens=o.routed_prompt_tokens, claimed_hit_tokens=o.claimed,
+                                chunks=o.chunks)
+        if amount > 0:
+            self.board.charge(self.board.slot(o.tenant), amount, limits.window(o.start_s, 60),
+                              limits.window(o.start_s, o.quota_period_s or 86400))
+        metrics.TENANT_CHARGED.labels(o.tenant).inc(amount)
 
     async def stream(self, requests: AsyncIterator[als_pb2.StreamAccessLogsMessage],
                      _context: grpc.aio.ServicerContext) -> als_pb2.StreamAccessLogsResponse:
@@ -159,7 +180,8 @@ async def serve(cfg: CortexConfig) -> None:
     path = cfg.observe.request_log_path
     # Line-buffered appends: each request's line is whole in the file even if the process stops mid-batch.
     out = open(path, "ab", buffering=0) if path else None  # noqa: SIM115 (held for the process's life)
-    observer = Observer(cfg, out)
+    board = TenancyBoard(cfg.runtime_path() / "tenancy", "observer", cfg.extproc.process_count())
+    observer = Observer(cfg, out, board=board)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
         "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
