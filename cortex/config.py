@@ -94,6 +94,10 @@ class IngestConfig(_Strict):
     """Initial slot count of the shared ledger table; it doubles on its own when half full."""
     max_workers: int = Field(64, ge=1, le=4096)
     """Most routing targets (workers x data-parallel ranks) the ledger view can hold (one bit each per block)."""
+    admin_token_file: str | None = None
+    """File holding the admin token (at least 16 characters): every admin route (worker changes, the status page,
+    the observer's recent decisions) then needs `Authorization: Bearer <token>` (or Basic auth with the token as
+    password, for a browser). Health probes and /metrics stay open. None: no token (keep the port on loopback)."""
 
     @model_validator(mode="after")
     def _poll_intervals(self) -> IngestConfig:

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 
 from cortex import grpc_health, logs
+from cortex.admin_auth import TokenError, configured_token
 from cortex.config import CortexConfig, check_models, reachable_host
 from cortex.envoy_config import envoy_binary, write_bootstrap
 from cortex.model_bundle import BundleError
@@ -184,7 +185,8 @@ def run_gateways(gateways: Sequence[GatewaySpec], extra: list[ChildSpec] | None 
     try:
         for g in gateways:
             check_models(g.cfg)
-    except BundleError as exc:
+            configured_token(g.cfg.ingest.admin_token_file)  # a bad token file stops the start, not ingest
+    except (BundleError, TokenError) as exc:
         logs.fatal(str(exc))
         return 2
     gate = (lambda: wait_urls(ready_urls)) if ready_urls else None

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
+from cortex import admin_auth
 from cortex.config import WorkerConfig
 from cortex.errors import error_body
 from cortex.shared_metrics import shared_registry
@@ -180,7 +181,9 @@ def build_app(ingest: Ingest) -> web.Application:
             return _error(exc.status, str(exc))
         return web.json_response(ingest.status())
 
-    app = web.Application()
+    # Worker changes and the status page need the admin token when one is configured; health and metrics do not.
+    app = web.Application(middlewares=[admin_auth.middleware(
+        admin_auth.configured_token(ingest.cfg.ingest.admin_token_file), {*admin_auth.OPEN_PATHS, "/metrics"})])
     app.on_cleanup.append(close_readiness)
     app.router.add_get("/health/live", live)
     app.router.add_get("/health/ready", ready)

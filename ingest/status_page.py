@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from cortex import admin_auth
 from cortex.config import ObserveConfig, reachable_host
 from cortex.errors import error_body
 
@@ -312,7 +313,8 @@ class StatusPage:
 
     async def _get(self, url: str) -> Any:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            token = admin_auth.configured_token(self.ingest.cfg.ingest.admin_token_file)
+            self._session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"} if token else None)
         async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=OBSERVER_TIMEOUT_S)) as r:
             if r.status != 200:
                 raise ValueError(f"{url.split('?')[0]} answered {r.status}")

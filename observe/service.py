@@ -24,7 +24,7 @@ from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cortex import logs
+from cortex import admin_auth, logs
 from cortex.api_paths import HEALTH_PATH
 from cortex.config import CortexConfig
 from cortex.shared_metrics import shared_registry
@@ -167,7 +167,9 @@ class Observer:
 
         shared = shared_registry()
 
-        app = web.Application()
+        # The recent decisions carry prompt fingerprints and first token ids: admin routes.
+        app = web.Application(middlewares=[admin_auth.middleware(
+            admin_auth.configured_token(self.cfg.ingest.admin_token_file), {*admin_auth.OPEN_PATHS, "/metrics"})])
         app.router.add_get("/cortex/decisions", decisions)
         app.router.add_get("/cortex/hit-ratio", hit_ratio)
         app.router.add_get("/health", health)

@@ -144,8 +144,14 @@ class Gateway:
             cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
         return cfg
 
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """The admin token's header, when the gateway was given one (ingest.admin_token_file)."""
+        token_file = self.extra_config.get("ingest", {}).get("admin_token_file")
+        return {"authorization": f"Bearer {Path(token_file).read_text().strip()}"} if token_file else {}
+
     def workers(self) -> dict[str, dict[str, Any]]:
-        doc = httpx.get(f"{self.ingest_url}/cortex/workers", timeout=5).json()
+        doc = httpx.get(f"{self.ingest_url}/cortex/workers", timeout=5, headers=self.admin_headers).json()
         return {w["id"]: w for w in doc["workers"]}
 
     def targets(self) -> dict[str, dict[str, Any]]:
