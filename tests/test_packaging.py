@@ -25,10 +25,27 @@ def test_compose_file_is_consistent() -> None:
         cmd = services[w.id]["command"]
         assert cmd[0] == "sim" and cmd[cmd.index("--port") + 1] == w.url.rsplit(":", 1)[1]
         assert w.kv_events is not None and w.kv_events.endswith(":" + cmd[cmd.index("--kv-events-port") + 1])
-    published = {p.split(":")[0] for p in services["cortex"]["ports"]}
-    assert published == {str(cfg.listen.port), str(cfg.ingest.port), str(cfg.admin.port)}
+    # Only the OpenAI port reaches other machines; ingest's admin port is published on the host's loopback, with
+    # the admin token; Envoy admin (no authentication, it can change Envoy's state) not at all.
+    published = {p.rsplit(":", 1)[0]: p for p in services["cortex"]["ports"]}
+    assert set(published) == {str(cfg.listen.port), f"127.0.0.1:{cfg.ingest.port}"}
+    assert cfg.admin.host == "127.0.0.1"
+    assert cfg.ingest.admin_token_file == "/run/secrets/admin_token"
+    assert services["cortex"]["secrets"] == ["admin_token"] and "admin_token" in compose["secrets"]
+    assert "/deploy/admin-token" in (ROOT / ".gitignore").read_text().splitlines()
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "ENTRYPOINT [\"cortex\"]" in dockerfile
+
+
+def test_the_image_holds_every_package() -> None:
+    """The Dockerfile copies each top-level package pyproject installs (observe/ was once missing)."""
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for pattern in include:
+        name = pattern.rstrip("*")
+        assert f"COPY {name} ./{name}" in dockerfile, name
 
 
 def test_reference_envoy_config_is_current() -> None:
