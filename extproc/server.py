@@ -658,8 +658,11 @@ def _observe(response: pb.ProcessingResponse, facts: dict[str, Any]) -> None:
 
 def _prompt_facts(result: RoutePlan) -> dict[str, Any]:
     # The ids as one string: a protobuf list of 64 numbers costs ~40 µs to build, the string ~3.
-    return {observation.PROMPT_HASH: result.prompt_hash, observation.FIRST_IDS: ",".join(map(str, result.head_ids)),
-            observation.PROMPT_TOKENS: result.prompt_tokens}
+    facts = {observation.PROMPT_HASH: result.prompt_hash, observation.FIRST_IDS: ",".join(map(str, result.head_ids)),
+             observation.PROMPT_TOKENS: result.prompt_tokens}
+    if result.alias is not None:  # per-target series of a canary (observe/metrics.py)
+        facts[observation.ALIAS] = result.alias
+    return facts
 
 
 def _tenant_facts(st: StreamState) -> dict[str, Any]:
