@@ -66,6 +66,13 @@ def main() -> None:
             sticky.append(per_decision_us(cands, key, args.decisions))
         a, b = statistics.median(plain), statistics.median(sticky)
         print(f"{n:>7} {a:>14.2f} {b:>11.2f} {b - a:>9.2f}")
+        # The rule alone, on the decision the policy made without a key (what the difference above should be).
+        facts = Facts(16, True, "no_cached_prefix", S, 12345, key)
+        d = CacheAware().decide(cands, Facts(16, True, "no_cached_prefix", S, 12345, None), random.Random(1))
+        t0 = time.perf_counter()
+        for _ in range(args.decisions):
+            session.stick(d, cands, facts)
+        print(f"{'':>7} session.stick alone: {(time.perf_counter() - t0) / args.decisions * 1e6:.2f} us")
     models, weights = ["stable", "canary"], [95.0, 5.0]
     t0 = time.perf_counter()
     for i in range(args.decisions):
