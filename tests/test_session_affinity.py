@@ -296,3 +296,16 @@ def test_registry_resolves_by_session_only_for_a_session_alias() -> None:
     # The drawn target without a healthy worker: the fallback, as for a per-request draw.
     key = next(f"c{i}" for i in range(100) if session_draw("chat", f"c{i}", MODELS, [50, 50]) == "canary")
     assert reg.resolve("chat", lambda m: m != "canary", session=key).model == "stable"
+
+
+def test_session_headers_are_compared_lowercased_and_must_be_real_names() -> None:
+    from pydantic import ValidationError
+
+    from cortex.config import SessionConfig
+
+    assert SessionConfig(headers=["X-Session-Id", " X-SMG-Routing-Key "]).headers == ["x-session-id",
+                                                                                     "x-smg-routing-key"]
+    assert SessionConfig(headers=[]).headers == []
+    for bad in ([""], [":path"]):
+        with pytest.raises(ValidationError):
+            SessionConfig(headers=bad)

@@ -80,6 +80,27 @@ def test_one_session_keeps_its_cold_prompts_on_one_worker(gw: Gateway) -> None:
             assert r.headers["x-cortex-route-reason"] != "retried"
 
 
+def test_the_first_configured_header_wins_and_long_keys_work(gw: Gateway) -> None:
+    workers = ids(gw)
+    a = "conv-first"
+    b = next(f"conv-second{i}" for i in range(100) if home(f"conv-second{i}", workers) != home(a, workers))
+    r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=60,
+                   headers={"x-session-id": b, "x-smg-routing-key": a},  # smg's is listed first in the config
+                   json={"model": MODEL, "messages": fresh("both"), "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["x-cortex-assigned-worker"] == home(a, workers)
+    # An empty first header does not count: the next one is read.
+    r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=60, headers={"x-smg-routing-key": "", "x-session-id": b},
+                   json={"model": MODEL, "messages": fresh("blank"), "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["x-cortex-assigned-worker"] == home(b, workers)
+    # A key past 256 bytes routes by its digest, the same every time.
+    long_key = "k" * 2000
+    digest = session.key_of(long_key)
+    assert digest is not None and digest != long_key
+    for i in range(3):
+        r = post(gw, fresh(f"long-{i}"), long_key)
+        assert r.headers["x-cortex-assigned-worker"] == home(digest, workers)
+
+
 def test_multi_turn_stays_and_claims_only_what_the_engine_confirms(gw: Gateway) -> None:
     key = "conv-multi"
     want = home(key, ids(gw))
