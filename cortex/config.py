@@ -528,7 +528,18 @@ class SessionConfig(_Strict):
     """Session affinity: requests naming the same session key stay on one worker and one canary target."""
 
     headers: list[str] = Field(default_factory=lambda: ["x-smg-routing-key", "x-session-id"])
-    """Request headers read, in order, for the session key (lowercase). Empty: no session affinity."""
+    """Request headers read, in order, for the session key (the first one present and not blank wins; names are
+    case-insensitive). A key longer than 256 bytes is replaced by its digest. Empty: no session affinity and no
+    per-session canary draw (docs/tenancy/sessions.md)."""
+
+    @field_validator("headers")
+    @classmethod
+    def _lowercase(cls, value: list[str]) -> list[str]:
+        # Envoy hands extproc lowercase header names (HTTP/2 rules), so the names are compared lowercased.
+        names = [v.strip().lower() for v in value]
+        if any(not n or n.startswith(":") for n in names):
+            raise ValueError("session.headers: a header name must be non-empty and not a pseudo-header")
+        return names
 
 
 class StructuredOutputConfig(_Strict):

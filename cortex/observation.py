@@ -25,6 +25,8 @@ OBSERVED = "cortex.observed"
 
 # Keys in NAMESPACE.
 MODEL = "model"
+ALIAS = "alias"
+"""The public alias the client named, when it named one (MODEL is then the target it drew)."""
 USAGE_INJECTED = "usage_injected"
 STREAM = "stream"
 PROMPT_HASH = "prompt_hash"

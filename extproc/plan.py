@@ -68,7 +68,7 @@ class Fallback:
             return self.decision
         facts = Facts(self.facts.block_size, self.facts.ledger_usable,
                       candidates.why_not_exact(self.why, workers, self.matches, kept), self.facts.scoring,
-                      self.facts.home)
+                      self.facts.home, self.facts.session)
         return self.policy.decide(kept, facts, random.Random(self.seed))
 
 
@@ -110,7 +110,7 @@ def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
                              predictions=state.predictions, hysteresis=state.hysteresis, scoring=scoring)
     facts = Facts(block_size=snap.block_size, ledger_usable=matches is not None,
                   why_not_exact=candidates.why_not_exact(prep.why, workers, matches, cands), scoring=scoring,
-                  home=keys[0] if keys and scoring.prompt_home else None)
+                  home=keys[0] if keys and scoring.prompt_home else None, session=prep.session)
     policy = state.policies.select(cands, transparent=prep.transparent, alive=snap.alive,
                                    ledger_usable=matches is not None)
     return cands, facts, policy

@@ -21,6 +21,7 @@ from cortex.model_bundle import ModelBundle, TemplateError
 from cortex.piecewise_tokenize import EncoderSet, SegmentMismatch, TokenCursor
 from extproc import pd
 from extproc.cluster_view import TargetInfo
+from extproc.policies import session
 from extproc.predictions import Predictions
 from extproc.prompt_walk import DeferredTail, Tail, WalkResult, walk
 from extproc.request import ParsedRequest
@@ -65,6 +66,8 @@ class Prepared:
     """The prompt's first ids (observation.FIRST_IDS_LOGGED), for the request log."""
     prompt_hash: str = ""
     """observation.prompt_hash of the whole prompt, for the request log."""
+    session: int | None = None
+    """The request's session key hashed (policies/session.py), None without one."""
 
 
 def prompt_text(req: ParsedRequest, bundle: ModelBundle) -> tuple[str, bool]:
@@ -167,7 +170,9 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     ready gets the whole prompt, since its skip rule needs the exact prompt length.
     """
     registry = snap.gen.registry
-    resolved = registry.resolve(req.model, lambda m: bool(snap.candidates(m)), lora_path=req.lora_path)
+    resolved = registry.resolve(req.model, lambda m: bool(snap.candidates(m)), lora_path=req.lora_path,
+                                session=req.session_key)
+    sess = session.key_hash(req.session_key) if req.session_key is not None else None
     # The chain starts where the engine's does: an adapter's blocks and a salted prompt's blocks are their own
     # namespaces, keyed by the ledger from the adapter name and salt the engine publishes with them.
     root = root_key(resolved.lora, req.cache_salt)
@@ -190,7 +195,7 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
                         keys=walked.keys, matches=walked.matches, why=why, timings=timings, body=req.body,
                         prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
                         tail=walked.tail, pools=pools, lora=resolved.lora,
-                        head_ids=walked.head, prompt_hash=fingerprint)
+                        head_ids=walked.head, prompt_hash=fingerprint, session=sess)
     t0 = time.perf_counter()
     ids, truncated, fingerprint = _tokens(snap, req, bundle, segments)
     t1 = time.perf_counter()
@@ -220,4 +225,4 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=ids, truncated=truncated,
                     keys=keys, matches=matches, why=why, timings=timings, body=req.body, prompt_tokens=len(ids),
                     pools=pools, lora=resolved.lora, transparent=transparent,
-                    head_ids=ids[:observation.FIRST_IDS_LOGGED], prompt_hash=fingerprint)
+                    head_ids=ids[:observation.FIRST_IDS_LOGGED], prompt_hash=fingerprint, session=sess)

@@ -1,10 +1,12 @@
 """The model registry: served models with their bundles, and public aliases over them (seed 004 §3.1).
 
 An alias maps a name clients send (`chat-prod`) to weighted models (`qwen-7b-v3` 90, `qwen-7b-v2` 10)
-with a fallback. The draw is per request, at random, not per user: a per-user hash would reshuffle users
-between versions whenever the weights change, turning caches cold, while random draws at small canary
-shares disturb little. The worker receives the model it serves, so the request body's `model` is
-rewritten when an alias was used.
+with a fallback. By default the draw is per request, at random. An alias with `draw: session` draws per session
+key instead (`session_draw`), so a conversation stays on one version and keeps its KV cache: weighted
+rendezvous hashing of (alias, key, model), under which changing one target's weight moves only the sessions
+that must move (raising a canary's weight only moves sessions onto the canary, lowering it only moves them off).
+A request without a session key still draws at random. The worker receives the model it serves, so the request
+body's `model` is rewritten when an alias was used.
 
 A LoRA adapter resolves to the model that serves it, the way that model's engine reads the request (vLLM:
 `model` is the adapter's name, from `models[].loras`; SGLang: `model: "<model>:<adapter>"` or `lora_path`), and
@@ -17,12 +19,14 @@ files did not change) and swaps it in whole.
 
 from __future__ import annotations
 
+import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import orjson
+import xxhash
 
 from cortex import engines
 from cortex.config import CortexConfig
@@ -50,8 +54,8 @@ class ModelRegistry:
             bundle = reuse.get(key) or ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template)
             self.bundles[m.name] = bundle
             self._bundles_by_source[key] = bundle
-        self.aliases = {a.name: ([t.model for t in a.targets], [t.weight for t in a.targets], a.fallback)
-                        for a in cfg.aliases}
+        self.aliases = {a.name: ([t.model for t in a.targets], [t.weight for t in a.targets], a.fallback,
+                                 a.draw == "session") for a in cfg.aliases}
         self.engines = {m.name: engines.adapter(m.engine) for m in cfg.models}
         # vLLM names an adapter by `model` itself; SGLang never does (its `model` is "<model>:<adapter>").
         self.loras_as_model = {a: m.name for m in cfg.models if self.engines[m.name].lora_as_model for a in m.loras}
@@ -65,11 +69,12 @@ class ModelRegistry:
         ]})
 
     def resolve(self, name: str, serves: Callable[[str], bool], rng: random.Random | None = None,
-                lora_path: str | None = None) -> Resolved:
+                lora_path: str | None = None, session: str | None = None) -> Resolved:
         """The model (and LoRA adapter) for a request naming `name`; `serves(model)` says whether it has a healthy
         worker. The adapter is read the way the model's engine reads it, so the blocks Cortex looks up are the
         ones the engine will reuse: vLLM, `model` is the adapter's name (`lora_path` means nothing to vLLM);
-        SGLang, `model: "<model>:<adapter>"`, else `lora_path`."""
+        SGLang, `model: "<model>:<adapter>"`, else `lora_path`. `session`: the request's session key, for an alias
+        that draws by session."""
         if name in self.bundles:
             return Resolved(name, None, self._body_lora(name, lora_path))
         base = self.loras_as_model.get(name)
@@ -83,8 +88,11 @@ class ModelRegistry:
         alias = self.aliases.get(name)
         if alias is None:
             raise ClientError(404, f"The model `{name}` does not exist.", "model")
-        models, weights, fallback = alias
-        drawn = (rng or random).choices(models, weights)[0]
+        models, weights, fallback, by_session = alias
+        if by_session and session is not None:
+            drawn = session_draw(name, session, models, weights)
+        else:
+            drawn = (rng or random).choices(models, weights)[0]
         if not serves(drawn) and fallback is not None:
             drawn = fallback
         return Resolved(drawn, name, self._body_lora(drawn, lora_path))
@@ -93,3 +101,18 @@ class ModelRegistry:
         """The body's `lora_path`, for an engine that reads it (to vLLM it means nothing)."""
         engine = self.engines.get(model)
         return lora_path if engine is not None and engine.lora_path_field else None
+
+
+def session_draw(alias: str, key: str, models: Sequence[str], weights: Sequence[float]) -> str:
+    """The target of `alias` for session `key`: weighted rendezvous hashing. Each model scores -weight / ln(u),
+    u in (0, 1) from a stable 64-bit hash of (alias, key, model); the highest score wins, which is model i with
+    probability weight_i / sum(weights) over keys. A model's score depends only on its own weight, so raising it
+    can only win sessions, and lowering it only lose them."""
+    best, best_score = models[0], -math.inf
+    for model, w in zip(models, weights, strict=True):
+        h = xxhash.xxh3_64_intdigest(f"{alias}\x00{key}\x00{model}".encode("utf-8", "surrogatepass"))
+        u = ((h >> 11) + 0.5) / 2**53  # 53 bits: exact in a float, strictly inside (0, 1)
+        score = -w / math.log(u)
+        if score > best_score:
+            best, best_score = model, score
+    return best

@@ -123,6 +123,8 @@ class ParsedRequest:
     """Why exact-KV routing cannot apply to an otherwise valid request (e.g. image content)."""
     body: dict[str, Any] | None = None
     """The parsed JSON body, as validated (rewrites splice the raw bytes instead of re-serialising this)."""
+    session_key: str | None = None
+    """The session key from the request headers (cfg.session.headers; set by the server, policies/session.key_of)."""
 
 
 def _cache_salt(value: Any) -> str | None:

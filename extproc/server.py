@@ -45,6 +45,7 @@ from extproc.cluster_view import ClusterView
 from extproc.pd import PdPlan
 from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
 from extproc.plan import RoutePlan
+from extproc.policies import session
 from extproc.policies.base import EXACT, LOAD_AWARE, Decision
 from extproc.registry import ModelRegistry
 from extproc.request import ROUTED_PATHS, Kind, parse_body
@@ -133,6 +134,8 @@ class StreamState:
     """Who sent it (extproc/tenants.py), known from the request headers on."""
     ticket: Ticket | None = None
     """What it holds of its tenant's limits until it ends (extproc/admission.py)."""
+    session: str | None = None
+    """Its session key (cfg.session.headers, extproc/policies/session.py), known from the request headers on."""
 
 
 class ExtProc:
@@ -235,6 +238,8 @@ class ExtProc:
         gen = self.source.current
         tenant_header = gen.tenants.header
         authorization = tenant_value = None
+        session_headers = gen.cfg.session.headers
+        sessions: dict[str, str] = {}
         for h in headers.headers.headers:
             key = h.key
             if key == ":path":
@@ -246,6 +251,8 @@ class ExtProc:
                 authorization = (h.raw_value or h.value.encode()).decode("latin-1")
             elif key == tenant_header:
                 tenant_value = (h.raw_value or h.value.encode()).decode("latin-1")
+            elif key in session_headers:
+                sessions[key] = (h.raw_value or h.value.encode()).decode("utf-8", "replace")
         if st.method == "GET" and st.path == HEALTH_PATH:
             # Answered here, so a 200 proves the whole chain Envoy -> extproc works.
             return _immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.synced}))
@@ -254,6 +261,8 @@ class ExtProc:
         except ClientError as exc:  # before any routing work
             metrics.ADMISSION_REJECTIONS.labels("", "unauthenticated").inc()
             return self._error(exc)
+        if sessions:  # the first configured header present and not blank
+            st.session = next((k for n in session_headers if (k := session.key_of(sessions.get(n)))), None)
         if st.method == "GET" and st.path == MODELS_PATH:
             return _immediate(200, gen.registry.models_body)
         if st.method == "POST" and st.path in ROUTED_PATHS:
@@ -281,6 +290,7 @@ class ExtProc:
             if explain:
                 return self._explain(st, body)
             parsed = parse_body(kind, body)  # type: ignore[arg-type]
+            parsed.session_key = st.session
             result = self.router.route(parsed)
         except ClientError as exc:
             return self._error(exc)
@@ -585,7 +595,9 @@ class ExtProc:
         except orjson.JSONDecodeError:
             raw = None
         kind: Kind = "chat" if isinstance(raw, dict) and "messages" in raw else "completion"
-        result = self.router.route(parse_body(kind, body), commit=False)
+        parsed = parse_body(kind, body)
+        parsed.session_key = st.session
+        result = self.router.route(parsed, commit=False)
         d = result.decision
         doc: dict[str, Any] = {
             "prompt_tokens": result.prompt_tokens,
@@ -646,8 +658,11 @@ def _observe(response: pb.ProcessingResponse, facts: dict[str, Any]) -> None:
 
 def _prompt_facts(result: RoutePlan) -> dict[str, Any]:
     # The ids as one string: a protobuf list of 64 numbers costs ~40 µs to build, the string ~3.
-    return {observation.PROMPT_HASH: result.prompt_hash, observation.FIRST_IDS: ",".join(map(str, result.head_ids)),
-            observation.PROMPT_TOKENS: result.prompt_tokens}
+    facts = {observation.PROMPT_HASH: result.prompt_hash, observation.FIRST_IDS: ",".join(map(str, result.head_ids)),
+             observation.PROMPT_TOKENS: result.prompt_tokens}
+    if result.alias is not None:  # per-target series of a canary (observe/metrics.py)
+        facts[observation.ALIAS] = result.alias
+    return facts
 
 
 def _tenant_facts(st: StreamState) -> dict[str, Any]:

@@ -79,6 +79,8 @@ class Observation:
     reserved_tokens: int | None = None
     """Tokens it held reserved against its tenant's token limits (None: it held none)."""
     quota_period_s: int | None = None
+    alias: str = ""
+    """The alias the client named ('' when it named a model): `model` is then the target it drew."""
 
     @property
     def outcome(self) -> str | None:
@@ -174,4 +176,5 @@ def read(entry: al.HTTPAccessLogEntry, workers_by_address: Mapping[str, str]) ->
         chunks=_int(seen.get("chunks")) or 0, stream=stream, prompt_hash=_str(facts.get(obs.PROMPT_HASH)),
         first_ids=_ids(facts.get(obs.FIRST_IDS)),
         routed_prompt_tokens=_int(facts.get(obs.PROMPT_TOKENS)), tenant=_str(facts.get(obs.TENANT)),
-        reserved_tokens=_int(facts.get(obs.RESERVED)), quota_period_s=_int(facts.get(obs.QUOTA_PERIOD)))
+        reserved_tokens=_int(facts.get(obs.RESERVED)), quota_period_s=_int(facts.get(obs.QUOTA_PERIOD)),
+        alias=_str(facts.get(obs.ALIAS)))

@@ -78,6 +78,8 @@ def log_line(o: Observation) -> bytes:
     }
     if o.prefill:
         doc["prefill_worker"] = o.prefill
+    if o.alias:
+        doc["alias"] = o.alias
     # The shape of every Cortex JSON log line (ts, level, logger, process, msg, fields): cortex/logs.py.
     return logs.json_line("request", logger="cortex.request", process=logs.process_name("observe"), ts=o.start_s,
                           **doc).encode() + b"\n"
@@ -91,7 +93,8 @@ class Observer:
         """Where requests that reserved tokens are settled (None: not settled here)."""
         self.by_address = worker_addresses(cfg)
         self.labels = metrics.Labels()
-        metrics.prime([m.name for m in cfg.models], [w.id for w in cfg.workers], self.labels)
+        metrics.prime([m.name for m in cfg.models], [w.id for w in cfg.workers], self.labels,
+                      [(a.name, t.model) for a in cfg.aliases for t in a.targets])
         self.recent = Recent()
         self.out = out if out is not None else sys.stdout.buffer
         self.clock = clock

@@ -147,3 +147,34 @@ def test_what_cortex_asks_the_engine_for_a_streams_usage(stream: bool, body: dic
                                                           sent: dict[str, Any] | None) -> None:
     from extproc.server import usage_options
     assert usage_options(stream, body) == sent
+
+
+def test_the_alias_a_request_named_labels_its_per_target_series() -> None:
+    from prometheus_client import REGISTRY
+
+    from observe import metrics
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    plain = read(entry(facts=ROUTED, seen=SEEN), {})
+    assert plain.alias == ""
+    named = read(entry(facts={**ROUTED, obs.ALIAS: "chat", obs.MODEL: "m-canary"}, seen=SEEN, status=503,
+                       details="upstream_reset_before_response_started"), {})
+    assert (named.alias, named.model) == ("chat", "m-canary")
+    labels = metrics.Labels()
+    before = {k: sample(f"cortex_alias_{k}", alias="chat", model="m-canary", **extra) for k, extra in
+              (("requests_total", {"code": "503"}), ("ttft_seconds_count", {}))}
+    untouched = sample("cortex_alias_requests_total", alias="", model="m", code="200")
+    metrics.record(named, labels)
+    metrics.record(plain, labels)
+    assert sample("cortex_alias_requests_total", alias="chat", model="m-canary", code="503") == \
+        before["requests_total"] + 1
+    assert sample("cortex_alias_ttft_seconds_count", alias="chat", model="m-canary") == \
+        before["ttft_seconds_count"] + 1
+    assert sample("cortex_alias_request_errors_total", alias="chat", model="m-canary", cause=named.cause) >= 1
+    # A request that named a model directly has no alias series.
+    assert sample("cortex_alias_requests_total", alias="", model="m", code="200") == untouched == 0.0
+    # Bounded: past MAX_ALIASES distinct names, `other`.
+    assert all(labels.alias(f"a{i}") == f"a{i}" for i in range(metrics.MAX_ALIASES - 1))
+    assert labels.alias("one-too-many") == "other"

@@ -8,6 +8,9 @@ every policy in extproc/policies, on candidates built the one way production bui
   * ties are broken at random (seeded), not by a fixed order;
   * stable under hysteresis: between the watermarks the decision does not flip with the load;
   * deterministic given a seed.
+Every invariant but the random tie-break also holds for a request that names a session (`sess`: the session's
+worker is a tie-breaker and stickiness inside them, extproc/policies/session.py; its own vectors are in
+tests/test_session_affinity.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pytest
 from cortex.config import SchedulerConfig
 from extproc import candidates
 from extproc.cluster_view import TargetInfo
-from extproc.policies import CacheAware, LoadAware, Policies, Policy, PowerOfTwo, RoundRobin, Transparent
+from extproc.policies import CacheAware, LoadAware, Policies, Policy, PowerOfTwo, RoundRobin, Transparent, session
 from extproc.policies.base import EXACT, Decision, Facts, still_hot
 from extproc.predictions import Predictions
 
@@ -39,6 +42,11 @@ def make(request: pytest.FixtureRequest) -> Callable[[], Policy]:
     return POLICIES[request.param]
 
 
+@pytest.fixture(params=[None, "conv-7"], ids=["no_session", "session"])
+def sess(request: pytest.FixtureRequest) -> int | None:
+    return None if request.param is None else session.key_hash(request.param)
+
+
 def target(i: int, *, load: float | None = 0.0, exact_kv: bool = True, healthy: bool = True,
            suspect: bool = False) -> TargetInfo:
     return TargetInfo(id=f"w{i}", worker=f"w{i}", rank=None, slot=i, model="m", engine="vllm",
@@ -48,7 +56,7 @@ def target(i: int, *, load: float | None = 0.0, exact_kv: bool = True, healthy: 
 
 def decide(policy: Policy, targets: Sequence[TargetInfo], held: dict[int, int], seed: int, *,
            hysteresis: candidates.Hysteresis | None = None, inflight: Sequence[int] | None = None,
-           predictions: Predictions | None = None) -> Decision:
+           predictions: Predictions | None = None, sess: int | None = None) -> Decision:
     """The production path: targets + the ledger's answer -> candidates -> facts -> the policy."""
     n = max(t.slot for t in targets) + 1
     matches = np.zeros(n, dtype=np.int64)
@@ -58,7 +66,7 @@ def decide(policy: Policy, targets: Sequence[TargetInfo], held: dict[int, int], 
                              inflight=np.array(inflight if inflight is not None else [0] * n),
                              alive=True, predictions=predictions or Predictions(), scoring=S,
                              hysteresis=hysteresis or candidates.Hysteresis())
-    facts = Facts(BS, True, candidates.why_not_exact("no_cached_prefix", targets, matches, cands), S, None)
+    facts = Facts(BS, True, candidates.why_not_exact("no_cached_prefix", targets, matches, cands), S, None, sess)
     return policy.decide(cands, facts, random.Random(seed))
 
 
@@ -76,35 +84,36 @@ def random_fleet(rng: random.Random) -> tuple[list[TargetInfo], dict[int, int]]:
     return targets, held
 
 
-def test_never_picks_an_unhealthy_worker_nor_a_suspect_one_first(make: Callable[[], Policy]) -> None:
+def test_never_picks_an_unhealthy_worker_nor_a_suspect_one_first(make: Callable[[], Policy],
+                                                                 sess: int | None) -> None:
     rng = random.Random(1)
     for seed in range(300):
         targets, held = random_fleet(rng)
-        d = decide(make(), targets, held, seed)
+        d = decide(make(), targets, held, seed, sess=sess)
         healthy = {t.id for t in targets if t.healthy}
         assert {c.id for c in d.order} == healthy  # every healthy worker, as a retry target, and no other
         if any(t.healthy and not t.suspect for t in targets):
             assert not d.chosen.suspect
 
 
-def test_an_untrusted_claim_changes_nothing(make: Callable[[], Policy]) -> None:
+def test_an_untrusted_claim_changes_nothing(make: Callable[[], Policy], sess: int | None) -> None:
     # w0's ledger is not trusted and claims the whole prompt, on a worker one request busier than the rest.
     targets = [target(0, load=1.0, exact_kv=False), target(1), target(2)]
     for seed in range(50):
-        claimed = decide(make(), targets, {0: 200}, seed)
-        blind = decide(make(), targets, {}, seed)
+        claimed = decide(make(), targets, {0: 200}, seed, sess=sess)
+        blind = decide(make(), targets, {}, seed, sess=sess)
         assert [c.id for c in claimed.order] == [c.id for c in blind.order]
         assert claimed.hit_tokens == 0 and claimed.mode != EXACT
         assert all(not c.ledger_trusted and c.matched_blocks == 0 for c in claimed.order if c.id == "w0")
 
 
-def test_never_claims_a_hit_it_cannot_prove(make: Callable[[], Policy]) -> None:
+def test_never_claims_a_hit_it_cannot_prove(make: Callable[[], Policy], sess: int | None) -> None:
     rng = random.Random(2)
     for seed in range(300):
         targets, held = random_fleet(rng)
         predictions = Predictions()
         predictions.record(rng.randrange(len(targets)), KEYS[: rng.choice([0, 50, 200])])
-        d = decide(make(), targets, held, seed, predictions=predictions)
+        d = decide(make(), targets, held, seed, predictions=predictions, sess=sess)
         chosen = d.chosen
         if d.hit_tokens:
             assert d.mode == EXACT and chosen.ledger_trusted
@@ -122,7 +131,7 @@ def test_ties_are_broken_at_random(make: Callable[[], Policy]) -> None:
     assert picks == [decide(make(), targets, {}, seed).chosen.id for seed in range(64)]  # seeded, not a counter
 
 
-def test_stable_under_hysteresis(make: Callable[[], Policy]) -> None:
+def test_stable_under_hysteresis(make: Callable[[], Policy], sess: int | None) -> None:
     """w0 holds the prompt; its load climbs through the high watermark and falls back through the low one. The hot
     flag follows the watermarks, and the decision changes only where the flag flips, never inside the band."""
     hysteresis = candidates.Hysteresis()
@@ -131,7 +140,7 @@ def test_stable_under_hysteresis(make: Callable[[], Policy]) -> None:
     was = False
     for load in loads:
         targets = [target(0, load=load), target(1, load=0.0), target(2, load=0.0)]
-        d = decide(make(), targets, {0: 1250}, 5, hysteresis=hysteresis)
+        d = decide(make(), targets, {0: 1250}, 5, hysteresis=hysteresis, sess=sess)
         was = still_hot(was, load, S)
         hot.append(was)
         chosen.append(d.chosen.id)
@@ -150,17 +159,17 @@ def test_cache_aware_follows_the_holder_only_while_it_is_cool() -> None:
     assert picks == [True, False, False, True, True]
 
 
-def test_deterministic_given_a_seed(make: Callable[[], Policy]) -> None:
+def test_deterministic_given_a_seed(make: Callable[[], Policy], sess: int | None) -> None:
     fleets = [random_fleet(random.Random(i)) for i in range(100)]
 
     def stream(seed: int) -> list[tuple[object, ...]]:
         policy, hysteresis = make(), candidates.Hysteresis()
         rng = random.Random(seed)
         return [summary(decide(policy, t, h, rng.randrange(2**32), hysteresis=hysteresis,
-                               inflight=[rng.randrange(3) for _ in t])) for t, h in fleets]
+                               inflight=[rng.randrange(3) for _ in t], sess=sess)) for t, h in fleets]
 
     assert stream(11) == stream(11)
-    assert stream(11) != stream(12)
+    assert stream(11) != stream(12)  # the retry order behind a session's worker is still the policy's own
 
 
 def test_select_picks_the_step_of_the_chain_from_what_is_known() -> None:

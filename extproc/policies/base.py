@@ -93,6 +93,8 @@ class Facts:
     scoring: SchedulerConfig = DEFAULT_SCORING
     home: int | None = None
     """The prompt's first block key: its rendezvous home among equally loaded workers (None: no home)."""
+    session: int | None = None
+    """The session key's hash (session.key_hash): the request stays on the session's worker (session.py)."""
 
 
 class Policy(Protocol):

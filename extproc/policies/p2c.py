@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from extproc.policies import session
 from extproc.policies.base import P2C, Candidate, Decision, Facts, by_activity, matched_of
 
 
@@ -34,4 +35,5 @@ class PowerOfTwo:
         lead = pick(tier, rng, matched)
         ranked = {id(c) for c in lead.order}
         rest = by_activity(c for c in cands if id(c) not in ranked)
-        return lead if not rest else Decision((*lead.order, *rest), lead.mode, lead.reason, 0, matched)
+        d = lead if not rest else Decision((*lead.order, *rest), lead.mode, lead.reason, 0, matched)
+        return session.stick(d, cands, facts)

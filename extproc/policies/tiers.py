@@ -7,6 +7,8 @@
      in-flight requests first. Only when no candidate of the tier has a known load does power of two choices
      decide (p2c.py, reason `load_unknown`);
   3. the other tier follows, known load before unknown, least active first, as retry targets only.
+Then session affinity (session.py), when the request names a session: its worker first unless a proven larger
+hit elsewhere decides.
 So an unknown or failing worker can be a retry target but never takes a first attempt, nor a hit, from a worker
 that is known to be up.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
-from extproc.policies import p2c
+from extproc.policies import p2c, session
 from extproc.policies.base import Candidate, Decision, Facts, by_activity, matched_of
 
 Lead = Callable[[Sequence[Candidate], Facts, int, random.Random, dict[str, int]], Decision]
@@ -33,6 +35,6 @@ def tiered(cands: Sequence[Candidate], facts: Facts, turn: int, rng: random.Rand
     first = lead(known, facts, turn, rng, matched) if known else p2c.pick(tier, rng, matched)
     ranked = {id(c) for c in first.order}
     rest = by_activity(c for c in cands if id(c) not in ranked)
-    if not rest:
-        return first
-    return Decision((*first.order, *rest), first.mode, first.reason, first.hit_tokens, matched)
+    if rest:
+        first = Decision((*first.order, *rest), first.mode, first.reason, first.hit_tokens, matched)
+    return session.stick(first, cands, facts)

@@ -2,7 +2,8 @@
 
 Cortex forwards by load alone: it makes no KV or PD decision and never claims a hit, but still observes
 (ledger, metrics, headers). extproc/prepare.py therefore only counts such a prompt's tokens (no keys, no
-lookup, no PD pools), and the reason is always `transparent_proxy`.
+lookup, no PD pools), and the reason is always `transparent_proxy`. No session affinity either: placement is the
+other scheduler's.
 """
 
 from __future__ import annotations
@@ -22,5 +23,6 @@ class Transparent:
     name = "transparent"
 
     def decide(self, cands: Sequence[Candidate], facts: Facts, rng: random.Random) -> Decision:
-        plain = replace(facts, ledger_usable=False, why_not_exact=REASON, home=None)
+        plain = replace(facts, ledger_usable=False, why_not_exact=REASON, home=None,
+                        session=None)
         return tiered(cands, plain, rng.getrandbits(32), rng, least_loaded)
