@@ -29,6 +29,7 @@ import ipaddress
 import logging
 import os
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -217,16 +218,19 @@ class PoolWatch:
                 log.error("%s", exc)
                 return
         delay = 1.0
+        listed_at = 0.0
         while True:
             try:
                 version = await self._list()
-                delay = 1.0
+                listed_at, delay = time.monotonic(), 1.0
                 while True:
                     version = await self._watch(version)
                     if self.pool.inference_pool and await self._pool_changed():
                         break  # a new selector or port: list again
             except Gone:
                 log.info("%s: watch expired (410), listing again", self.name)
+                if time.monotonic() - listed_at < 1.0:
+                    await asyncio.sleep(1.0)  # a server that expires every fresh list must not spin us
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the API server may fail in any way: keep the fleet, retry
