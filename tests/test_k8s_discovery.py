@@ -90,6 +90,9 @@ def test_several_target_ports_are_one_worker_each_publishing_on_kv_port_plus_ran
 def test_ipv6_pod_without_kv_events_is_a_worker() -> None:
     (w,), _ = kd.pod_workers(pod("v6", "fd00::5"), pool(), [8000])
     assert w.url == "http://[fd00::5]:8000" and w.address() == "[fd00::5]:8000"
+    # kv_events endpoints take IPv4 or a name: with KV ports an IPv6 pod is skipped, saying why.
+    workers, reason = kd.pod_workers(pod("v6", "fd00::5"), pool(kv_events_port=5557), [8000])
+    assert workers == [] and "kv_events" in reason
 
 
 def test_changes_replace_changed_workers_and_leave_the_rest() -> None:
