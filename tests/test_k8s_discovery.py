@@ -408,3 +408,36 @@ def test_a_worker_hostname_is_resolved_again_and_moves(tmp_path: Path, monkeypat
             await ingest.stop()
 
     asyncio.run(main())
+
+
+def test_a_config_reload_that_edits_the_pools_starts_them_afresh(tmp_path: Path) -> None:
+    from ingest.service import Ingest
+
+    with FakeKube() as fake:
+        fake.put(pod("pod-a", "10.9.0.1"))
+        fake.put(pod("pod-b", "10.9.0.2", labels={"app": "other"}))
+
+        def cfg_for(app: str | None) -> Any:
+            pools = [] if app is None else [{"namespace": "ns", "api_server": fake.url, "target_port": 8000,
+                                             "selector": {"app": app}, "model": TOKENIZER_MODEL,
+                                             "token_file": str(tmp_path / "none")}]
+            return ingest_cfg(tmp_path, discovery={"kubernetes": pools})
+
+        async def main() -> None:
+            ingest = Ingest(cfg_for("sim"))
+            await ingest.start()
+            try:
+                await until(lambda: set(ingest.workers) == {"pod-a"}, "pod-a")
+                kept = ingest.workers["pod-a"]
+                await ingest._apply_config(cfg_for("sim"), ingest._probes)  # no discovery change: left alone
+                assert ingest.workers["pod-a"] is kept
+                await ingest._apply_config(cfg_for("other"), ingest._probes)
+                await until(lambda: set(ingest.workers) == {"pod-b"}, "the new selector's pod only")
+                await ingest._apply_config(cfg_for(None), ingest._probes)
+                assert ingest.workers == {} and "10.9.0.2" not in eds(ingest.cfg)
+                await asyncio.sleep(0.3)
+                assert ingest.workers == {}  # no watch left behind
+            finally:
+                await ingest.stop()
+
+        asyncio.run(main())
