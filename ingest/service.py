@@ -230,7 +230,7 @@ class Ingest:
     def _start_discovery(self) -> None:
         assert self._session is not None
         for i, pool in enumerate(self.cfg.discovery.kubernetes):
-            watch = k8s_discovery.PoolWatch(pool, self._session, partial(self._apply_pool, i))
+            watch = k8s_discovery.PoolWatch(pool, self._session, partial(self._apply_pool_whole, i))
             self._pool_tasks.append(asyncio.create_task(timed("config", watch.run()), name=f"k8s-{i}"))
 
     async def _stop_discovery(self) -> None:
@@ -241,9 +241,15 @@ class Ingest:
         async with self._membership:
             for applied in self._discovered.values():
                 for wid in applied:
-                    if wid in self.workers:
+                    current = self.workers.get(wid)
+                    if current is not None and current.source == membership.K8S:
                         await self.remove_worker(wid, persist=False)
             self._discovered.clear()
+
+    async def _apply_pool_whole(self, index: int, desired: dict[str, WorkerConfig]) -> None:
+        # A watch cancelled (config reload) mid-change must not leave a worker half removed: the change
+        # finishes, and _stop_discovery, which waits for the lock, then removes what it added.
+        await asyncio.shield(self._apply_pool(index, desired))
 
     async def _apply_pool(self, index: int, desired: dict[str, WorkerConfig]) -> None:
         """A pool's workers as its pods are now: removed and added through the admin API's membership path
