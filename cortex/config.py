@@ -370,7 +370,9 @@ class WorkerConfig(_Strict):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._:-]+$")
     """Name used in headers, metrics and /cortex/workers."""
     url: str
-    """http://HOST:PORT of its OpenAI API. Hostnames are resolved once at start."""
+    """http://HOST:PORT of its OpenAI API. A hostname is resolved at start and again every
+    `ingest.health_interval_s`: once the address in use is no longer among the answers, the worker moves to the
+    first one (its ledger starts over; docs/deployment.md, "Worker DNS names")."""
     model: str
     """Name of the model (from `models`) it serves."""
     engine: Engine = engines.DEFAULT_ENGINE
@@ -412,13 +414,68 @@ class WorkerConfig(_Strict):
         return parts.hostname, parts.port
 
     def address(self) -> str:
-        """ip:port as Envoy's override_host compares it (hostnames resolved once, off the hot path)."""
+        """ip:port as Envoy's override_host compares it (resolved off the hot path: at start, then by ingest's
+        re-resolution, ingest/membership.py address_moved)."""
         host, port = self.host_port
         try:
             ip = str(ipaddress.ip_address(host))
         except ValueError:
             ip = str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
         return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+class KubernetesPool(_Strict):
+    """Workers discovered from Kubernetes: the Running and Ready pods a label selector (or an InferencePool)
+    picks, kept current by a watch (docs/deployment.md, "Workers from Kubernetes")."""
+
+    namespace: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """Namespace of the pods (and the InferencePool). None: the namespace Cortex's own pod runs in (its service
+    account's `namespace` file), else `default`."""
+    selector: dict[str, str] = Field(default_factory=dict)
+    """Pod labels that must all match (matchLabels). Give this or `inference_pool`."""
+    inference_pool: str | None = None
+    """Name of an InferencePool (inference.networking.k8s.io/v1) whose spec.selector.matchLabels and
+    spec.targetPorts pick the pods instead (re-read at every watch renewal, at least once a minute)."""
+    target_port: Port | None = None
+    """The pods' OpenAI API port (required with `selector`; an InferencePool names its own)."""
+    model: str
+    """The configured model the pods serve."""
+    engine: Engine = engines.DEFAULT_ENGINE
+    """Must match the model's engine."""
+    kv_events_port: Port | None = None
+    """The pods' KV-event PUB port when a pod has no `cortex.io/kv-events-port` annotation. None: such pods are
+    routed by load."""
+    kv_replay_port: Port | None = None
+    """The pods' replay port when a pod has no `cortex.io/kv-replay-port` annotation (None: no replay)."""
+    api_server: str | None = None
+    """Kubernetes API server URL. None: in-cluster (https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT).
+    Plain http only to a loopback address (`kubectl proxy`)."""
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    """Bearer token, re-read for every request (projected tokens rotate); a missing file sends none."""
+    ca_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    """CA bundle that signs the API server's certificate (a missing file: the system's CAs)."""
+
+    @model_validator(mode="after")
+    def _source(self) -> KubernetesPool:
+        if bool(self.selector) == (self.inference_pool is not None):
+            raise ValueError("give exactly one of `selector` (pod labels) and `inference_pool`")
+        if self.selector and self.target_port is None:
+            raise ValueError("`selector` needs `target_port` (the pods' OpenAI API port)")
+        if self.api_server is not None:
+            parts = urlsplit(self.api_server)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("api_server must look like https://HOST[:PORT]")
+            if parts.scheme == "http" and parts.hostname not in ("localhost", "127.0.0.1", "::1"):
+                raise ValueError("api_server: plain http is only allowed to a loopback address (the service "
+                                 "account token would cross the network in the clear)")
+        return self
+
+
+class DiscoveryConfig(_Strict):
+    """Workers found at run time instead of listed in `workers`."""
+
+    kubernetes: list[KubernetesPool] = Field(default_factory=list)
+    """Pod pools watched through the Kubernetes API, each serving one model."""
 
 
 class TenantLimits(_Strict):
@@ -583,6 +640,7 @@ class CortexConfig(_Strict):
     """Public names mapped to weighted models; listed by /v1/models beside the models."""
     workers: list[WorkerConfig] = Field(default_factory=list)
     """Workers known at start."""
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> CortexConfig:
@@ -640,6 +698,12 @@ class CortexConfig(_Strict):
         if self.auth.required and not keys and self.auth.tenant_header is None:
             raise ValueError("auth.required: no tenant has an API key and no auth.tenant_header is set, so every "
                              "request would be refused")
+        for i, pool in enumerate(self.discovery.kubernetes):
+            if pool.model not in by_name:
+                raise ValueError(f"discovery.kubernetes[{i}].model: {pool.model!r} is not one of the models {names}")
+            if by_name[pool.model].engine != pool.engine:
+                raise ValueError(f"discovery.kubernetes[{i}].engine: {pool.engine!r} but model {pool.model!r} is "
+                                 f"served by {by_name[pool.model].engine!r}")
         targets = sum(w.dp_size for w in self.workers)
         if targets > self.ingest.max_workers:
             raise ValueError(f"workers: {targets} routing targets (workers x dp ranks) but ingest.max_workers is "
@@ -752,4 +816,5 @@ def reference_markdown() -> str:
     section("aliases[]", AliasConfig, "")
     section("aliases[].targets[]", AliasTarget, "")
     section("tenants[]", TenantConfig, "")
+    section("discovery.kubernetes[]", KubernetesPool, "")
     return "\n".join(lines)

@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 LOOPS = ("events", "load", "health", "heartbeat", "parity", "config")
 """events: the KV-event sources (receive, decode, ledger, view; replays and tail checks). load: the load polls
 (request, parse, apply, cadence). health: the health probes. heartbeat: the view stamp and the target list's
-publication. parity: tokenizer parity checks. config: the config file watch."""
+publication. parity: tokenizer parity checks. config: the config file watch, the Kubernetes pod watches
+(ingest/k8s_discovery.py) and the workers' hostnames resolved again."""
 
 SECONDS: dict[str, float] = dict.fromkeys(LOOPS, 0.0)
 """CPU seconds per loop since the process started (one ingest per process: a module-level counter)."""

@@ -1,11 +1,12 @@
 """Membership: which workers ingest runs, from the config file, the admin API and what was persisted; and
 Envoy's pools, which must always list the same workers.
 
-Workers come from the config and from the admin API. API changes are kept in `<runtime_dir>/workers.json`
-(`{"added": [worker configs], "removed": [config worker ids]}`), so a restarted ingest (the supervisor
-restarts it) comes back with the same fleet; `cortex run --reset-workers` forgets them. Every membership
-change also rewrites Envoy's EDS files (cortex.envoy_config.write_xds). The rules are pure functions here;
-ingest/service.py runs them (it owns the running workers, their tasks and the ledger view).
+Workers come from the config, the admin API and Kubernetes discovery (ingest/k8s_discovery.py). API changes are
+kept in `<runtime_dir>/workers.json` (`{"added": [worker configs], "removed": [config worker ids]}`), so a
+restarted ingest (the supervisor restarts it) comes back with the same fleet; `cortex run --reset-workers`
+forgets them. Every membership change also rewrites Envoy's EDS files (cortex.envoy_config.write_xds). The rules
+are pure functions here; ingest/service.py runs them (it owns the running workers, their tasks and the ledger
+view).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from ingest.workers import Worker
 
 log = logging.getLogger("cortex.ingest")
 
-CONFIG, API = "config", "api"
-"""Where a worker came from (Worker.source)."""
+CONFIG, API, K8S = "config", "api", "k8s"
+"""Where a worker came from (Worker.source). Discovered workers are never persisted: a restarted ingest lists
+the pods again."""
 
 
 class MembershipError(ValueError):
@@ -71,8 +73,33 @@ def save(path: Path, cfg: CortexConfig, workers: Iterable[Worker]) -> None:
 
 
 def sync_envoy(cfg: CortexConfig, workers: Iterable[Worker]) -> None:
-    """Envoy's pools (EDS files) from the running workers."""
-    write_xds(cfg, [w.cfg for w in workers])
+    """Envoy's pools (EDS files) from the running workers, at the address each one is routed to (a hostname
+    resolved again here could answer another address than the one extproc names)."""
+    write_xds(cfg, [w.cfg if w.cfg.url.endswith(f"//{w.address}") else
+                    w.cfg.model_copy(update={"url": f"http://{w.address}"}) for w in workers])
+
+
+def check_removal(worker: Worker) -> None:
+    """Admin API: a discovered worker follows its pod; removing it here would last until the pod changes."""
+    if worker.source == K8S:
+        raise MembershipError(409, f"worker {worker.id!r} is discovered from Kubernetes: delete or relabel its "
+                                   "pod (or change discovery.kubernetes) instead")
+
+
+def address_moved(current: str, resolved: Iterable[str]) -> str | None:
+    """A worker named by a hostname, after resolving it again: the address to move to, or None to stay.
+    It stays while the address in use is still among the answers (round-robin DNS reorders them; moving
+    would drop the ledger for nothing) and when there is no answer (a DNS failure must not move or drop a
+    worker); otherwise it moves to the first answer."""
+    answers = list(dict.fromkeys(resolved))
+    if not answers or current in answers:
+        return None
+    return answers[0]
+
+
+def format_address(ip: str, port: int) -> str:
+    """ip:port as WorkerConfig.address writes it."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 def check_addition(cfg: CortexConfig, wcfg: WorkerConfig, running: Mapping[str, Worker]) -> None:

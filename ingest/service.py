@@ -8,15 +8,18 @@ ingest dies.
 Who does what: ingest/membership.py decides which workers run (config, admin API, persistence, Envoy's
 pools); ingest/probes.py reads health, load and tokenizer parity and ingest/workers.py applies the readings;
 ingest/source.py follows one target's event stream into its ledger. This module schedules them: per worker a
-health task and a load task, one tokenizer parity loop, the heartbeat/publication loop and the config loop.
+health task and a load task, one tokenizer parity loop, the heartbeat/publication loop and the config loop;
+one watch per Kubernetes pool (ingest/k8s_discovery.py) and the re-resolution of worker hostnames.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
+import socket
 import time
 from functools import partial
 from pathlib import Path
@@ -32,7 +35,7 @@ from cortex.contract import ClusterMeta, encode_meta, target_id
 from cortex.inflight import InflightBoard
 from cortex.ledger_view import ViewWriter
 from cortex.model_bundle import ModelBundle
-from ingest import membership, silence, tokenizer_parity
+from ingest import k8s_discovery, membership, silence, tokenizer_parity
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
 from ingest.loop_cpu import timed
@@ -78,6 +81,11 @@ class Ingest:
         # routes to is polled at the active cadence from the first request on.
         self._board = InflightBoard(cfg.runtime_path() / "inflight", None, cfg.extproc.process_count(),
                                     cfg.ingest.max_workers)
+        self._membership = asyncio.Lock()
+        """Held by the changes that await (discovery, re-resolution), so two never interleave."""
+        self._pool_tasks: list[asyncio.Task[None]] = []
+        self._discovered: dict[int, dict[str, WorkerConfig]] = {}
+        """Per discovery.kubernetes pool: the workers it added (their configs as added)."""
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -89,10 +97,12 @@ class Ingest:
         self.publish_meta()
         self._background = [asyncio.create_task(timed("heartbeat", self._heartbeat_loop())),
                             asyncio.create_task(timed("parity", self._token_parity_loop())),
-                            asyncio.create_task(timed("config", self._config_loop()))]
+                            asyncio.create_task(timed("config", self._config_loop())),
+                            asyncio.create_task(timed("config", self._resolve_loop()))]
+        self._start_discovery()
 
     async def stop(self) -> None:
-        for task in [*self._background, *self._sources.values(),
+        for task in [*self._background, *self._pool_tasks, *self._sources.values(),
                      *(t for ts in self._probe_tasks.values() for t in ts), *self._parity_tasks.values()]:
             await cancel_quietly(task)
         if self._session is not None:
@@ -117,7 +127,10 @@ class Ingest:
 
     async def _apply_config(self, cfg: CortexConfig, probes: dict[str, list[Any]]) -> None:
         remove, add = membership.config_change(self.cfg, cfg, self.workers)
+        rediscover = cfg.discovery.kubernetes != self.cfg.discovery.kubernetes
         self.cfg, self._probes = cfg, probes
+        if rediscover:
+            await self._stop_discovery()
         for wid in remove:
             await self.remove_worker(wid, persist=False)
         for wcfg in add:
@@ -125,6 +138,8 @@ class Ingest:
         self._save_state()
         self._sync_envoy()
         self._meta_dirty = True
+        if rediscover:
+            self._start_discovery()
         log.info("config reloaded: %d models, %d workers", len(cfg.models), len(self.workers))
 
     def _save_state(self) -> None:
@@ -147,6 +162,8 @@ class Ingest:
         worker = self.workers.get(worker_id)
         if worker is None:
             raise MembershipError(404, f"no worker {worker_id!r}")
+        if persist:
+            membership.check_removal(worker)
         del self.workers[worker_id]
         tasks = self._probe_tasks.pop(worker_id, [])
         parity = self._parity_tasks.pop(worker_id, None)
@@ -173,10 +190,10 @@ class Ingest:
             raise MembershipError(507, f"no free target slot (ingest.max_workers={self.view.max_workers})")
         return free
 
-    def _add(self, wcfg: WorkerConfig, source: str) -> Worker:
+    def _add(self, wcfg: WorkerConfig, source: str, address: str | None = None) -> Worker:
         model = self.cfg.model(wcfg.model)
         assert model is not None  # checked by config validation or add_worker
-        worker = Worker(cfg=wcfg, address=wcfg.address(), source=source,
+        worker = Worker(cfg=wcfg, address=address or wcfg.address(), source=source,
                         parity_policy=self.cfg.ingest.token_parity)
         if wcfg.kv_events is None:
             worker.events_usable, worker.events_reason = False, "no kv_events endpoint configured: routed by load"
@@ -207,6 +224,93 @@ class Ingest:
         self._meta_dirty = True
         log.info("worker %s added (%s, %s, %d target(s))", wcfg.id, wcfg.url, source, len(worker.targets))
         return worker
+
+    # -- workers found at run time: Kubernetes pools, hostnames resolved again -------------------------------
+
+    def _start_discovery(self) -> None:
+        assert self._session is not None
+        for i, pool in enumerate(self.cfg.discovery.kubernetes):
+            watch = k8s_discovery.PoolWatch(pool, self._session, partial(self._apply_pool_whole, i))
+            self._pool_tasks.append(asyncio.create_task(timed("config", watch.run()), name=f"k8s-{i}"))
+
+    async def _stop_discovery(self) -> None:
+        """Stop the pools' watches and remove every worker they added (a changed pool starts afresh)."""
+        for task in self._pool_tasks:
+            await cancel_quietly(task)
+        self._pool_tasks = []
+        async with self._membership:
+            for applied in self._discovered.values():
+                for wid in applied:
+                    current = self.workers.get(wid)
+                    if current is not None and current.source == membership.K8S:
+                        await self.remove_worker(wid, persist=False)
+            self._discovered.clear()
+
+    async def _apply_pool_whole(self, index: int, desired: dict[str, WorkerConfig]) -> None:
+        # A watch cancelled (config reload) mid-change must not leave a worker half removed: the change
+        # finishes, and _stop_discovery, which waits for the lock, then removes what it added.
+        await asyncio.shield(self._apply_pool(index, desired))
+
+    async def _apply_pool(self, index: int, desired: dict[str, WorkerConfig]) -> None:
+        """A pool's workers as its pods are now: removed and added through the admin API's membership path
+        (so a removed worker's ledger is dropped as for an admin removal; an unchanged one is left alone)."""
+        async with self._membership:
+            applied = self._discovered.setdefault(index, {})
+            remove, add = k8s_discovery.changes(applied, desired)
+            for wid in remove:
+                del applied[wid]
+                current = self.workers.get(wid)
+                if current is not None and current.source == membership.K8S:
+                    await self.remove_worker(wid, persist=False)
+            added = 0
+            for wcfg in add:
+                try:
+                    membership.check_addition(self.cfg, wcfg, self.workers)
+                    self._add(wcfg, membership.K8S)
+                except MembershipError as exc:
+                    # Not in `applied`: tried again at the pool's next change.
+                    log.warning("discovered worker %s not added: %s", wcfg.id, exc)
+                    continue
+                applied[wcfg.id] = wcfg
+                added += 1
+            if remove or added:
+                self._sync_envoy()
+                self._meta_dirty = True
+
+    async def _resolve_loop(self) -> None:
+        """Every health interval, resolve the hostnames of the workers named by one again: pods move, and a
+        worker whose address no longer resolves moves to the new one (membership.address_moved)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.cfg.ingest.health_interval_s)
+            for worker in list(self.workers.values()):
+                host, port = worker.cfg.host_port
+                with contextlib.suppress(ValueError):
+                    ipaddress.ip_address(host)
+                    continue
+                try:
+                    async with asyncio.timeout(self.cfg.ingest.health_timeout_s):
+                        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                except (OSError, TimeoutError) as exc:
+                    log.debug("resolving %s for worker %s failed: %s (address kept)", host, worker.id, exc)
+                    continue
+                moved = membership.address_moved(
+                    worker.address, [membership.format_address(str(i[4][0]), port) for i in infos])
+                if moved is not None:
+                    await self._move(worker, moved)
+
+    async def _move(self, worker: Worker, address: str) -> None:
+        """A worker's hostname answers a new address: the same worker config at a new place (a new process
+        behind the name: its ledger starts over, as for a config edit of its url)."""
+        async with self._membership:
+            if self.workers.get(worker.id) is not worker:
+                return  # removed or replaced meanwhile
+            log.info("worker %s: %s now resolves to %s (was %s)", worker.id, worker.cfg.host_port[0], address,
+                     worker.address)
+            await self.remove_worker(worker.id, persist=False)
+            self._add(worker.cfg, worker.source, address)
+            self._sync_envoy()
+            self._meta_dirty = True
 
     @property
     def _meta_dirty(self) -> bool:
