@@ -38,7 +38,7 @@ from cortex.config_watch import ConfigWatcher
 from cortex.envoy_config import ANY_CLUSTER, pool_cluster
 from cortex.errors import ClientError
 from cortex.piecewise_tokenize import SegmentEncoder
-from extproc import metrics
+from extproc import isolation, metrics
 from extproc.cluster_view import ClusterView
 from extproc.pd import PdPlan
 from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
@@ -269,6 +269,7 @@ class ExtProc:
             if explain:
                 return self._explain(st, body)
             parsed = parse_body(kind, body)  # type: ignore[arg-type]
+            salted = isolation.isolate(parsed, st.tenant)  # before routing: Cortex's keys follow the salt
             result = self.router.route(parsed)
         except ClientError as exc:
             return self._error(exc)
@@ -278,7 +279,7 @@ class ExtProc:
             st.fallback_reason = "extproc_error"
             return _EMPTY_BODY
         metrics.observe_decision(result, time.perf_counter() - t0, self.cluster.block_size)
-        changes = result.changes
+        changes = {**result.changes, **salted}  # every worker gets the salt: single, both PD legs, the fallback
         plan = result.pd
         if plan is not None and plan.pair is not None:
             return PendingPair(result, plan, parsed.body or {}, body, changes, plan.cfg.start_budget_s(plan.engine))
@@ -398,8 +399,7 @@ class ExtProc:
         headers += [_set(H.MATCH_MODE, mode), _set(H.ROUTE_REASON, reason)]
         if st.pd_note:
             headers.append(_set(H.PD, st.pd_note))
-        response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
+        response = _headers_answer(st, req, headers)
         _observe_claim(response, headers)
         return response
 
@@ -421,7 +421,7 @@ class ExtProc:
             cfg = st.pd_pending.plan.cfg
             # The watchdog settles the pair by then; one second more covers its scheduling.
             return HoldHeaders(pair.legs.started + cfg.bootstrap_timeout_s + 1.0)
-        return self._pd_pair_headers(st, served)
+        return self._pd_pair_headers(st, req)
 
     def _pd_settled(self, st: StreamState, req: Any) -> pb.ProcessingResponse | DecodeFallback:
         """Held decode headers, once the prefill side is over: a failed pair falls back, a good one streams."""
@@ -430,7 +430,7 @@ class ExtProc:
             fallback = self._pd_fallback(st)
             if fallback is not None:
                 return fallback
-        return self._pd_pair_headers(st, _served(req))
+        return self._pd_pair_headers(st, req)
 
     def _pd_fallback(self, st: StreamState) -> DecodeFallback | None:
         """Seed 000 §2.4: a pair that failed before the first byte falls back to one worker from a cold start. The
@@ -446,9 +446,10 @@ class ExtProc:
         fallback = pending.result.fallback
         return DecodeFallback(why, fallback.without(frozenset(exclude))) if fallback is not None else None
 
-    def _pd_pair_headers(self, st: StreamState, served: str) -> pb.ProcessingResponse:
+    def _pd_pair_headers(self, st: StreamState, req: Any) -> pb.ProcessingResponse:
         pair, prefill = st.pd, st.pd_prefill_decision
         assert pair is not None and prefill is not None and st.decision is not None
+        served = _served(req)
         decode = next((c for c in st.decision.order if c.address == served), pair.decode)
         if decode is not pair.decode:
             self._count(st, decode.slot)
@@ -459,8 +460,7 @@ class ExtProc:
         headers = [_set(H.ASSIGNED_WORKER, f"prefill={pair.legs.prefill.id},decode={decode.id}"),
                    _set(H.CACHE_HIT_TOKENS, str(hit)), _set(H.MATCH_MODE, mode),
                    _set(H.ROUTE_REASON, f"pd:{prefill.reason}"), _set(H.PD, st.pd_note)]
-        response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
+        response = _headers_answer(st, req, headers)
         # The decode worker answers (and reports the usage); the pair's prefill is kept beside it.
         _observe(response, {**_claim_facts(headers), observation.WORKER: decode.id,
                             observation.PREFILL: pair.legs.prefill.id})
@@ -509,22 +509,26 @@ class ExtProc:
             log.info("PD pair prefill=%s failed (%s); served alone on %s", pair.legs.prefill.id, fb.why, cand.id)
             chosen = cand is decision.chosen
             mode = decision.mode if chosen or decision.mode != EXACT else LOAD_AWARE
-            out = [_set(k.lower(), v) for k, v in resp_headers.items() if k.lower() not in _NOT_COPIED]
-            out += [_set(H.ASSIGNED_WORKER, cand.id),
-                    _set(H.CACHE_HIT_TOKENS, str(decision.hit_tokens if chosen else 0)),
-                    _set(H.MATCH_MODE, mode),
-                    _set(H.ROUTE_REASON, decision.reason if chosen else f"retried:{decision.reason}"),
-                    _set(H.PD, st.pd_note)]
+            shown = isolation.sees_routing(st.tenant)
+            hidden = set() if shown else set(isolation.upstream_cortex_headers(k.lower() for k in resp_headers))
+            out = [_set(k.lower(), v) for k, v in resp_headers.items()
+                   if k.lower() not in _NOT_COPIED and k.lower() not in hidden]
+            routing = [_set(H.ASSIGNED_WORKER, cand.id),
+                       _set(H.CACHE_HIT_TOKENS, str(decision.hit_tokens if chosen else 0)),
+                       _set(H.MATCH_MODE, mode),
+                       _set(H.ROUTE_REASON, decision.reason if chosen else f"retried:{decision.reason}"),
+                       _set(H.PD, st.pd_note)]
             response = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
                 status=HttpStatus(code=status),
-                headers=pb.HeaderMutation(set_headers=out), body=body, details="cortex_pd_fallback"))
-            _observe_claim(response, out)
+                headers=pb.HeaderMutation(set_headers=out + routing if shown else out), body=body,
+                details="cortex_pd_fallback"))
+            _observe_claim(response, routing)
             return response
         log.warning("PD pair prefill=%s failed (%s) and no single worker answered; the pair's error stands",
                     pair.legs.prefill.id, fb.why)
         st.pd_note = f"fallback_failed:{fb.why}"
         metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
-        return self._pd_pair_headers(st, _served(req))
+        return self._pd_pair_headers(st, req)
 
     # -- helpers --------------------------------------------------------------------------------------------
 
@@ -558,12 +562,16 @@ class ExtProc:
         return _immediate(exc.status, exc.body())
 
     def _explain(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+        if not isolation.sees_routing(st.tenant):
+            raise ClientError(403, "Route explain is open only to tenants marked trusted.")
         try:
             raw = orjson.loads(body)
         except orjson.JSONDecodeError:
             raw = None
         kind: Kind = "chat" if isinstance(raw, dict) and "messages" in raw else "completion"
-        result = self.router.route(parse_body(kind, body), commit=False)
+        parsed = parse_body(kind, body)
+        isolation.isolate(parsed, st.tenant)  # the tenant's own view: its salted blocks
+        result = self.router.route(parsed, commit=False)
         d = result.decision
         doc: dict[str, Any] = {
             "prompt_tokens": result.prompt_tokens,
@@ -631,6 +639,18 @@ def _claim_facts(headers: list[HeaderValueOption]) -> dict[str, Any]:
 
 def _observe_claim(response: pb.ProcessingResponse, headers: list[HeaderValueOption]) -> None:
     _observe(response, _claim_facts(headers))
+
+
+def _headers_answer(st: StreamState, req: Any, headers: list[HeaderValueOption]) -> pb.ProcessingResponse:
+    """The response-headers answer: Cortex's routing headers for a tenant that may see them; for any other, none,
+    and none of the x-cortex-* headers the worker sent (the observation still gets the facts from the caller)."""
+    if isolation.sees_routing(st.tenant):
+        mutation = pb.HeaderMutation(set_headers=headers)
+    else:
+        mutation = pb.HeaderMutation(remove_headers=isolation.upstream_cortex_headers(
+            h.key for h in req.response_headers.headers.headers))
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=mutation)))
 
 
 def _served(req: Any) -> str:
