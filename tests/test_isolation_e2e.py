@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from extproc.tenants import digest
-from tests.harness import MODEL, Gateway, cluster, long_chat, wait_for
+from tests.harness import MODEL, Gateway, cluster, long_chat, pd_cluster, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,6 +75,19 @@ def observed(gw: Gateway, rid: str) -> dict[str, Any]:
         doc = httpx.get(f"{gw.observe_url}/cortex/decisions?limit=200", timeout=5).json()
         return next((d for d in doc["decisions"] if d["request_id"] == rid), None)
     return wait_for(find, timeout=20, what=f"the observer's entry for {rid}")
+
+
+def decisions(gw: Gateway) -> list[dict[str, Any]]:
+    return list(httpx.get(f"{gw.observe_url}/cortex/decisions?limit=200", timeout=5).json()["decisions"])
+
+
+def observed_next(gw: Gateway, count: int) -> dict[str, Any]:
+    """The observer's record of the request that makes `count` routed requests (a PD pair's decode leg carries
+    Cortex's own x-request-id, so the client's cannot find it)."""
+    seen = wait_for(lambda: (lambda d: d if len(d) >= count else None)(decisions(gw)), timeout=20,
+                    what=f"{count} observed requests")
+    assert len(seen) == count, seen
+    return seen[0]
 
 
 def assert_claim_is_the_engines(gw: Gateway, claimed: int, cached: int) -> None:
@@ -165,3 +178,58 @@ def test_routing_facts_only_for_trusted_tenants(gw: Gateway) -> None:
     # Without a key, auth is required: 401 before any of it.
     assert httpx.post(f"{gw.url}/cortex/v1/route", json={"model": MODEL, "messages": chat},
                       timeout=10).status_code == 401
+
+
+# -- A PD pair: both legs, and the fallback after a failed pair, carry the tenant's salt --------------------------
+
+VLLM_PD = [
+    ("vp1", "vllm", "prefill", True, ()),
+    # The decoder's own copy of transferred blocks is not in the ledger: only the prefill side proves a hit.
+    ("vd1", "vllm", "decode", False, ("--kv-load-failure-policy", "fail")),
+]
+
+
+@pytest.fixture(scope="module")
+def pd_gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with pd_cluster(tmp_path_factory.mktemp("isolation-pd"), VLLM_PD,
+                    extra_config={"tenants": TENANTS, "auth": {"required": True}}) as g:
+        yield g
+
+
+def test_pd_legs_and_fallback_carry_the_tenants_salt(pd_gw: Gateway) -> None:
+    gw = pd_gw
+    chat = long_chat(400, seed=404)
+    _, h, _ = post(gw, "alice", chat)
+    assert h["x-cortex-pd"] == "pair"
+    # (Route explain shows the single-worker decision, not the pair's: wait for the prefill's events instead.)
+    wait_for(lambda: gw.targets()["vp1"]["cached_blocks"] > 0, what="prefill blocks in the ledger")
+    # The prefill leg stored the prompt under Alice's salt: her keys find it (a claim, proven by the engine).
+    _, h, cached = post(gw, "alice", chat)
+    assert h["x-cortex-pd"] == "pair" and h["x-cortex-assigned-worker"] == "prefill=vp1,decode=vd1"
+    hit = int(h["x-cortex-cache-hit-tokens"])
+    assert 0 < hit <= cached < hit + 16
+    observed_next(gw, 2)  # Alice's two requests
+    _, h, cached = post(gw, "bob", chat)
+    assert cached == 0 and no_routing_headers(h)
+    seen = observed_next(gw, 3)
+    assert seen["claimed_hit_tokens"] == 0 and seen["engine_cached_tokens"] == 0 and seen["worker"] == "vd1"
+    # The decoder refuses the transfer: the fallback serves Erin's request on the prefill worker, which her own
+    # prefill leg just filled. It reuses those blocks only if it carries the same salt as that leg.
+    vp1 = gw.sims[0]
+    httpx.post(f"{vp1.url}/sim/faults", json={"pd_transfer_fail": True}, timeout=5).raise_for_status()
+    try:
+        _, h, cached = post(gw, "erin", chat)
+    finally:
+        httpx.post(f"{vp1.url}/sim/faults", json={"pd_transfer_fail": False}, timeout=5)
+    assert h["x-cortex-pd"] == "fallback:decode_failed" and h["x-cortex-assigned-worker"] == "vp1"
+    assert cached > 0
+    # The untrusted tenant's fallback answer carries no routing header either.
+    httpx.post(f"{vp1.url}/sim/faults", json={"pd_transfer_fail": True}, timeout=5).raise_for_status()
+    try:
+        _, h, cached = post(gw, "dave", chat)
+    finally:
+        httpx.post(f"{vp1.url}/sim/faults", json={"pd_transfer_fail": False}, timeout=5)
+    assert no_routing_headers(h) and cached > 0  # the group's salt: Dave's own prefill leg's blocks
+    seen = observed_next(gw, 5)
+    # The claim facts still reach the observer (an immediate answer's usage is not read there: None).
+    assert seen["worker"] == "vp1" and seen["claimed_hit_tokens"] is not None
