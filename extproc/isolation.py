@@ -45,8 +45,10 @@ import hashlib
 import re
 from collections.abc import Iterable
 
+import orjson
+
 from cortex import headers as H
-from extproc.request import ParsedRequest
+from extproc.request import ParsedRequest, _cache_salt
 from extproc.tenants import Tenant
 
 SALT_MAX = 128
@@ -85,6 +87,27 @@ def isolate(req: ParsedRequest, tenant: Tenant | None) -> dict[str, object]:
         return {}
     req.cache_salt = effective_salt(tenant.salt, req.cache_salt)
     return {"cache_salt": req.cache_salt}
+
+
+def salt_unrouted(raw: bytes, tenant: Tenant | None) -> dict[str, object] | None:
+    """A request body Cortex forwards without routing it (SGLang's /generate, vLLM's /v1/responses or
+    /inference/v1/generate: any path but chat and completions) reaches the same prefix cache, and those engines
+    read `cache_salt` from it too: the body change that salts it like a routed request. None when the tenant is
+    not isolated or the body is not a JSON object (no engine reads a salt from it). A client salt that breaks
+    vLLM's rule is a ClientError(400), as on the routed paths; SGLang's list form (one per prompt of a batch)
+    is salted element by element."""
+    if tenant is None or tenant.salt is None:
+        return None
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    own = doc.get("cache_salt")
+    if isinstance(own, list):
+        return {"cache_salt": [effective_salt(tenant.salt, _cache_salt(s)) for s in own]}
+    return {"cache_salt": effective_salt(tenant.salt, _cache_salt(own))}
 
 
 def sees_routing(tenant: Tenant | None) -> bool:

@@ -263,7 +263,7 @@ class ExtProc:
         explain = st.path == EXPLAIN_PATH
         kind = ROUTED_PATHS.get(st.path)
         if kind is None and not explain:
-            return _EMPTY_BODY
+            return self._unrouted_body(st, body)
         t0 = time.perf_counter()
         try:
             if explain:
@@ -556,6 +556,19 @@ class ExtProc:
         if phase == "request_headers":
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+    def _unrouted_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+        """A body on a path Cortex does not route (SGLang's /generate, ...): salted all the same for an isolated
+        tenant, so no endpoint shares or probes another tenant's cache (extproc/isolation.py)."""
+        try:
+            salted = isolation.salt_unrouted(body, st.tenant)
+        except ClientError as exc:
+            return self._error(exc)
+        if salted is None:
+            return _EMPTY_BODY
+        response = pb.ProcessingResponse(request_body=pb.BodyResponse())
+        self._set_body(response, splice(body, salted))
+        return response
 
     def _error(self, exc: ClientError) -> pb.ProcessingResponse:
         metrics.CLIENT_ERRORS.labels(str(exc.status)).inc()

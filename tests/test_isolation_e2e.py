@@ -123,6 +123,27 @@ def test_a_tenants_prompt_is_never_a_hit_for_another_tenant(gw: Gateway) -> None
     assert_claim_is_the_engines(gw, int(h["x-cortex-cache-hit-tokens"]), cached)
 
 
+def test_unrouted_endpoints_are_salted_too(gw: Gateway) -> None:
+    """SGLang's native /generate is forwarded without routing, and reads cache_salt: it is salted all the same, so
+    it neither shares another tenant's blocks nor lets a client name another tenant's salt."""
+    if gw.sims[0].engine != "sglang":
+        pytest.skip("the simulated vLLM has no generation endpoint besides chat and completions")
+    text = " ".join(m["content"] for m in long_chat(seed=505))
+
+    def generate(who: str, **fields: Any) -> int:
+        r = httpx.post(f"{gw.url}/generate", json={"text": text, "sampling_params": {"max_new_tokens": 2},
+                                                    **fields}, headers=auth(who), timeout=60)
+        assert r.status_code == 200, r.text
+        return int(r.json()["meta_info"]["cached_tokens"])
+
+    assert generate("alice") == 0
+    assert generate("alice") > 0
+    assert generate("erin") == 0
+    assert generate("erin", cache_salt="cortex-tenant-alice") == 0
+    r = httpx.post(f"{gw.url}/generate", json={"text": text, "cache_salt": "a/b"}, headers=auth("erin"), timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
 def test_tenants_of_one_shared_prefix_group_share_hits(gw: Gateway) -> None:
     chat = long_chat(seed=202)
     post(gw, "carol", chat)
