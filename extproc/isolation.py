@@ -47,7 +47,6 @@ from collections.abc import Iterable
 
 import orjson
 
-from cortex import headers as H
 from extproc.request import ParsedRequest, _cache_salt
 from extproc.tenants import Tenant
 
@@ -59,8 +58,6 @@ _TENANT_PART = re.compile(rf"[A-Za-z0-9._-]{{1,{SALT_MAX - 1 - _HASHED}}}")
 CLIENT_SEP = ":"
 HASHED_SEP = "~"
 
-ROUTING_HEADERS = (H.ASSIGNED_WORKER, H.CACHE_HIT_TOKENS, H.MATCH_MODE, H.ROUTE_REASON, H.PD)
-"""The response headers that carry Cortex's routing facts (which worker, how many cached tokens, why)."""
 _PREFIX = "x-cortex-"
 
 
