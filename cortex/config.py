@@ -537,7 +537,7 @@ class AuthConfig(_Strict):
     tenant_header: str | None = Field(None, pattern=r"^[a-z0-9-]+$")
     """A header naming the tenant, set by an authenticating proxy in front of Cortex (lowercase). Off by default:
     only enable it when clients cannot reach Cortex except through that proxy, since any client could set it."""
-    default_tenant: str = "default"
+    default_tenant: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
     """Tenant of unauthenticated traffic when `required` is false; configured like any other, or unlimited."""
 
 

@@ -39,7 +39,7 @@ from cortex.envoy_config import ANY_CLUSTER, pool_cluster
 from cortex.errors import ClientError
 from cortex.piecewise_tokenize import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
-from extproc import metrics
+from extproc import isolation, metrics
 from extproc.admission import Admission, Ticket
 from extproc.cluster_view import ClusterView
 from extproc.pd import PdPlan
@@ -281,16 +281,17 @@ class ExtProc:
         return _EMPTY_HEADERS
 
     def on_request_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse | PendingPair:
-        explain = st.path == EXPLAIN_PATH
+        explain = st.path == EXPLAIN_PATH and self.cfg.extproc.route_explain
         kind = ROUTED_PATHS.get(st.path)
         if kind is None and not explain:
-            return _EMPTY_BODY
+            return self._unrouted_body(st, body)
         t0 = time.perf_counter()
         try:
             if explain:
                 return self._explain(st, body)
             parsed = parse_body(kind, body)  # type: ignore[arg-type]
             parsed.session_key = st.session
+            salted = isolation.isolate(parsed, st.tenant)  # before routing: Cortex's keys follow the salt
             result = self.router.route(parsed)
         except ClientError as exc:
             return self._error(exc)
@@ -306,7 +307,7 @@ class ExtProc:
                                        completion_budget(parsed.body, self.cfg.admission.default_max_tokens))
             except ClientError as exc:
                 return self._error(exc)
-        changes = result.changes
+        changes = {**result.changes, **salted}  # every worker gets the salt: single, both PD legs, the fallback
         plan = result.pd
         if plan is not None and plan.pair is not None:
             return PendingPair(result, plan, parsed.body or {}, body, changes, plan.cfg.start_budget_s(plan.engine))
@@ -427,8 +428,7 @@ class ExtProc:
         headers += [_set(H.MATCH_MODE, mode), _set(H.ROUTE_REASON, reason)]
         if st.pd_note:
             headers.append(_set(H.PD, st.pd_note))
-        response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
+        response = _headers_answer(st, req, headers)
         _observe_claim(response, headers)
         return response
 
@@ -450,7 +450,7 @@ class ExtProc:
             cfg = st.pd_pending.plan.cfg
             # The watchdog settles the pair by then; one second more covers its scheduling.
             return HoldHeaders(pair.legs.started + cfg.bootstrap_timeout_s + 1.0)
-        return self._pd_pair_headers(st, served)
+        return self._pd_pair_headers(st, req)
 
     def _pd_settled(self, st: StreamState, req: Any) -> pb.ProcessingResponse | DecodeFallback:
         """Held decode headers, once the prefill side is over: a failed pair falls back, a good one streams."""
@@ -459,7 +459,7 @@ class ExtProc:
             fallback = self._pd_fallback(st)
             if fallback is not None:
                 return fallback
-        return self._pd_pair_headers(st, _served(req))
+        return self._pd_pair_headers(st, req)
 
     def _pd_fallback(self, st: StreamState) -> DecodeFallback | None:
         """Seed 000 §2.4: a pair that failed before the first byte falls back to one worker from a cold start. The
@@ -475,9 +475,10 @@ class ExtProc:
         fallback = pending.result.fallback
         return DecodeFallback(why, fallback.without(frozenset(exclude))) if fallback is not None else None
 
-    def _pd_pair_headers(self, st: StreamState, served: str) -> pb.ProcessingResponse:
+    def _pd_pair_headers(self, st: StreamState, req: Any) -> pb.ProcessingResponse:
         pair, prefill = st.pd, st.pd_prefill_decision
         assert pair is not None and prefill is not None and st.decision is not None
+        served = _served(req)
         decode = next((c for c in st.decision.order if c.address == served), pair.decode)
         if decode is not pair.decode:
             self._count(st, decode.slot)
@@ -488,8 +489,7 @@ class ExtProc:
         headers = [_set(H.ASSIGNED_WORKER, f"prefill={pair.legs.prefill.id},decode={decode.id}"),
                    _set(H.CACHE_HIT_TOKENS, str(hit)), _set(H.MATCH_MODE, mode),
                    _set(H.ROUTE_REASON, f"pd:{prefill.reason}"), _set(H.PD, st.pd_note)]
-        response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers))))
+        response = _headers_answer(st, req, headers)
         # The decode worker answers (and reports the usage); the pair's prefill is kept beside it.
         _observe(response, {**_claim_facts(headers), observation.WORKER: decode.id,
                             observation.PREFILL: pair.legs.prefill.id})
@@ -538,22 +538,26 @@ class ExtProc:
             log.info("PD pair prefill=%s failed (%s); served alone on %s", pair.legs.prefill.id, fb.why, cand.id)
             chosen = cand is decision.chosen
             mode = decision.mode if chosen or decision.mode != EXACT else LOAD_AWARE
-            out = [_set(k.lower(), v) for k, v in resp_headers.items() if k.lower() not in _NOT_COPIED]
-            out += [_set(H.ASSIGNED_WORKER, cand.id),
-                    _set(H.CACHE_HIT_TOKENS, str(decision.hit_tokens if chosen else 0)),
-                    _set(H.MATCH_MODE, mode),
-                    _set(H.ROUTE_REASON, decision.reason if chosen else f"retried:{decision.reason}"),
-                    _set(H.PD, st.pd_note)]
+            shown = isolation.sees_routing(st.tenant)
+            hidden = set() if shown else set(isolation.upstream_cortex_headers(k.lower() for k in resp_headers))
+            out = [_set(k.lower(), v) for k, v in resp_headers.items()
+                   if k.lower() not in _NOT_COPIED and k.lower() not in hidden]
+            routing = [_set(H.ASSIGNED_WORKER, cand.id),
+                       _set(H.CACHE_HIT_TOKENS, str(decision.hit_tokens if chosen else 0)),
+                       _set(H.MATCH_MODE, mode),
+                       _set(H.ROUTE_REASON, decision.reason if chosen else f"retried:{decision.reason}"),
+                       _set(H.PD, st.pd_note)]
             response = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
                 status=HttpStatus(code=status),
-                headers=pb.HeaderMutation(set_headers=out), body=body, details="cortex_pd_fallback"))
-            _observe_claim(response, out)
+                headers=pb.HeaderMutation(set_headers=out + routing if shown else out), body=body,
+                details="cortex_pd_fallback"))
+            _observe_claim(response, routing)
             return response
         log.warning("PD pair prefill=%s failed (%s) and no single worker answered; the pair's error stands",
                     pair.legs.prefill.id, fb.why)
         st.pd_note = f"fallback_failed:{fb.why}"
         metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
-        return self._pd_pair_headers(st, _served(req))
+        return self._pd_pair_headers(st, req)
 
     # -- helpers --------------------------------------------------------------------------------------------
 
@@ -582,6 +586,19 @@ class ExtProc:
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
 
+    def _unrouted_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+        """A body on a path Cortex does not route (SGLang's /generate, ...): salted all the same for an isolated
+        tenant, so no endpoint shares or probes another tenant's cache (extproc/isolation.py)."""
+        try:
+            salted = isolation.salt_unrouted(body, st.tenant)
+        except ClientError as exc:
+            return self._error(exc)
+        if salted is None:
+            return _EMPTY_BODY
+        response = pb.ProcessingResponse(request_body=pb.BodyResponse())
+        self._set_body(response, splice(body, salted))
+        return response
+
     def _error(self, exc: ClientError) -> pb.ProcessingResponse:
         metrics.CLIENT_ERRORS.labels(str(exc.status)).inc()
         response = _immediate(exc.status, exc.body())
@@ -590,6 +607,8 @@ class ExtProc:
         return response
 
     def _explain(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+        if not isolation.sees_routing(st.tenant):
+            raise ClientError(403, "Route explain is open only to tenants marked trusted.")
         try:
             raw = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -597,6 +616,7 @@ class ExtProc:
         kind: Kind = "chat" if isinstance(raw, dict) and "messages" in raw else "completion"
         parsed = parse_body(kind, body)
         parsed.session_key = st.session
+        isolation.isolate(parsed, st.tenant)  # the tenant's own view: its salted blocks
         result = self.router.route(parsed, commit=False)
         d = result.decision
         doc: dict[str, Any] = {
@@ -694,6 +714,18 @@ def _claim_facts(headers: list[HeaderValueOption]) -> dict[str, Any]:
 
 def _observe_claim(response: pb.ProcessingResponse, headers: list[HeaderValueOption]) -> None:
     _observe(response, _claim_facts(headers))
+
+
+def _headers_answer(st: StreamState, req: Any, headers: list[HeaderValueOption]) -> pb.ProcessingResponse:
+    """The response-headers answer: Cortex's routing headers for a tenant that may see them; for any other, none,
+    and none of the x-cortex-* headers the worker sent (the observation still gets the facts from the caller)."""
+    if isolation.sees_routing(st.tenant):
+        mutation = pb.HeaderMutation(set_headers=headers)
+    else:
+        mutation = pb.HeaderMutation(remove_headers=isolation.upstream_cortex_headers(
+            h.key for h in req.response_headers.headers.headers))
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=mutation)))
 
 
 def _served(req: Any) -> str:
