@@ -230,6 +230,9 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
                 "request_trailer_mode": "SKIP",
                 "response_trailer_mode": "SKIP",
             },
+            # extproc asks for one answer's body (BUFFERED) in its answer to the response headers, only for a
+            # whole answer it checks against the request's JSON schema (extproc/structured_output.py).
+            "allow_mode_override": True,
             "response_attributes": ["upstream.address"],
             # extproc's answers carry its facts about the request (model, worker, claim) as dynamic metadata in
             # this namespace: the observation Lua filter and the access log read them.
