@@ -39,6 +39,7 @@ import json
 import logging
 import signal
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -168,19 +169,24 @@ def _on_alarm(signum: int, frame: Any) -> None:
 
 def bounded(fn: Callable[[], _T], budget_s: float = BUDGET_S) -> _T:
     """fn(), raising _OverBudget past budget_s. `re` checks for signals while it backtracks, so a timer signal
-    stops a runaway pattern; outside the main thread (where signals are not handled) fn runs unbounded."""
+    stops a runaway pattern; outside the main thread (where signals are not handled) fn runs unbounded. A timer
+    and handler already in place (none in extproc; pytest-timeout in tests) are put back afterwards."""
     if threading.current_thread() is not threading.main_thread():
         return fn()
-    if signal.getsignal(signal.SIGALRM) is not _on_alarm:
-        # Installed once and left in place: restoring the default action could let a late timer kill the process.
-        signal.signal(signal.SIGALRM, _on_alarm)
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, budget_s)
+    started = time.monotonic()
     _armed.on = True
-    signal.setitimer(signal.ITIMER_REAL, budget_s)
     try:
         return fn()
     finally:
+        # Disarmed before the timer stops: a signal already on its way is then ignored, not raised out of here.
         _armed.on = False
         signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        if old_delay:
+            left = old_delay - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 0.001), old_interval)
 
 
 def digest(schema: Any) -> str:
@@ -217,6 +223,8 @@ def _describe(error: Any) -> str:
         what = f"must be of type {' or '.join(expected) if isinstance(expected, list) else expected}"
     elif rule in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "minItems", "minLength"):
         what = f"fails the metaschema's '{rule}: {expected}'"
+    elif rule == "anyOf" and error.absolute_path and error.absolute_path[-1] == "type":
+        what = "must be a type name (array, boolean, integer, null, number, object, string) or a list of them"
     elif rule == "enum":
         what = f"must be one of {', '.join(map(str, expected))}"
     elif rule == "format":
