@@ -97,6 +97,8 @@ class Verdict:
     """Why the schema is invalid (never quoting it); None: valid, or unchecked."""
     validator: Any = None
     """The schema's jsonschema validator when it is valid, for the answers."""
+    unchecked: bool = False
+    """The check ran out of its time budget (or stack): the engine judges the schema."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,17 +169,18 @@ def _on_alarm(signum: int, frame: Any) -> None:
         raise _OverBudget
 
 
-def bounded(fn: Callable[[], _T], budget_s: float = BUDGET_S) -> _T:
-    """fn(), raising _OverBudget past budget_s. `re` checks for signals while it backtracks, so a timer signal
-    stops a runaway pattern; outside the main thread (where signals are not handled) fn runs unbounded. A timer
-    and handler already in place (none in extproc; pytest-timeout in tests) are put back afterwards."""
+def bounded(fn: Callable[[], _T], budget_s: float | None = None) -> _T:
+    """fn(), raising _OverBudget past budget_s (default BUDGET_S). `re` checks for signals while it backtracks,
+    so a timer signal stops a runaway pattern; outside the main thread (where signals are not handled) fn runs
+    unbounded. A timer and handler already in place (none in extproc; pytest-timeout in tests) are put back."""
     if threading.current_thread() is not threading.main_thread():
         return fn()
     previous = signal.signal(signal.SIGALRM, _on_alarm)
-    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, budget_s)
+    old_delay, old_interval = 0.0, 0.0
     started = time.monotonic()
-    _armed.on = True
     try:
+        _armed.on = True  # before the timer starts: a budget shorter than this call still counts
+        old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, budget_s or BUDGET_S)
         return fn()
     finally:
         # Disarmed before the timer stops: a signal already on its way is then ignored, not raised out of here.
@@ -272,7 +275,11 @@ class SchemaCache:
             SCHEMA_CACHE.labels("hit").inc()
             return hit
         SCHEMA_CACHE.labels("miss").inc()
-        found = bounded(partial(check_schema, schema, key))
+        try:
+            found = bounded(partial(check_schema, schema, key))
+        except (_OverBudget, RecursionError):
+            # Kept like any verdict: the same oversized schema again costs a lookup, not another budget.
+            found = Verdict(key or digest(schema), None, unchecked=True)
         if self.size:
             self._entries[found.digest] = found
             if len(self._entries) > self.size:
@@ -314,7 +321,9 @@ def check_request(cfg: StructuredOutputConfig, req: ParsedRequest, registry: Any
         cache.resize(cfg.cache_size)
     try:
         verdict = cache.verdict(value)
-    except (_OverBudget, RecursionError):
+    except RecursionError:  # too deep even to digest
+        verdict = Verdict("", None, unchecked=True)
+    if verdict.unchecked:
         # Cortex cannot tell in time: the engine judges it, as it would without Cortex.
         SCHEMA_CHECKS.labels(found.param, "unchecked").inc()
         return None

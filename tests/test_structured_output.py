@@ -360,3 +360,16 @@ def test_envoy_takes_overrides_only_when_answers_are_checked(tmp_path: Path, on:
     ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
     assert ext.get("allow_mode_override", False) is on
     assert ext["send_body_without_waiting_for_header_response"] is not on
+
+
+def test_a_check_over_its_budget_lets_the_engine_judge_and_is_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(so, "BUDGET_S", 1e-6)  # far below one metaschema walk (milliseconds)
+    cache = so.SchemaCache(8)
+    unchecked = sample("cortex_structured_output_schema_checks_total", field="response_format", outcome="unchecked")
+    assert so.check_request(CHECK_ANSWERS, chat(**rf(INVALID)), REGISTRY, cache) is None
+    assert len(cache) == 1
+    hits = sample("cortex_structured_output_schema_cache_total", result="hit")
+    assert so.check_request(CHECK_ANSWERS, chat(**rf(INVALID)), REGISTRY, cache) is None
+    assert sample("cortex_structured_output_schema_cache_total", result="hit") == hits + 1
+    assert sample("cortex_structured_output_schema_checks_total", field="response_format",
+                  outcome="unchecked") == unchecked + 2
