@@ -373,3 +373,15 @@ def test_a_check_over_its_budget_lets_the_engine_judge_and_is_remembered(monkeyp
     assert sample("cortex_structured_output_schema_cache_total", result="hit") == hits + 1
     assert sample("cortex_structured_output_schema_checks_total", field="response_format",
                   outcome="unchecked") == unchecked + 2
+
+
+def test_the_simulator_answers_an_instance_of_the_schema_it_was_given() -> None:
+    from cortex.sim.openai_api import requested_schema, schema_instance
+    e = expected()
+    assert so.answer_outcomes(e, chat_answer(orjson.dumps(schema_instance(VALID)).decode())) == ["valid"]
+    assert requested_schema(rf(VALID)) == VALID
+    assert requested_schema({"structured_outputs": {"json": json.dumps(VALID)}}) == VALID
+    assert requested_schema({"response_format": {"type": "json_object"}}) is True
+    assert requested_schema({"response_format": {"type": "text"}}) is None
+    assert schema_instance({"type": "array", "minItems": 2, "items": {"enum": ["x", "y"]}}) == ["x", "x"]
+    assert schema_instance({"type": ["null", "integer"], "minimum": 3}) == 3

@@ -1,7 +1,8 @@
 """Structured output end to end through the real Envoy, extproc and ingest, in front of two simulated vLLM workers:
 an invalid schema is refused by Cortex before any worker sees it, a valid one is served, and with
 `validate_responses` Envoy hands extproc the whole answer (ext_proc mode override) while the client gets it
-unchanged. The simulator answers plain text, so its answers count as `not_json`."""
+unchanged. The simulator answers a schema request with a small instance of the schema that ignores `pattern`
+(cortex/sim/openai_api.py schema_instance), so a pattern makes its answer `invalid`."""
 
 from __future__ import annotations
 
@@ -75,16 +76,23 @@ def test_an_invalid_schema_gets_400_and_reaches_no_worker(gw: Gateway, extra: di
     assert served(gw) == before + 1
 
 
-def test_a_valid_schema_is_served_and_its_answer_counted_unchanged(gw: Gateway) -> None:
-    not_json = answers(gw, "not_json")
-    r = post(gw, **json_schema(SCHEMA))
+@pytest.mark.parametrize(("schema", "outcome", "content"), [
+    (SCHEMA, "valid", {"name": "a"}),
+    ({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[0-9]+$"}}, "required": ["code"]},
+     "invalid", {"code": "a"}),
+])
+def test_a_valid_schema_is_served_and_its_answer_counted_unchanged(gw: Gateway, schema: dict[str, Any],
+                                                                   outcome: str, content: Any) -> None:
+    before = answers(gw, outcome)
+    r = post(gw, **json_schema(schema))
     assert r.status_code == 200, r.text
     assert r.headers["x-cortex-assigned-worker"] in {s.id for s in gw.sims}
     assert int(r.headers["content-length"]) == len(r.content)
     doc = r.json()
-    assert doc["object"] == "chat.completion" and isinstance(doc["choices"][0]["message"]["content"], str)
-    # The simulator's words are not JSON: Envoy sent the body to extproc, which counted it.
-    wait_for(lambda: answers(gw, "not_json") == not_json + 1, what="the answer counted")
+    assert doc["object"] == "chat.completion" and doc["usage"]["completion_tokens"] >= 1
+    assert orjson.loads(doc["choices"][0]["message"]["content"]) == content  # as the worker wrote it
+    # Envoy sent the body to extproc, which counted it against the schema.
+    wait_for(lambda: answers(gw, outcome) == before + 1, what=f"the answer counted {outcome}")
 
 
 def test_a_streamed_answer_streams_and_is_not_counted(gw: Gateway) -> None:
