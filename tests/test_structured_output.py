@@ -13,6 +13,8 @@ import orjson
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cortex import engines
 from cortex.config import StructuredOutputConfig, parse_config
@@ -385,3 +387,29 @@ def test_the_simulator_answers_an_instance_of_the_schema_it_was_given() -> None:
     assert requested_schema({"response_format": {"type": "text"}}) is None
     assert schema_instance({"type": "array", "minItems": 2, "items": {"enum": ["x", "y"]}}) == ["x", "x"]
     assert schema_instance({"type": ["null", "integer"], "minimum": 3}) == 3
+
+
+SCALAR = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+          | st.text(max_size=8))
+JSON = st.recursive(SCALAR,
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                        st.sampled_from(["type", "properties", "items", "required", "enum", "$schema", "$ref",
+                                         "pattern", "minLength", "anyOf", "x"]), inner, max_size=4),
+                    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schema=JSON, field=st.sampled_from(["rf", "rf-text", "so", "so-text", "sglang"]))
+def test_any_schema_value_is_judged_never_crashes(schema: Any, field: str) -> None:
+    extra = {"rf": rf(schema), "rf-text": rf(json.dumps(schema)),
+             "so": {"structured_outputs": {"json": schema}},
+             "so-text": {"structured_outputs": {"json": json.dumps(schema)}},
+             "sglang": {"json_schema": json.dumps(schema)}}[field]
+    req = comp(**extra) if field == "sglang" else chat(**extra)
+    try:
+        e = check(req, CHECK_ANSWERS)
+    except ClientError as exc:
+        assert exc.status == 400 and exc.param in ("response_format", "structured_outputs", "json_schema")
+        return
+    if e is not None:
+        so.check_answer(e, chat_answer(json.dumps(schema), "{}"))  # counted, whatever the answer is
