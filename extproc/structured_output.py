@@ -338,9 +338,11 @@ def check_request(cfg: StructuredOutputConfig, req: ParsedRequest, registry: Any
 
 # -- checking the answer ------------------------------------------------------------------------------------------
 
-# Envoy takes a mode override only in the answer to a headers message (ext_proc.cc: inHeaderProcessState), so it is
-# sent with the response headers, for this one request, once its status and length are known. The request-side
-# modes repeat the filter's (cortex/envoy_config.py): the override replaces both directions' modes.
+# Envoy takes a mode override only in the answer to a headers message (ext_proc.cc: inHeaderProcessState), and only
+# while send_body_without_waiting_for_header_response is off (cortex/envoy_config.py turns it off, and
+# allow_mode_override on, when validate_responses is on). So it is sent with the response headers, for this one
+# request, once its status and length are known. The request-side modes repeat the filter's: the override
+# replaces both directions' modes.
 BUFFER_BODY = ProcessingMode(
     request_header_mode=ProcessingMode.SEND, response_header_mode=ProcessingMode.SEND,
     request_body_mode=ProcessingMode.BUFFERED, response_body_mode=ProcessingMode.BUFFERED,
