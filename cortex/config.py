@@ -608,7 +608,8 @@ class StructuredOutputConfig(_Strict):
     """Validated schemas remembered by digest (bounded)."""
     validate_responses: bool = False
     """Check the JSON of non-streamed answers against their schema and count the outcomes (the answer is never
-    changed)."""
+    changed). Envoy then sends request bodies only after extproc answered the headers (its mode override needs
+    that), which Cortex otherwise avoids; a change takes effect at restart."""
 
 
 class CortexConfig(_Strict):

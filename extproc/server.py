@@ -39,7 +39,7 @@ from cortex.envoy_config import ANY_CLUSTER, pool_cluster
 from cortex.errors import ClientError
 from cortex.piecewise_tokenize import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
-from extproc import isolation, metrics
+from extproc import isolation, metrics, structured_output
 from extproc.admission import Admission, Ticket
 from extproc.cluster_view import ClusterView
 from extproc.pd import PdPlan
@@ -136,6 +136,8 @@ class StreamState:
     """What it holds of its tenant's limits until it ends (extproc/admission.py)."""
     session: str | None = None
     """Its session key (cfg.session.headers, extproc/policies/session.py), known from the request headers on."""
+    answer_schema: structured_output.Expected | None = None
+    """The schema a whole (non-streamed) answer is checked against (structured_output.validate_responses)."""
 
 
 class ExtProc:
@@ -216,8 +218,12 @@ class ExtProc:
                         # After an immediate response, Envoy resets the decode itself; the abort follows once Envoy
                         # took that answer. Otherwise a failed pair's decode must not wait for a KV that never comes.
                         st.pd.legs.release_abort(delay_s=1.0 if answer.HasField("immediate_response") else 0.0)
+                    structured_output.ask_for_body(answer, st.answer_schema, req.response_headers,
+                                                   self.cfg.extproc.max_body_bytes)
                     yield answer
                 elif which == "response_body":
+                    if st.answer_schema is not None:  # sent only when ask_for_body asked for it
+                        structured_output.check_answer(st.answer_schema, req.response_body.body)
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                 elif which == "request_trailers":
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
@@ -292,6 +298,8 @@ class ExtProc:
             parsed = parse_body(kind, body)  # type: ignore[arg-type]
             parsed.session_key = st.session
             salted = isolation.isolate(parsed, st.tenant)  # before routing: Cortex's keys follow the salt
+            st.answer_schema = structured_output.check_request(self.cfg.structured_output, parsed,
+                                                               self.source.current.registry)
             result = self.router.route(parsed)
         except ClientError as exc:
             return self._error(exc)

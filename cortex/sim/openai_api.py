@@ -122,6 +122,61 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+def requested_schema(body: Mapping[str, Any]) -> Any:
+    """The JSON schema a request constrains its answer with (where vLLM or SGLang read one), `True` for
+    `json_object`, None for free text."""
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        return True
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        return spec.get("schema") if isinstance(spec, dict) else fmt.get("schema")
+    outputs = body.get("structured_outputs")
+    found = outputs.get("json") if isinstance(outputs, dict) else body.get("json_schema")
+    if isinstance(found, str):
+        try:
+            return orjson.loads(found)
+        except orjson.JSONDecodeError:
+            return None
+    return found
+
+
+def schema_instance(schema: Any, depth: int = 0) -> Any:
+    """A small value of the schema's shape: what a grammar-constrained engine would write, minus `pattern`,
+    `format` and cross-keyword rules (so a check of the answer can still find it invalid)."""
+    if not isinstance(schema, dict) or depth > 32:
+        return {}
+    if "const" in schema:
+        return schema["const"]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return schema_instance(schema[key][0], depth + 1)
+    kind = schema.get("type", "object" if "properties" in schema else None)
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object":
+        props: Any = schema.get("properties")
+        props = props if isinstance(props, dict) else {}
+        required: Any = schema.get("required")
+        required = required if isinstance(required, list) else []
+        return {k: schema_instance(props.get(k, {"type": "string"}), depth + 1) for k in required if isinstance(k, str)}
+    if kind == "array":
+        items: Any = schema.get("minItems")
+        n = items if isinstance(items, int) else 0
+        return [schema_instance(schema.get("items", {}), depth + 1) for _ in range(min(max(n, 0), 8))]
+    if kind in ("integer", "number"):
+        low = schema.get("minimum", 0)
+        return low if isinstance(low, int | float) and not isinstance(low, bool) else 0
+    if kind == "string":
+        least: Any = schema.get("minLength")
+        return "a" * min(max(least if isinstance(least, int) else 1, 1), 64)
+    if kind == "boolean":
+        return True
+    return None if kind == "null" else {}
+
+
 def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
@@ -183,6 +238,14 @@ class OpenAIServing(ABC):
             raise ApiError(400, f"data parallel rank {rank} is out of range (dp size {len(self.engines)})")
         request[DP_RANK_KEY] = rank
         return self.engines[rank]
+
+    def answer_text(self, body: Mapping[str, Any], req: SimRequest) -> str:
+        """A whole answer's text: a small instance of the request's JSON schema when it asks for one (whatever
+        max_tokens says; the token counts stay the simulated ones), else the simulated tokens' text."""
+        schema = requested_schema(body)
+        if schema is not None:
+            return orjson.dumps(schema_instance(schema)).decode()
+        return "".join(self.text(t) for t in req.output_token_ids)
 
     def text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

@@ -643,7 +643,7 @@ class SglangApi(OpenAIServing):
     async def complete(self, body: Mapping[str, Any], req: SimRequest, engine: EngineCore, prepared: Prepared,
                        *, chat: bool) -> web.Response:
         finish = await self.collect(req, engine, prepared)
-        text = "".join(self.text(t) for t in req.output_token_ids)
+        text = self.answer_text(body, req)
         model = body.get("model") or self.model
         if (prepared.extra or {}).get("native"):
             return json_response({"text": text, "output_ids": req.output_token_ids,

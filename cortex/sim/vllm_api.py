@@ -361,7 +361,7 @@ class VllmApi(OpenAIServing):
     async def complete(self, body: Mapping[str, Any], req: SimRequest, engine: EngineCore, prepared: Prepared,
                        *, chat: bool) -> web.Response:
         finish = await self.collect(req, engine, prepared)
-        text = "".join(self.text(t) for t in req.output_token_ids)
+        text = self.answer_text(body, req)
         want_ids = bool(body.get("return_token_ids"))
         created = self.now()
         model = body.get("model") or self.model
