@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cortex import engines
+from cortex.api_paths import PUBLIC_PATHS
 from cortex.engine_hashes import VllmHashAlgo
 from cortex.model_bundle import shipped_tokenizer_dir
 
@@ -41,6 +42,18 @@ class Listen(_Strict):
     """Bind address. Loopback by default; use 0.0.0.0 to serve other machines."""
     port: Port = 8080
     """Gateway port for /v1/chat/completions, /v1/completions, /v1/models, /cortex/v1/route."""
+    paths: list[str] = Field(default_factory=lambda: list(PUBLIC_PATHS))
+    """Paths forwarded to workers (exact, query strings aside); any other gets 404 from Envoy without reaching
+    extproc or a worker, so the engines' admin endpoints stay out of clients' reach. /cortex/health and, when
+    enabled, /cortex/v1/route are Cortex's own and always served."""
+
+    @field_validator("paths")
+    @classmethod
+    def _paths(cls, value: list[str]) -> list[str]:
+        for path in value:
+            if not re.fullmatch(r"/[A-Za-z0-9._~/-]*", path):
+                raise ValueError(f"{path!r}: an exact path such as /v1/chat/completions (letters, digits, . _ ~ / -)")
+        return value
 
 
 class AdminListen(_Strict):

@@ -30,7 +30,9 @@ from typing import Any
 import yaml
 
 from cortex import headers
+from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH
 from cortex.config import CortexConfig, WorkerConfig
+from cortex.errors import error_body
 from cortex.observation import NAMESPACE as OBSERVE_NAMESPACE
 from cortex.observation import OBSERVED as OBSERVED_NAMESPACE
 from cortex.observation import lua_source
@@ -200,6 +202,12 @@ def observe_clusters(cfg: CortexConfig) -> list[dict[str, Any]]:
     }]
 
 
+def public_paths(cfg: CortexConfig) -> list[str]:
+    """What the public listener serves: the configured engine paths and Cortex's own."""
+    own = [HEALTH_PATH, *([EXPLAIN_PATH] if cfg.extproc.route_explain else [])]
+    return list(dict.fromkeys([*cfg.listen.paths, *own]))
+
+
 def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     xds = xds_dir(cfg)
     ep = cfg.extproc
@@ -265,14 +273,25 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     # No overall deadline (a generation may run for minutes), and the route's own idle timeout replaces the
     # connection manager's once the request is routed: a prefill sends nothing, and that silence is normal.
     routed = {"timeout": "0s", "idle_timeout": _seconds(t.routed_idle_s)}
+    # Only the listed paths (and Cortex's own) reach extproc and the workers; Envoy matches them without the query.
+    public = {"safe_regex": {"regex": "^(?:" + "|".join(re.escape(p) for p in public_paths(cfg)) + ")$"}}
     routes = [
-        {"match": {"prefix": "/", "headers": [{"name": headers.POOL, "present_match": True},
-                                              {"name": headers.PD_ROUTE, "present_match": True}]},
+        {"match": {**public, "headers": [{"name": headers.POOL, "present_match": True},
+                                         {"name": headers.PD_ROUTE, "present_match": True}]},
          "route": {"cluster_header": headers.POOL, **routed, "retry_policy": pd_retry}},
-        {"match": {"prefix": "/", "headers": [{"name": headers.POOL, "present_match": True}]},
+        {"match": {**public, "headers": [{"name": headers.POOL, "present_match": True}]},
          "route": {"cluster_header": headers.POOL, **routed, "retry_policy": retry}},
-        {"match": {"prefix": "/"},
+        {"match": public,
          "route": {"cluster": ANY_CLUSTER, **routed, "retry_policy": retry}},
+        {"match": {"prefix": "/"},
+         "direct_response": {"status": 404, "body": {"inline_string": error_body(
+             404, "Not found: this gateway serves the OpenAI API (listen.paths).").decode()}},
+         "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                      "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+         # A refused path costs no extproc call.
+         "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
+             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+             "disabled": True}}},
     ]
     hcm = {
         "name": "envoy.filters.network.http_connection_manager",
@@ -344,6 +363,10 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
                 "max_active_downstream_connections": 50000,
             },
         }]},
+        # The public paths' one regex is larger than RE2's default bound (100), which only guards against
+        # pathological patterns; this one is an alternation of literals, escaped.
+        "layered_runtime": {"layers": [{"name": "static", "static_layer": {
+            "re2.max_program_size.error_level": 4096, "re2.max_program_size.warn_level": 4096}}]},
     }
 
 

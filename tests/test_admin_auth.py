@@ -96,3 +96,17 @@ def test_the_public_listener_never_serves_admin_routes(gw: Gateway) -> None:
     assert r.status_code != 201
     assert "evil" not in {w["id"] for w in httpx.get(f"{gw.ingest_url}/cortex/workers", timeout=10, headers={
         "authorization": f"Bearer {TOKEN}"}).json()["workers"]}
+
+
+def test_engine_admin_paths_are_not_forwarded(gw: Gateway) -> None:
+    """Only the inference API reaches workers: an engine's own admin plane (SGLang /flush_cache wipes every
+    tenant's cache) gets Envoy's 404, without extproc or a worker seeing it."""
+    for method, path in (("POST", "/flush_cache"), ("POST", "/abort_request"), ("GET", "/metrics"),
+                         ("POST", "/reset_prefix_cache"), ("GET", "/server_info"), ("GET", "/v1/chat/completions/x"),
+                         ("POST", "/v1/load_lora_adapter")):
+        r = httpx.request(method, f"{gw.url}{path}", timeout=10)
+        assert r.status_code == 404, (path, r.status_code)
+        assert r.json()["error"]["code"] == 404 and "listen.paths" in r.json()["error"]["message"]
+    assert httpx.get(f"{gw.url}/v1/models?limit=1", timeout=10).status_code == 200  # the query is not the path
+    assert httpx.get(f"{gw.url}/cortex/health", timeout=10).status_code == 200
+    assert httpx.get(f"{gw.url}/health", timeout=10).status_code == 200  # a worker's health stays public
