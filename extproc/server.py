@@ -271,10 +271,14 @@ class ExtProc:
                 self._room_changed()  # the client left while it waited
             if st.counted_slot is not None:
                 self.cluster.inflight.dec(st.counted_slot)
-                self.wake()  # a worker may have room for a waiting request now
             if st.pd is not None:
                 st.pd.legs.release_abort()  # the client left while the decode's headers were held
                 st.pd.legs.event("stream_end")
+            if st.counted_slot is not None and self.room:
+                try:
+                    self.wake()  # a worker may have room for a waiting request now
+                except Exception:
+                    log.exception("waiting room wake-up failed; the upkeep retries")
 
     # -- phases ---------------------------------------------------------------------------------------------
 
@@ -324,7 +328,7 @@ class ExtProc:
             if explain:
                 return self._explain(st, body)
             parsed = parse_body(kind, body)  # type: ignore[arg-type]
-            if not released and self.room.waiting(parsed.model):
+            if not released and self.room.waiting(parsed.model) and self.cfg.admission.waiting_room.enabled:
                 return self._enter_room(st, parsed.model, body)  # behind the requests already waiting for it
             result = self.router.route(parsed)
         except NoWorker as exc:
@@ -340,6 +344,8 @@ class ExtProc:
             metrics.INTERNAL_ERRORS.inc()
             st.fallback_reason = "extproc_error"
             return _EMPTY_BODY
+        # Whatever commits the request to a worker (counts, reservations) comes after this: a waiting request comes
+        # through here again when it is released.
         if not released and self._must_wait(parsed.model, result):
             return self._enter_room(st, parsed.model, body)
         metrics.observe_decision(result, time.perf_counter() - t0, self.cluster.block_size)

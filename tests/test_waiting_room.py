@@ -4,6 +4,7 @@ over random interleavings of arrivals, releases, cancellations and the clock."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -118,7 +119,7 @@ class Log:
     released: list[Entry[int]]
 
 
-def run(seq: list[tuple[object, ...]], max_requests: int = 12, max_bytes: int = 2000) -> Log:
+def run(seq: list[tuple[Any, ...]], max_requests: int = 12, max_bytes: int = 2000) -> Log:
     room: WaitingRoom[int] = WaitingRoom(max_requests, max_bytes)
     now = 0.0
     log = Log([], [], [])
@@ -126,15 +127,14 @@ def run(seq: list[tuple[object, ...]], max_requests: int = 12, max_bytes: int = 
         kind = op[0]
         if kind == "arrive":
             _, pool, tenant, size, ttl = op
-            band, weight = TENANTS[str(tenant)]
-            fits = room.count < max_requests and room.bytes + int(size) <= max_bytes  # type: ignore[call-overload]
-            e = room.offer(str(pool), str(tenant), band, weight, int(size), now, float(ttl),  # type: ignore[arg-type]
-                           len(log.accepted))
+            band, weight = TENANTS[tenant]
+            fits = room.count < max_requests and room.bytes + size <= max_bytes
+            e = room.offer(pool, tenant, band, weight, size, now, ttl, len(log.accepted))
             assert (e is not None) == fits
             if e is not None:
                 log.accepted.append(e)
         elif kind == "release":
-            pool = str(op[1])
+            pool = op[1]
             e = room.peek(pool)
             waiting = [x for x in room.entries() if x.pool == pool]
             assert (e is None) == (not waiting)
@@ -147,13 +147,13 @@ def run(seq: list[tuple[object, ...]], max_requests: int = 12, max_bytes: int = 
                 log.left.append((e, "released"))
         elif kind == "cancel":
             if log.accepted:
-                e = log.accepted[int(op[1]) % len(log.accepted)]  # type: ignore[call-overload]
+                e = log.accepted[op[1] % len(log.accepted)]
                 was = e.outcome is None
                 assert room.cancel(e) == was
                 if was:
                     log.left.append((e, "cancelled"))
         else:
-            now += float(op[1])  # type: ignore[arg-type]
+            now += op[1]
             gone = room.expire(now)
             assert all(e.deadline <= now for e in gone)
             log.left += [(e, "expired") for e in gone]
@@ -172,7 +172,7 @@ def run(seq: list[tuple[object, ...]], max_requests: int = 12, max_bytes: int = 
 
 @settings(max_examples=300, deadline=None)
 @given(ops)
-def test_every_entry_leaves_exactly_once_within_bounds(seq: list[tuple[object, ...]]) -> None:
+def test_every_entry_leaves_exactly_once_within_bounds(seq: list[tuple[Any, ...]]) -> None:
     log = run(seq)
     ids = [e.seq for e, _ in log.left]
     assert sorted(ids) == sorted(e.seq for e in log.accepted)  # each accepted entry left, once
@@ -181,7 +181,7 @@ def test_every_entry_leaves_exactly_once_within_bounds(seq: list[tuple[object, .
 
 @settings(max_examples=300, deadline=None)
 @given(ops)
-def test_fifo_within_a_tenant(seq: list[tuple[object, ...]]) -> None:
+def test_fifo_within_a_tenant(seq: list[tuple[Any, ...]]) -> None:
     log = run(seq)
     for pool in POOLS:
         for tenant in TENANTS:

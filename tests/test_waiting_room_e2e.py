@@ -15,7 +15,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -105,7 +104,7 @@ def hold_fleet(gw: Gateway, n: int) -> list[Held]:
     held = []
     for i in range(n):
         h = Held(gw, f"holder-{i}-{time.monotonic_ns()}")
-        wait_for(lambda h=h: h.status() is not None, timeout=60, what="a holder admitted")  # type: ignore[misc]
+        wait_for(lambda h=h: h.status() is not None, timeout=60, what="a holder admitted")
         assert h.status() == 200, h.buf[:500]
         held.append(h)
     return held
@@ -175,7 +174,7 @@ def test_a_burst_waits_in_band_and_weighted_order_and_is_served_as_load_falls(gw
             order = []
             for step in range(len(queued)):
                 holders.pop(0).close()
-                wait_for(lambda step=step: sum(h.status() is not None for h in queued) > step,  # type: ignore[misc]
+                wait_for(lambda step=step: sum(h.status() is not None for h in queued) > step,
                          timeout=30, what="one release")
                 started = [h for h in queued if h.status() is not None and h.tag not in order]
                 assert len(started) == 1, [h.tag for h in started]
@@ -195,6 +194,28 @@ def test_a_burst_waits_in_band_and_weighted_order_and_is_served_as_load_falls(gw
     assert waits.get('{band="0"}', 0) >= 6 and waits.get('{band="5"}', 0) >= 1, waits
     rejected = metric(gw, "cortex_admission_rejections_total")
     assert rejected.get('{reason="queue_full",tenant="b"}', 0) >= 1, rejected
+
+
+def test_a_burst_of_short_requests_waits_and_each_is_served_as_load_falls(gw: Gateway) -> None:
+    wait_depth(gw, 0)
+    with PeakWatch(gw) as watch:
+        holders = hold_fleet(gw, 2 * HIGH)
+        burst = [Held(gw, f"burst{i}", max_tokens=10, stream=False) for i in range(MAX_REQUESTS)]
+        try:
+            wait_depth(gw, MAX_REQUESTS)
+            for h in holders:
+                h.close()
+            # Each answer frees a slot for the next: all of them are served, none is refused or dropped.
+            for h in burst:
+                wait_for(lambda h=h: h.status() is not None, timeout=60, what="an answer")
+                assert h.status() == 200, h.buf[:500]
+                assert h.body()["choices"][0]["message"]["content"]
+            wait_depth(gw, 0)
+        finally:
+            for h in holders + burst:
+                h.close()
+    slots = {t["id"]: t["slot"] for t in gw.targets().values()}
+    assert max(int(watch.peak[s]) for s in slots.values()) <= HIGH, watch.peak
 
 
 def test_the_room_is_bounded_in_bytes_and_a_client_that_leaves_leaves_it(gw: Gateway) -> None:
