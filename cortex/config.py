@@ -724,13 +724,16 @@ class CortexConfig(_Strict):
                              f"{self.ingest.max_workers}")
         return self
 
-    def longest_extproc_hold_s(self) -> int:
+    def longest_extproc_hold_s(self, waiting_room: bool = True) -> int:
         """How long extproc may hold one request message, plus slack (Envoy's max_message_timeout): a PD pair's
         start budget, an SGLang decode's headers waiting for its prefill (the watchdog), or a single-worker
-        fallback answering."""
+        fallback answering; after the waiting room's time-to-live when it is on (a released request may then
+        start a pair, and Envoy takes one deadline extension per message)."""
         longest = max((max(m.pd.start_budget_s(e), m.pd.bootstrap_timeout_s + 5, m.pd.fallback_timeout_s)
                        for m in self.models for e in engines.ENGINE_NAMES), default=0.0)
-        return int(max(longest + 10, self.extproc.message_timeout_ms / 1000 + 1))
+        room = self.admission.waiting_room
+        wait = room.ttl_s if waiting_room and room.enabled else 0.0
+        return int(max(longest + 10, self.extproc.message_timeout_ms / 1000 + 1) + wait)
 
     def runtime_path(self) -> Path:
         return Path(self.runtime_dir or f"/tmp/cortex-{self.listen.port}")

@@ -30,7 +30,9 @@ MATCH_MODE = "x-cortex-match-mode"
 ROUTE_REASON = "x-cortex-route-reason"
 PD = "x-cortex-pd"
 DROPPED_REASON = "x-cortex-dropped-reason"
+"""Why Cortex refused a request before it reached a worker (queue_full, queue_ttl, ...)."""
 LLMD_DROPPED_REASON = "x-llm-d-request-dropped-reason"
+"""The same reason under llm-d's name, for clients written against it."""
 
 RESERVED_REQUEST = (POOL, ENDPOINTS, WORKER, MATCH_MODE, CACHE_HIT_TOKENS, ASSIGNED_WORKER, ROUTE_REASON, DP_RANK,
                     PD_ROUTE, PD)

@@ -33,6 +33,13 @@ PD_LEG_SECONDS = Histogram("cortex_pd_leg_seconds", "PD transfer path: prefill l
 ADMISSION_REJECTIONS = Counter("cortex_admission_rejections", "requests refused before reaching a worker, by reason",
                                ["tenant", "reason"])
 ADMITTED = Counter("cortex_admitted_requests", "requests admitted, by tenant", ["tenant"])
+# The waiting room (extproc/waiting_room.py), per priority band; every extproc process holds its own room, and
+# "livesum" adds the rooms of the processes that are alive.
+QUEUE_DEPTH = Gauge("cortex_queue_depth", "requests in the waiting room, by priority band", ["band"],
+                    multiprocess_mode="livesum")
+QUEUE_WAIT_SECONDS = Histogram("cortex_queue_wait_seconds", "time a request spent in the waiting room before it "
+                               "was released or expired, by priority band", ["band"],
+                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0))
 
 # A restart shows as a new value (the supervisor restarts a dead process under the same index): "max" keeps the
 # newest start of each index across the per-process files, whose dead predecessors' files stay behind.

@@ -161,6 +161,14 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
     return result, truncated, fingerprint
 
 
+class NoWorker(ClientError):
+    """No healthy worker serves the model at all (scale from zero): a 503, unless the waiting room holds it."""
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(503, message, "model")
+        self.model = model
+
+
 def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: EncoderSet,
             predictions: Predictions, deferred: DeferredTail) -> Prepared:
     """Model, tokens, keys, and how many leading blocks each routing target holds.
@@ -179,7 +187,7 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     bundle = registry.bundles[resolved.model]
     workers = snap.candidates(resolved.model)
     if not workers:
-        raise ClientError(503, f"no healthy worker serves model `{req.model}`", "model")
+        raise NoWorker(resolved.model, f"no healthy worker serves model `{req.model}`")
     timings = Timings()
     transparent = snap.transparent(resolved.model)
     pools = None if transparent else pd.split_pools(workers)

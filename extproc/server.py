@@ -40,18 +40,21 @@ from cortex.errors import ClientError
 from cortex.piecewise_tokenize import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
 from extproc import isolation, metrics, structured_output
-from extproc.admission import Admission, Ticket
+from extproc.admission import Admission, Ticket, refusal
 from extproc.cluster_view import ClusterView
 from extproc.pd import PdPlan
 from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
 from extproc.plan import RoutePlan
 from extproc.policies import session
-from extproc.policies.base import EXACT, LOAD_AWARE, Decision
+from extproc.policies.base import EXACT, LOAD_AWARE, Decision, active_of
+from extproc.policies.transparent import REASON as TRANSPARENT
+from extproc.prepare import NoWorker
 from extproc.registry import ModelRegistry
 from extproc.request import ROUTED_PATHS, Kind, parse_body
 from extproc.router import Router
 from extproc.snapshot import Source
 from extproc.tenants import Tenant
+from extproc.waiting_room import Entry, WaitingRoom, full
 
 log = logging.getLogger("cortex.extproc")
 
@@ -82,6 +85,35 @@ class PendingPair:
     changes: dict[str, object]
     wait_s: float
     """How long starting the pair may take (Envoy's message deadline is extended when it is longer)."""
+
+
+@dataclass(slots=True)
+class Seat:
+    """A request in the waiting room: what acting on it needs once released, and where its answer goes."""
+
+    st: StreamState
+    body: bytes
+    answer: asyncio.Future[pb.ProcessingResponse | PendingPair]
+
+
+@dataclass(slots=True)
+class Waiting:
+    """A request that waits for a worker with room (extproc/waiting_room.py): `process` extends Envoy's deadline for
+    the message, then awaits its answer: routed anew once released, a 503 once expired."""
+
+    entry: Entry[Seat]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolFacts:
+    """What the waiting room knows about one pool's workers, from the last request it routed: a pool has room again
+    once one of them (or a worker that joined the model since) is no longer full."""
+
+    model: str
+    slots: frozenset[int]
+    """The decision's candidates."""
+    known: frozenset[int]
+    """Every target of the model then (one not among them joined since)."""
 
 
 @dataclass(slots=True)
@@ -138,6 +170,8 @@ class StreamState:
     """Its session key (cfg.session.headers, extproc/policies/session.py), known from the request headers on."""
     answer_schema: structured_output.Expected | None = None
     """The schema a whole (non-streamed) answer is checked against (structured_output.validate_responses)."""
+    waiting: Entry[Seat] | None = None
+    """Its place in the waiting room, once it had to wait."""
 
 
 class ExtProc:
@@ -153,6 +187,13 @@ class ExtProc:
         self.last_stream_at = 0.0
         """When the latest ext_proc stream (one per request) began (monotonic)."""
         self.admission = admission
+        wr = self.cfg.admission.waiting_room
+        self.room: WaitingRoom[Seat] = WaitingRoom(wr.max_requests, wr.max_bytes)
+        """Requests waiting for a worker with room: this process's own (docs/tenancy/waiting-room.md)."""
+        self.room_facts: dict[str, PoolFacts] = {}
+        self.max_hold_s = self.cfg.longest_extproc_hold_s()
+        """Envoy's max_message_timeout, fixed when Envoy started: a reload cannot lengthen a wait past it."""
+        self._bands: set[int] = set()
 
     @property
     def cfg(self) -> CortexConfig:
@@ -182,8 +223,17 @@ class ExtProc:
                     yield self.on_request_headers(st, req.request_headers)
                 elif which == "request_body":
                     answer = self.on_request_body(st, req.request_body.body)
+                    extended = False
+                    if isinstance(answer, Waiting):
+                        seat = answer.entry.payload
+                        if not seat.answer.done():
+                            # Envoy takes one deadline extension per message: this one covers the wait and whatever
+                            # the released request then takes (a PD pair's start).
+                            yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=self.max_hold_s))
+                            extended = True
+                        answer = await seat.answer
                     if isinstance(answer, PendingPair):
-                        if answer.wait_s > self.cfg.extproc.message_timeout_ms / 1000:
+                        if not extended and answer.wait_s > self.cfg.extproc.message_timeout_ms / 1000:
                             # A vLLM prefill leg can outlast Envoy's per-message deadline: extend it first.
                             yield pb.ProcessingResponse(override_message_timeout=Duration(
                                 seconds=int(answer.wait_s) + 5))
@@ -231,12 +281,19 @@ class ExtProc:
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
         finally:
             # Runs on a clean end, on cancellation and on GeneratorExit: the request is over either way.
+            if st.waiting is not None and self.room.cancel(st.waiting):
+                self._room_changed()  # the client left while it waited
             if st.counted_slot is not None:
                 self.cluster.inflight.dec(st.counted_slot)
             if st.pd is not None:
                 st.pd.legs.release_abort()  # the client left while the decode's headers were held
                 st.pd.legs.event("stream_end")
             self.admission.release(st.ticket)
+            if st.counted_slot is not None and self.room:
+                try:
+                    self.wake()  # a worker may have room for a waiting request now
+                except Exception:
+                    log.exception("waiting room wake-up failed; the upkeep retries")
 
     # -- phases ---------------------------------------------------------------------------------------------
 
@@ -286,7 +343,9 @@ class ExtProc:
             return self._routing_response(st, "request_headers")
         return _EMPTY_HEADERS
 
-    def on_request_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse | PendingPair:
+    def on_request_body(self, st: StreamState, body: bytes,
+                        released: bool = False) -> pb.ProcessingResponse | PendingPair | Waiting:
+        """`released`: it comes out of the waiting room (routed anew, and never sent back in)."""
         explain = st.path == EXPLAIN_PATH and self.cfg.extproc.route_explain
         kind = ROUTED_PATHS.get(st.path)
         if kind is None and not explain:
@@ -300,7 +359,15 @@ class ExtProc:
             salted = isolation.isolate(parsed, st.tenant)  # before routing: Cortex's keys follow the salt
             st.answer_schema = structured_output.check_request(self.cfg.structured_output, parsed,
                                                                self.source.current.registry)
+            if not released and self.room.waiting(parsed.model) and self.cfg.admission.waiting_room.enabled:
+                return self._enter_room(st, parsed.model, body)  # behind the requests already waiting for it
             result = self.router.route(parsed)
+        except NoWorker as exc:
+            if released or not self.cfg.admission.waiting_room.enabled:
+                return self._error(exc)
+            # Scale from zero: it waits for a worker to appear.
+            self.room_facts[parsed.model] = PoolFacts(exc.model, frozenset(), frozenset())
+            return self._enter_room(st, parsed.model, body)
         except ClientError as exc:
             return self._error(exc)
         except Exception:  # never fail the request because routing failed: Envoy's balancing takes it
@@ -308,6 +375,10 @@ class ExtProc:
             metrics.INTERNAL_ERRORS.inc()
             st.fallback_reason = "extproc_error"
             return _EMPTY_BODY
+        # Whatever commits the request to a worker (counts, reservations) comes after this: a waiting request comes
+        # through here again when it is released.
+        if not released and self._must_wait(parsed.model, result):
+            return self._enter_room(st, parsed.model, body)
         metrics.observe_decision(result, time.perf_counter() - t0, self.cluster.block_size)
         if st.ticket is not None:
             try:
@@ -567,6 +638,106 @@ class ExtProc:
         metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
         return self._pd_pair_headers(st, req)
 
+    # -- the waiting room (docs/tenancy/waiting-room.md) ------------------------------------------------------
+
+    def _full(self, active: float, waiting: float) -> bool:
+        cfg = self.cfg
+        return full(active, waiting, cfg.scheduler.high_watermark, cfg.admission.waiting_room.queue_depth)
+
+    def _must_wait(self, pool: str, result: RoutePlan) -> bool:
+        """Every worker the request could go to is full: the policy's first choice is (it takes a full worker only
+        when no other is left in its tier). A model another scheduler places is never held."""
+        d = result.decision
+        if not self.cfg.admission.waiting_room.enabled or d.reason == TRANSPARENT:
+            return False
+        chosen = d.chosen
+        if not self._full(active_of(chosen), chosen.engine_waiting):
+            return False
+        self.room_facts[pool] = PoolFacts(result.model, frozenset(c.slot for c in d.order),
+                                          frozenset(t.slot for t in self.cluster.targets.get(result.model, ())))
+        return True
+
+    def _enter_room(self, st: StreamState, pool: str, body: bytes) -> pb.ProcessingResponse | Waiting:
+        gen = self.source.current
+        wr = gen.cfg.admission.waiting_room
+        tenant = st.tenant or gen.tenants.default
+        room = self.room
+        room.max_requests, room.max_bytes = wr.max_requests, wr.max_bytes
+        # Envoy's deadline for the message was fixed at start: a TTL raised by a reload waits no longer than it.
+        ttl = max(1.0, min(wr.ttl_s, self.max_hold_s - gen.cfg.longest_extproc_hold_s(waiting_room=False)))
+        seat = Seat(st, body, asyncio.get_running_loop().create_future())
+        entry = room.offer(pool, tenant.id, tenant.priority, tenant.weight, len(body), time.monotonic(), ttl, seat)
+        if entry is None:
+            return self._dropped(st, "queue_full")
+        st.waiting = entry
+        self._room_changed()
+        self.wake()  # load may have fallen since the last wake: the head (maybe this one) goes at once
+        return Waiting(entry)
+
+    def wake(self) -> None:
+        """Expire what waited too long, then release, pool by pool, as long as the pool has room: each released
+        request is routed anew, with the ledger and loads as they are now, and answered. Runs from the upkeep loop
+        (every UPKEEP_S while requests wait), when a stream ends and when a request enters."""
+        room = self.room
+        if not room:
+            return
+        now = time.monotonic()
+        changed = False
+        for gone in room.expire(now):
+            changed = True
+            metrics.QUEUE_WAIT_SECONDS.labels(str(gone.band)).observe(now - gone.arrived)
+            seat = gone.payload
+            if not seat.answer.done():
+                seat.answer.set_result(self._dropped(seat.st, "queue_ttl"))
+        for pool in room.pools():
+            while (e := room.peek(pool)) is not None and self._has_room(pool):
+                room.release(e)
+                changed = True
+                seat = e.payload
+                metrics.QUEUE_WAIT_SECONDS.labels(str(e.band)).observe(time.monotonic() - e.arrived)
+                # Routed here, not once its stream resumes: the next one's check must see this one counted.
+                answer = self.on_request_body(seat.st, seat.body, released=True)
+                assert not isinstance(answer, Waiting)  # a released request is never sent back in
+                if not seat.answer.done():
+                    seat.answer.set_result(answer)
+                if isinstance(answer, PendingPair):
+                    break  # a pair's decode is counted once it starts: one per wake, so the check stays true
+        if changed:
+            self._room_changed()
+
+    def _has_room(self, pool: str) -> bool:
+        """One of the pool's workers (or one that joined its model since) is not full, by the figures routing
+        uses (candidates.py: the larger of the engine's count and Cortex's in-flight count)."""
+        facts = self.room_facts.get(pool)
+        if facts is None:
+            return True
+        totals = self.cluster.inflight.totals()
+        alive = self.cluster.alive
+        for t in self.cluster.targets.get(facts.model, ()):
+            if t.healthy and (t.slot in facts.slots or t.slot not in facts.known):
+                load = t.engine_load if alive else None
+                active = max(load or 0.0, float(totals[t.slot]))
+                if not self._full(active, t.engine_waiting if load is not None else 0.0):
+                    return True
+        return False
+
+    def _room_changed(self) -> None:
+        depth = self.room.depth()
+        self._bands.update(depth)
+        for band in self._bands:
+            metrics.QUEUE_DEPTH.labels(str(band)).set(depth.get(band, 0))
+
+    def _dropped(self, st: StreamState, reason: str) -> pb.ProcessingResponse:
+        """503 from the waiting room: full at arrival, or no worker had room within the time-to-live."""
+        tenant = st.tenant or self.source.current.tenants.default
+        retry = self.cfg.admission.retry_after_s
+        if reason == "queue_full":
+            message = f"Every worker serving this model is busy and the waiting room is full; retry after {retry} s."
+        else:
+            message = ("Every worker serving this model stayed busy (or none was up) for as long as a request may "
+                       f"wait; retry after {retry} s.")
+        return self._error(refusal(tenant.id, reason, 503, message, retry))
+
     # -- helpers --------------------------------------------------------------------------------------------
 
     def _count(self, st: StreamState, slot: int) -> None:
@@ -805,7 +976,7 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
         polled_at = time.monotonic()
         while True:
             # Until it serves, and while requests flow, every UPKEEP_S; an idle process wakes less often.
-            idle = served and time.monotonic() - app.last_stream_at > IDLE_AFTER_S
+            idle = served and time.monotonic() - app.last_stream_at > IDLE_AFTER_S and not app.room
             await asyncio.sleep(IDLE_UPKEEP_S if idle else UPKEEP_S)
             try:
                 cluster.refresh()
@@ -814,6 +985,7 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
                     log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port,
                              len(registry.bundles))
                 router.upkeep()
+                app.wake()  # released as loads fall; expired at their time-to-live
                 if time.monotonic() - polled_at >= 1.0:
                     polled_at = time.monotonic()
                     change = await watcher.poll()
