@@ -35,6 +35,17 @@ from cortex.model_bundle import ModelBundle
 
 
 @dataclass(frozen=True, slots=True)
+class Alias:
+    """A public name's weighted targets (config aliases[]), as resolution reads them."""
+
+    models: list[str]
+    weights: list[float]
+    fallback: str | None
+    by_session: bool
+    """Draw per session key (aliases[].draw: session) when the request has one."""
+
+
+@dataclass(frozen=True, slots=True)
 class Resolved:
     model: str
     """The configured model that will serve the request."""
@@ -54,8 +65,8 @@ class ModelRegistry:
             bundle = reuse.get(key) or ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template)
             self.bundles[m.name] = bundle
             self._bundles_by_source[key] = bundle
-        self.aliases = {a.name: ([t.model for t in a.targets], [t.weight for t in a.targets], a.fallback,
-                                 a.draw == "session") for a in cfg.aliases}
+        self.aliases = {a.name: Alias([t.model for t in a.targets], [t.weight for t in a.targets], a.fallback,
+                                      a.draw == "session") for a in cfg.aliases}
         self.engines = {m.name: engines.adapter(m.engine) for m in cfg.models}
         # vLLM names an adapter by `model` itself; SGLang never does (its `model` is "<model>:<adapter>").
         self.loras_as_model = {a: m.name for m in cfg.models if self.engines[m.name].lora_as_model for a in m.loras}
@@ -88,13 +99,12 @@ class ModelRegistry:
         alias = self.aliases.get(name)
         if alias is None:
             raise ClientError(404, f"The model `{name}` does not exist.", "model")
-        models, weights, fallback, by_session = alias
-        if by_session and session is not None:
-            drawn = session_draw(name, session, models, weights)
+        if alias.by_session and session is not None:
+            drawn = session_draw(name, session, alias.models, alias.weights)
         else:
-            drawn = (rng or random).choices(models, weights)[0]
-        if not serves(drawn) and fallback is not None:
-            drawn = fallback
+            drawn = (rng or random).choices(alias.models, alias.weights)[0]
+        if not serves(drawn) and alias.fallback is not None:
+            drawn = alias.fallback
         return Resolved(drawn, name, self._body_lora(drawn, lora_path))
 
     def _body_lora(self, model: str, lora_path: str | None) -> str | None:

@@ -172,6 +172,8 @@ class StreamState:
     """The schema a whole (non-streamed) answer is checked against (structured_output.validate_responses)."""
     waiting: Entry[Seat] | None = None
     """Its place in the waiting room, once it had to wait."""
+    queued_s: float | None = None
+    """How long it waited there before it was released (None: it never waited)."""
 
 
 class ExtProc:
@@ -323,7 +325,7 @@ class ExtProc:
             st.tenant = gen.tenants.identify(authorization, tenant_value)
         except ClientError as exc:  # before any routing work
             metrics.ADMISSION_REJECTIONS.labels("", "unauthenticated").inc()
-            return self._error(exc)
+            return self._error(exc, st)
         if sessions:  # the first configured header present and not blank
             st.session = next((k for n in session_headers if (k := session.key_of(sessions.get(n)))), None)
         if st.method == "GET" and st.path == MODELS_PATH:
@@ -332,11 +334,11 @@ class ExtProc:
             try:
                 st.ticket = self.admission.admit(st.tenant)
             except ClientError as exc:
-                return self._error(exc)
+                return self._error(exc, st)
         wants_body = st.method == "POST" and (st.path in ROUTED_PATHS or
                                               (st.path == EXPLAIN_PATH and self.cfg.extproc.route_explain))
         if wants_body and headers.end_of_stream:
-            return self._error(ClientError(400, "request body is required"))
+            return self._error(ClientError(400, "request body is required"), st)
         if not wants_body:
             # Not an inference request: no body work, least-loaded worker of the whole fleet.
             self._route_any(st)
@@ -364,12 +366,12 @@ class ExtProc:
             result = self.router.route(parsed)
         except NoWorker as exc:
             if released or not self.cfg.admission.waiting_room.enabled:
-                return self._error(exc)
+                return self._error(exc, st)
             # Scale from zero: it waits for a worker to appear.
             self.room_facts[parsed.model] = PoolFacts(exc.model, frozenset(), frozenset())
             return self._enter_room(st, parsed.model, body)
         except ClientError as exc:
-            return self._error(exc)
+            return self._error(exc, st)
         except Exception:  # never fail the request because routing failed: Envoy's balancing takes it
             log.exception("routing failed; request continues on the fallback route")
             metrics.INTERNAL_ERRORS.inc()
@@ -385,7 +387,7 @@ class ExtProc:
                 self.admission.reserve(st.ticket, result.prompt_tokens, result.decision.hit_tokens,
                                        completion_budget(parsed.body, self.cfg.admission.default_max_tokens))
             except ClientError as exc:
-                return self._error(exc)
+                return self._error(exc, st)
         changes = {**result.changes, **salted}  # every worker gets the salt: single, both PD legs, the fallback
         plan = result.pd
         if plan is not None and plan.pair is not None:
@@ -694,7 +696,8 @@ class ExtProc:
                 room.release(e)
                 changed = True
                 seat = e.payload
-                metrics.QUEUE_WAIT_SECONDS.labels(str(e.band)).observe(time.monotonic() - e.arrived)
+                seat.st.queued_s = time.monotonic() - e.arrived
+                metrics.QUEUE_WAIT_SECONDS.labels(str(e.band)).observe(seat.st.queued_s)
                 # Routed here, not once its stream resumes: the next one's check must see this one counted.
                 answer = self.on_request_body(seat.st, seat.body, released=True)
                 assert not isinstance(answer, Waiting)  # a released request is never sent back in
@@ -736,7 +739,7 @@ class ExtProc:
         else:
             message = ("Every worker serving this model stayed busy (or none was up) for as long as a request may "
                        f"wait; retry after {retry} s.")
-        return self._error(refusal(tenant.id, reason, 503, message, retry))
+        return self._error(refusal(tenant.id, reason, 503, message, retry), st)
 
     # -- helpers --------------------------------------------------------------------------------------------
 
@@ -771,18 +774,24 @@ class ExtProc:
         try:
             salted = isolation.salt_unrouted(body, st.tenant)
         except ClientError as exc:
-            return self._error(exc)
+            return self._error(exc, st)
         if salted is None:
             return _EMPTY_BODY
         response = pb.ProcessingResponse(request_body=pb.BodyResponse())
         self._set_body(response, splice(body, salted))
         return response
 
-    def _error(self, exc: ClientError) -> pb.ProcessingResponse:
+    def _error(self, exc: ClientError, st: StreamState | None = None) -> pb.ProcessingResponse:
         metrics.CLIENT_ERRORS.labels(str(exc.status)).inc()
         response = _immediate(exc.status, exc.body())
         for k, v in exc.headers.items():
             response.immediate_response.headers.set_headers.append(_set(k, v))
+        if st is not None and st.tenant is not None:
+            # The request log says whose request was refused, and why when admission refused it.
+            facts: dict[str, Any] = {observation.TENANT: st.tenant.id}
+            if H.DROPPED_REASON in exc.headers:
+                facts[observation.DROPPED] = exc.headers[H.DROPPED_REASON]
+            _observe(response, facts)
         return response
 
     def _explain(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
@@ -865,10 +874,13 @@ def _prompt_facts(result: RoutePlan) -> dict[str, Any]:
 
 
 def _tenant_facts(st: StreamState) -> dict[str, Any]:
-    """Who sent it and what it reserved: the observer settles the reservation with the engine's usage."""
+    """Who sent it, how long it waited, and what it reserved: the observer settles the reservation with the
+    engine's usage."""
     if st.tenant is None:
         return {}
     facts: dict[str, Any] = {observation.TENANT: st.tenant.id}
+    if st.queued_s is not None:
+        facts[observation.QUEUED_MS] = round(st.queued_s * 1000, 1)
     if st.ticket is not None and st.ticket.reserved:
         facts[observation.RESERVED] = st.ticket.reserved
         facts[observation.QUOTA_PERIOD] = st.tenant.limits.quota_period_s

@@ -127,8 +127,7 @@ def _engines_for(model: str, registry: Any) -> tuple[str, frozenset[str]]:
         return head, frozenset({adapters[head].name})
     alias = registry.aliases.get(model)
     if alias is not None:
-        models, _, fallback = alias
-        names = [*models, *([fallback] if fallback else [])]
+        names = [*alias.models, *([alias.fallback] if alias.fallback else [])]
         return model, frozenset(adapters[m].name for m in names if m in adapters)
     return "", ALL_ENGINES
 

@@ -79,6 +79,10 @@ class Observation:
     reserved_tokens: int | None = None
     """Tokens it held reserved against its tenant's token limits (None: it held none)."""
     quota_period_s: int | None = None
+    dropped_reason: str = ""
+    """Why admission refused it ('' when it did not)."""
+    queued_ms: float | None = None
+    """How long it waited in the waiting room (None: it did not wait)."""
     alias: str = ""
     """The alias the client named ('' when it named a model): `model` is then the target it drew."""
 
@@ -124,6 +128,10 @@ def _seconds(d: Any) -> float | None:
 
 def _int(value: Any) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _str(value: Any) -> str:
@@ -177,4 +185,5 @@ def read(entry: al.HTTPAccessLogEntry, workers_by_address: Mapping[str, str]) ->
         first_ids=_ids(facts.get(obs.FIRST_IDS)),
         routed_prompt_tokens=_int(facts.get(obs.PROMPT_TOKENS)), tenant=_str(facts.get(obs.TENANT)),
         reserved_tokens=_int(facts.get(obs.RESERVED)), quota_period_s=_int(facts.get(obs.QUOTA_PERIOD)),
+        dropped_reason=_str(facts.get(obs.DROPPED)), queued_ms=_float(facts.get(obs.QUEUED_MS)),
         alias=_str(facts.get(obs.ALIAS)))

@@ -80,6 +80,13 @@ def log_line(o: Observation) -> bytes:
         doc["prefill_worker"] = o.prefill
     if o.alias:
         doc["alias"] = o.alias
+    # Tenancy, when it applies: whose request, how long it waited for a worker, why admission refused it.
+    if o.tenant:
+        doc["tenant"] = o.tenant
+    if o.queued_ms is not None:
+        doc["queued_ms"] = o.queued_ms
+    if o.dropped_reason:
+        doc["dropped_reason"] = o.dropped_reason
     # The shape of every Cortex JSON log line (ts, level, logger, process, msg, fields): cortex/logs.py.
     return logs.json_line("request", logger="cortex.request", process=logs.process_name("observe"), ts=o.start_s,
                           **doc).encode() + b"\n"

@@ -21,6 +21,7 @@ from cortex.config import StructuredOutputConfig, parse_config
 from cortex.envoy_config import bootstrap
 from cortex.errors import ClientError
 from extproc import structured_output as so
+from extproc.registry import Alias
 from extproc.request import parse_body
 
 VALID = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -32,7 +33,8 @@ SECRET = "SECRET_TYPE"
 REGISTRY = SimpleNamespace(
     engines={"vllm-m": engines.adapter("vllm"), "sglang-m": engines.adapter("sglang")},
     loras_as_model={"llama-lora": "vllm-m"},
-    aliases={"mixed": (["vllm-m", "sglang-m"], [1, 1], None), "v-only": (["vllm-m"], [1], None)},
+    aliases={"mixed": Alias(["vllm-m", "sglang-m"], [1, 1], None, False),
+             "v-only": Alias(["vllm-m"], [1], None, False)},
 )
 ON = StructuredOutputConfig()
 CHECK_ANSWERS = StructuredOutputConfig(validate_responses=True)

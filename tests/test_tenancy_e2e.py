@@ -3,6 +3,7 @@ reason under both names, and a token reservation settled by the observer with th
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -34,7 +35,8 @@ TENANTS = [
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("tenancy")
     with cluster(root, n_sims=2, sim_args=("--decode-ms-per-token", "40"),
-                 extra_config={"auth": {"required": True}, "tenants": TENANTS}) as g:
+                 extra_config={"auth": {"required": True}, "tenants": TENANTS,
+                               "observe": {"request_log_path": str(root / "requests.log")}}) as g:
         yield g
 
 
@@ -69,6 +71,16 @@ def test_the_request_rate_limit_answers_429_with_retry_after(gw: Gateway) -> Non
     assert refused.headers["x-cortex-dropped-reason"] == "rate_limited"
     assert refused.headers["x-llm-d-request-dropped-reason"] == "rate_limited"
     assert chat(gw, KEYS["free"]).status_code == 200  # another tenant is not limited by it
+    # The request log says whose requests were refused and why (never the key).
+    log = gw.root / "requests.log"
+
+    def refused_lines() -> list[dict[str, Any]]:
+        docs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        return [d for d in docs if d.get("tenant") == "rate" and d.get("dropped_reason") == "rate_limited"]
+
+    wait_for(refused_lines, timeout=20, what="the refusal in the request log")
+    assert refused_lines()[0]["status"] == 429
+    assert KEYS["rate"] not in log.read_text()
 
 
 def test_max_concurrent_refuses_the_second_and_frees_the_slot_when_the_client_leaves(gw: Gateway) -> None:
