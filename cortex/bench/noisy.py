@@ -40,6 +40,7 @@ from cortex.bench.launch import (
     LaunchError,
     Procs,
     Worker,
+    chat_ok,
     http,
     reset_caches,
     start_cortex,
@@ -111,15 +112,23 @@ class NoisyContestant:
 # ---- the contestants ----
 
 def cortex_config(noisy_limits: dict[str, Any] | None, waiting_room: bool) -> dict[str, Any]:
-    """Both tenants by API key (auth required); A's limits, if any; the waiting room on or off explicitly."""
+    """Both tenants by API key (auth required); A's limits, if any; the waiting room on or off explicitly.
+
+    With the waiting room, a worker counts as full at its engine's running limit (the high watermark's default,
+    48, is sized for real engines' batches, these run 4) or with anything in its engine queue, so requests wait
+    in Cortex, fair by tenant, instead of in the engines' FIFO queues."""
     from extproc.tenants import digest
 
     noisy: dict[str, Any] = {"id": NOISY, "api_keys": [digest(KEYS[NOISY])]}
     if noisy_limits:
         noisy["limits"] = noisy_limits
-    return {"auth": {"required": True},
-            "tenants": [{"id": STEADY, "api_keys": [digest(KEYS[STEADY])]}, noisy],
-            "admission": {"waiting_room": {"enabled": waiting_room}}}
+    cfg: dict[str, Any] = {"auth": {"required": True},
+                           "tenants": [{"id": STEADY, "api_keys": [digest(KEYS[STEADY])]}, noisy],
+                           "admission": {"waiting_room": {"enabled": waiting_room}}}
+    if waiting_room:
+        cfg["admission"]["waiting_room"]["queue_depth"] = 0
+        cfg["scheduler"] = {"high_watermark": float(MAX_RUNNING), "low_watermark": float(MAX_RUNNING - 1)}
+    return cfg
 
 
 def _cortex(limited: bool, waiting_room: bool) -> Callable[[Procs, list[Worker], NoisyPlan], str]:
@@ -250,7 +259,7 @@ async def _tenant(http_session: aiohttp.ClientSession, url: str, sessions: tuple
 
 
 async def _send(url: str, steady: tuple[Session, ...], noisy: tuple[Session, ...], workers: list[Worker],
-                plan: NoisyPlan) -> tuple[list[Record], list[Record], float]:
+                plan: NoisyPlan) -> tuple[list[Record], list[Record], list[dict[str, float]]]:
     """Both tenants' open-loop streams at once, each over its own connections with its own key; the peak engine
     load (running + waiting over the fleet, sampled every 0.25 s) shows whether the flood queued."""
     span = plan.warmup_s + plan.flood_s
@@ -278,8 +287,7 @@ async def _send(url: str, steady: tuple[Session, ...], noisy: tuple[Session, ...
     for rec in (*recs[STEADY], *recs[NOISY]):
         if rec.e2e is None and rec.error is None:
             rec.error = "cancelled at the time bound"
-    peak = max((sum(s.values()) for s in samples), default=0.0)
-    return recs[STEADY], recs[NOISY], peak
+    return recs[STEADY], recs[NOISY], samples
 
 
 def _engine_load(w: Worker) -> float:
@@ -296,16 +304,35 @@ def wait_idle(workers: list[Worker], timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def wait_serving(url: str, timeout: float = 90.0) -> float:
+    """Seconds until a chat of B's passes through the gateway again. A flood can leave a gateway refusing everyone
+    after it ends (SMG's circuit breakers open on the engines' 503s and stay open for a while); the next run
+    starts only once it serves, and the wait is reported."""
+    started = time.monotonic()
+    while not chat_ok(url, KEYS[STEADY]):
+        if time.monotonic() - started > timeout:
+            raise LaunchError(f"the gateway did not serve a request for {timeout:.0f} s after the previous run")
+        time.sleep(0.5)
+    return round(time.monotonic() - started, 1)
+
+
 def run_once(url: str, workers: list[Worker], plan: NoisyPlan, seed: int, phase: str) -> dict[str, Any]:
     steady, noisy = streams(plan, seed)
+    recovery = wait_serving(url)
     wait_idle(workers)
     reset_caches(workers)  # B's prompts are the same in both phases: neither may find the other's cache
-    b, a, peak = uvloop.run(_send(url, steady, noisy if phase == "flood" else (), workers, plan))
+    b, a, samples = uvloop.run(_send(url, steady, noisy if phase == "flood" else (), workers, plan))
     starts = {s.id: s.start for s in steady}
+    peak = max((sum(x.values()) for x in samples), default=0.0)
     # B's errors of every kind (a 429 to B is a finding); A's 429s are the limit working, not an example.
     errors = sorted({r.error for r in (*b, *(x for x in a if x.status != 429)) if r.error})
     return {"seed": seed, "phase": phase, STEADY: steady_figures(b, starts, plan.warmup_s),
-            NOISY: noisy_figures(a), "engine_load_peak": peak, "error_examples": [e[:160] for e in errors[:3]]}
+            NOISY: noisy_figures(a), "engine_load_peak": peak, "gateway_recovery_s": recovery,
+            "error_examples": [e[:160] for e in errors[:3]],
+            # For reading a slow request after the fact: where each of B's went and what every engine held.
+            "steady_requests": [[round(starts[r.session], 3), round(r.sent, 3), None if r.ttft is None else
+                                 round(r.ttft * 1000, 1), r.worker, r.status] for r in b],
+            "engine_load_samples": [[round(x.get(w.id, -1.0)) for w in workers] for x in samples]}
 
 
 def _run_seconds(plan: NoisyPlan) -> float:
@@ -317,7 +344,9 @@ def _log_run(name: str, r: dict[str, Any], log: Callable[[str], None]) -> None:
     b, a = r[STEADY], r[NOISY]
     log(f"  {name} seed {r['seed']} {r['phase']}: B TTFT p50/p90 {b['ttft_p50_ms']}/{b['ttft_p90_ms']} ms "
         f"({b['completed']}/{b['measured']}, errors {b['errors']}); A sent {a['sent']}, admitted {a['admitted']}, "
-        f"429 {a['refused_429']}, other errors {a['other_errors']}; engine load peak {r['engine_load_peak']:g}")
+        f"429 {a['refused_429']}, other errors {a['other_errors']}; engine load peak {r['engine_load_peak']:g}"
+        + (f"; waited {r['gateway_recovery_s']:g} s for the gateway to serve again" if r['gateway_recovery_s'] >= 1
+           else ""))
 
 
 def _contestant(c: NoisyContestant, workers: list[Worker], root: Path, plan: NoisyPlan, until: float,
@@ -429,13 +458,14 @@ def markdown(out: dict[str, Any], command: str) -> str:
                      f"{a['refused_429']} / {a['other_errors']} | {verdict} |")
     parts.append("**Noisy neighbour**\n\n" + "\n".join(lines) + "\n")
     rows = ["| contestant | seed | phase | B TTFT p50 / p90 (ms) | B completed / measured | A admitted / 429 / other "
-            "| engine load peak |", "|---|---|---|---|---|---|---|"]
+            "| engine load peak | gateway serving again after (s) |", "|---|---|---|---|---|---|---|---|"]
     for name, block in out["noisy"].items():
         for r in block.get("runs", ()):
             b, a = r[STEADY], r[NOISY]
             rows.append(f"| {name} | {r['seed']} | {r['phase']} | {_f(b['ttft_p50_ms'])} / {_f(b['ttft_p90_ms'])} | "
                         f"{b['completed']} / {b['measured']} | {a['admitted']} / {a['refused_429']} / "
-                        f"{a['other_errors']} | {_f(r['engine_load_peak'], 0)} |")
+                        f"{a['other_errors']} | {_f(r['engine_load_peak'], 0)} | {_f(r.get('gateway_recovery_s'))} |")
     parts.append("Every run (engine load peak: running + waiting requests over the fleet, sampled every 0.25 s; the "
-                 f"fleet runs {c['workers'] * MAX_RUNNING} at once)\n\n" + "\n".join(rows) + "\n")
+                 f"fleet runs {c['workers'] * MAX_RUNNING} at once. Before each run the harness waits until a chat "
+                 "passes through the gateway again, then until the engines are idle)\n\n" + "\n".join(rows) + "\n")
     return "\n".join(parts)
