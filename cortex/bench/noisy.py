@@ -65,9 +65,11 @@ SIM_ARGS = ("--prefill-ms-per-token", "0.1", "--decode-ms-per-token", "25", "--d
 MAX_RUNNING = 4
 PROMPT_WORDS = 200
 MAX_TOKENS = 16
-NOISY_MAX_CONCURRENT = 4
-"""Cortex's limit on A: half the fleet's 8 running slots. B's mean concurrency at 3 req/s is ~1.4, so it has 4
-slots to itself; A keeps the other half busy, so the limit costs the fleet no throughput while B is light."""
+NOISY_MAX_CONCURRENT = 2
+"""Cortex's limit on A: a quarter of the fleet's 8 running slots, one per worker on average. B (mean concurrency
+~1.4 at 3 req/s) then finds a free slot whenever it arrives, and each engine step B shares carries at most a
+couple of A's sequences. Half the fleet (4) is measured too (`--noisy-max-concurrent 4`): B never queues there
+either, but shares every step with more of A's work (docs/tenancy/noisy-neighbor.md)."""
 
 
 @dataclass
