@@ -184,7 +184,8 @@ def _noisy(args: argparse.Namespace, argv: list[str]) -> int:
         if unknown:
             raise SystemExit(f"cortex bench: --noisy-neighbor contestants are {', '.join(noisy.CONTESTANTS)}, "
                              f"not {', '.join(unknown)}")
-        seeds = _ints(args.seeds, "--seeds") if args.seeds else (args.seed,) if args.quick or args.seed != 1 \
+        seed_given = any(a == "--seed" or a.startswith("--seed=") for a in argv)
+        seeds = _ints(args.seeds, "--seeds") if args.seeds else (args.seed,) if args.quick or seed_given \
             else (1, 2, 3)
         plan = noisy.NoisyPlan(
             contestants=[noisy.CONTESTANTS[n] for n in names], seeds=seeds, steady_rate=args.steady_rate,
