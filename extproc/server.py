@@ -668,7 +668,13 @@ class ExtProc:
         # Envoy's deadline for the message was fixed at start: a TTL raised by a reload waits no longer than it.
         ttl = max(1.0, min(wr.ttl_s, self.max_hold_s - gen.cfg.longest_extproc_hold_s(waiting_room=False)))
         seat = Seat(st, body, asyncio.get_running_loop().create_future())
-        entry = room.offer(pool, tenant.id, tenant.priority, tenant.weight, len(body), time.monotonic(), ttl, seat)
+        displaced: list[Entry[Seat]] = []
+        now = time.monotonic()
+        entry = room.offer(pool, tenant.id, tenant.priority, tenant.weight, len(body), now, ttl, seat, displaced)
+        for gone in displaced:  # a full room made way for this one (extproc/waiting_room.py: victim)
+            metrics.QUEUE_WAIT_SECONDS.labels(str(gone.band)).observe(now - gone.arrived)
+            if not gone.payload.answer.done():
+                gone.payload.answer.set_result(self._dropped(gone.payload.st, "queue_full"))
         if entry is None:
             return self._dropped(st, "queue_full")
         st.waiting = entry

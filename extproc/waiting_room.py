@@ -11,9 +11,13 @@ Who goes next, per pool (the model name the client sent: requests for one model 
      deficit, each request served costs 1, and the turn passes on once the deficit is below 1 (the rest is kept
      for its next turn; a tenant that stops waiting loses it);
   3. within a tenant, first in, first out.
-Bounds, over all pools: at most `max_requests` entries and `max_bytes` of their bodies; an arrival past either
-is refused, never queued. Every entry leaves exactly once: released, expired (its deadline passed) or cancelled
-(the client went away), recorded in `Entry.outcome`.
+Bounds, over all pools: at most `max_requests` entries and `max_bytes` of their bodies. An arrival past either
+makes way only by displacing a less deserving waiter (`victim`): the newest entry of the lowest band waiting,
+from the tenant holding the most entries there, when that band is below the arrival's, or is the arrival's band
+and that tenant holds at least two more entries than the arrival's tenant. A flooding tenant therefore cannot
+take the whole room from a higher band or from a tenant with few requests; otherwise the arrival is refused,
+never queued. Every entry leaves exactly once: released, expired (its deadline passed), cancelled (the client
+went away) or displaced, recorded in `Entry.outcome`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
 T = TypeVar("T")
-Outcome = Literal["released", "expired", "cancelled"]
+Outcome = Literal["released", "expired", "cancelled", "displaced"]
 
 
 def full(active: float, waiting: float, high_watermark: float, queue_depth: int | None) -> bool:
@@ -119,10 +123,17 @@ class WaitingRoom(Generic[T]):
         return self.count
 
     def offer(self, pool: str, tenant: str, band: int, weight: float, size: int, now: float, ttl_s: float,
-              payload: T) -> Entry[T] | None:
-        """Queue a request; None when it does not fit (count or bytes): it is refused at once."""
-        if self.count + 1 > self.max_requests or self.bytes + size > self.max_bytes:
-            return None
+              payload: T, displaced: list[Entry[T]] | None = None) -> Entry[T] | None:
+        """Queue a request; None when it does not fit (count or bytes) and no waiter can make way: it is refused at
+        once. Entries displaced to make way are appended to `displaced` (their requests are refused too)."""
+        while self.count + 1 > self.max_requests or self.bytes + size > self.max_bytes:
+            v = self.victim(tenant, band) if size <= self.max_bytes else None
+            if v is None:
+                return None
+            self._bands_of(v).remove(v)
+            self._leave(v, "displaced")
+            if displaced is not None:
+                displaced.append(v)
         self._seq += 1
         entry = Entry(self._seq, pool, tenant, band, size, now, now + ttl_s, payload)
         b = self._pools.setdefault(pool, {}).setdefault(band, _Band())
@@ -136,6 +147,24 @@ class WaitingRoom(Generic[T]):
         self.count += 1
         self.bytes += size
         return entry
+
+    def victim(self, tenant: str, band: int) -> Entry[T] | None:
+        """Who makes way for an arrival of `tenant` in `band` when the room is full (module docstring), or None."""
+        held: dict[tuple[int, str], list[Entry[T]]] = {}
+        for e in self._entries.values():
+            held.setdefault((e.band, e.tenant), []).append(e)
+        if not held:
+            return None
+        lowest = min(b for b, _ in held)
+        if lowest > band:
+            return None
+        most = max((k for k in held if k[0] == lowest), key=lambda k: (len(held[k]), -held[k][0].seq))
+        if lowest == band and len(held[most]) < len(held.get((band, tenant), [])) + 2:
+            return None
+        return held[most][-1]
+
+    def _bands_of(self, entry: Entry[T]) -> _Band[T]:
+        return self._pools[entry.pool][entry.band]
 
     def pools(self) -> list[str]:
         """Pools with waiters, in the order they first had one."""

@@ -34,6 +34,36 @@ def test_full_is_the_watermark_or_the_engine_queue() -> None:
     assert full(2, 1, 4, 0)
 
 
+def test_a_full_room_makes_way_for_a_higher_band_or_a_smaller_tenant() -> None:
+    room: WaitingRoom[str] = WaitingRoom(3, 1 << 20)
+    a = [room.offer("m", "a", 0, 1.0, 10, 0.0, 30, f"a{i}") for i in range(1, 4)]
+    gone: list[Entry[str]] = []
+    # A higher band displaces the lowest band's newest entry of the tenant holding the most.
+    assert room.offer("m", "vip", 5, 1.0, 10, 0.0, 30, "v1", gone) is not None
+    assert names(gone) == ["a3"] and a[2] is not None and a[2].outcome == "displaced"
+    # In the same band, a tenant holding none displaces one holding at least two more than it.
+    gone.clear()
+    assert room.offer("m", "b", 0, 1.0, 10, 0.0, 30, "b1", gone) is not None
+    assert names(gone) == ["a2"]
+    # a holds 1, b holds 1: nobody holds two more, and a flooding tenant cannot push out a smaller one.
+    assert room.offer("m", "a", 0, 1.0, 10, 0.0, 30, "a4", gone) is None
+    assert room.offer("m", "b", 0, 1.0, 10, 0.0, 30, "b2", gone) is None
+    # Nobody in a lower band makes way for a lower band's arrival, nor for its own band's equal share.
+    assert room.offer("m", "low", -1, 1.0, 10, 0.0, 30, "l1", gone) is None
+    assert drain(room) == ["v1", "a1", "b1"]
+    assert (room.count, room.bytes) == (0, 0)
+
+
+def test_bytes_make_way_too_but_never_for_an_arrival_larger_than_the_room() -> None:
+    room: WaitingRoom[str] = WaitingRoom(100, 100)
+    room.offer("m", "a", 0, 1.0, 40, 0.0, 30, "a1")
+    room.offer("m", "a", 0, 1.0, 40, 0.0, 30, "a2")
+    gone: list[Entry[str]] = []
+    assert room.offer("m", "vip", 1, 1.0, 70, 0.0, 30, "v1", gone) is not None
+    assert names(gone) == ["a2", "a1"] and room.bytes == 70
+    assert room.offer("m", "vip2", 9, 1.0, 101, 0.0, 30, "huge", gone) is None
+
+
 def test_priority_band_first_then_weighted_turns_then_fifo() -> None:
     room: WaitingRoom[str] = WaitingRoom(100, 1 << 20)
     for i in range(1, 5):

@@ -92,9 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("noisy neighbour (--noisy-neighbor; docs/tenancy/noisy-neighbor.md)")
     g.add_argument("--noisy-neighbor", action="store_true",
                    help="instead of the workloads: per contestant (default cortex, cortex-no-limits, "
-                        "smg-cache-aware, smg-global-limit) and seed (default 1,2,3), a steady tenant's TTFT p50/p90 "
-                        "alone and while another tenant floods, on 2 workers with real compute costs (about 8 "
-                        "minutes on 2 cores; --quick: one seed, a 5 s flood, about 3)")
+                        "cortex-priority, smg-cache-aware, smg-global-limit) and seed (default 1,2,3), a steady "
+                        "tenant's TTFT p50/p90 alone and while another tenant floods, on 2 workers with real compute "
+                        "costs (about 9 minutes on 2 cores; --quick: one seed, a 5 s flood, about 4)")
     g.add_argument("--steady-rate", type=float, default=3.0, help="steady tenant's req/s (default %(default)s)")
     g.add_argument("--noisy-rate", type=float, default=40.0, help="noisy tenant's req/s (default %(default)s)")
     g.add_argument("--warmup-seconds", type=float, default=2.0,

@@ -113,7 +113,7 @@ class NoisyContestant:
 
 # ---- the contestants ----
 
-def cortex_config(noisy_limits: dict[str, Any] | None, waiting_room: bool) -> dict[str, Any]:
+def cortex_config(noisy_limits: dict[str, Any] | None, waiting_room: bool, steady_priority: int = 0) -> dict[str, Any]:
     """Both tenants by API key (auth required); A's limits, if any; the waiting room on or off explicitly.
 
     With the waiting room, a worker counts as full at its engine's running limit (the high watermark's default,
@@ -125,7 +125,8 @@ def cortex_config(noisy_limits: dict[str, Any] | None, waiting_room: bool) -> di
     if noisy_limits:
         noisy["limits"] = noisy_limits
     cfg: dict[str, Any] = {"auth": {"required": True},
-                           "tenants": [{"id": STEADY, "api_keys": [digest(KEYS[STEADY])]}, noisy],
+                           "tenants": [{"id": STEADY, "api_keys": [digest(KEYS[STEADY])], "priority": steady_priority},
+                                       noisy],
                            "admission": {"waiting_room": {"enabled": waiting_room}}}
     if waiting_room:
         cfg["admission"]["waiting_room"]["queue_depth"] = 0
@@ -133,12 +134,12 @@ def cortex_config(noisy_limits: dict[str, Any] | None, waiting_room: bool) -> di
     return cfg
 
 
-def _cortex(limited: bool, waiting_room: bool) -> Callable[[Procs, list[Worker], NoisyPlan], str]:
+def _cortex(name: str, limited: bool, waiting_room: bool,
+            steady_priority: int = 0) -> Callable[[Procs, list[Worker], NoisyPlan], str]:
     def start(procs: Procs, workers: list[Worker], plan: NoisyPlan) -> str:
         limits = {"max_concurrent": plan.noisy_max_concurrent} if limited else None
-        name = "cortex" + ("" if limited else "-no-limits") + ("-waiting-room" if waiting_room else "")
-        return start_cortex(procs, workers, events=True, name=name, extra_config=cortex_config(limits, waiting_room),
-                            api_key=KEYS[STEADY])
+        return start_cortex(procs, workers, events=True, name=name,
+                            extra_config=cortex_config(limits, waiting_room, steady_priority), api_key=KEYS[STEADY])
     return start
 
 
@@ -159,22 +160,24 @@ slots, with its FIFO queue (its per-tenant rate limiter is wired into the gRPC r
 
 CONTESTANTS: dict[str, NoisyContestant] = {c.name: c for c in (
     NoisyContestant("cortex", "Cortex, both tenants by API key, A limited to `max_concurrent` requests in flight "
-                    "(429 beyond), waiting room off", _cortex(limited=True, waiting_room=False),
+                    "(429 beyond), waiting room off", _cortex("cortex", limited=True, waiting_room=False),
                     limits=lambda plan: f"max_concurrent {plan.noisy_max_concurrent} (per tenant)"),
     NoisyContestant("cortex-no-limits", "the same Cortex, no limit on either tenant, waiting room off: the problem",
-                    _cortex(limited=False, waiting_room=False)),
+                    _cortex("cortex-no-limits", limited=False, waiting_room=False)),
     NoisyContestant("smg-cache-aware", "SMG 1.13 --policy cache_aware, defaults, both tenants by --tenant-api-key "
                     "(no per-tenant limit applies to HTTP workers)", _smg("smg-cache-aware", ()), module="smg"),
     NoisyContestant("smg-global-limit", "SMG 1.13 cache_aware with its global limit: " + " ".join(SMG_GLOBAL_LIMIT),
                     _smg("smg-global-limit", SMG_GLOBAL_LIMIT), module="smg",
                     limits=lambda plan: f"all callers: {SMG_GLOBAL_LIMIT[1]} concurrent + FIFO queue"),
-    # The waiting room (fair across tenants by weight when every worker is above its watermark) is built on another
-    # branch; once it is on main, add this entry to DEFAULT.
     NoisyContestant("cortex-waiting-room", "Cortex with A's limit and the waiting room on (fair by tenant weight "
-                    "when every worker is full)", _cortex(limited=True, waiting_room=True),
+                    "when every worker is full)", _cortex("cortex-waiting-room", limited=True, waiting_room=True),
                     limits=lambda plan: f"max_concurrent {plan.noisy_max_concurrent} + waiting room"),
+    NoisyContestant("cortex-priority", "Cortex, no limit on A; the waiting room on (a worker is full at its engine's "
+                    "running limit) with B in a higher priority band, so B is released first",
+                    _cortex("cortex-priority", limited=False, waiting_room=True, steady_priority=10),
+                    limits=lambda plan: "none; B in priority band 10, A in 0 (waiting room)"),
 )}
-DEFAULT = ("cortex", "cortex-no-limits", "smg-cache-aware", "smg-global-limit")
+DEFAULT = ("cortex", "cortex-no-limits", "cortex-priority", "smg-cache-aware", "smg-global-limit")
 
 
 # ---- the pure part: the streams, what a run measured, what the runs sum up to ----
