@@ -38,12 +38,31 @@ def _mapped(path: Path, shape: tuple[int, ...], reset: bool) -> np.ndarray:
     return np.memmap(path, dtype=np.float64, mode="r+", shape=shape)
 
 
-def _read(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
-    try:
-        data = np.fromfile(path, dtype=np.float64)
-    except OSError:
-        return None
-    return data.reshape(shape) if data.size == int(np.prod(shape)) else None
+class _Views:
+    """Read-only maps of other writers' files, kept while the file at the path is the same one (a restarted
+    extproc process replaces its file: a new inode is mapped anew). One stat per read instead of a whole read."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, tuple[tuple[int, int], np.ndarray]] = {}
+
+    def rows(self, path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            self._maps.pop(path, None)
+            return None
+        ident = (st.st_ino, st.st_size)
+        held = self._maps.get(path)
+        if held is not None and held[0] == ident:
+            return held[1]
+        if st.st_size != int(np.prod(shape)) * 8:
+            return None
+        try:
+            rows = np.memmap(path, dtype=np.float64, mode="r", shape=shape)
+        except (OSError, ValueError):
+            return None
+        self._maps[path] = (ident, rows)
+        return rows
 
 
 class TenancyBoard:
@@ -57,6 +76,7 @@ class TenancyBoard:
         self._charge_paths = [self.dir / f"charged-x{i}.bin" for i in range(extproc_processes)] + [
             self.dir / "charged-observer.bin"]
         self._slots: dict[str, int] = {}
+        self._views = _Views()
         with self.locked():
             self.rate = _mapped(self.dir / "rate.bin", (CAPACITY,), reset=False)
             self.held = _mapped(self.dir / f"held-{writer}.bin", (CAPACITY, 2), reset=True) \
@@ -95,7 +115,7 @@ class TenancyBoard:
         """(in flight, reserved) for one tenant over every extproc process of the replica."""
         total = np.zeros(2)
         for path in self._held_paths:
-            rows = self.held if path.name == f"held-{self.writer}.bin" else _read(path, (CAPACITY, 2))
+            rows = self.held if path.name == f"held-{self.writer}.bin" else self._views.rows(path, (CAPACITY, 2))
             if rows is not None:
                 total += rows[slot]
         return total
@@ -104,7 +124,7 @@ class TenancyBoard:
         """Tokens charged to the tenant in the given minute and quota window, by every writer."""
         in_minute = in_quota = 0.0
         for path in self._charge_paths:
-            rows = _read(path, (CAPACITY, 4))
+            rows = self._views.rows(path, (CAPACITY, 4))
             if rows is None:
                 continue
             row = rows[slot]
