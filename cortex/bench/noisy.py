@@ -11,9 +11,10 @@ p50/p90 counts the requests B scheduled after its warm-up, i.e. those that met t
 seconds, every run's drain in seconds, the whole benchmark in seconds.
 
 Contestants (each one entry of CONTESTANTS): Cortex with a limit on A (`cortex`), the same gateway with none
-(`cortex-no-limits`, the problem), SMG 1.13 cache_aware authenticating both tenants (no per-tenant limit on its
-HTTP router), SMG with its global concurrency limit (`smg-global-limit`). The waiting room is off in every Cortex
-contestant but `cortex-waiting-room` (run when named), so each figure says what one mechanism does.
+(`cortex-no-limits`, the problem), Cortex with no limit but the waiting room and B in a higher priority band
+(`cortex-priority`), SMG 1.13 cache_aware authenticating both tenants (no per-tenant limit on its HTTP router),
+SMG with its global concurrency limit (`smg-global-limit`); `cortex-waiting-room` (A's limit and the room) when
+named. The waiting room is set explicitly in every Cortex contestant, so each figure says what one mechanism does.
 """
 
 from __future__ import annotations
