@@ -48,6 +48,8 @@ from cortex.bench.launch import (
     start_smg,
     start_workers,
 )
+from cortex.bench.report import num as _f
+from cortex.bench.report import run_line
 from cortex.bench.workloads import Session, unique
 
 STEADY, NOISY = "steady", "noisy"
@@ -427,18 +429,11 @@ def run(plan: NoisyPlan, log: Callable[[str], None] = lambda s: print(s, file=sy
 
 # ---- the report ----
 
-def _f(v: Any, digits: int = 1) -> str:
-    if v is None:
-        return "–"
-    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
-
-
 def markdown(out: dict[str, Any], command: str) -> str:
-    m, c, p = out["machine"], out["cluster"], out["params"]
+    c, p = out["cluster"], out["params"]
     goal = p["goal"]
     parts = [f"Command: `{command}`\n",
-             f"Run {out['started']} on {m['cpus']} × {m['cpu_model'] or 'CPU'} ({m['platform']}, Python "
-             f"{m['python']}; load average at start {m['loadavg_at_start']}), {_f(out.get('elapsed_s'))} s in all. "
+             run_line(out) +
              f"{c['workers']} simulated {c['engine']} workers (`{' '.join(c['sim_args'])}`). Tenant B (steady): "
              f"{_f(p['steady_rate'])} req/s for {_f(p['warmup_s'] + p['flood_s'])} s, the first {_f(p['warmup_s'])} s "
              f"left out; tenant A (noisy): {_f(p['noisy_rate'])} req/s for {_f(p['flood_s'])} s from then; ~"

@@ -12,12 +12,23 @@ from typing import Any
 START, END = "<!-- bench:results:start -->", "<!-- bench:results:end -->"
 
 
-def _f(v: Any, digits: int = 1) -> str:
+def num(v: Any, digits: int = 1) -> str:
+    """A figure for a table: floats to `digits`, a missing one as a dash."""
     if v is None:
         return "–"
     if isinstance(v, float):
         return f"{v:.{digits}f}"
     return str(v)
+
+
+_f = num
+
+
+def run_line(out: dict[str, Any]) -> str:
+    """When and where a run ran, and how long it took: the opening of every mode's report."""
+    m = out["machine"]
+    return (f"Run {out['started']} on {m['cpus']} × {m['cpu_model'] or 'CPU'} ({m['platform']}, Python "
+            f"{m['python']}; load average at start {m['loadavg_at_start']}), {num(out.get('elapsed_s'))} s in all. ")
 
 
 def _ok(r: dict[str, Any]) -> bool:

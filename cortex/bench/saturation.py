@@ -31,6 +31,8 @@ from cortex.bench import client, metrics
 from cortex.bench.client import Record, RunResult
 from cortex.bench.contestants import Contestant
 from cortex.bench.launch import ClusterSpec, Procs, Worker, start_workers
+from cortex.bench.report import num as _f
+from cortex.bench.report import run_line
 from cortex.bench.workloads import Workload, unique
 
 LIMIT_MS = 10.0
@@ -305,18 +307,11 @@ def run(plan: SaturationPlan, log: Callable[[str], None] = lambda s: print(s, fi
 
 # ---- the report ----
 
-def _f(v: Any, digits: int = 1) -> str:
-    if v is None:
-        return "–"
-    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
-
-
 def markdown(out: dict[str, Any], command: str) -> str:
-    m, c, p = out["machine"], out["cluster"], out["params"]
+    c, p = out["cluster"], out["params"]
     limit = p["limit_ms"]
     parts = [f"Command: `{command}`\n",
-             f"Run {out['started']} on {m['cpus']} × {m['cpu_model'] or 'CPU'} ({m['platform']}, Python "
-             f"{m['python']}; load average at start {m['loadavg_at_start']}), {_f(out.get('elapsed_s'))} s in all. "
+             run_line(out) +
              f"{c['workers']} simulated {c['engine']} workers with zero compute time; each rung sends ~"
              f"{p['prompt_words']}-token cold chats ({p['max_tokens']} output tokens) for ~{_f(p['rung_seconds'])} s "
              f"(at least {p['min_requests']} requests), first straight to the workers, then through the "
