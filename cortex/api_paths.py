@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
 EXPLAIN_PATH = "/cortex/v1/route"
-"""POST: the routing decision as JSON, nothing forwarded (extproc.route_explain)."""
+"""POST: the routing decision as JSON, nothing forwarded: on ingest's admin port (extproc.route_explain), and on the
+public listener only with extproc.public_route_explain."""
+def explain_socket(runtime: Path) -> Path:
+    """Where extproc process 0 answers route explain for ingest's admin port: a Unix socket in runtime_dir, or, when
+    that path is too long for a socket (108 bytes on Linux), in a private directory named after it under /tmp."""
+    path = runtime / "explain.sock"
+    if len(str(path).encode()) < 100:
+        return path
+    digest = hashlib.sha256(str(runtime).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"cortex-{os.getuid()}-{digest}" / "explain.sock"
+TENANT_VIEW_HEADER = "x-cortex-tenant"
+"""On the admin port's route explain: decide as this tenant would be routed (its cache salt)."""
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/cortex/health"
 """GET: 200 when the whole chain Envoy -> extproc answers (load balancers probe it; not a request to observe)."""

@@ -41,7 +41,7 @@ class Listen(_Strict):
     host: str = "127.0.0.1"
     """Bind address. Loopback by default; use 0.0.0.0 to serve other machines."""
     port: Port = 8080
-    """Gateway port for /v1/chat/completions, /v1/completions, /v1/models, /cortex/v1/route."""
+    """Gateway port for the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, ...)."""
     paths: list[str] = Field(default_factory=lambda: list(PUBLIC_PATHS))
     """Paths forwarded to workers (exact, query strings aside); any other gets 404 from Envoy without reaching
     extproc or a worker, so the engines' admin endpoints stay out of clients' reach. /cortex/health and, when
@@ -147,7 +147,12 @@ class ExtprocConfig(_Strict):
     """Prompt text past this many characters is not tokenized for routing (it is far beyond any context
     window; the engine will judge the request). Bounds extproc's work per request."""
     route_explain: bool = True
-    """Serve POST /cortex/v1/route (the routing decision as JSON, nothing forwarded)."""
+    """Serve POST /cortex/v1/route (the routing decision as JSON, nothing forwarded) on ingest's admin port, behind
+    the admin token (decided by extproc process 0, through a socket in runtime_dir). A `x-cortex-tenant` header
+    shows that tenant's view (its cache salt)."""
+    public_route_explain: bool = False
+    """Also serve it on the public listener, to tenants marked trusted (every caller when no tenants are
+    configured). Off by default: a decision shows which prompts the workers hold (docs/security.md)."""
     prediction_ttl_s: float = Field(2.0, ge=0)
     """How long the blocks of a just-routed prompt count as held by its worker when choosing (never as a
     claimed hit), until the worker's own events confirm them; 0 turns predictions off."""

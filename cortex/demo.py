@@ -183,8 +183,8 @@ Cortex demo is up: {len(cfg.workers)} simulated vLLM workers behind Envoy + Cort
 
 Send the same chat twice; the second lands on the worker that cached it:
   curl -si {base}/v1/chat/completions -H 'content-type: application/json' -d '{body}' | grep -i x-cortex
-See the decision without forwarding:
-  curl -s {base}/cortex/v1/route -H 'content-type: application/json' -d '{body}'
+See the decision without forwarding (on the admin port, not the public one):
+  curl -s http://127.0.0.1:{cfg.ingest.port}/cortex/v1/route -H 'content-type: application/json' -d '{body}'
 Ledger and workers:   curl -s http://127.0.0.1:{cfg.ingest.port}/cortex/workers
 Metrics:              curl -s http://127.0.0.1:{cfg.ingest.port}/metrics | grep cortex_
 Recent decisions:     curl -s http://127.0.0.1:{cfg.observe.http_port}/cortex/decisions

@@ -204,7 +204,7 @@ def observe_clusters(cfg: CortexConfig) -> list[dict[str, Any]]:
 
 def public_paths(cfg: CortexConfig) -> list[str]:
     """What the public listener serves: the configured engine paths and Cortex's own."""
-    own = [HEALTH_PATH, *([EXPLAIN_PATH] if cfg.extproc.route_explain else [])]
+    own = [HEALTH_PATH, *([EXPLAIN_PATH] if cfg.extproc.public_route_explain else [])]
     return list(dict.fromkeys([*cfg.listen.paths, *own]))
 
 

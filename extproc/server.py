@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import grpc
 import orjson
+from aiohttp import web
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
@@ -32,7 +33,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from cortex import engines, grpc_health, observation
 from cortex import headers as H
-from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, MODELS_PATH
+from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, MODELS_PATH, TENANT_VIEW_HEADER, explain_socket
 from cortex.config import CortexConfig
 from cortex.config_watch import ConfigWatcher
 from cortex.envoy_config import ANY_CLUSTER, pool_cluster
@@ -341,7 +342,7 @@ class ExtProc:
             except ClientError as exc:
                 return self._error(exc, st)
         wants_body = st.method == "POST" and (st.path in ROUTED_PATHS or
-                                              (st.path == EXPLAIN_PATH and self.cfg.extproc.route_explain))
+                                              (st.path == EXPLAIN_PATH and self.cfg.extproc.public_route_explain))
         if wants_body and headers.end_of_stream:
             return self._error(ClientError(400, "request body is required"), st)
         if not wants_body:
@@ -353,7 +354,7 @@ class ExtProc:
     def on_request_body(self, st: StreamState, body: bytes,
                         released: bool = False) -> pb.ProcessingResponse | PendingPair | Waiting:
         """`released`: it comes out of the waiting room (routed anew, and never sent back in)."""
-        explain = st.path == EXPLAIN_PATH and self.cfg.extproc.route_explain
+        explain = st.path == EXPLAIN_PATH and self.cfg.extproc.public_route_explain
         kind = ROUTED_PATHS.get(st.path)
         if kind is None and not explain:
             return self._unrouted_body(st, body)
@@ -814,14 +815,19 @@ class ExtProc:
     def _explain(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
         if not isolation.sees_routing(st.tenant):
             raise ClientError(403, "Route explain is open only to tenants marked trusted.")
+        return _immediate(200, self.explain(body, st.tenant, st.session, "tokens=1" in st.query.split("&")))
+
+    def explain(self, body: bytes, tenant: Tenant | None, session_key: str | None, with_tokens: bool) -> bytes:
+        """The decision a request would get, as JSON, nothing forwarded: the same `route` real traffic takes, in
+        the tenant's own view (its salted blocks). Raises ClientError for a body that would be refused."""
         try:
             raw = orjson.loads(body)
         except orjson.JSONDecodeError:
             raw = None
         kind: Kind = "chat" if isinstance(raw, dict) and "messages" in raw else "completion"
         parsed = parse_body(kind, body)
-        parsed.session_key = st.session
-        isolation.isolate(parsed, st.tenant)  # the tenant's own view: its salted blocks
+        parsed.session_key = session_key
+        isolation.isolate(parsed, tenant)
         result = self.router.route(parsed, commit=False)
         d = result.decision
         doc: dict[str, Any] = {
@@ -842,9 +848,29 @@ class ExtProc:
             "timings_ms": {k: round(getattr(result.timings, k) * 1000, 3)
                            for k in ("tokenize_s", "hash_s", "lookup_s", "score_s")},
         }
-        if "tokens=1" in st.query.split("&"):
+        if with_tokens:
             doc["token_ids"] = result.token_ids
-        return _immediate(200, orjson.dumps(doc))
+        return orjson.dumps(doc)
+
+    async def explain_http(self, request: web.Request) -> web.Response:
+        """Route explain for ingest's admin port (cortex/api_paths.py: explain_socket): ingest checked the admin
+        token; the admin may ask for a tenant's view."""
+        gen = self.source.current
+        name = request.headers.get(TENANT_VIEW_HEADER)
+        tenant = gen.tenants.by_id.get(name) if name else gen.tenants.default
+        if tenant is None:
+            return _json_error(ClientError(404, "No tenant of that id is configured.", TENANT_VIEW_HEADER))
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        key = next((k for n in gen.cfg.session.headers if (k := session.key_of(headers.get(n)))), None)
+        try:
+            doc = self.explain(await request.read(), tenant, key, request.query.get("tokens") == "1")
+        except ClientError as exc:
+            return _json_error(exc)
+        return web.Response(body=doc, content_type="application/json")
+
+
+def _json_error(exc: ClientError) -> web.Response:
+    return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
 
 
 def completion_budget(body: dict[str, Any] | None, default: int) -> int:
@@ -1024,6 +1050,18 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
                 log.exception("extproc upkeep failed")
 
     task = asyncio.create_task(upkeep())
+    explain_site = None
+    if index == 0 and cfg.extproc.route_explain:
+        # Route explain for ingest's admin port: a socket only this host's processes (of this user) reach.
+        explain_app = web.Application()
+        explain_app.router.add_post(EXPLAIN_PATH, app.explain_http)
+        explain_site = web.AppRunner(explain_app, access_log=None)
+        await explain_site.setup()
+        sock = explain_socket(cfg.runtime_path())
+        sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        sock.unlink(missing_ok=True)
+        await web.UnixSite(explain_site, str(sock)).start()
+        sock.chmod(0o600)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -1033,6 +1071,8 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await server.stop(grace=2)
+    if explain_site is not None:
+        await explain_site.cleanup()
     await app.pd.close()
 
 

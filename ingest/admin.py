@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -22,6 +23,7 @@ from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
 from cortex import admin_auth
+from cortex.api_paths import EXPLAIN_PATH, TENANT_VIEW_HEADER, explain_socket
 from cortex.config import WorkerConfig
 from cortex.errors import error_body
 from cortex.shared_metrics import shared_registry
@@ -181,6 +183,21 @@ def build_app(ingest: Ingest) -> web.Application:
             return _error(exc.status, str(exc))
         return web.json_response(ingest.status())
 
+    async def explain(request: web.Request) -> web.Response:
+        """Route explain, decided by extproc process 0 (it holds the router) through its socket."""
+        if not ingest.cfg.extproc.route_explain:
+            return _error(404, "route explain is off (extproc.route_explain)")
+        sock = explain_socket(ingest.cfg.runtime_path())
+        forward = {k: v for k, v in request.headers.items()
+                   if k.lower() in (TENANT_VIEW_HEADER, "content-type", *ingest.cfg.session.headers)}
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as session, \
+                    session.post(f"http://extproc{EXPLAIN_PATH}", data=await request.read(), params=request.query,
+                                 headers=forward, timeout=aiohttp.ClientTimeout(total=30)) as r:
+                return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return _error(503, "extproc process 0 is not answering route explain (starting or restarting)")
+
     # Worker changes and the status page need the admin token when one is configured; health and metrics do not.
     app = web.Application(middlewares=[admin_auth.middleware(
         admin_auth.configured_token(ingest.cfg.ingest.admin_token_file), {*admin_auth.OPEN_PATHS, "/metrics"})])
@@ -191,5 +208,6 @@ def build_app(ingest: Ingest) -> web.Application:
     app.router.add_get("/cortex/workers", workers)
     app.router.add_post("/cortex/workers", add_worker)
     app.router.add_delete("/cortex/workers/{worker_id}", remove_worker)
+    app.router.add_post(EXPLAIN_PATH, explain)
     add_status_page(app, ingest)  # /cortex/ui: the status page for a person (ingest/status_page.py)
     return app

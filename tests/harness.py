@@ -126,6 +126,14 @@ class Gateway:
     def ingest_url(self) -> str:
         return f"http://127.0.0.1:{self.ingest_port}"
 
+    @property
+    def explain_url(self) -> str:
+        """Route explain: on ingest's admin port (extproc.route_explain), or on the public listener when the test
+        put it there too (extproc.public_route_explain: a test that freezes ingest still asks extproc)."""
+        if self.extra_config.get("extproc", {}).get("public_route_explain"):
+            return f"{self.url}/cortex/v1/route"
+        return f"{self.ingest_url}/cortex/v1/route"
+
     def config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {
             "listen": {"port": self.port}, "admin": {"port": self.admin_port},

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from cortex import admin_auth
-from tests.harness import Gateway, cluster
+from tests.harness import MODEL, Gateway, cluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,7 +58,8 @@ def admin_routes(gw: Gateway) -> list[tuple[str, str, dict[str, Any] | None]]:
             ("GET", f"{gw.ingest_url}/cortex/ui", None),
             ("GET", f"{gw.ingest_url}/cortex/ui/data", None),
             ("GET", f"{gw.observe_url}/cortex/decisions", None),
-            ("GET", f"{gw.observe_url}/cortex/hit-ratio", None)]
+            ("GET", f"{gw.observe_url}/cortex/hit-ratio", None),
+            ("POST", gw.explain_url, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})]
 
 
 def test_every_admin_route_answers_401_without_the_token(gw: Gateway) -> None:
@@ -80,6 +81,21 @@ def test_the_token_opens_them_and_a_browser_can_use_basic_auth(gw: Gateway) -> N
     assert page.json()["observation"]["available"]  # the page reaches the observer with the token too
 
 
+def test_route_explain_is_on_the_admin_port_behind_the_token(gw: Gateway) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+    r = httpx.post(gw.explain_url, json=body, headers=gw.admin_headers, timeout=30)
+    assert r.status_code == 200 and r.json()["chosen"] == "sim-1"
+    # Off the public listener by default: Envoy's 404, never a decision.
+    public = httpx.post(f"{gw.url}/cortex/v1/route", json=body, timeout=30)
+    assert public.status_code == 404 and "chosen" not in public.text
+    # A bad body is refused as on the public path; an unknown tenant view is a 404.
+    bad = httpx.post(gw.explain_url, content=b"{", headers=gw.admin_headers, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
+    unknown = httpx.post(gw.explain_url, json=body, timeout=30,
+                         headers={**gw.admin_headers, "x-cortex-tenant": "nobody"})
+    assert unknown.status_code == 404
+
+
 def test_health_and_metrics_stay_open(gw: Gateway) -> None:
     for url in (f"{gw.ingest_url}/health/live", f"{gw.ingest_url}/health/ready", f"{gw.ingest_url}/metrics",
                 f"{gw.observe_url}/health", f"{gw.observe_url}/metrics"):
@@ -88,7 +104,7 @@ def test_health_and_metrics_stay_open(gw: Gateway) -> None:
 
 def test_the_public_listener_never_serves_admin_routes(gw: Gateway) -> None:
     for path in ("/cortex/workers", "/cortex/ui", "/cortex/ui/data", "/cortex/decisions", "/cortex/hit-ratio",
-                 "/health/ready", "/metrics"):
+                 "/health/ready", "/metrics", "/cortex/v1/route"):
         r = httpx.get(f"{gw.url}{path}", timeout=10, headers={"authorization": f"Bearer {TOKEN}"})
         assert r.status_code != 200 or ("workers" not in r.text and "cortex_" not in r.text), path
     r = httpx.post(f"{gw.url}/cortex/workers", timeout=10, headers={"authorization": f"Bearer {TOKEN}"},

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import yaml
 
+from cortex.api_paths import PUBLIC_PATHS
 from cortex.config import ConfigError, load_config, parse_config
 from cortex.model_bundle import shipped_tokenizer_dir
 from cortex.supervisor import ChildSpec, Supervisor
@@ -57,7 +58,8 @@ def test_check_prints_defaults(tmp_path: Path) -> None:
     r = subprocess.run([*PY, "check", "-c", str(ok)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
     full = yaml.safe_load(r.stdout)
-    assert full["listen"] == {"host": "127.0.0.1", "port": 8080} and full["extproc"]["message_timeout_ms"] == 5000
+    assert full["listen"] == {"host": "127.0.0.1", "port": 8080, "paths": list(PUBLIC_PATHS)}
+    assert full["extproc"]["message_timeout_ms"] == 5000
 
 
 def _qwen_copy(tmp_path: Path, template: str | None = None) -> Path:

@@ -20,12 +20,13 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    with cluster(tmp_path_factory.mktemp("chain")) as g:
+    # Route explain on the public listener too: a frozen ingest (below) takes its admin port with it.
+    with cluster(tmp_path_factory.mktemp("chain"), extra_config={"extproc": {"public_route_explain": True}}) as g:
         yield g
 
 
 def explain(gw: Gateway, messages: list[dict[str, str]]) -> dict:
-    return httpx.post(f"{gw.url}/cortex/v1/route", json={"model": MODEL, "messages": messages}, timeout=30).json()
+    return httpx.post(gw.explain_url, json={"model": MODEL, "messages": messages}, timeout=30).json()
 
 
 def decisions(gw: Gateway, mode: str, reason: str) -> float:

@@ -156,7 +156,7 @@ def test_worker_added_and_removed_under_load(gw: SuiteGateway, extra_sim: Sim) -
     # prompt, and the worker that computes it first holds it too.
     docs = []
     def listed() -> bool:
-        docs.append(httpx.post(f"{gw.url}/cortex/v1/route", json={"model": MODEL, "messages": messages},
+        docs.append(httpx.post(gw.explain_url, json={"model": MODEL, "messages": messages},
                                timeout=30).json())
         return docs[-1]["chosen"] == "sim-extra"
     try:
@@ -299,7 +299,7 @@ def test_hanging_worker_added(gw: SuiteGateway) -> None:
         assert r.status_code == 201, r.text
         probe = {"model": MODEL, "messages": long_chat(50, seed=7)}
         wait_for(lambda: "sim-hang" in {w["id"] for w in httpx.post(
-            f"{gw.url}/cortex/v1/route", json=probe, timeout=30).json()["workers"]}, timeout=30,
+            gw.explain_url, json=probe, timeout=30).json()["workers"]}, timeout=30,
             what="extproc to see the hanging worker")
         # Requests take well under a second here; 20 s is far beyond any healthy answer, and short of
         # Envoy's 300 s idle timeout, which a request sent to the hanging worker would wait out.

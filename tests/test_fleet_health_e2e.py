@@ -58,7 +58,7 @@ def any_gw(request: pytest.FixtureRequest) -> Gateway:
 
 
 def explain(gw: Gateway, messages: list[dict[str, str]]) -> dict[str, Any]:
-    r = httpx.post(f"{gw.url}/cortex/v1/route", json={"model": MODEL, "messages": messages}, timeout=30)
+    r = httpx.post(gw.explain_url, json={"model": MODEL, "messages": messages}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 

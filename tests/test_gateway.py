@@ -84,7 +84,7 @@ def test_route_explain_runs_the_same_decision(gw: Gateway) -> None:
     messages = long_chat(400, seed=21)
     h, _ = chat(gw, messages)
     body = {"model": MODEL, "messages": messages}
-    r = httpx.post(f"{gw.url}/cortex/v1/route?tokens=1", json=body, timeout=30)
+    r = httpx.post(f"{gw.explain_url}?tokens=1", json=body, timeout=30)
     assert r.status_code == 200
     doc = r.json()
     assert doc["chosen"] == h["x-cortex-assigned-worker"] and doc["mode"] == "exact_kv_events"

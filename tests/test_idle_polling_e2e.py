@@ -104,7 +104,7 @@ def every_s(gw: Gateway, worker: str) -> float:
 
 
 def engine_loads(gw: Gateway) -> dict[str, float | None]:
-    r = httpx.post(f"{gw.url}/cortex/v1/route", json={"model": MODEL, "messages": long_chat(40, seed=7)},
+    r = httpx.post(gw.explain_url, json={"model": MODEL, "messages": long_chat(40, seed=7)},
                    timeout=10)
     r.raise_for_status()
     return {w["id"]: w["engine_load"] for w in r.json()["workers"]}

@@ -37,8 +37,10 @@ _ids = itertools.count()
 @pytest.fixture(scope="module", params=["vllm", "sglang"])
 def gw(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     engine = request.param
+    # Route explain on the public listener too (for trusted tenants only): what is checked here.
     with cluster(tmp_path_factory.mktemp(f"isolation-{engine}"), n_sims=1, engine=engine,
-                 extra_config={"tenants": TENANTS, "auth": {"required": True}}) as g:
+                 extra_config={"tenants": TENANTS, "auth": {"required": True},
+                               "extproc": {"public_route_explain": True}}) as g:
         yield g
 
 

@@ -25,7 +25,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 
 def explain(gw: Gateway, messages: list[dict[str, str]]) -> dict:
-    r = httpx.post(f"{gw.url}/cortex/v1/route", json={"model": MODEL, "messages": messages}, timeout=30)
+    r = httpx.post(gw.explain_url, json={"model": MODEL, "messages": messages}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 

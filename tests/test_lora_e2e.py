@@ -41,7 +41,7 @@ def post(gw: Gateway, messages: list[dict[str, str]], fields: dict[str, Any]) ->
 
 
 def explain(gw: Gateway, messages: list[dict[str, str]], fields: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.post(f"{gw.url}/cortex/v1/route", json={"messages": messages, **fields}, timeout=30)
+    r = httpx.post(gw.explain_url, json={"messages": messages, **fields}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 

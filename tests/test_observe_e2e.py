@@ -155,7 +155,7 @@ def test_twenty_requests_move_every_series_by_what_the_engines_did(gw: Gateway) 
     for c in range(5):
         same = [lines[f"obs-test-{i}"] for i in range(c, 20, 5)]
         assert len({d["prompt_hash"] for d in same}) == 1 and len({tuple(d["first_ids"]) for d in same}) == 1
-        explain = httpx.post(f"{gw.url}/cortex/v1/route?tokens=1", json={"model": MODEL, "messages": chats[c]},
+        explain = httpx.post(f"{gw.explain_url}?tokens=1", json={"model": MODEL, "messages": chats[c]},
                              timeout=10).json()
         assert same[0]["first_ids"] == explain["token_ids"][:64]
         assert all(d["token_count"] == d["prompt_tokens"] == explain["prompt_tokens"] for d in same)

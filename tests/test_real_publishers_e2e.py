@@ -106,7 +106,7 @@ def _sample(gw: Gateway, wid: str, prompt: list[dict[str, str]], out: Samples, s
                 doc = client.get(f"{gw.ingest_url}/cortex/workers").json()
                 t = next(t for w in doc["workers"] for t in w["targets"] if t["worker"] == wid)
                 out.ingest.append((t["exact_kv"], t["state"], t["reason"]))
-                r = client.post(f"{gw.url}/cortex/v1/route", json={"model": MODEL, "messages": prompt})
+                r = client.post(gw.explain_url, json={"model": MODEL, "messages": prompt})
                 w = next(w for w in r.json()["workers"] if w["id"] == wid)
                 out.explain.append((w["matched_tokens"], w["ledger_trusted"]))
             except Exception as exc:  # recorded, and fails the test: a sample that could not be read
@@ -250,7 +250,7 @@ def test_vllm_publisher_store_and_remove_batches_keep_the_worker_trusted(tmp_pat
         start_sim(sim, tmp_path, "--kv-events-port", "0")  # the simulator publishes nothing itself
         start_gateway(gw)
         prompt = long_chat(200, seed=5)
-        doc = httpx.post(f"{gw.url}/cortex/v1/route?tokens=1", json={"model": MODEL, "messages": prompt},
+        doc = httpx.post(f"{gw.explain_url}?tokens=1", json={"model": MODEL, "messages": prompt},
                          timeout=30).json()
         ids = doc["token_ids"]
         assert len(ids) >= 128
@@ -298,5 +298,5 @@ def test_vllm_publisher_store_and_remove_batches_keep_the_worker_trusted(tmp_pat
 
 
 def explain_tokens(gw: Gateway, prompt: list[dict[str, str]], wid: str) -> Any:
-    r = httpx.post(f"{gw.url}/cortex/v1/route", json={"model": MODEL, "messages": prompt}, timeout=30)
+    r = httpx.post(gw.explain_url, json={"model": MODEL, "messages": prompt}, timeout=30)
     return next(w for w in r.json()["workers"] if w["id"] == wid)["matched_tokens"]

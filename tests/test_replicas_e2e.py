@@ -166,7 +166,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 def route(gw: Gateway, messages: list[dict[str, str]]) -> dict[str, Any]:
     """The replica's decision for this prompt, nothing forwarded."""
-    r = httpx.post(f"{gw.url}/cortex/v1/route", json={"model": MODEL, "messages": messages}, timeout=30)
+    r = httpx.post(gw.explain_url, json={"model": MODEL, "messages": messages}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -41,7 +41,7 @@ def post(gw: Gateway, messages: list[dict[str, str]], key: str | None = None, he
 
 
 def explain(gw: Gateway, messages: list[dict[str, str]], key: str) -> dict[str, Any]:
-    r = httpx.post(f"{gw.url}/cortex/v1/route", headers={"x-session-id": key}, timeout=30,
+    r = httpx.post(gw.explain_url, headers={"x-session-id": key}, timeout=30,
                    json={"model": MODEL, "messages": messages})
     assert r.status_code == 200, r.text
     return r.json()
