@@ -69,8 +69,6 @@ class TargetInfo:
     healthy: bool
     engine_load: float | None
     engine_waiting: float = 0.0
-    load_at: float | None = None
-    """When engine_load was read (monotonic; None when it is unknown)."""
     added_at: float | None = None
     """When ingest added it (monotonic; None until ingest has spoken)."""
     why: str = ""
@@ -144,10 +142,7 @@ class ClusterView:
             why = t.why if t.why is not None else "" if t.exact_kv else "ledger_unknown"
             info = TargetInfo(id=t.id, worker=t.worker or t.id, rank=t.rank, slot=t.slot, model=t.model,
                               engine=t.engine, address=t.address, exact_kv=t.exact_kv, healthy=t.healthy,
-                              engine_load=engine_load, engine_waiting=t.load.waiting,
-                              load_at=None if engine_load is None else (t.load.at if t.load.at is not None
-                                                                        else now - (t.load.age_s or 0.0)),
-                              added_at=added_at, why=why,
+                              engine_load=engine_load, engine_waiting=t.load.waiting, added_at=added_at, why=why,
                               role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect)
             by_model.setdefault(info.model, []).append(info)
             by_address.setdefault(info.address, info)

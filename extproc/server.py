@@ -55,7 +55,7 @@ from extproc.request import ROUTED_PATHS, Kind, parse_body
 from extproc.router import Router
 from extproc.snapshot import Source
 from extproc.tenants import Tenant
-from extproc.waiting_room import Entry, Turnover, WaitingRoom, full
+from extproc.waiting_room import Entry, WaitingRoom, full
 
 log = logging.getLogger("cortex.extproc")
 
@@ -173,8 +173,6 @@ class StreamState:
     """The schema a whole (non-streamed) answer is checked against (structured_output.validate_responses)."""
     waiting: Entry[Seat] | None = None
     """Its place in the waiting room, once it had to wait."""
-    counted_at: float = 0.0
-    """When it was counted on counted_slot (monotonic): sent to that worker."""
     queued_s: float | None = None
     """How long it waited there before it was released (None: it never waited)."""
 
@@ -195,7 +193,6 @@ class ExtProc:
         wr = self.cfg.admission.waiting_room
         self.room: WaitingRoom[Seat] = WaitingRoom(wr.max_requests, wr.max_bytes)
         """Requests waiting for a worker with room: this process's own (docs/tenancy/waiting-room.md)."""
-        self.turnover = Turnover()
         self.room_facts: dict[str, PoolFacts] = {}
         self.max_hold_s = self.cfg.longest_extproc_hold_s()
         """Envoy's max_message_timeout, fixed when Envoy started: a reload cannot lengthen a wait past it."""
@@ -295,8 +292,6 @@ class ExtProc:
                 st.pd.legs.release_abort()  # the client left while the decode's headers were held
                 st.pd.legs.event("stream_end")
             self.admission.release(st.ticket)
-            if st.counted_slot is not None:
-                self.turnover.ended(st.counted_slot, st.counted_at, time.monotonic())
             if st.counted_slot is not None and self.room:
                 try:
                     self.wake()  # a worker may have room for a waiting request now
@@ -731,13 +726,8 @@ class ExtProc:
         for t in self.cluster.targets.get(facts.model, ()):
             if t.healthy and (t.slot in facts.slots or t.slot not in facts.known):
                 load = t.engine_load if alive else None
-                waiting = t.engine_waiting if load is not None else 0.0
-                if load is not None and t.load_at is not None:
-                    # The reading less what ended here since it was taken (Turnover): what the engine holds now.
-                    ended = self.turnover.since(t.slot, t.load_at)
-                    load, waiting = max(0.0, load - ended), max(0.0, t.engine_waiting - ended)
                 active = max(load or 0.0, float(totals[t.slot]))
-                if not self._full(active, waiting):
+                if not self._full(active, t.engine_waiting if load is not None else 0.0):
                     return True
         return False
 
@@ -765,7 +755,6 @@ class ExtProc:
             self.cluster.inflight.dec(st.counted_slot)
         self.cluster.inflight.inc(slot)
         st.counted_slot = slot
-        st.counted_at = time.monotonic()
 
     def _route_any(self, st: StreamState) -> None:
         st.decision = self.router.route_any()

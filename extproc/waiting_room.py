@@ -30,34 +30,6 @@ T = TypeVar("T")
 Outcome = Literal["released", "expired", "cancelled", "displaced"]
 
 
-class Turnover:
-    """When this process's requests on each worker started and ended, for the last few seconds: an engine's load
-    reading is up to one poll old, and the requests that ended since it was taken still count in it. Releasing
-    only once the next reading shows them gone would hold a waiting request for a poll interval after every end;
-    the reading less the requests it counted that ended since is what the engine holds now (as far as this
-    process knows; requests started since are in Cortex's in-flight count)."""
-
-    KEEP_S = 5.0
-
-    def __init__(self) -> None:
-        self._ends: dict[int, deque[tuple[float, float]]] = {}
-
-    def ended(self, slot: int, started: float, now: float) -> None:
-        ends = self._ends.setdefault(slot, deque())
-        ends.append((now, started))
-        while ends and ends[0][0] < now - self.KEEP_S:
-            ends.popleft()
-
-    def since(self, slot: int, at: float) -> int:
-        """Requests on `slot` that were running at `at` (a reading's time) and have ended since."""
-        n = 0
-        for end, started in reversed(self._ends.get(slot, ())):
-            if end <= at:
-                break
-            n += started <= at
-        return n
-
-
 def full(active: float, waiting: float, high_watermark: float, queue_depth: int | None) -> bool:
     """A worker with no room for one more request: at or over the high watermark (the `hot` threshold of
     extproc/policies/base.py, without its hysteresis: a worker one under the watermark takes one more), or its

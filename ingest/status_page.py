@@ -303,8 +303,10 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class StatusPage:
-    def __init__(self, ingest: Ingest) -> None:
+    def __init__(self, ingest: Ingest, admin_token: str | None = None) -> None:
         self.ingest = ingest
+        self.admin_token = admin_token
+        """The observer's admin routes ask for it too (cortex/admin_auth.py)."""
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self, _: web.Application) -> None:
@@ -313,7 +315,7 @@ class StatusPage:
 
     async def _get(self, url: str) -> Any:
         if self._session is None:
-            token = admin_auth.configured_token(self.ingest.cfg.ingest.admin_token_file)
+            token = self.admin_token
             self._session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"} if token else None)
         async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=OBSERVER_TIMEOUT_S)) as r:
             if r.status != 200:
@@ -355,7 +357,7 @@ class StatusPage:
 
 def add_routes(app: web.Application, ingest: Ingest) -> None:
     """`/cortex/ui` and `/cortex/ui/data` on ingest's app (its admin port only)."""
-    page = StatusPage(ingest)
+    page = StatusPage(ingest, admin_auth.configured_token(ingest.cfg.ingest.admin_token_file))
     app.on_cleanup.append(page.close)
     handlers: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]] = {
         "/cortex/ui": page.page, "/cortex/ui/data": page.data_json}

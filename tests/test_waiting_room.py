@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.waiting_room import Entry, Turnover, WaitingRoom, full
+from extproc.waiting_room import Entry, WaitingRoom, full
 
 
 def names(entries: list[Entry[str]]) -> list[str]:
@@ -62,19 +62,6 @@ def test_bytes_make_way_too_but_never_for_an_arrival_larger_than_the_room() -> N
     assert room.offer("m", "vip", 1, 1.0, 70, 0.0, 30, "v1", gone) is not None
     assert names(gone) == ["a2", "a1"] and room.bytes == 70
     assert room.offer("m", "vip2", 9, 1.0, 101, 0.0, 30, "huge", gone) is None
-
-
-def test_turnover_counts_what_a_reading_counted_and_has_ended_since() -> None:
-    t = Turnover()
-    t.ended(0, started=0.5, now=1.2)
-    t.ended(0, started=1.0, now=2.0)
-    t.ended(1, started=1.0, now=2.0)  # another worker
-    t.ended(0, started=1.6, now=2.1)
-    assert t.since(0, 1.5) == 1  # the one running at 1.5; the one started at 1.6 was never in that reading
-    assert t.since(0, 0.9) == 1  # only the first was running at 0.9
-    assert t.since(0, 3.0) == 0 and t.since(2, 1.5) == 0
-    t.ended(0, started=9.0, now=10.0)  # ends older than KEEP_S are forgotten
-    assert t.since(0, 0.0) == 0 and t.since(0, 9.5) == 1
 
 
 def test_priority_band_first_then_weighted_turns_then_fifo() -> None:

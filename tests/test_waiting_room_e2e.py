@@ -164,12 +164,20 @@ def test_a_burst_waits_in_band_and_weighted_order_and_is_served_as_load_falls(gw
                 queued.append(Held(gw, tag, tenant))
                 wait_depth(gw, len(queued))
             assert all(h.status() is None for h in queued)  # every worker is full: they all wait
-            # Past max_requests: refused at once, while the others still wait.
-            extra = Held(gw, "b3", "b")
+            # Past max_requests: the tenant holding the most is refused at once, while the others still wait.
+            extra = Held(gw, "a5", "a")
             wait_for(lambda: extra.status() is not None, timeout=30, what="the refusal")
             dropped(extra, "queue_full")
             extra.close()
             assert depth(gw) == MAX_REQUESTS
+            # A tenant holding two fewer makes a full room displace the largest holder's newest (a4).
+            a4 = queued[3]
+            b3 = Held(gw, "b3", "b")
+            wait_for(lambda: a4.status() is not None, timeout=30, what="a4 displaced")
+            dropped(a4, "queue_full")
+            a4.close()
+            queued[3] = b3
+            assert depth(gw) == MAX_REQUESTS and b3.status() is None
             # Free one slot at a time: exactly one waiting request is released each time, and it holds the slot.
             order = []
             for step in range(len(queued)):
@@ -182,7 +190,7 @@ def test_a_burst_waits_in_band_and_weighted_order_and_is_served_as_load_falls(gw
                 order.append(started[0].tag)
                 holders.append(started[0])
             # The priority band first; then a serves two per turn to b's one; FIFO within each tenant.
-            assert order == ["vip1", "a1", "a2", "b1", "a3", "a4", "b2"]
+            assert order == ["vip1", "a1", "a2", "b1", "a3", "b2", "b3"]
             wait_depth(gw, 0)
         finally:
             for h in holders + queued:
@@ -193,7 +201,7 @@ def test_a_burst_waits_in_band_and_weighted_order_and_is_served_as_load_falls(gw
     waits = metric(gw, "cortex_queue_wait_seconds_count")
     assert waits.get('{band="0"}', 0) >= 6 and waits.get('{band="5"}', 0) >= 1, waits
     rejected = metric(gw, "cortex_admission_rejections_total")
-    assert rejected.get('{reason="queue_full",tenant="b"}', 0) >= 1, rejected
+    assert rejected.get('{reason="queue_full",tenant="a"}', 0) >= 2, rejected
 
 
 def test_a_burst_of_short_requests_waits_and_each_is_served_as_load_falls(gw: Gateway) -> None:
@@ -229,10 +237,17 @@ def test_the_room_is_bounded_in_bytes_and_a_client_that_leaves_leaves_it(gw: Gat
             wait_for(lambda: depth(gw) == len(big) or big[-1].status() is not None, timeout=30,
                      what="the request waiting")
             assert big[-1].status() is None, big[-1].buf[:1000]
-        third = Held(gw, "big2", "b", pad=100_000)
+        third = Held(gw, "big2", "a", pad=100_000)
         wait_for(lambda: third.status() is not None, timeout=30, what="the refusal")
         dropped(third, "queue_full")
         third.close()
+        # Another tenant's arrival displaces a's newest: the bytes bound holds, and a cannot fill the room.
+        other = Held(gw, "big3", "b", pad=100_000)
+        wait_for(lambda: big[1].status() is not None, timeout=30, what="big1 displaced")
+        dropped(big[1], "queue_full")
+        big[1].close()
+        big[1] = other
+        assert depth(gw) == 2
         # The clients give up: their requests leave the room (and never reach a worker).
         assert all(h.status() is None for h in big)
         for h in big:
