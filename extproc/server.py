@@ -1043,7 +1043,7 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
     if index == 0 and cfg.extproc.route_explain:
         # Route explain for ingest's admin port: a socket only this host's processes (of this user) reach.
         explain_app = web.Application()
-        explain_app.router.add_post(EXPLAIN_PATH, app.explain_http)
+        explain_app.add_routes([web.post(EXPLAIN_PATH, app.explain_http)])
         explain_site = web.AppRunner(explain_app, access_log=None)
         await explain_site.setup()
         sock = explain_socket(cfg.runtime_path())
