@@ -125,11 +125,10 @@ def test_a_tenants_prompt_is_never_a_hit_for_another_tenant(gw: Gateway) -> None
     assert_claim_is_the_engines(gw, int(h["x-cortex-cache-hit-tokens"]), cached)
 
 
+@pytest.mark.parametrize("gw", ["sglang"], indirect=True)  # the simulated vLLM has no /generate
 def test_unrouted_endpoints_are_salted_too(gw: Gateway) -> None:
     """SGLang's native /generate is forwarded without routing, and reads cache_salt: it is salted all the same, so
     it neither shares another tenant's blocks nor lets a client name another tenant's salt."""
-    if gw.sims[0].engine != "sglang":
-        pytest.skip("the simulated vLLM has no generation endpoint besides chat and completions")
     text = " ".join(m["content"] for m in long_chat(seed=505))
 
     def generate(who: str, **fields: Any) -> int:

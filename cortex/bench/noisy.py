@@ -20,7 +20,6 @@ named. The waiting room is set explicitly in every Cortex contestant, so each fi
 from __future__ import annotations
 
 import asyncio
-import datetime
 import math
 import sys
 import tempfile
@@ -382,15 +381,12 @@ def _contestant(c: NoisyContestant, workers: list[Worker], root: Path, plan: Noi
 
 def run(plan: NoisyPlan, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
         ) -> dict[str, Any]:
-    from cortex.bench.runner import machine
+    from cortex.bench.runner import run_head
 
     started = time.monotonic()
     spec = ClusterSpec(workers=plan.workers, engine=plan.engine, sim_extra=SIM_ARGS)
     out: dict[str, Any] = {
-        "mode": "noisy-neighbor",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "machine": machine(),
-        "cluster": {"workers": spec.workers, "engine": spec.engine, "kv_tokens_per_worker": spec.kv_tokens,
-                    "sim_args": list(SIM_ARGS)},
+        "mode": "noisy-neighbor", **run_head(spec, sim_args=list(SIM_ARGS)),
         "params": {"seeds": list(plan.seeds), "steady_rate": plan.steady_rate, "noisy_rate": plan.noisy_rate,
                    "warmup_s": plan.warmup_s, "flood_s": plan.flood_s, "prompt_words": PROMPT_WORDS,
                    "max_tokens": MAX_TOKENS, "noisy_max_concurrent": plan.noisy_max_concurrent, "goal": plan.goal,

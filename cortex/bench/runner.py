@@ -84,6 +84,13 @@ class Plan:
     """True: the cluster spec (--workers / --kv-tokens given) wins over what each workload is designed for."""
 
 
+def run_head(spec: ClusterSpec, **cluster: Any) -> dict[str, Any]:
+    """What every mode's JSON opens with: when, on what machine, on which simulated fleet (plus `cluster`)."""
+    return {"started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "machine": machine(),
+            "cluster": {"workers": spec.workers, "engine": spec.engine, "kv_tokens_per_worker": spec.kv_tokens,
+                        **cluster}}
+
+
 def machine() -> dict[str, Any]:
     model = ""
     try:
@@ -176,9 +183,7 @@ def label(name: str, replicas: int, plan: Plan) -> str:
 def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
     started = time.monotonic()
     out: dict[str, Any] = {
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "machine": machine(),
-        "cluster": {"workers": plan.cluster.workers, "engine": plan.cluster.engine,
-                    "kv_tokens_per_worker": plan.cluster.kv_tokens},
+        **run_head(plan.cluster),
         "mode": {"concurrency": plan.concurrency} if plan.concurrency else {"open_loop": True},
         "contestants": {c.name: c.what for c in plan.contestants},
         "workloads": {}, "overhead": {}, "sweep": None,

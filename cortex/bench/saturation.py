@@ -15,7 +15,6 @@ rung in requests and seconds, the whole sweep in seconds.
 
 from __future__ import annotations
 
-import datetime
 import sys
 import tempfile
 import time
@@ -260,15 +259,12 @@ def _ladder(c: Contestant, workers: list[Worker], root: Path, plan: SaturationPl
 
 def run(plan: SaturationPlan, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
         ) -> dict[str, Any]:
-    from cortex.bench.runner import machine
+    from cortex.bench.runner import run_head
 
     started = time.monotonic()
     spec = ClusterSpec(workers=plan.workers, engine=plan.engine, zero_compute=True)
     out: dict[str, Any] = {
-        "mode": "saturation",
-        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "machine": machine(),
-        "cluster": {"workers": spec.workers, "engine": spec.engine, "kv_tokens_per_worker": spec.kv_tokens,
-                    "compute": "zero (no prefill or decode time)"},
+        "mode": "saturation", **run_head(spec, compute="zero (no prefill or decode time)"),
         "params": {"rates": list(plan.rates), "rung_seconds": plan.rung_seconds, "min_requests": plan.min_requests,
                    "max_requests": plan.max_requests, "limit_ms": plan.limit_ms, "prompt_words": PROMPT_WORDS,
                    "max_tokens": MAX_TOKENS, "seed": plan.seed, "max_seconds": plan.max_seconds},
