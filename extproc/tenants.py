@@ -19,8 +19,6 @@ DEFAULT_ID = "default"
 @dataclass(frozen=True, slots=True)
 class Tenant:
     id: str
-    index: int
-    """Its row in the shared tenancy boards (config order; the unconfigured default tenant is last)."""
     priority: int
     weight: float
     limits: TenantLimits
@@ -47,13 +45,13 @@ class Directory:
         self.configured = bool(cfg.tenants)
         isolate = self.configured and cfg.admission.isolate_caches
         self.tenants: list[Tenant] = [
-            Tenant(t.id, i, t.priority, t.weight, t.limits, t.trusted, _salt(t) if isolate else None)
-            for i, t in enumerate(cfg.tenants)]
+            Tenant(t.id, t.priority, t.weight, t.limits, t.trusted, _salt(t) if isolate else None)
+            for t in cfg.tenants]
         by_id = {t.id: t for t in self.tenants}
         default = by_id.get(cfg.auth.default_tenant)
         if default is None:
             # No tenants configured: everyone is one unlimited tenant who sees everything (Cortex as before).
-            default = Tenant(cfg.auth.default_tenant, len(self.tenants), 0, 1.0, TenantLimits(),
+            default = Tenant(cfg.auth.default_tenant, 0, 1.0, TenantLimits(),
                              not self.configured, f"cortex-tenant-{cfg.auth.default_tenant}" if isolate else None)
             self.tenants.append(default)
         self.default = default

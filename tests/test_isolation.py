@@ -70,7 +70,7 @@ def test_no_client_salt_reaches_another_tenants_namespace(t1: str, t2: str, c1: 
 
 def _tenant(salt: str | None, trusted: bool = False) -> Tenant:
     from cortex.config import TenantLimits
-    return Tenant("t", 0, 0, 1.0, TenantLimits(), trusted, salt)
+    return Tenant("t", 0, 1.0, TenantLimits(), trusted, salt)
 
 
 def test_isolate_sets_the_salt_routing_keys_by_and_the_body_change() -> None:
