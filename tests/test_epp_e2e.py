@@ -330,8 +330,11 @@ def test_override_host_gateway_retries_to_the_fallback_and_fails_open(fleet: Fle
     assert retried.headers["x-cortex-route-reason"].startswith("retried:")
     assert retried.headers["x-cortex-cache-hit-tokens"] == "0"
     assert httpx.post(f"{sim.url}/sim/faults", json={"overload_503": False}, timeout=10).status_code == 200
-    # The picker goes away: the gateway (FailOpen) still serves, by its own balancing, on both workers.
+    # The picker goes away: the gateway (FailOpen) still serves, by its own balancing, on both workers. A request
+    # whose stream was open when the picker died can fail (full duplex: Envoy handed its body over and kept none);
+    # from the next stream on, Envoy continues without the picker.
     stop(fleet.picker)
+    wait_for(lambda: _chat(url, _prompt(99)).status_code == 200, timeout=15, what="the gateway failing open")
     served = set()
     for i in range(6):
         r = _chat(url, _prompt(100 + i))
