@@ -116,3 +116,46 @@ def test_trusted_workers_are_healthy_and_kv_routed_the_untrusted_one_is_refused(
     wait_for(lambda: gw.workers()["rogue"]["health_failures"] >= failures + 2, timeout=30,
              what="two more probes of the untrusted worker")
     assert sim_requests(rogue).get("/health", 0) == before
+
+
+# -- extproc's own requests: a vLLM PD pair's prefill leg, and the fallback it sends itself ---------------------
+
+@pytest.fixture(scope="module")
+def pd_gw(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Gateway]:
+    ports = free_ports(8)
+    sims = [tls_sim("vp1", ports[0], ports[1], pki), tls_sim("vd1", ports[2], ports[3], pki)]
+    sims[0].role, sims[1].role = "prefill", "decode"
+    sims[1].args += ("--kv-load-failure-policy", "fail")
+    gw = Gateway(root=tmp_path_factory.mktemp("tls-pd"), sims=sims, port=ports[4], admin_port=ports[5],
+                 ingest_port=ports[6], extproc_port=ports[7], extra_config={
+                     "upstream_tls": {"ca_file": str(pki.ca), "cert_file": str(pki.client_cert),
+                                      "key_file": str(pki.client_key)}})
+    with serving(gw):
+        yield gw
+
+
+def pd_chat(gw: Gateway, seed: int) -> httpx.Response:
+    return httpx.post(f"{gw.url}/v1/chat/completions", json={"model": MODEL, "messages": long_chat(400, seed),
+                                                             "max_tokens": 4}, timeout=60)
+
+
+def test_pd_legs_that_extproc_sends_itself_go_over_mutual_tls(pd_gw: Gateway) -> None:
+    vp1 = pd_gw.sims[0]
+    before = sim_requests(vp1).get("/v1/chat/completions", 0)
+    resp = pd_chat(pd_gw, seed=31)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-cortex-pd"] == "pair"
+    assert resp.headers["x-cortex-assigned-worker"] == "prefill=vp1,decode=vd1"
+    # The prefill leg is extproc's own request (aiohttp), the decode Envoy's: both reached workers that require
+    # Cortex's client certificate.
+    assert sim_requests(vp1).get("/v1/chat/completions", 0) == before + 1
+    httpx.post(f"{vp1.url}/sim/faults", json={"pd_transfer_fail": True}, timeout=5,
+               **(vp1.tls_client or {})).raise_for_status()
+    try:
+        # The decoder rejects the transfer: extproc sends the request to the prefill worker itself, over TLS.
+        resp = pd_chat(pd_gw, seed=32)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-cortex-pd"] == "fallback:decode_failed"
+        assert resp.headers["x-cortex-assigned-worker"] == "vp1"
+    finally:
+        httpx.post(f"{vp1.url}/sim/faults", json={"pd_transfer_fail": False}, timeout=5, **(vp1.tls_client or {}))

@@ -48,7 +48,8 @@ def make_pki(d: Path) -> Pki:
     if shutil.which("openssl") is None:
         pytest.skip("the openssl command line is not installed")
     d.mkdir(parents=True, exist_ok=True)
-    server_ext = "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"
+    # Workers also act as clients of each other (the simulator's vLLM KV pull runs over its peer's HTTP port).
+    server_ext = "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth"
     _ca(d, "ca")
     _leaf(d, "server", "ca", server_ext)
     _leaf(d, "client", "ca", "extendedKeyUsage=clientAuth")
