@@ -13,6 +13,8 @@ USAGE = """cortex <command> [options]
 
 commands:
   run      -c cortex.yaml   start the gateway (Envoy + ingest + extproc) for the configured workers
+  epp      -c cortex.yaml   start the endpoint picker (ingest + extproc, no Envoy) for a Gateway API Inference
+                            Extension gateway (docs/deployment.md#epp)
   demo                      start simulated workers and a gateway in front of them, print what to curl
   sim      [flags]          run one simulated engine (see `cortex sim --help`)
   bench    [flags]          benchmark Cortex against other routers on simulated workers (`cortex bench --help`)
@@ -22,7 +24,7 @@ commands:
   hash-key                  read an API key from stdin, print the digest to list in tenants[].api_keys
   ingest / extproc / observe  internal: the processes `cortex run` supervises
 
-logs (run, demo, sim, ingest, extproc, observe):
+logs (run, epp, demo, sim, ingest, extproc, observe):
   --log-format text|json    text: readable lines; json: one JSON object per line (default: log.format in
                             cortex.yaml, else text)
   --log-level debug|info|warning|error   (default: log.level in cortex.yaml, else info; -v is debug)
@@ -95,11 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     logs.add_flags(parser)
     if command == "extproc":
         parser.add_argument("--index", type=int, default=0)
+    if command in ("extproc", "ingest"):
+        parser.add_argument("--picker", action="store_true",
+                            help="as `cortex epp` runs it: the endpoint picker of a gateway Cortex did not configure")
     if command == "run":
         parser.add_argument("--reset-workers", action="store_true",
                             help="forget the workers added or removed through the admin API (runtime_dir/workers.json)")
     args = parser.parse_args(rest)
-    process = f"extproc-{args.index}" if command == "extproc" else "supervisor" if command == "run" else command
+    process = f"extproc-{args.index}" if command == "extproc" else "supervisor" if command in ("run", "epp") \
+        else command
     # The flags alone first, so a refused config is reported in the format asked for; then the file's `log`.
     logs.configure(*logs.resolve(args.log_level, args.log_format, args.verbose), process=process)
     cfg = _load(args.config)
@@ -123,14 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.reset_workers:
             reset_workers(cfg)
         return run_gateway(cfg, Path(args.config).resolve())
+    if command == "epp":
+        from cortex.gateway import run_picker
+
+        return run_picker(cfg, Path(args.config).resolve())
     if command == "ingest":
         from ingest.main import run
 
-        return run(cfg, Path(args.config))
+        return run(cfg, Path(args.config), picker=args.picker)
     if command == "extproc":
         from extproc.server import run as run_extproc
 
-        return run_extproc(cfg, args.index, Path(args.config))
+        return run_extproc(cfg, args.index, Path(args.config), picker=args.picker)
     if command == "observe":
         from observe.service import run as run_observe
 

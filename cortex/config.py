@@ -158,6 +158,10 @@ class ExtprocConfig(_Strict):
     claimed hit), until the worker's own events confirm them; 0 turns predictions off."""
     view_stale_after_s: float = Field(1.0, gt=0)
     """Ledger heartbeat age after which extproc stops trusting it and routes by load."""
+    routing_headers: bool = True
+    """Send Cortex's x-cortex-* routing headers (worker, proven hit, mode, reason) to callers allowed to see them
+    (trusted tenants; everyone when no tenants are configured). Off: no caller gets them, and those a worker sent
+    are removed. A proven hit tells a caller that someone sent that prefix before (docs/security.md)."""
 
 
 class ObserveConfig(_Strict):
@@ -543,6 +547,24 @@ class DiscoveryConfig(_Strict):
     """Pod pools watched through the Kubernetes API, each serving one model."""
 
 
+class EppConfig(_Strict):
+    """`cortex epp`: Cortex as the Gateway API Inference Extension's endpoint picker, called over ext_proc by a
+    gateway it does not configure (docs/deployment.md#epp)."""
+
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+    """When Cortex cannot decide for a request it received (an internal error, not a refusal): FailOpen sends it
+    to the least loaded endpoint; FailClose answers 503. Set it as the InferencePool's
+    `endpointPickerRef.failureMode` (which tells the gateway what to do when Cortex is unreachable)."""
+    fallback_endpoints: int = Field(0, ge=0, le=8)
+    """Endpoints listed after the pick in x-gateway-destination-endpoint, for the gateway's retries. 0 for a
+    gateway whose pool is an ORIGINAL_DST cluster (GIE's reference Envoy): it reads one ip:port and refuses a
+    list. Raise it only for a gateway that balances with Envoy's override_host policy."""
+    conformance_test: bool = False
+    """Follow the GIE conformance suite's `test-epp-endpoint-selection` header (an endpoint list to pick from)
+    and echo the served endpoint in `x-conformance-test-served-endpoint`. Test mode only: any client could steer
+    its request with that header."""
+
+
 class TenantLimits(_Strict):
     """What one tenant may use, per gateway replica (docs/tenancy.md: divide fleet-wide figures by the replica
     count, as SMG's limits are per router). None: no limit of that kind."""
@@ -644,6 +666,18 @@ class AdmissionConfig(_Strict):
     request ever hits another's KV blocks, except within a `shared_prefix_group`."""
     retry_after_s: int = Field(1, ge=1)
     """Retry-After on a 503 from the waiting room (a 429 carries the time until the limit allows one)."""
+    objectives: dict[str, int] = Field(default_factory=dict)
+    """Priorities by objective name, as llm-d's `x-llm-d-inference-objective` header (or its deprecated
+    `x-gateway-inference-objective`) names them: the GIE InferenceObjective objects' `priority`. A request naming
+    one waits in that band instead of its tenant's; an unknown name keeps the tenant's (docs/deployment.md#epp)."""
+
+    @field_validator("objectives")
+    @classmethod
+    def _bands(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, priority in value.items():
+            if not name or not -100 <= priority <= 100:
+                raise ValueError(f"admission.objectives[{name!r}]: a non-empty name with a priority in -100..100")
+        return value
 
 
 class SessionConfig(_Strict):
@@ -707,6 +741,7 @@ class CortexConfig(_Strict):
     workers: list[WorkerConfig] = Field(default_factory=list)
     """Workers known at start."""
     discovery: DiscoveryConfig = DiscoveryConfig()
+    epp: EppConfig = EppConfig()
     upstream_tls: UpstreamTlsConfig = UpstreamTlsConfig()
 
     @model_validator(mode="after")

@@ -26,33 +26,43 @@ START_TIMEOUT_S = 120.0
 """How long a stage may take to come up (extproc loads and probes every tokenizer first)."""
 
 
-def prepare_runtime(cfg: CortexConfig) -> Path:
+def prepare_runtime(cfg: CortexConfig, envoy: bool = True) -> Path:
+    """The runtime directory, emptied of last run's metric files; returns the Envoy bootstrap written there (not
+    written for `cortex epp`, which runs no Envoy)."""
     root = cfg.runtime_path()
     root.mkdir(parents=True, exist_ok=True)
     # Stale per-process metric files would be summed into /metrics as if those processes still ran.
     metrics = root / "metrics"
     shutil.rmtree(metrics, ignore_errors=True)
     metrics.mkdir()
-    return write_bootstrap(cfg)
+    return write_bootstrap(cfg) if envoy else root / "no-envoy"
 
 
 def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path,
                 ingest_gate: Callable[[], Awaitable[None]] | None = None, name: str = "",
-                log: Path | None = None) -> list[ChildSpec]:
+                log: Path | None = None, picker: bool = False) -> list[ChildSpec]:
     """Ingest and the extproc processes first (stage 1), Envoy once every extproc process serves (stage 2):
     an Envoy started earlier fails its ext_proc streams open (requests routed without Cortex) and logs a
     "no healthy upstream" warning for each. `name` prefixes the children's names (one of several gateways
-    under one supervisor); `log` takes their output (ChildSpec.log)."""
+    under one supervisor); `log` takes their output (ChildSpec.log). `picker` (`cortex epp`): ingest and extproc
+    only, for a gateway that is not Cortex's; its Envoy calls extproc and its access log is not Cortex's to read,
+    so no observer either."""
     env = {"PROMETHEUS_MULTIPROC_DIR": str(cfg.runtime_path() / "metrics"), "PYTHONUNBUFFERED": "1"}
     py = [sys.executable, "-m", "cortex.cli"]
     prefix = f"{name}/" if name else ""
     flags = logs.child_args()  # the log format and level resolved once, by the supervisor
+    if picker:
+        flags = [*flags, "--picker"]
     specs = [
         ChildSpec(f"{prefix}ingest", [*py, "ingest", "-c", str(config_path), *flags], env, stage=1,
                   gate=ingest_gate, log=log),
         *(ChildSpec(f"{prefix}extproc-{i}", [*py, "extproc", "-c", str(config_path), "--index", str(i), *flags],
                     env, stage=1, log=log)
           for i in range(cfg.extproc.process_count())),
+    ]
+    if picker:
+        return specs
+    specs += [
         *([ChildSpec(f"{prefix}observe", [*py, "observe", "-c", str(config_path), *flags], env, stage=1, log=log)]
           if cfg.observe.enabled else []),
         ChildSpec(f"{prefix}envoy", [envoy_binary(), "-c", str(envoy_yaml), "--disable-hot-restart",
@@ -221,3 +231,36 @@ def run_gateways(gateways: Sequence[GatewaySpec], extra: list[ChildSpec] | None 
             on_ready()
 
     return asyncio.run(sup.run(ready=announce))
+
+
+def picker_ready_message(cfg: CortexConfig, body: dict[str, Any]) -> str:
+    """`ready (endpoint picker): ext_proc on 0.0.0.0:9002  2 workers (...), 1 model (...): <routing>  (admin ...)`."""
+    f = ready_fields(cfg, body)
+    ep = cfg.extproc
+    n = ep.process_count()
+    ports = f"{ep.base_port}" if n == 1 else f"{ep.base_port}-{ep.base_port + n - 1}"
+    workers = f"{len(f['workers'])} worker{'s' * (len(f['workers']) != 1)} ({', '.join(f['workers']) or 'none yet'})"
+    routing = f": {f['routing']}" if f["routing"] else ""
+    return (f"ready (endpoint picker): ext_proc on {ep.host}:{ports}  {workers}, models {', '.join(f['models'])}"
+            f"{routing}  (admin {f['admin']}/cortex/workers)")
+
+
+def run_picker(cfg: CortexConfig, config_path: Path) -> int:
+    """`cortex epp`: ingest and extproc, serving the endpoint-picker protocol to a gateway run by someone else."""
+    try:
+        check_models(cfg)
+        configured_token(cfg.ingest.admin_token_file)
+        WorkerTls(cfg.upstream_tls)
+    except (BundleError, TokenError, ConfigError) as exc:
+        logs.fatal(str(exc))
+        return 2
+    specs = child_specs(cfg, config_path, prepare_runtime(cfg, envoy=False), picker=True)
+
+    async def announce() -> None:
+        ok, reason, body = await wait_ready(cfg)
+        while not ok:
+            logs.say("not ready after 60 s: %s; still waiting", reason, level=logging.WARNING, reason=reason)
+            ok, reason, body = await wait_ready(cfg, timeout_s=3600)
+        logs.say("%s", picker_ready_message(cfg, body), **ready_fields(cfg, body))
+
+    return asyncio.run(Supervisor(specs).run(ready=announce))

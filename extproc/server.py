@@ -41,7 +41,7 @@ from cortex.errors import ClientError
 from cortex.piecewise_tokenize import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
 from cortex.upstream_tls import WorkerTls
-from extproc import isolation, metrics, structured_output
+from extproc import epp, isolation, metrics, structured_output
 from extproc.admission import Admission, Ticket, refusal
 from extproc.cluster_view import ClusterView
 from extproc.pd import PdPlan
@@ -176,10 +176,26 @@ class StreamState:
     """Its place in the waiting room, once it had to wait."""
     queued_s: float | None = None
     """How long it waited there before it was released (None: it never waited)."""
+    priority: int | None = None
+    """Its band when an llm-d objective named one (admission.objectives); None: its tenant's."""
+    llmd: dict[str, str] | None = None
+    """llm-d's request headers it carried, by meaning (extproc/epp.py: LLMD_HEADERS)."""
+    subset: tuple[str, ...] | None = None
+    """The endpoints the gateway allows it (picker mode: envoy.lb.subset_hint); None: any."""
+    test_pick: str | None = None
+    """The conformance suite's endpoint selection (picker mode with epp.conformance_test only)."""
+    rewritten: bool = False
+    """Its body names another model than the client's (llm-d's model rewrite): the new body goes upstream."""
+    sent: int = 0
+    """Endpoints named in x-gateway-destination-endpoint: with one, the one that served is known without Envoy
+    saying it (no retry can go elsewhere)."""
 
 
 class ExtProc:
-    def __init__(self, source: Source, cluster: ClusterView, router: Router, admission: Admission) -> None:
+    def __init__(self, source: Source, cluster: ClusterView, router: Router, admission: Admission,
+                 picker: bool = False) -> None:
+        self.picker = picker
+        """`cortex epp`: the endpoint picker of a gateway Cortex did not configure (extproc/epp.py)."""
         self.source = source
         """The config generation in force (the router reads the same reference)."""
         self.cluster = cluster
@@ -220,13 +236,35 @@ class ExtProc:
                 self.cluster.refresh()
             except Exception:
                 log.exception("view refresh before a request failed; the upkeep retries")
+        duplex = duplex_out = False
+        held: pb.ProcessingResponse | None = None
+        """Full duplex: the headers answer, held until the body is whole (its pick or its body may change)."""
+        held_body: list[bytes] = []
         try:
             async for req in requests:
                 which = req.WhichOneof("request")
                 if which == "request_headers":
-                    yield self.on_request_headers(st, req.request_headers)
-                elif which == "request_body":
-                    answer = self.on_request_body(st, req.request_body.body)
+                    duplex, duplex_out = epp.duplex_modes(req)
+                    if self.picker:
+                        st.subset = epp.subset_of(req.metadata_context)
+                    answer = self.on_request_headers(st, req.request_headers)
+                    if duplex and not req.request_headers.end_of_stream and not answer.HasField("immediate_response"):
+                        # Full duplex: Envoy keeps no chunk and routes on the headers answer, so the pick (and any
+                        # body change) waits for the body's last chunk.
+                        held = answer
+                        continue
+                    yield answer
+                elif which == "request_body" or (which == "request_trailers" and held is not None):
+                    chunk = req.request_body
+                    if duplex:
+                        held_body.append(chunk.body)
+                        if which == "request_body" and not chunk.end_of_stream:
+                            continue
+                        body = b"".join(held_body)
+                        held_body.clear()
+                    else:
+                        body = chunk.body
+                    answer = self.on_request_body(st, body)
                     extended = False
                     if isinstance(answer, Waiting):
                         seat = answer.entry.payload
@@ -242,7 +280,16 @@ class ExtProc:
                             yield pb.ProcessingResponse(override_message_timeout=Duration(
                                 seconds=int(answer.wait_s) + 5))
                         answer = await self._pd_pair(st, answer)
-                    yield answer
+                    if not duplex or answer.HasField("immediate_response"):
+                        yield answer
+                        continue
+                    assert held is not None
+                    # Trailers ended the body: its last chunk does not end the stream, the trailers answer does.
+                    for part in epp.split_body_answer(held, answer, body, which == "request_body"):
+                        yield part
+                    held = None
+                    if which == "request_trailers":
+                        yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif which == "response_headers":
                     if st.pd is not None:
                         st.pd.legs.headers_arrived()  # aborts of the decode wait until extproc answered
@@ -276,6 +323,9 @@ class ExtProc:
                                                    self.cfg.extproc.max_body_bytes)
                     yield answer
                 elif which == "response_body":
+                    if duplex_out:  # Envoy forwards only what comes back
+                        yield epp.echo_response_chunk(req.response_body.body, req.response_body.end_of_stream)
+                        continue
                     if st.answer_schema is not None:  # sent only when ask_for_body asked for it
                         structured_output.check_answer(st.answer_schema, req.response_body.body)
                     yield pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -320,11 +370,21 @@ class ExtProc:
                 tenant_value = (h.raw_value or h.value.encode()).decode("latin-1")
             elif key in session_headers:
                 sessions[key] = (h.raw_value or h.value.encode()).decode("utf-8", "replace")
+            elif key in epp.LLMD_HEADERS:
+                if st.llmd is None:
+                    st.llmd = {}
+                epp.llmd_value(st.llmd, key, (h.raw_value or h.value.encode()).decode("utf-8", "replace").strip())
+            elif key == epp.TEST_SELECTION and self.picker and gen.cfg.epp.conformance_test:
+                st.test_pick = (h.raw_value or h.value.encode()).decode("latin-1")
+        if st.llmd is not None and tenant_value is None:
+            tenant_value = epp.fairness_tenant(st.llmd, tenant_header)
         if st.method == "GET" and st.path == HEALTH_PATH:
             # Answered here, so a 200 proves the whole chain Envoy -> extproc works.
             return _immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.synced}))
         try:
             st.tenant = gen.tenants.identify(authorization, tenant_value)
+            if st.llmd is not None:
+                st.priority = epp.priority_of(st.llmd, gen.cfg.admission.objectives)
         except ClientError as exc:  # before any routing work
             metrics.ADMISSION_REJECTIONS.labels("", "unauthenticated").inc()
             return self._error(exc, st)
@@ -355,10 +415,18 @@ class ExtProc:
         if kind is None and not explain:
             return self._unrouted_body(st, body)
         t0 = time.perf_counter()
+        if st.test_pick is not None:
+            return self._test_pick(st, st.test_pick)
         try:
             if explain:
                 return self._explain(st, body)
             parsed = parse_body(kind, body)  # type: ignore[arg-type]
+            if st.llmd is not None and (target := st.llmd.get(epp.REWRITE)):
+                # llm-d's model rewrite: the body names the target from here on (what routing and the worker see).
+                body = splice(body, {"model": target})
+                parsed = parse_body(kind, body)  # type: ignore[arg-type]
+                st.llmd.pop(epp.REWRITE)  # once: a request released from the waiting room comes through again
+                st.rewritten = True
             parsed.session_key = st.session
             salted = isolation.isolate(parsed, st.tenant)  # before routing: Cortex's keys follow the salt
             st.answer_schema = structured_output.check_request(self.cfg.structured_output, parsed,
@@ -378,9 +446,15 @@ class ExtProc:
             log.exception("routing failed; request continues on the fallback route")
             metrics.INTERNAL_ERRORS.inc()
             st.fallback_reason = "extproc_error"
-            return _EMPTY_BODY
+            return self._undecided(st, body)
         # Whatever commits the request to a worker (counts, reservations) comes after this: a waiting request comes
         # through here again when it is released.
+        if st.subset is not None and (result.pd is None or result.pd.pair is None):
+            narrowed = epp.within(result.decision, st.subset)
+            if narrowed is None:
+                return self._error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
+                                           "None of the endpoints the gateway allows serves this model.", 1), st)
+            result.decision = narrowed
         if not released and self._must_wait(parsed.model, result):
             return self._enter_room(st, parsed.model, body)
         metrics.observe_decision(result, time.perf_counter() - t0, self.cluster.block_size)
@@ -416,7 +490,7 @@ class ExtProc:
         chosen = decision.chosen
         if chosen.rank is not None and (placed := engines.adapter(chosen.engine).rank_body(chosen.rank)):
             changes = {**changes, **placed}  # an engine that pins a DP rank from the body only (SGLang)
-        if changes:
+        if changes or st.rewritten:
             self._set_body(response, splice(body, changes))
         return response
 
@@ -482,9 +556,11 @@ class ExtProc:
 
     def on_response_headers(self, st: StreamState,
                             req: Any) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
-        served = _served(req)
+        served = epp.served(req)
         headers = []
         d = st.decision
+        if not served and d is not None and st.sent == 1:
+            served = d.chosen.address  # the only endpoint named: a retry can go nowhere else
         if d is None:
             info = self.cluster.by_address.get(served)
             mode = "fallback_p2c"
@@ -497,6 +573,12 @@ class ExtProc:
         else:
             chosen = d.chosen
             worker = chosen
+            if not served and self.picker:
+                # A gateway that says neither which endpoint served nor sends one endpoint only: the hit is not
+                # proven (a retry may have gone to a fallback).
+                headers += [_set(H.ASSIGNED_WORKER, chosen.id), _set(H.CACHE_HIT_TOKENS, "0"),
+                            _set(H.MATCH_MODE, d.mode), _set(H.ROUTE_REASON, f"unconfirmed:{d.reason}")]
+                return self._answer_headers(st, req, headers, served)
             if served and served != chosen.address:
                 # Envoy retried on the next worker of the list: report what really happened.
                 worker = next((c for c in d.order if c.address == served), chosen)
@@ -511,8 +593,16 @@ class ExtProc:
         headers += [_set(H.MATCH_MODE, mode), _set(H.ROUTE_REASON, reason)]
         if st.pd_note:
             headers.append(_set(H.PD, st.pd_note))
-        response = _headers_answer(st, req, headers)
+        return self._answer_headers(st, req, headers, served)
+
+    def _answer_headers(self, st: StreamState, req: Any, headers: list[HeaderValueOption],
+                        served: str) -> pb.ProcessingResponse:
+        response = _headers_answer(st, req, headers, self.cfg.extproc.routing_headers)
         _observe_claim(response, headers)
+        if self.picker and self.cfg.epp.conformance_test:
+            # The conformance suite checks where its request went (its verifier plugin's header).
+            response.response_headers.response.header_mutation.set_headers.append(
+                _set(epp.TEST_SERVED, served or "fail: missing envoy lb metadata"))
         return response
 
     def _pd_response_headers(self, st: StreamState, req: Any,
@@ -561,7 +651,7 @@ class ExtProc:
     def _pd_pair_headers(self, st: StreamState, req: Any) -> pb.ProcessingResponse:
         pair, prefill = st.pd, st.pd_prefill_decision
         assert pair is not None and prefill is not None and st.decision is not None
-        served = _served(req)
+        served = epp.served(req)
         decode = next((c for c in st.decision.order if c.address == served), pair.decode)
         if decode is not pair.decode:
             self._count(st, decode.slot)
@@ -572,7 +662,7 @@ class ExtProc:
         headers = [_set(H.ASSIGNED_WORKER, f"prefill={pair.legs.prefill.id},decode={decode.id}"),
                    _set(H.CACHE_HIT_TOKENS, str(hit)), _set(H.MATCH_MODE, mode),
                    _set(H.ROUTE_REASON, f"pd:{prefill.reason}"), _set(H.PD, st.pd_note)]
-        response = _headers_answer(st, req, headers)
+        response = _headers_answer(st, req, headers, self.cfg.extproc.routing_headers)
         # The decode worker answers (and reports the usage); the pair's prefill is kept beside it.
         _observe(response, {**_claim_facts(headers), observation.WORKER: decode.id,
                             observation.PREFILL: pair.legs.prefill.id})
@@ -675,7 +765,8 @@ class ExtProc:
         seat = Seat(st, body, asyncio.get_running_loop().create_future())
         displaced: list[Entry[Seat]] = []
         now = time.monotonic()
-        entry = room.offer(pool, tenant.id, tenant.priority, tenant.weight, len(body), now, ttl, seat, displaced)
+        band = st.priority if st.priority is not None else tenant.priority  # an llm-d objective's, else its tenant's
+        entry = room.offer(pool, tenant.id, band, tenant.weight, len(body), now, ttl, seat, displaced)
         for gone in displaced:  # a full room made way for this one (extproc/waiting_room.py: victim)
             metrics.QUEUE_WAIT_SECONDS.labels(str(gone.band)).observe(now - gone.arrived)
             if not gone.payload.answer.done():
@@ -766,18 +857,55 @@ class ExtProc:
             self._count(st, st.decision.chosen.slot)
 
     def _routing_response(self, st: StreamState, phase: str, pool: str = ANY_CLUSTER) -> pb.ProcessingResponse:
-        if st.decision is None:
+        if st.decision is None and not self.picker:
             return _EMPTY_HEADERS if phase == "request_headers" else _EMPTY_BODY
-        # One entry per address: a retry must go to another worker, not another rank of the failed one.
-        endpoints = ",".join(dict.fromkeys(c.address for c in st.decision.order))
-        headers = [_set(H.POOL, pool), _set(H.ENDPOINTS, endpoints)]
-        chosen = st.decision.chosen
-        if chosen.rank is not None:
-            headers.extend(_set(k, v) for k, v in engines.adapter(chosen.engine).rank_headers(chosen.rank).items())
-        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
+        headers: list[HeaderValueOption] = []
+        endpoints = ""
+        if st.decision is not None:
+            # One entry per address: a retry must go to another worker, not another rank of the failed one.
+            endpoints = epp.destination([c.address for c in st.decision.order],
+                                        self.cfg.epp.fallback_endpoints if self.picker else None)
+            st.sent = endpoints.count(",") + 1
+            headers += [_set(H.POOL, pool), _set(H.ENDPOINTS, endpoints)]
+            chosen = st.decision.chosen
+            if chosen.rank is not None:
+                headers.extend(_set(k, v) for k, v in engines.adapter(chosen.engine).rank_headers(chosen.rank).items())
+        mutation = pb.HeaderMutation(set_headers=headers)
+        if self.picker:
+            # A gateway Cortex did not configure forwards a client's own copies of these.
+            mutation.remove_headers.extend(epp.reserved_removals(headers))
+        common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
         if phase == "request_headers":
-            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
-        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+            response = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+        else:
+            response = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+        if self.picker and endpoints:
+            response.dynamic_metadata.update({epp.LB_NAMESPACE: {epp.DESTINATION: endpoints}})
+        return response
+
+    def _undecided(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+        """Routing failed inside Cortex. Behind its own Envoy, Envoy balances the request. As a picker, the
+        InferencePool's failure mode says: FailOpen sends it to the least loaded endpoint, FailClose refuses it."""
+        if not self.picker:
+            return _EMPTY_BODY
+        if self.cfg.epp.failure_mode == "FailClose":
+            return self._error(ClientError(503, "The endpoint picker could not decide for this request."), st)
+        self._route_any(st)
+        return self._routing_response(st, "request_body")
+
+    def _test_pick(self, st: StreamState, listed: str) -> pb.ProcessingResponse:
+        """The conformance suite's selection (epp.conformance_test): the listed endpoints, in order, the first picked;
+        503 when none is known."""
+        self._route_any(st)
+        d = st.decision
+        picked = epp.pick_listed(listed, [c.address for c in d.order]) if d is not None else []
+        if d is None or not picked:
+            return self._error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
+                                       "No endpoint named by test-epp-endpoint-selection is known.", 1), st)
+        order = tuple(next(c for c in d.order if c.address == a) for a in picked)
+        st.decision = Decision(order, LOAD_AWARE, "conformance_test_selection")
+        self._count(st, order[0].slot)
+        return self._routing_response(st, "request_body")
 
     def _unrouted_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
         """A body on a path Cortex does not route (SGLang's /generate, ...): salted all the same for an isolated
@@ -943,24 +1071,18 @@ def _observe_claim(response: pb.ProcessingResponse, headers: list[HeaderValueOpt
     _observe(response, _claim_facts(headers))
 
 
-def _headers_answer(st: StreamState, req: Any, headers: list[HeaderValueOption]) -> pb.ProcessingResponse:
-    """The response-headers answer: Cortex's routing headers for a tenant that may see them; for any other, none,
-    and none of the x-cortex-* headers the worker sent (the observation still gets the facts from the caller)."""
-    if isolation.sees_routing(st.tenant):
+def _headers_answer(st: StreamState, req: Any, headers: list[HeaderValueOption],
+                    enabled: bool = True) -> pb.ProcessingResponse:
+    """The response-headers answer: Cortex's routing headers for a tenant that may see them (while extproc.
+    routing_headers is on); for any other, none, and none of the x-cortex-* headers the worker sent (the
+    observation still gets the facts from the caller)."""
+    if enabled and isolation.sees_routing(st.tenant):
         mutation = pb.HeaderMutation(set_headers=headers)
     else:
         mutation = pb.HeaderMutation(remove_headers=isolation.upstream_cortex_headers(
             h.key for h in req.response_headers.headers.headers))
     return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
         response=pb.CommonResponse(header_mutation=mutation)))
-
-
-def _served(req: Any) -> str:
-    """The upstream address that answered (Envoy's `upstream.address` attribute; '' for a local reply)."""
-    attrs = req.attributes.get("envoy.filters.http.ext_proc")
-    if attrs is not None and "upstream.address" in attrs.fields:
-        return str(attrs.fields["upstream.address"].string_value)
-    return ""
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
@@ -975,14 +1097,14 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None
     return b"".join(chunks)
 
 
-async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) -> None:
+async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, picker: bool = False) -> None:
     cluster = ClusterView(cfg, cfg.view_path(), index)
     cluster.refresh()
     registry = ModelRegistry(cfg)
     source = Source(cfg, registry)
     router = Router(cfg, cluster, registry, source)
     board = TenancyBoard(cfg.runtime_path() / "tenancy", f"x{index}", cfg.extproc.process_count())
-    app = ExtProc(source, cluster, router, Admission(cfg, board))
+    app = ExtProc(source, cluster, router, Admission(cfg, board), picker=picker)
     # A bad edit is logged and ignored; listener, port and process-count changes need a restart.
     def prepare(c: CortexConfig) -> tuple[CortexConfig, ModelRegistry, dict[int, SegmentEncoder]]:
         # In the watcher's thread: tokenizers load and new encoders prove themselves off the event loop.
@@ -1069,7 +1191,7 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None) 
     await app.pd.close()
 
 
-def run(cfg: CortexConfig, index: int, config_path: Path | None = None) -> int:
+def run(cfg: CortexConfig, index: int, config_path: Path | None = None, picker: bool = False) -> int:
     if index > 0:
         # Every extproc process loads the same tokenizers and applies (or refuses) the same config edits: process
         # 0 tells the person once. The others keep their warnings (and, but for config refusals, errors).
@@ -1082,6 +1204,6 @@ def run(cfg: CortexConfig, index: int, config_path: Path | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(cfg, index, config_path))
+    asyncio.run(serve(cfg, index, config_path, picker))
     return 0
 

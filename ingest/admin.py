@@ -135,7 +135,7 @@ class IngestCollector(Collector):
         yield cpu
 
 
-def build_app(ingest: Ingest) -> web.Application:
+def build_app(ingest: Ingest, picker: bool = False) -> web.Application:
     own = CollectorRegistry()
     own.register(IngestCollector(ingest))
     shared = shared_registry()
@@ -143,7 +143,7 @@ def build_app(ingest: Ingest) -> web.Application:
     async def live(_: web.Request) -> web.Response:
         return web.json_response({"status": "live"})
 
-    readiness = Readiness(ingest)
+    readiness = Readiness(ingest, with_envoy=not picker)
 
     async def ready(_: web.Request) -> web.Response:
         # Ready means "a request sent now is routed by Cortex" (ingest/readiness.py); 503 names what is missing.

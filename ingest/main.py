@@ -17,10 +17,10 @@ from ingest.service import Ingest
 log = logging.getLogger("cortex.ingest")
 
 
-async def serve(cfg: CortexConfig, config_path: Path | None = None) -> None:
+async def serve(cfg: CortexConfig, config_path: Path | None = None, picker: bool = False) -> None:
     ingest = Ingest(cfg, config_path)
     await ingest.start()
-    runner = web.AppRunner(build_app(ingest), access_log=None)
+    runner = web.AppRunner(build_app(ingest, picker), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.ingest.host, cfg.ingest.port, reuse_address=True)
     await site.start()
@@ -37,6 +37,6 @@ async def serve(cfg: CortexConfig, config_path: Path | None = None) -> None:
         await ingest.stop()
 
 
-def run(cfg: CortexConfig, config_path: Path | None = None) -> int:
-    asyncio.run(serve(cfg, config_path))
+def run(cfg: CortexConfig, config_path: Path | None = None, picker: bool = False) -> int:
+    asyncio.run(serve(cfg, config_path, picker))
     return 0

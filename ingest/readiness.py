@@ -42,9 +42,15 @@ def subscription(t: Target) -> dict[str, Any]:
             "endpoint": t.endpoint(t.worker.cfg.kv_events), "replay": t.endpoint(t.worker.cfg.kv_replay)}
 
 
+async def _not_ours() -> dict[str, Any]:
+    return {"ok": True, "detail": "endpoint picker: the gateway's Envoy is not Cortex's"}
+
+
 class Readiness:
-    def __init__(self, ingest: Ingest) -> None:
+    def __init__(self, ingest: Ingest, with_envoy: bool = True) -> None:
         self.ingest = ingest
+        self.with_envoy = with_envoy
+        """False under `cortex epp`: the gateway is someone else's, and its Envoy is not Cortex's to check."""
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -95,7 +101,7 @@ class Readiness:
         age = time.monotonic() - ingest.heartbeat_at if ingest.heartbeat_at else None
         view_ok = age is not None and age <= cfg.extproc.view_stale_after_s
         view = {"ok": view_ok, "heartbeat_age_s": None if age is None else round(age, 3)}
-        envoy, *extprocs = await asyncio.gather(self._envoy(),
+        envoy, *extprocs = await asyncio.gather(self._envoy() if self.with_envoy else _not_ours(),
                                                 *(self._extproc(i) for i in range(cfg.extproc.process_count())))
         problems = []
         if not view_ok:

@@ -126,3 +126,13 @@ def test_engine_admin_paths_are_not_forwarded(gw: Gateway) -> None:
     assert httpx.get(f"{gw.url}/v1/models?limit=1", timeout=10).status_code == 200  # the query is not the path
     assert httpx.get(f"{gw.url}/cortex/health", timeout=10).status_code == 200
     assert httpx.get(f"{gw.url}/health", timeout=10).status_code == 200  # a worker's health stays public
+
+
+def test_routing_headers_can_be_turned_off_for_everyone(tmp_path: Path) -> None:
+    """extproc.routing_headers: false: no caller learns which worker served or what was cached."""
+    with cluster(tmp_path, n_sims=1, extra_config={"extproc": {"routing_headers": False}}) as g:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 2}
+        r = httpx.post(f"{g.url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200
+        assert not [k for k in r.headers if k.lower().startswith("x-cortex-")]
+        assert r.headers["x-sim-worker"] == "sim-1"

@@ -330,6 +330,17 @@ def test_workers_in_the_config_are_the_example_pods(rendered: dict[str, list[Obj
     assert one(objs, "Service", service)["spec"]["clusterIP"] == "None"
     ports = {p["name"]: p["containerPort"] for p in sim["spec"]["template"]["spec"]["containers"][0]["ports"]}
     pods = [f"cortex-sim-{i}" for i in range(sim["spec"]["replicas"])]
+    if overlay == "epp":
+        # The endpoint picker finds the pool's pods itself: the InferencePool's, with the pods' KV ports.
+        (pool,) = cfg.discovery.kubernetes
+        inference = one(objs, "InferencePool", pool.inference_pool or "")["spec"]
+        assert inference["selector"]["matchLabels"].items() <= sim["spec"]["template"]["metadata"]["labels"].items()
+        assert [p["number"] for p in inference["targetPorts"]] == [ports["http"]]
+        assert (pool.kv_events_port, pool.kv_replay_port) == (ports["kv-events"], ports["kv-replay"])
+        assert not cfg.workers and cfg.epp.failure_mode == inference["endpointPickerRef"]["failureMode"]
+        objectives = {o["metadata"]["name"]: o["spec"]["priority"] for o in objs if o["kind"] == "InferenceObjective"}
+        assert cfg.admission.objectives == objectives
+        return
     assert [w.id for w in cfg.workers] == pods
     for w, pod in zip(cfg.workers, pods, strict=True):
         host = f"{pod}.{service}"
