@@ -392,7 +392,9 @@ class WorkerConfig(_Strict):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._:-]+$")
     """Name used in headers, metrics and /cortex/workers."""
     url: str
-    """http://HOST:PORT of its OpenAI API. A hostname is resolved at start and again every
+    """http://HOST:PORT of its OpenAI API, or https://HOST:PORT for one that serves TLS (checked as
+    `upstream_tls` says, by every path that talks to it: Envoy, ingest's probes, extproc's PD legs; never a
+    plaintext fallback). A hostname is resolved at start and again every
     `ingest.health_interval_s`: once the address in use is no longer among the answers, the worker moves to the
     first one (its ledger starts over; docs/deployment.md, "Worker DNS names")."""
     model: str
@@ -418,8 +420,8 @@ class WorkerConfig(_Strict):
     @classmethod
     def _url(cls, value: str) -> str:
         parts = urlsplit(value)
-        if parts.scheme != "http" or not parts.hostname or parts.port is None:
-            raise ValueError("must look like http://HOST:PORT")
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+            raise ValueError("must look like http://HOST:PORT or https://HOST:PORT")
         return value.rstrip("/")
 
     @field_validator("kv_events", "kv_replay")
@@ -428,6 +430,11 @@ class WorkerConfig(_Strict):
         if value is not None and not re.match(r"^(tcp://[^:/]+:\d+|ipc://.+)$", value):
             raise ValueError("must be a ZMQ endpoint such as tcp://HOST:PORT or ipc:///path")
         return value
+
+    @property
+    def tls(self) -> bool:
+        """Served over TLS (an https:// url)."""
+        return self.url.startswith("https://")
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -464,6 +471,9 @@ class KubernetesPool(_Strict):
     """The configured model the pods serve."""
     engine: Engine = engines.DEFAULT_ENGINE
     """Must match the model's engine."""
+    scheme: Literal["http", "https"] = "http"
+    """How the pods' OpenAI API is reached: `https` when they serve TLS (mTLS in a cluster), checked as
+    `upstream_tls` says (with pod IPs, set `upstream_tls.server_name` to the name their certificates carry)."""
     kv_events_port: Port | None = None
     """The pods' KV-event PUB port when a pod has no `cortex.io/kv-events-port` annotation. None: such pods are
     routed by load."""
@@ -490,6 +500,43 @@ class KubernetesPool(_Strict):
             if parts.scheme == "http" and parts.hostname not in ("localhost", "127.0.0.1", "::1"):
                 raise ValueError("api_server: plain http is only allowed to a loopback address (the service "
                                  "account token would cross the network in the clear)")
+        return self
+
+
+class UpstreamTlsConfig(_Strict):
+    """TLS from Cortex to the workers whose url is https:// (http workers are unchanged): Envoy, ingest's probes and
+    extproc's PD legs all connect with it, and a worker that fails the check is refused, never retried in plaintext
+    (docs/security/upstream-tls.md). Without this section an https worker is checked against the system's CAs."""
+
+    ca_file: str | None = None
+    """PEM bundle of the CAs that sign the workers' certificates. None: the system's CA bundle."""
+    cert_file: str | None = None
+    """PEM client certificate (chain) Cortex presents, for workers that require one (mutual TLS). Give `key_file`
+    with it."""
+    key_file: str | None = None
+    """PEM private key of `cert_file` (unencrypted: mount it from a Secret readable by Cortex alone)."""
+    server_name: str | None = None
+    """Name sent as SNI and required in every worker certificate's subject alt names. None: each worker's own
+    host from its url (a DNS name, or an IP address matched against the certificate's IP SANs). Set it when workers
+    are addressed by IP but their certificates carry a service name (Kubernetes pods)."""
+    verify: bool = True
+    """Check the workers' certificates (chain and name). false encrypts without knowing who answers: only for a
+    test bench; it cannot be combined with `ca_file` or `server_name`, which it would ignore."""
+
+    @field_validator("ca_file", "cert_file", "key_file", "server_name")
+    @classmethod
+    def _not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty (leave it out instead)")
+        return value
+
+    @model_validator(mode="after")
+    def _pairs(self) -> UpstreamTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (the client certificate and its key), or neither")
+        if not self.verify and (self.ca_file is not None or self.server_name is not None):
+            raise ValueError("verify: false checks no certificate, so ca_file and server_name would be ignored; "
+                             "remove them or keep verify: true")
         return self
 
 
@@ -695,6 +742,7 @@ class CortexConfig(_Strict):
     """Workers known at start."""
     discovery: DiscoveryConfig = DiscoveryConfig()
     epp: EppConfig = EppConfig()
+    upstream_tls: UpstreamTlsConfig = UpstreamTlsConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> CortexConfig:

@@ -83,6 +83,9 @@ class TargetMeta(msgspec.Struct, frozen=True):
     """`both`, `prefill` or `decode` (PD pools, docs/pd.md)."""
     bootstrap_port: int | None = None
     """SGLang prefill: the port its decode connects to (None until read)."""
+    tls_name: str | None = None
+    """An https worker: the name its certificate must carry (upstream_tls, cortex/upstream_tls.py), which extproc's
+    own requests to it check. None: plain http."""
 
 
 class ClusterMeta(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,7 +23,7 @@ import importlib.util
 import os
 import re
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from cortex.errors import error_body
 from cortex.observation import NAMESPACE as OBSERVE_NAMESPACE
 from cortex.observation import OBSERVED as OBSERVED_NAMESPACE
 from cortex.observation import lua_source
+from cortex.upstream_tls import SOCKET_MATCH_KEY, envoy_transport_socket, verify_name
 
 ANY_CLUSTER = "cortex_any"
 EXTPROC_CLUSTER = "cortex_extproc"
@@ -370,7 +371,7 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     }
 
 
-def _worker_cluster(name: str, cfg: CortexConfig) -> dict[str, Any]:
+def _worker_cluster(name: str, cfg: CortexConfig, workers: Iterable[WorkerConfig] = ()) -> dict[str, Any]:
     xds = xds_dir(cfg)
     t = cfg.timeouts
     cluster: dict[str, Any] = {
@@ -430,15 +431,33 @@ def _worker_cluster(name: str, cfg: CortexConfig) -> dict[str, Any]:
             }}]},
         },
     }}]}
+    cluster.update(tls_socket_matches(cfg, workers))
     return cluster
 
 
-def _assignment(name: str, workers: Iterable[WorkerConfig]) -> dict[str, Any]:
+def tls_socket_matches(cfg: CortexConfig, workers: Iterable[WorkerConfig]) -> dict[str, Any]:
+    """TLS to the https workers of a cluster (cortex/upstream_tls.py): one transport socket per name their
+    certificates must carry, picked by the endpoint's metadata; an endpoint without it (an http worker) keeps
+    the plain socket, so one pool may mix both. Health checks use each endpoint's own socket."""
+    names = sorted({n for w in workers if (n := verify_name(cfg.upstream_tls, w)) is not None})
+    if not names:
+        return {}
+    return {"transport_socket_matches": [
+        {"name": f"tls:{n}", "match": {SOCKET_MATCH_KEY: n},
+         "transport_socket": envoy_transport_socket(cfg.upstream_tls, n)} for n in names]}
+
+
+def _assignment(name: str, cfg: CortexConfig, workers: Iterable[WorkerConfig],
+                addresses: Mapping[str, str]) -> dict[str, Any]:
     endpoints = []
     for w in workers:
-        ip, port = w.address().rsplit(":", 1)
+        ip, port = (addresses.get(w.id) or w.address()).rsplit(":", 1)
+        metadata: dict[str, Any] = {"cortex": {"worker": w.id}}
+        tls_name = verify_name(cfg.upstream_tls, w)
+        if tls_name is not None:
+            metadata["envoy.transport_socket_match"] = {SOCKET_MATCH_KEY: tls_name}
         endpoints.append({"endpoint": {"address": _addr(ip.strip("[]"), int(port))},
-                          "metadata": {"filter_metadata": {"cortex": {"worker": w.id}}}})
+                          "metadata": {"filter_metadata": metadata}})
     return {
         "version_info": hashlib.sha1(repr(endpoints).encode()).hexdigest()[:12],
         "resources": [{
@@ -462,15 +481,19 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def write_xds(cfg: CortexConfig, workers: Iterable[WorkerConfig] | None = None) -> None:
-    """Write EDS files first, then CDS, so a new cluster never points at a file that is not there yet."""
+def write_xds(cfg: CortexConfig, workers: Iterable[WorkerConfig] | None = None,
+              addresses: Mapping[str, str] | None = None) -> None:
+    """Write EDS files first, then CDS, so a new cluster never points at a file that is not there yet.
+    `addresses`: ip:port by worker id where it is routed to (ingest's resolution), else resolved here."""
     members = list(cfg.workers if workers is None else workers)
+    addresses = addresses or {}
     xds = xds_dir(cfg)
     clusters = [(ANY_CLUSTER, members)]
     clusters += [(pool_cluster(m.name), [w for w in members if w.model == m.name]) for m in cfg.models]
     for name, ws in clusters:
-        atomic_write(xds / f"eds_{name}.yaml", yaml.safe_dump(_assignment(name, ws), sort_keys=False))
-    resources = [_worker_cluster(name, cfg) for name, _ in clusters]
+        atomic_write(xds / f"eds_{name}.yaml", yaml.safe_dump(_assignment(name, cfg, ws, addresses),
+                                                                sort_keys=False))
+    resources = [_worker_cluster(name, cfg, ws) for name, ws in clusters]
     cds = {"version_info": hashlib.sha1(repr(resources).encode()).hexdigest()[:12], "resources": resources}
     atomic_write(xds / "cds.yaml", yaml.safe_dump(cds, sort_keys=False))
 

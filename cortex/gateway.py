@@ -16,10 +16,11 @@ import aiohttp
 
 from cortex import grpc_health, logs
 from cortex.admin_auth import TokenError, configured_token
-from cortex.config import CortexConfig, check_models, reachable_host
+from cortex.config import ConfigError, CortexConfig, check_models, reachable_host
 from cortex.envoy_config import envoy_binary, write_bootstrap
 from cortex.model_bundle import BundleError
 from cortex.supervisor import ChildSpec, Supervisor
+from cortex.upstream_tls import WorkerTls
 
 START_TIMEOUT_S = 120.0
 """How long a stage may take to come up (extproc loads and probes every tokenizer first)."""
@@ -196,7 +197,8 @@ def run_gateways(gateways: Sequence[GatewaySpec], extra: list[ChildSpec] | None 
         for g in gateways:
             check_models(g.cfg)
             configured_token(g.cfg.ingest.admin_token_file)  # a bad token file stops the start, not ingest
-    except (BundleError, TokenError) as exc:
+            WorkerTls(g.cfg.upstream_tls)  # so does an unreadable CA or client certificate
+    except (BundleError, TokenError, ConfigError) as exc:
         logs.fatal(str(exc))
         return 2
     gate = (lambda: wait_urls(ready_urls)) if ready_urls else None
@@ -248,7 +250,8 @@ def run_picker(cfg: CortexConfig, config_path: Path) -> int:
     try:
         check_models(cfg)
         configured_token(cfg.ingest.admin_token_file)
-    except (BundleError, TokenError) as exc:
+        WorkerTls(cfg.upstream_tls)
+    except (BundleError, TokenError, ConfigError) as exc:
         logs.fatal(str(exc))
         return 2
     specs = child_specs(cfg, config_path, prepare_runtime(cfg, envoy=False), picker=True)

@@ -21,6 +21,7 @@ from cortex.config import CortexConfig
 from cortex.contract import ContractError, LoadReading, TargetMeta, decode_meta, target_id
 from cortex.inflight import InflightBoard
 from cortex.ledger_view import ViewBusy, ViewReader
+from cortex.upstream_tls import verify_name
 
 log = logging.getLogger("cortex.extproc")
 
@@ -80,6 +81,8 @@ class TargetInfo:
     suspect: bool = False
     """Not in good standing with ingest (never probed yet, or its latest probe failed): routable, but never
     first while a worker in good standing exists. False for the config's list (nothing is known yet)."""
+    tls_name: str | None = None
+    """An https worker: the name its certificate must carry (extproc's own requests check it); None: http."""
 
     @property
     def age_s(self) -> float | None:
@@ -125,7 +128,8 @@ class ClusterView:
                 targets.append(TargetMeta(id=target_id(w.id, rank), worker=w.id, rank=rank,
                                           slot=len(targets), model=w.model, engine=w.engine, address=w.address(),
                                           exact_kv=False, healthy=True, role=w.role,
-                                          bootstrap_port=w.bootstrap_port))
+                                          bootstrap_port=w.bootstrap_port,
+                                          tls_name=verify_name(self.cfg.upstream_tls, w)))
         return targets
 
     def _set_targets(self, targets: list[TargetMeta]) -> None:
@@ -143,7 +147,8 @@ class ClusterView:
             info = TargetInfo(id=t.id, worker=t.worker or t.id, rank=t.rank, slot=t.slot, model=t.model,
                               engine=t.engine, address=t.address, exact_kv=t.exact_kv, healthy=t.healthy,
                               engine_load=engine_load, engine_waiting=t.load.waiting, added_at=added_at, why=why,
-                              role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect)
+                              role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect,
+                              tls_name=t.tls_name)
             by_model.setdefault(info.model, []).append(info)
             by_address.setdefault(info.address, info)
         self.targets = by_model

@@ -34,7 +34,9 @@ import aiohttp
 import orjson
 
 from cortex import engines
+from cortex.config import UpstreamTlsConfig
 from cortex.inflight import InflightBoard
+from cortex.upstream_tls import WorkerTls
 from extproc.cluster_view import TargetInfo
 from extproc.metrics import PD_FAILURES, PD_LEG_SECONDS
 from extproc.pd import Pair, PdPlan
@@ -232,13 +234,15 @@ class PairLegs:
 
 
 class PdDispatcher:
-    def __init__(self, inflight: InflightBoard | None = None) -> None:
+    def __init__(self, inflight: InflightBoard | None = None, tls: WorkerTls | None = None) -> None:
         # A prefill leg counts as in flight on its worker like any routed request, so a burst spreads over the
         # prefill pool instead of waiting for the engines' next load report.
         self.inflight = inflight
         self.rng = random.Random()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.tls = tls if tls is not None else WorkerTls(UpstreamTlsConfig())
+        """How an https worker is reached (upstream_tls); its certificate is checked, never skipped."""
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -249,6 +253,11 @@ class PdDispatcher:
                 trace_configs=[trace], timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0),
                 connector=aiohttp.TCPConnector(limit=0, force_close=False))
         return self._session
+
+    def post(self, target: TargetInfo, path: str, **kwargs: Any) -> Any:
+        """POST `path` to a worker, over TLS when it is an https one (its TLS name, from ingest)."""
+        return self.session().post(f"{self.tls.base_url(target.address, target.tls_name)}{path}",
+                                   **self.tls.kwargs(target.tls_name), **kwargs)
 
     async def close(self) -> None:
         for t in list(self._tasks):
@@ -269,8 +278,8 @@ class PdDispatcher:
             await asyncio.sleep(delay_s)
         for d in decodes:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                async with self.session().post(f"http://{d.address}/abort_request", json={"rid": rid},
-                                               timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                async with self.post(d, "/abort_request", json={"rid": rid},
+                                     timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
                     await resp.read()
 
     # -- SGLang ---------------------------------------------------------------------------------------------
@@ -316,9 +325,8 @@ class PdDispatcher:
     async def _send(self, target: TargetInfo, path: str, body: bytes, sent: asyncio.Future[None]) -> int:
         """The prefill leg; its answer is drained and dropped (the client gets the decode's)."""
         with self._counted(target):
-            async with self.session().post(f"http://{target.address}{path}", data=body,
-                                           headers={"content-type": "application/json"},
-                                           trace_request_ctx={"sent": sent}) as resp:
+            async with self.post(target, path, data=body, headers={"content-type": "application/json"},
+                                 trace_request_ctx={"sent": sent}) as resp:
                 await resp.read()
                 return resp.status
 
@@ -348,7 +356,7 @@ class PdDispatcher:
             t0 = time.monotonic()
             try:
                 with self._counted(p):
-                    async with self.session().post(f"http://{p.address}{path}", data=orjson.dumps(
+                    async with self.post(p, path, data=orjson.dumps(
                             vllm_prefill_body(doc, changes)), headers=headers,
                             timeout=aiohttp.ClientTimeout(total=cfg.prefill_timeout_s)) as resp:
                         raw = await resp.read()

@@ -40,6 +40,7 @@ from cortex.envoy_config import ANY_CLUSTER, pool_cluster
 from cortex.errors import ClientError
 from cortex.piecewise_tokenize import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
+from cortex.upstream_tls import WorkerTls
 from extproc import epp, isolation, metrics, structured_output
 from extproc.admission import Admission, Ticket, refusal
 from extproc.cluster_view import ClusterView
@@ -202,7 +203,7 @@ class ExtProc:
         # Acting on a plan reports what was sent where, as the in-flight board does: a fallback that serves
         # records the prompt's blocks as predicted on its worker.
         self.predictions = router.predictions
-        self.pd = PdDispatcher(cluster.inflight)
+        self.pd = PdDispatcher(cluster.inflight, WorkerTls(self.cfg.upstream_tls))
         self.last_stream_at = 0.0
         """When the latest ext_proc stream (one per request) began (monotonic)."""
         self.admission = admission
@@ -695,9 +696,12 @@ class ExtProc:
                 eng = engines.adapter(cand.engine)
                 changes.update(eng.rank_body(cand.rank))
                 headers.update(eng.rank_headers(cand.rank))
+            target = self.cluster.by_address.get(cand.address)
+            if target is None:  # left the fleet meanwhile: how to reach it (TLS or not) is no longer known
+                continue
             try:
-                async with self.pd.session().post(f"http://{cand.address}{st.path}", data=splice(pending.body, changes),
-                                                  headers=headers, timeout=timeout) as resp:
+                async with self.pd.post(target, st.path, data=splice(pending.body, changes),
+                                        headers=headers, timeout=timeout) as resp:
                     status, resp_headers = resp.status, resp.headers
                     body = await _read_capped(resp, self.cfg.extproc.max_body_bytes)
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:

@@ -5,7 +5,7 @@ The rules (docs/deployment.md, "Workers from Kubernetes"):
 - A pod is a worker while it is Running, Ready, not being deleted, and has an IP; otherwise it is none (GIE's
   endpoint pickers keep only ready pods too). A worker per target port: one port gives the pod's name as the
   worker id, several (an InferencePool may list up to 8, one per data-parallel API server) give `<pod>-rank-<i>`.
-- url http://<podIP>:<port>; KV events tcp://<podIP>:<kv port> where the kv port is the pod's
+- url http(s)://<podIP>:<port> (`scheme`); KV events tcp://<podIP>:<kv port> where the kv port is the pod's
   `cortex.io/kv-events-port` annotation, else the pool's `kv_events_port`, else none (routed by load); with
   several target ports, the i-th port's worker publishes on the kv port + i (as DP ranks do). The same for
   `cortex.io/kv-replay-port` / `kv_replay_port`. `cortex.io/role`, `cortex.io/dp-size`,
@@ -131,7 +131,7 @@ def pod_workers(pod: Mapping[str, Any], pool: KubernetesPool, ports: Sequence[in
         for i, port in enumerate(ports):
             out.append(WorkerConfig.model_validate({
                 "id": name if len(ports) == 1 else f"{name}-rank-{i}",
-                "url": f"http://{_host(ip)}:{port}", "model": pool.model, "engine": pool.engine,
+                "url": f"{pool.scheme}://{_host(ip)}:{port}", "model": pool.model, "engine": pool.engine,
                 "kv_events": None if kv is None else f"tcp://{_host(ip)}:{kv + i}",
                 "kv_replay": None if replay is None else f"tcp://{_host(ip)}:{replay + i}", **fields}))
     except ValidationError as exc:

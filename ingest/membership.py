@@ -75,8 +75,9 @@ def save(path: Path, cfg: CortexConfig, workers: Iterable[Worker]) -> None:
 def sync_envoy(cfg: CortexConfig, workers: Iterable[Worker]) -> None:
     """Envoy's pools (EDS files) from the running workers, at the address each one is routed to (a hostname
     resolved again here could answer another address than the one extproc names)."""
-    write_xds(cfg, [w.cfg if w.cfg.url.endswith(f"//{w.address}") else
-                    w.cfg.model_copy(update={"url": f"http://{w.address}"}) for w in workers])
+    running = list(workers)
+    # The url keeps its host: an https worker's certificate is checked against that name, not the address.
+    write_xds(cfg, [w.cfg for w in running], {w.id: w.address for w in running})
 
 
 def check_removal(worker: Worker) -> None:

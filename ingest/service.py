@@ -35,6 +35,7 @@ from cortex.contract import ClusterMeta, encode_meta, target_id
 from cortex.inflight import InflightBoard
 from cortex.ledger_view import ViewWriter
 from cortex.model_bundle import ModelBundle
+from cortex.upstream_tls import WorkerTls, verify_name
 from ingest import k8s_discovery, membership, silence, tokenizer_parity
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
@@ -69,6 +70,8 @@ class Ingest:
         self._parity_tasks: dict[str, asyncio.Task[None]] = {}
         self._background: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
+        # https workers' probes check certificates with this, built once (a bad file stops ingest at start).
+        self.tls = WorkerTls(cfg.upstream_tls)
         self._publish_soon = asyncio.Event()
         self._meta_dirty = True
         self._parity_wakeup = asyncio.Event()
@@ -126,6 +129,10 @@ class Ingest:
                 await self._apply_config(*change)
 
     async def _apply_config(self, cfg: CortexConfig, probes: dict[str, list[Any]]) -> None:
+        if cfg.upstream_tls != self.cfg.upstream_tls:
+            # Read once per process (ingest, extproc and Envoy must agree): kept until the restart.
+            log.warning("upstream_tls changed: it takes effect when the gateway restarts")
+            cfg = cfg.model_copy(update={"upstream_tls": self.cfg.upstream_tls})
         remove, add = membership.config_change(self.cfg, cfg, self.workers)
         rediscover = cfg.discovery.kubernetes != self.cfg.discovery.kubernetes
         self.cfg, self._probes = cfg, probes
@@ -194,7 +201,8 @@ class Ingest:
         model = self.cfg.model(wcfg.model)
         assert model is not None  # checked by config validation or add_worker
         worker = Worker(cfg=wcfg, address=address or wcfg.address(), source=source,
-                        parity_policy=self.cfg.ingest.token_parity)
+                        parity_policy=self.cfg.ingest.token_parity,
+                        tls_name=verify_name(self.cfg.upstream_tls, wcfg))
         if wcfg.kv_events is None:
             worker.events_usable, worker.events_reason = False, "no kv_events endpoint configured: routed by load"
         ranks: list[int | None] = [None] if wcfg.dp_size == 1 else list(range(wcfg.dp_size))
@@ -406,7 +414,8 @@ class Ingest:
             worker.wake.clear()
             if worker.healthy:
                 try:
-                    per_rank = await read_load(self._session, worker.cfg, timeout=max(fast * 5, 0.5))
+                    per_rank = await read_load(self._session, worker.cfg, timeout=max(fast * 5, 0.5),
+                                               tls=self.tls.kwargs(worker.tls_name))
                 except Exception as exc:  # a worker's bad answer must not end its polling
                     log.debug("load read failed for %s: %s", worker.id, exc)
                 else:
@@ -480,7 +489,8 @@ class Ingest:
             shown = (worker.healthy, worker.suspect, worker.bootstrap_port)
             try:
                 reading = await probe_health(self._session, worker.cfg.url, icfg.health_timeout_s,
-                                             bootstrap_port_info=worker.bootstrap_port_info)
+                                             bootstrap_port_info=worker.bootstrap_port_info,
+                                             tls=self.tls.kwargs(worker.tls_name))
             except Exception:  # probe_health reads every expected failure itself; keep probing whatever else
                 log.exception("health probe of %s failed unexpectedly", worker.id)
             else:
@@ -520,7 +530,7 @@ class Ingest:
     async def _check_tokens(self, w: Worker) -> None:
         assert self._session is not None
         status, reason = await check_tokens(self._session, w.cfg, self._probes[w.cfg.model],
-                                            self.cfg.ingest.health_timeout_s)
+                                            self.cfg.ingest.health_timeout_s, tls=self.tls.kwargs(w.tls_name))
         if w.apply_tokens(status, reason, time.monotonic()) != status:
             level = logging.ERROR if status == tokenizer_parity.FAILED else logging.INFO
             log.log(level, "worker %s: tokenizer parity %s: %s", w.id, status, reason)

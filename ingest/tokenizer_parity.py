@@ -11,6 +11,7 @@ one completions prompt. A worker is eligible for exact-KV routing only while thi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,14 +62,17 @@ def expected(bundle: ModelBundle) -> list[tuple[dict[str, Any], list[int]]]:
 
 
 async def check(session: aiohttp.ClientSession, url: str, engine: str, model: str,
-                probes: list[tuple[dict[str, Any], list[int]]], timeout_s: float) -> tuple[str, str]:
+                probes: list[tuple[dict[str, Any], list[int]]], timeout_s: float,
+                tls: Mapping[str, Any] | None = None) -> tuple[str, str]:
     """(status, reason). A proven difference in any probe is `failed`, whatever else happened; a probe the
-    worker could not answer leaves it `unknown`; all identical is `ok`."""
+    worker could not answer leaves it `unknown`; all identical is `ok`. `tls`: an https worker's request
+    arguments (cortex/upstream_tls.py WorkerTls.kwargs)."""
     unanswered: str | None = None
     for probe, ids in probes:
         path, body = engines.adapter(engine).tokenize_request(model, probe)
         try:
-            async with session.post(f"{url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            async with session.post(f"{url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                    **(tls or {})) as r:
                 if r.status != 200:
                     unanswered = unanswered or f"{path} answered {r.status}"
                     continue

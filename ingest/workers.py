@@ -170,7 +170,7 @@ class Target:
             exact_kv=self.exact_kv,
             state=self.events.sync.state.value, reason=self.why_not_exact(), why=self.why_code(),
             load=self.load.to_meta(w.poll_every),
-            added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port,
+            added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port, tls_name=w.tls_name,
         )
 
     def status(self, now: float) -> dict[str, Any]:
@@ -225,6 +225,8 @@ class Worker:
     """Monotonic time until which its load is polled at the active cadence."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set to cut an idle-cadence wait short (a KV event arrived, or this replica routed to it)."""
+    tls_name: str | None = None
+    """An https worker: the name its certificate must carry (cortex/upstream_tls.py verify_name); None: http."""
 
     def __post_init__(self) -> None:
         self.bootstrap_port = self.cfg.bootstrap_port

@@ -72,6 +72,8 @@ class Sim:
     args: tuple[str, ...] = ()
     """Extra simulator flags for this worker alone."""
     dp: int = 1
+    tls_client: dict[str, Any] | None = None
+    """httpx arguments (verify, cert) that reach this worker over HTTPS (its `args` make it serve TLS); None: http."""
 
     def worker_config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {"id": self.id, "url": self.url, "model": MODEL, "engine": self.engine}
@@ -87,7 +89,7 @@ class Sim:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls_client is not None else 'http'}://127.0.0.1:{self.port}"
 
 
 @dataclass
@@ -192,7 +194,8 @@ def start_sim(sim: Sim, root: Path, *extra: str) -> None:
          "--kv-events-port", str(sim.kv_port), "--role", sim.role, "--dp-size", str(sim.dp), *replay, *sim.args,
          *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_for(lambda: httpx.get(f"{sim.url}/health", timeout=1).status_code == 200, what=f"{sim.id} health")
+    wait_for(lambda: httpx.get(f"{sim.url}/health", timeout=1, **(sim.tls_client or {})).status_code == 200,
+             what=f"{sim.id} health")
 
 
 def start_gateway(gw: Gateway) -> None:

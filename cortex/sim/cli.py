@@ -105,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="vLLM decode: what a failed KV pull does (default %(default)s)")
     p.add_argument("--lora-modules", "--lora-paths", dest="lora_modules", nargs="*", default=[],
                    metavar="NAME=PATH", help="LoRA adapters to serve")
+    t = p.add_argument_group("TLS (the engines' own flags)")
+    t.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate")
+    t.add_argument("--ssl-keyfile", default=None, help="the certificate's PEM private key")
+    t.add_argument("--ssl-ca-certs", default=None, help="CA bundle that signs accepted client certificates")
+    t.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="client certificate: 0 none (default), 1 optional, 2 required (mutual TLS)")
     g = p.add_argument_group("fault injection (also at run time: POST /sim/faults)")
     for name in FaultState().as_dict():
         if name == "restart_publisher":
@@ -164,6 +170,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         waiting_timeout=args.waiting_timeout, decode_radix_cache=args.decode_radix_cache,
         kv_lease_seconds=args.kv_lease_seconds, kv_load_failure_policy=args.kv_load_failure_policy,
         lora_modules=_loras(args.lora_modules), faults=fault_state, fault_seed=args.fault_seed,
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
 
 

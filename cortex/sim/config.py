@@ -77,6 +77,14 @@ class SimConfig:
     lora_modules: tuple[LoraRef, ...] = ()
     faults: FaultState = field(default_factory=FaultState)
     fault_seed: int | None = None
+    ssl_certfile: str | None = None
+    """Serve HTTPS with this PEM certificate (vLLM/SGLang `--ssl-certfile`); None: plain HTTP."""
+    ssl_keyfile: str | None = None
+    """Its PEM private key (`--ssl-keyfile`)."""
+    ssl_ca_certs: str | None = None
+    """CA bundle client certificates are checked against (`--ssl-ca-certs`)."""
+    ssl_cert_reqs: int = 0
+    """uvicorn's `--ssl-cert-reqs`, as the engines pass it: 0 no client certificate, 1 optional, 2 required."""
 
     def validate(self) -> None:
         if self.engine not in ENGINES:
@@ -113,6 +121,10 @@ class SimConfig:
             value = getattr(self, name)
             if value and value + self.dp_size - 1 > 65535:
                 raise ValueError(f"{name}: {value} + dp ranks runs past port 65535")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
+        if self.ssl_cert_reqs not in (0, 1, 2) or (self.ssl_cert_reqs and not self.ssl_ca_certs):
+            raise ValueError("ssl_cert_reqs: 0, 1 or 2, and 1 or 2 need ssl_ca_certs")
         names = [lora.name for lora in self.lora_modules]
         if len(set(names)) != len(names) or self.model in names:
             raise ValueError("lora modules: adapter names must be unique and differ from the model name")

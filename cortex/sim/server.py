@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import time
 from collections import Counter
 from typing import Any
@@ -84,7 +85,7 @@ class SimServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.config.host}:{self._port}"
+        return f"{'https' if self.config.ssl_certfile else 'http'}://{self.config.host}:{self._port}"
 
     @property
     def publisher(self) -> EventPublisher:
@@ -120,6 +121,8 @@ class SimServer:
             line += f" role={self.config.role}"
         if self.bootstrap is not None:
             line += f" bootstrap={self.config.host}:{self.bootstrap.port}"
+        if self.config.ssl_certfile:
+            line += " tls=" + ("mutual" if self.config.ssl_cert_reqs == 2 else "on")
         return line
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -191,11 +194,23 @@ class SimServer:
             # Both engines abort a request whose client went away (a PD gateway cancels a leg that way).
             self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
             await self._runner.setup()
-            await web.SockSite(self._runner, sock).start()
+            await web.SockSite(self._runner, sock, ssl_context=self._ssl_context()).start()
         except BaseException:
             sock.close()
             await self.stop()
             raise
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        """HTTPS as the engines serve it (uvicorn's --ssl-* flags), optionally requiring a client certificate."""
+        cfg = self.config
+        if cfg.ssl_certfile is None or cfg.ssl_keyfile is None:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+        if cfg.ssl_ca_certs:
+            ctx.load_verify_locations(cfg.ssl_ca_certs)
+        ctx.verify_mode = ssl.VerifyMode(cfg.ssl_cert_reqs)
+        return ctx
 
     async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers["x-sim-worker"] = self.worker_id

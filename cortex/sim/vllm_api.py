@@ -19,6 +19,7 @@ answers 500 like vLLM's default.
 from __future__ import annotations
 
 import logging
+import ssl
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -199,11 +200,19 @@ class VllmApi(OpenAIServing):
 
     async def _pull(self, params: Mapping[str, Any]) -> int | None:
         """Read the remote blocks: tell the prefill worker we took them, learn how many tokens they hold."""
-        url = f"http://{params['remote_host']}:{params['remote_port']}/sim/kv_transfer/read"
+        cfg = self.config
+        # A worker serving TLS reaches its peer (the stand-in for NIXL runs on the HTTP port) over TLS too, with its
+        # own certificate, trusting the CA its clients are checked against: one fleet, one CA.
+        tls: ssl.SSLContext | None = None
+        if cfg.ssl_certfile and cfg.ssl_keyfile:
+            tls = ssl.create_default_context(cafile=cfg.ssl_ca_certs)
+            tls.load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+        scheme = "https" if tls is not None else "http"
+        url = f"{scheme}://{params['remote_host']}:{params['remote_port']}/sim/kv_transfer/read"
         payload = {k: params[k] for k in ("remote_request_id", "remote_engine_id", "remote_block_ids")}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http, \
-                    http.post(url, json=payload) as resp:
+                    http.post(url, json=payload, ssl=tls if tls is not None else True) as resp:
                 if resp.status != 200:
                     log.warning("KV pull from %s refused (%s): %s", url, resp.status, await resp.text())
                     return None
