@@ -124,6 +124,23 @@ class IngestConfig(_Strict):
         return self
 
 
+class ExtprocTls(_Strict):
+    """TLS on the ext_proc port. GIE's gateways connect to their endpoint picker over TLS, most without checking its
+    certificate (GIE's own picker serves a self-signed one by default)."""
+
+    cert_file: str | None = None
+    """PEM certificate (chain) served. Unset with key_file: a self-signed certificate made at start, kept in
+    runtime_dir/tls (names: localhost, the host name, 127.0.0.1)."""
+    key_file: str | None = None
+    """Its PEM private key; both or neither."""
+
+    @model_validator(mode="after")
+    def _pair(self) -> ExtprocTls:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("extproc.tls: cert_file and key_file go together (neither: a self-signed certificate)")
+        return self
+
+
 class ExtprocConfig(_Strict):
     """The ext_proc servers Envoy calls for every request."""
 
@@ -158,6 +175,9 @@ class ExtprocConfig(_Strict):
     claimed hit), until the worker's own events confirm them; 0 turns predictions off."""
     view_stale_after_s: float = Field(1.0, gt=0)
     """Ledger heartbeat age after which extproc stops trusting it and routes by load."""
+    tls: ExtprocTls | None = None
+    """`cortex epp` only: serve ext_proc over TLS (`tls: {}` for a self-signed certificate). None: plaintext h2c, as
+    Cortex's own Envoy on the same host uses it. Local health checks then go over a Unix socket in runtime_dir."""
     routing_headers: bool = True
     """Send Cortex's x-cortex-* routing headers (worker, proven hit, mode, reason) to callers allowed to see them
     (trusted tenants; everyone when no tenants are configured). Off: no caller gets them, and those a worker sent

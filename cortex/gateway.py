@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from cortex import grpc_health, logs
+from cortex import extproc_tls, grpc_health, logs
 from cortex.admin_auth import TokenError, configured_token
 from cortex.config import ConfigError, CortexConfig, check_models, reachable_host
 from cortex.envoy_config import envoy_binary, write_bootstrap
@@ -79,7 +79,7 @@ def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path,
 async def wait_extprocs(cfg: CortexConfig, timeout_s: float = START_TIMEOUT_S) -> None:
     """Return once every extproc process answers SERVING (it listens and has read ingest's view)."""
     ep = cfg.extproc
-    addresses = [f"{reachable_host(ep.host)}:{ep.base_port + i}" for i in range(ep.process_count())]
+    addresses = [extproc_tls.health_address(cfg, i, reachable_host(ep.host)) for i in range(ep.process_count())]
     channels = [grpc_health.channel(a) for a in addresses]
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
@@ -201,6 +201,10 @@ def run_gateways(gateways: Sequence[GatewaySpec], extra: list[ChildSpec] | None 
     except (BundleError, TokenError, ConfigError) as exc:
         logs.fatal(str(exc))
         return 2
+    if any(g.cfg.extproc.tls is not None for g in gateways):
+        logs.fatal("extproc.tls is for `cortex epp` (a gateway on another host calls extproc); under `cortex run` "
+                   "Envoy calls extproc on the same host: remove extproc.tls")
+        return 2
     gate = (lambda: wait_urls(ready_urls)) if ready_urls else None
     specs = [*(extra or [])]
     for g in gateways:
@@ -254,7 +258,11 @@ def run_picker(cfg: CortexConfig, config_path: Path) -> int:
     except (BundleError, TokenError, ConfigError) as exc:
         logs.fatal(str(exc))
         return 2
+    if (why := extproc_tls.check_files(cfg)) is not None:
+        logs.fatal(why)
+        return 2
     specs = child_specs(cfg, config_path, prepare_runtime(cfg, envoy=False), picker=True)
+    extproc_tls.ensure_self_signed(cfg)  # before any extproc process: they all serve this one
 
     async def announce() -> None:
         ok, reason, body = await wait_ready(cfg)

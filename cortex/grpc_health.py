@@ -17,6 +17,8 @@ import grpc
 SERVICE = "grpc.health.v1.Health"
 CHECK = f"/{SERVICE}/Check"
 LEDGER_VIEW = "cortex.ledger_view"
+EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
+"""The service GIE's reference gateway health-checks on its picker: answered as the server's own ("")."""
 
 UNKNOWN, SERVING, NOT_SERVING = 0, 1, 2
 

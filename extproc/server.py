@@ -31,7 +31,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
-from cortex import engines, grpc_health, observation
+from cortex import engines, extproc_tls, grpc_health, observation
 from cortex import headers as H
 from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, MODELS_PATH, TENANT_VIEW_HEADER, explain_socket
 from cortex.config import CortexConfig
@@ -1126,7 +1126,7 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
     served = cluster.synced
 
     def health(service: str) -> int | None:
-        if service == "":
+        if service in ("", grpc_health.EXT_PROC):
             return grpc_health.SERVING if served else grpc_health.NOT_SERVING
         if service == grpc_health.LEDGER_VIEW:
             return grpc_health.SERVING if cluster.synced else grpc_health.NOT_SERVING
@@ -1134,7 +1134,18 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
 
     server.add_generic_rpc_handlers((handler, grpc_health.handler(health)))
     port = cfg.extproc.base_port + index
-    server.add_insecure_port(f"{cfg.extproc.host}:{port}")
+    if cfg.extproc.tls is None:
+        server.add_insecure_port(f"{cfg.extproc.host}:{port}")
+    else:
+        cert, key = extproc_tls.files(cfg)
+        server.add_secure_port(f"{cfg.extproc.host}:{port}",
+                               grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
+        # Local health checks (ingest's readiness, the supervisor's start gate) come here, not through the
+        # certificate the gateway does not check either (cortex/extproc_tls.py).
+        local = extproc_tls.local_socket(cfg.runtime_path(), index)
+        local.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        local.unlink(missing_ok=True)
+        server.add_insecure_port(f"unix:{local}")
     await server.start()
     # A restarted process finds ingest's view at once: it serves from here, and says so as a first start does.
     (log.info if served else log.debug)("extproc %d %s on %s:%d (%d models)", index,

