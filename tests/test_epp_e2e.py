@@ -23,7 +23,7 @@ import yaml
 
 from cortex.bench.launch import free_ports
 from cortex.envoy_config import envoy_binary
-from tests.harness import MODEL, PY, Sim, start_sim, stop, wait_for
+from tests.harness import MODEL, PY, Sim, free_consecutive, start_sim, stop, wait_for
 
 GIE_REFERENCE = """
 static_resources:
@@ -205,7 +205,10 @@ class Fleet:
     def __init__(self, root: Path, extra: dict[str, Any]) -> None:
         self.root = root
         ports = free_ports(12)
-        self.sims = [Sim(id=f"sim-{i + 1}", port=ports[2 * i], kv_port=ports[2 * i + 1]) for i in range(2)]
+        dp = extra.get("dp", 1)
+        # Rank r of a data-parallel worker publishes on its KV port + r.
+        self.sims = [Sim(id=f"sim-{i + 1}", port=ports[2 * i], kv_port=ports[2 * i + 1] if dp == 1 else
+                         free_consecutive(dp), dp=dp) for i in range(2)]
         self.listen, self.admin, self.extproc, self.ingest = ports[4:8]
         self.other_listen, self.other_admin = ports[8:10]
         self.extra = extra
@@ -236,9 +239,12 @@ class Fleet:
             if self.picker is not None and self.picker.poll() is not None:
                 raise RuntimeError((self.root / "epp.log").read_text()[-2000:])
             r = httpx.get(f"http://127.0.0.1:{self.ingest}/health/ready", timeout=2)
-            return r.status_code == 200 and r.json()["targets_exact_kv"] == 2
+            return r.status_code == 200 and r.json()["targets_exact_kv"] == sum(s.dp for s in self.sims)
 
-        wait_for(ready, timeout=90, what="cortex epp ready")
+        try:
+            wait_for(ready, timeout=90, what="cortex epp ready")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}: {(self.root / 'epp.log').read_text()[-3000:]}") from None
 
     def start_envoy(self, template: str, listen: int, admin: int) -> str:
         endpoints = "\n".join(f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, "
@@ -433,3 +439,22 @@ def test_llmd_fairness_id_names_the_tenant_when_trusted(fleet: Fleet) -> None:
     assert "x-cortex-assigned-worker" in ops.headers and "x-cortex-assigned-worker" not in app.headers
     nobody = _chat(url, _prompt(11), {"x-llm-d-inference-fairness-id": "nobody"})
     assert nobody.status_code == 401 and nobody.json()["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("fleet", [{"dp": 2}], indirect=True)
+def test_data_parallel_ranks_behind_one_port(fleet: Fleet) -> None:
+    """A vLLM worker serving two DP ranks behind one port: the picker names the endpoint and pins the rank that
+    holds the prompt (x-data-parallel-rank), and the gateway carries the pin to the engine."""
+    url = fleet.start_envoy(GIE_REFERENCE, fleet.listen, fleet.admin)
+    homes = set()
+    for seed in range(20, 26):
+        content = _prompt(seed)
+        first = _chat(url, content)
+        assert first.status_code == 200
+        home = (first.headers["x-sim-worker"], first.headers["x-sim-dp-rank"])
+        again = _settled(fleet, url, content)
+        assert (again.headers["x-sim-worker"], again.headers["x-sim-dp-rank"]) == home
+        cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < int(again.headers["x-cortex-cache-hit-tokens"]) <= cached
+        homes.add(home)
+    assert len({rank for _, rank in homes}) == 2  # both ranks of the workers were used
