@@ -240,6 +240,7 @@ class ExtProc:
         held: pb.ProcessingResponse | None = None
         """Full duplex: the headers answer, held until the body is whole (its pick or its body may change)."""
         held_body: list[bytes] = []
+        held_size = 0
         try:
             async for req in requests:
                 which = req.WhichOneof("request")
@@ -257,7 +258,17 @@ class ExtProc:
                 elif which == "request_body" or (which == "request_trailers" and held is not None):
                     chunk = req.request_body
                     if duplex:
+                        if held_size < 0:
+                            continue  # refused as too large: Envoy ends the request
                         held_body.append(chunk.body)
+                        held_size += len(chunk.body)
+                        if held_size > self.cfg.extproc.max_body_bytes:
+                            # Envoy's buffer limit does not bound a streamed body: this does.
+                            held_body.clear()
+                            held_size = -1
+                            yield self._error(ClientError(413, "The request body is larger than "
+                                                          f"{self.cfg.extproc.max_body_bytes} bytes."), st)
+                            continue
                         if which == "request_body" and not chunk.end_of_stream:
                             continue
                         body = b"".join(held_body)
@@ -283,9 +294,8 @@ class ExtProc:
                     if not duplex or answer.HasField("immediate_response"):
                         yield answer
                         continue
-                    assert held is not None
                     # Trailers ended the body: its last chunk does not end the stream, the trailers answer does.
-                    for part in epp.split_body_answer(held, answer, body, which == "request_body"):
+                    for part in epp.split_body_answer(held or _EMPTY_HEADERS, answer, body, which == "request_body"):
                         yield part
                     held = None
                     if which == "request_trailers":

@@ -458,3 +458,13 @@ def test_data_parallel_ranks_behind_one_port(fleet: Fleet) -> None:
         assert 0 < int(again.headers["x-cortex-cache-hit-tokens"]) <= cached
         homes.add(home)
     assert len({rank for _, rank in homes}) == 2  # both ranks of the workers were used
+
+
+@pytest.mark.parametrize("fleet", [{"extproc": {"tls": {}, "max_body_bytes": 100_000}}], indirect=True)
+def test_streamed_bodies_are_bounded(fleet: Fleet) -> None:
+    """Full duplex bodies pass Envoy's buffer limit: the picker bounds them itself (extproc.max_body_bytes)."""
+    url = fleet.start_envoy(GIE_REFERENCE, fleet.listen, fleet.admin)
+    assert _chat(url, " hello" * 15000).status_code == 200  # 90 KB
+    r = _chat(url, " hello" * 30000)  # 180 KB
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    assert _chat(url, _prompt(12)).status_code == 200  # the picker goes on
