@@ -24,34 +24,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cortex.bench.launch import free_ports
+from perf.added_latency import pct
 from perf.procstat import cpu_seconds
-from tests.harness import MODEL, Gateway, long_chat, start_gateway, start_sim, stop
+from tests.harness import MODEL, Gateway, child_pids, long_chat, start_gateway, start_sim, stop
 from tests.test_epp_e2e import GIE_REFERENCE, Fleet
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def children(pid: int, needle: str) -> list[int]:
-    """Descendants of `pid` whose command line holds `needle`."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-                todo.append(int(entry.name))
-                if needle in cmd:
-                    found.append(int(entry.name))
-    return found
 
 
 def timed(client: httpx.Client, url: str, body: dict[str, object], n: int, pids: list[int],
@@ -87,8 +63,8 @@ def main() -> int:
             gie = fleet.start_envoy(GIE_REFERENCE, fleet.listen, fleet.admin)
             start_gateway(own)
             assert fleet.picker is not None and own.proc is not None
-            picker_pids = children(fleet.picker.pid, "cortex.cli extproc")
-            own_pids = children(own.proc.pid, "cortex.cli extproc")
+            picker_pids = child_pids(fleet.picker.pid, "cortex.cli extproc")
+            own_pids = own.child_pids("cortex.cli extproc")
             for words in (int(w) for w in args.words.split(",")):
                 body = {"model": MODEL, "messages": long_chat(words, seed=words), "max_tokens": 1}
                 r = client.post(f"{gie}/v1/chat/completions", json=body)

@@ -171,19 +171,24 @@ class Gateway:
     def child_pids(self, needle: str) -> list[int]:
         """PIDs of the gateway's children whose command line contains `needle`."""
         assert self.proc is not None
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.proc.pid and needle in cmd:
-                pids.append(int(entry.name))
-        return pids
+        return child_pids(self.proc.pid, needle)
+
+
+def child_pids(parent: int, needle: str) -> list[int]:
+    """PIDs of the children of `parent` whose command line contains `needle`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and needle in cmd:
+            pids.append(int(entry.name))
+    return pids
 
 
 def start_sim(sim: Sim, root: Path, *extra: str) -> None:
