@@ -238,14 +238,15 @@ def run_gateways(gateways: Sequence[GatewaySpec], extra: list[ChildSpec] | None 
 
 
 def picker_ready_message(cfg: CortexConfig, body: dict[str, Any]) -> str:
-    """`ready (endpoint picker): ext_proc on 0.0.0.0:9002  2 workers (...), 1 model (...): <routing>  (admin ...)`."""
+    """`ready (endpoint picker): ext_proc (TLS) on 0.0.0.0:9002  2 workers (...), models ...: <routing>  (admin)`."""
     f = ready_fields(cfg, body)
     ep = cfg.extproc
     n = ep.process_count()
     ports = f"{ep.base_port}" if n == 1 else f"{ep.base_port}-{ep.base_port + n - 1}"
     workers = f"{len(f['workers'])} worker{'s' * (len(f['workers']) != 1)} ({', '.join(f['workers']) or 'none yet'})"
     routing = f": {f['routing']}" if f["routing"] else ""
-    return (f"ready (endpoint picker): ext_proc on {ep.host}:{ports}  {workers}, models {', '.join(f['models'])}"
+    tls = " (TLS)" if ep.tls is not None else ""
+    return (f"ready (endpoint picker): ext_proc{tls} on {ep.host}:{ports}  {workers}, models {', '.join(f['models'])}"
             f"{routing}  (admin {f['admin']}/cortex/workers)")
 
 
