@@ -148,7 +148,16 @@ def test_a_session_whose_worker_is_over_the_watermark_moves_and_comes_back(gw: G
         assert doc["chosen"] == second and doc["reason"] in (session.REASON, "no_cached_prefix"), doc
         moved = post(gw, fresh("hot-moved"), key)
         assert moved.headers["x-cortex-assigned-worker"] == second
-    # The streams are gone (closed by the client): once back at the low watermark, home again.
+    # The streams are gone (closed by the client): once back at the low watermark, home again. The engine notices
+    # the closed streams after Cortex does, and ingest reads its load once a second: a reading taken before it
+    # noticed would make the worker hot again after a cool explain. Wait for a reading, taken since, that is idle.
+    closed = time.monotonic()
+
+    def engine_idle() -> bool:
+        load = gw.targets()[first]["load"]
+        return load["age_s"] < time.monotonic() - closed and load["running"] == 0 and load["waiting"] == 0
+
+    wait_for(engine_idle, timeout=30, what="a reading of the engine, taken since the streams closed, to be idle")
     wait_for(lambda: explain(gw, fresh("cool-probe"), key)["chosen"] == first, timeout=30,
              what="the session's worker to cool down")
     assert post(gw, fresh("hot-back"), key).headers["x-cortex-assigned-worker"] == first
