@@ -464,13 +464,22 @@ class WorkerConfig(_Strict):
 
     def address(self) -> str:
         """ip:port as Envoy's override_host compares it (resolved off the hot path: at start, then by ingest's
-        re-resolution, ingest/membership.py address_moved)."""
+        re-resolution, ingest/membership.py address_moved). UNRESOLVED while the name does not resolve (a pod
+        not scheduled yet, a typo): the worker then stays out of Envoy's endpoints and out of routing until it
+        does, and nothing else is held up."""
         host, port = self.host_port
         try:
             ip = str(ipaddress.ip_address(host))
         except ValueError:
-            ip = str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
+            try:
+                ip = str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
+            except (OSError, UnicodeError):
+                return UNRESOLVED
         return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+UNRESOLVED = ""
+"""WorkerConfig.address() of a worker whose hostname does not resolve (yet)."""
 
 
 class KubernetesPool(_Strict):

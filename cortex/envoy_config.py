@@ -31,7 +31,7 @@ import yaml
 
 from cortex import headers
 from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH
-from cortex.config import CortexConfig, WorkerConfig
+from cortex.config import UNRESOLVED, CortexConfig, WorkerConfig
 from cortex.errors import error_body
 from cortex.observation import NAMESPACE as OBSERVE_NAMESPACE
 from cortex.observation import OBSERVED as OBSERVED_NAMESPACE
@@ -451,7 +451,10 @@ def _assignment(name: str, cfg: CortexConfig, workers: Iterable[WorkerConfig],
                 addresses: Mapping[str, str]) -> dict[str, Any]:
     endpoints = []
     for w in workers:
-        ip, port = (addresses.get(w.id) or w.address()).rsplit(":", 1)
+        address = addresses.get(w.id) or w.address()
+        if address == UNRESOLVED:
+            continue  # its name does not resolve yet: ingest adds it once it does
+        ip, port = address.rsplit(":", 1)
         metadata: dict[str, Any] = {"cortex": {"worker": w.id}}
         tls_name = verify_name(cfg.upstream_tls, w)
         if tls_name is not None:

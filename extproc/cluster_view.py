@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import Counter
 
-from cortex.config import CortexConfig
+from cortex.config import UNRESOLVED, CortexConfig
 from cortex.contract import ContractError, LoadReading, TargetMeta, decode_meta, target_id
 from cortex.inflight import InflightBoard
 from cortex.ledger_view import ViewBusy, ViewReader
@@ -125,9 +125,10 @@ class ClusterView:
         for w in self.cfg.workers:
             ranks: list[int | None] = [None] if w.dp_size == 1 else list(range(w.dp_size))
             for rank in ranks:
+                address = w.address()
                 targets.append(TargetMeta(id=target_id(w.id, rank), worker=w.id, rank=rank,
-                                          slot=len(targets), model=w.model, engine=w.engine, address=w.address(),
-                                          exact_kv=False, healthy=True, role=w.role,
+                                          slot=len(targets), model=w.model, engine=w.engine, address=address,
+                                          exact_kv=False, healthy=address != UNRESOLVED, role=w.role,
                                           bootstrap_port=w.bootstrap_port,
                                           tls_name=verify_name(self.cfg.upstream_tls, w)))
         return targets

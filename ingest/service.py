@@ -29,7 +29,7 @@ import aiohttp
 import zmq.asyncio
 
 from cortex import engines
-from cortex.config import CortexConfig, WorkerConfig
+from cortex.config import UNRESOLVED, CortexConfig, WorkerConfig
 from cortex.config_watch import ConfigWatcher
 from cortex.contract import ClusterMeta, encode_meta, target_id
 from cortex.inflight import InflightBoard
@@ -203,6 +203,11 @@ class Ingest:
         worker = Worker(cfg=wcfg, address=address or wcfg.address(), source=source,
                         parity_policy=self.cfg.ingest.token_parity,
                         tls_name=verify_name(self.cfg.upstream_tls, wcfg))
+        if worker.address == UNRESOLVED:
+            # Kept, out of routing and out of Envoy's endpoints: the resolve loop moves it in once the name answers.
+            worker.healthy = False
+            log.warning("worker %s: %s does not resolve; it gets no request until it does", wcfg.id,
+                        wcfg.host_port[0])
         if wcfg.kv_events is None:
             worker.events_usable, worker.events_reason = False, "no kv_events endpoint configured: routed by load"
         ranks: list[int | None] = [None] if wcfg.dp_size == 1 else list(range(wcfg.dp_size))

@@ -216,7 +216,7 @@ def start_gateway(gw: Gateway) -> None:
         healthy = all(httpx.get(f"{gw.url}/cortex/health", timeout=2).json().get("ledger_view")
                       for _ in range(2 * gw.extproc_processes))
         events = {s.id: s.events for s in gw.sims}
-        return healthy and all(t["exact_kv"] or not events[t["worker"]] for t in gw.targets().values())
+        return healthy and all(t["exact_kv"] or not events.get(t["worker"], False) for t in gw.targets().values())
 
     wait_for(ready, timeout=60, what="gateway ready")
 

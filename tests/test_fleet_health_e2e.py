@@ -30,7 +30,7 @@ import pytest
 from cortex.config import CortexConfig, parse_config
 from cortex.envoy_config import _worker_cluster, pool_cluster
 from ingest.service import Ingest
-from tests.harness import MODEL, Gateway, Sim, cluster, free_ports, long_chat, start_sim, stop, wait_for
+from tests.harness import MODEL, Gateway, Sim, cluster, free_ports, long_chat, start_gateway, start_sim, stop, wait_for
 from tests.test_gateway import chat
 
 pytestmark = pytest.mark.timeout(300)
@@ -380,3 +380,29 @@ def test_a_failing_inflight_refresh_does_not_freeze_the_worker_list(tmp_path: Pa
     view.refresh()
     assert [t.id for t in view.candidates(MODEL)] == ["w0"] and view.alive
     writer.close()
+
+
+def test_a_worker_whose_name_does_not_resolve_holds_nothing_up(tmp_path: Path) -> None:
+    """One worker of the config, and one added later, name hosts that do not resolve: the gateway starts, is
+    ready, and serves every request on the worker that exists; the admin API accepts the addition."""
+    ports = free_ports(6)
+    sim = Sim(id="sim-1", port=ports[0], kv_port=ports[1])
+    ghost = {"id": "ghost", "url": "http://no-such-worker.invalid:8000", "model": MODEL,
+             "kv_events": "tcp://no-such-worker.invalid:5557"}
+    gw = Gateway(root=tmp_path, sims=[sim], port=ports[2], admin_port=ports[3], ingest_port=ports[4],
+                 extproc_port=ports[5], extra_config={"workers": [sim.worker_config(), ghost]})
+    try:
+        start_sim(sim, tmp_path)
+        start_gateway(gw)
+        assert httpx.get(f"{gw.ingest_url}/health/ready", timeout=5).status_code == 200
+        added = httpx.post(f"{gw.ingest_url}/cortex/workers", timeout=10, json={
+            **ghost, "id": "ghost-2", "url": "http://no-such-worker-2.invalid:8000", "kv_events": None})
+        assert added.status_code == 201, added.text
+        workers = gw.workers()
+        assert not workers["ghost"]["healthy"] and not workers["ghost-2"]["healthy"]
+        for i in range(4):
+            headers, _ = chat(gw, long_chat(50, seed=700 + i))
+            assert headers["x-cortex-assigned-worker"] == "sim-1"
+    finally:
+        stop(gw.proc)
+        stop(sim.proc)

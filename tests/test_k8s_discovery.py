@@ -410,6 +410,46 @@ def test_a_worker_hostname_is_resolved_again_and_moves(tmp_path: Path, monkeypat
     asyncio.run(main())
 
 
+def test_a_worker_whose_name_does_not_resolve_yet_waits_outside_and_joins_once_it_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name that does not resolve at start (a pod not scheduled yet) holds nothing up: the worker is kept out of
+    Envoy's pool and out of routing, and moves in once the name answers."""
+    import socket
+
+    from cortex.config import UNRESOLVED
+    from ingest.service import Ingest
+
+    real = socket.getaddrinfo
+    answers: dict[str, list[str] | None] = {"later.cortex.test": None}
+
+    def fake_getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host not in answers:
+            return real(host, port, *args, **kw)
+        ips = answers[host]
+        if ips is None:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+    cfg = ingest_cfg(tmp_path, workers=[{"id": "w", "url": "http://later.cortex.test:8000", "model": TOKENIZER_MODEL}])
+
+    async def main() -> None:
+        ingest = Ingest(cfg)
+        await ingest.start()
+        try:
+            waiting = ingest.workers["w"]
+            assert waiting.address == UNRESOLVED and not waiting.healthy
+            assert "later" not in eds(cfg) and ":8000" not in eds(cfg)
+            assert not waiting.targets[0].routable_meta().healthy
+            answers["later.cortex.test"] = ["10.8.1.5"]
+            await until(lambda: ingest.workers["w"].address == "10.8.1.5:8000", "the worker joining")
+            assert "10.8.1.5" in eds(cfg)
+        finally:
+            await ingest.stop()
+
+    asyncio.run(main())
+
+
 def test_a_config_reload_that_edits_the_pools_starts_them_afresh(tmp_path: Path) -> None:
     from ingest.service import Ingest
 
