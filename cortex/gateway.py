@@ -26,32 +26,32 @@ START_TIMEOUT_S = 120.0
 """How long a stage may take to come up (extproc loads and probes every tokenizer first)."""
 
 
-def prepare_runtime(cfg: CortexConfig, envoy: bool = True) -> Path:
-    """The runtime directory, emptied of last run's metric files; returns the Envoy bootstrap written there (not
-    written for `cortex epp`, which runs no Envoy)."""
+def prepare_runtime(cfg: CortexConfig, envoy: bool = True) -> Path | None:
+    """The runtime directory, emptied of last run's metric files; returns the Envoy bootstrap written there (None
+    for `cortex epp`, which runs no Envoy)."""
     root = cfg.runtime_path()
     root.mkdir(parents=True, exist_ok=True)
     # Stale per-process metric files would be summed into /metrics as if those processes still ran.
     metrics = root / "metrics"
     shutil.rmtree(metrics, ignore_errors=True)
     metrics.mkdir()
-    return write_bootstrap(cfg) if envoy else root / "no-envoy"
+    return write_bootstrap(cfg) if envoy else None
 
 
-def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path,
+def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path | None,
                 ingest_gate: Callable[[], Awaitable[None]] | None = None, name: str = "",
-                log: Path | None = None, picker: bool = False) -> list[ChildSpec]:
+                log: Path | None = None) -> list[ChildSpec]:
     """Ingest and the extproc processes first (stage 1), Envoy once every extproc process serves (stage 2):
     an Envoy started earlier fails its ext_proc streams open (requests routed without Cortex) and logs a
     "no healthy upstream" warning for each. `name` prefixes the children's names (one of several gateways
-    under one supervisor); `log` takes their output (ChildSpec.log). `picker` (`cortex epp`): ingest and extproc
-    only, for a gateway that is not Cortex's; its Envoy calls extproc and its access log is not Cortex's to read,
-    so no observer either."""
+    under one supervisor); `log` takes their output (ChildSpec.log). No `envoy_yaml` (`cortex epp`): ingest and
+    extproc only, for a gateway that is not Cortex's; its Envoy calls extproc and its access log is not Cortex's to
+    read, so no observer either."""
     env = {"PROMETHEUS_MULTIPROC_DIR": str(cfg.runtime_path() / "metrics"), "PYTHONUNBUFFERED": "1"}
     py = [sys.executable, "-m", "cortex.cli"]
     prefix = f"{name}/" if name else ""
     flags = logs.child_args()  # the log format and level resolved once, by the supervisor
-    if picker:
+    if envoy_yaml is None:
         flags = [*flags, "--picker"]
     specs = [
         ChildSpec(f"{prefix}ingest", [*py, "ingest", "-c", str(config_path), *flags], env, stage=1,
@@ -60,7 +60,7 @@ def child_specs(cfg: CortexConfig, config_path: Path, envoy_yaml: Path,
                     env, stage=1, log=log)
           for i in range(cfg.extproc.process_count())),
     ]
-    if picker:
+    if envoy_yaml is None:
         return specs
     specs += [
         *([ChildSpec(f"{prefix}observe", [*py, "observe", "-c", str(config_path), *flags], env, stage=1, log=log)]
@@ -162,6 +162,23 @@ def ready_message(f: dict[str, Any]) -> str:
             f"(admin {f['admin']}/cortex/workers, envoy admin {f['envoy_admin']})")
 
 
+def start_refusal(cfg: CortexConfig, picker: bool) -> str | None:
+    """Why the processes must not start (one line), checked before any does: a model's files, the admin token
+    file, the upstream certificates, and extproc.tls (`cortex epp` only, with readable files); None: start."""
+    try:
+        check_models(cfg)
+        configured_token(cfg.ingest.admin_token_file)  # a bad token file stops the start, not ingest
+        WorkerTls(cfg.upstream_tls)  # so does an unreadable CA or client certificate
+    except (BundleError, TokenError, ConfigError) as exc:
+        return str(exc)
+    if picker:
+        return extproc_tls.check_files(cfg)
+    if cfg.extproc.tls is not None:
+        return ("extproc.tls is for `cortex epp` (a gateway on another host calls extproc); under `cortex run` "
+                "Envoy calls extproc on the same host: remove extproc.tls")
+    return None
+
+
 def reset_workers(cfg: CortexConfig) -> None:
     """Forget the fleet changes made through the admin API (they are kept across restarts otherwise)."""
     state = cfg.runtime_path() / "workers.json"
@@ -193,18 +210,10 @@ def run_gateways(gateways: Sequence[GatewaySpec], extra: list[ChildSpec] | None 
                  on_ready: Callable[[], None] | None = None, ready_urls: Sequence[str] = ()) -> int:
     """Start independent gateways under one supervisor (one Ctrl-C stops them all, Envoys first); `on_ready`
     runs once every one of them is ready."""
-    try:
-        for g in gateways:
-            check_models(g.cfg)
-            configured_token(g.cfg.ingest.admin_token_file)  # a bad token file stops the start, not ingest
-            WorkerTls(g.cfg.upstream_tls)  # so does an unreadable CA or client certificate
-    except (BundleError, TokenError, ConfigError) as exc:
-        logs.fatal(str(exc))
-        return 2
-    if any(g.cfg.extproc.tls is not None for g in gateways):
-        logs.fatal("extproc.tls is for `cortex epp` (a gateway on another host calls extproc); under `cortex run` "
-                   "Envoy calls extproc on the same host: remove extproc.tls")
-        return 2
+    for g in gateways:
+        if (why := start_refusal(g.cfg, picker=False)) is not None:
+            logs.fatal(why)
+            return 2
     gate = (lambda: wait_urls(ready_urls)) if ready_urls else None
     specs = [*(extra or [])]
     for g in gateways:
@@ -252,17 +261,10 @@ def picker_ready_message(cfg: CortexConfig, body: dict[str, Any]) -> str:
 
 def run_picker(cfg: CortexConfig, config_path: Path) -> int:
     """`cortex epp`: ingest and extproc, serving the endpoint-picker protocol to a gateway run by someone else."""
-    try:
-        check_models(cfg)
-        configured_token(cfg.ingest.admin_token_file)
-        WorkerTls(cfg.upstream_tls)
-    except (BundleError, TokenError, ConfigError) as exc:
-        logs.fatal(str(exc))
-        return 2
-    if (why := extproc_tls.check_files(cfg)) is not None:
+    if (why := start_refusal(cfg, picker=True)) is not None:
         logs.fatal(why)
         return 2
-    specs = child_specs(cfg, config_path, prepare_runtime(cfg, envoy=False), picker=True)
+    specs = child_specs(cfg, config_path, prepare_runtime(cfg, envoy=False))
     extproc_tls.ensure_self_signed(cfg)  # before any extproc process: they all serve this one
 
     async def announce() -> None:

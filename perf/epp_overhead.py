@@ -17,14 +17,13 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cortex.bench.launch import free_ports
-from perf.added_latency import pct
+from perf.added_latency import measure, pct
 from perf.procstat import cpu_seconds
 from tests.harness import MODEL, Gateway, child_pids, long_chat, start_gateway, start_sim, stop
 from tests.test_epp_e2e import GIE_REFERENCE, Fleet
@@ -33,12 +32,7 @@ from tests.test_epp_e2e import GIE_REFERENCE, Fleet
 def timed(client: httpx.Client, url: str, body: dict[str, object], n: int, pids: list[int],
           cpu: list[float]) -> list[float]:
     before = sum(cpu_seconds(p) for p in pids)
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        r = client.post(url, json=body)
-        out.append((time.perf_counter() - t) * 1000)
-        assert r.status_code == 200, r.text
+    out = measure(client, url, body, n)
     cpu.append((sum(cpu_seconds(p) for p in pids) - before) / n * 1000)
     return out
 

@@ -363,23 +363,29 @@ def test_discovered_workers_join_and_leave_through_membership(tmp_path: Path) ->
         asyncio.run(main())
 
 
-def test_a_worker_hostname_is_resolved_again_and_moves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def fake_resolver(monkeypatch: pytest.MonkeyPatch, answers: dict[str, list[str] | None]) -> None:
+    """socket.getaddrinfo answers `answers[host]` for the hosts it names (None: the name does not resolve), and
+    the real lookup for any other host. The dict is read at each call, so a test changes DNS by editing it."""
     import socket
 
-    from ingest.service import Ingest
-
     real = socket.getaddrinfo
-    answers: dict[str, list[str] | None] = {"worker.cortex.test": ["10.8.0.1"]}
 
     def fake_getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
         if host not in answers:
             return real(host, port, *args, **kw)
         ips = answers[host]
         if ips is None:
-            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
 
     monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+
+
+def test_a_worker_hostname_is_resolved_again_and_moves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ingest.service import Ingest
+
+    answers: dict[str, list[str] | None] = {"worker.cortex.test": ["10.8.0.1"]}
+    fake_resolver(monkeypatch, answers)
     cfg = ingest_cfg(tmp_path, workers=[{"id": "w", "url": "http://worker.cortex.test:8000",
                                          "model": TOKENIZER_MODEL}])
 
@@ -414,23 +420,11 @@ def test_a_worker_whose_name_does_not_resolve_yet_waits_outside_and_joins_once_i
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A name that does not resolve at start (a pod not scheduled yet) holds nothing up: the worker is kept out of
     Envoy's pool and out of routing, and moves in once the name answers."""
-    import socket
-
     from cortex.config import UNRESOLVED
     from ingest.service import Ingest
 
-    real = socket.getaddrinfo
     answers: dict[str, list[str] | None] = {"later.cortex.test": None}
-
-    def fake_getaddrinfo(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
-        if host not in answers:
-            return real(host, port, *args, **kw)
-        ips = answers[host]
-        if ips is None:
-            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
-
-    monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+    fake_resolver(monkeypatch, answers)
     cfg = ingest_cfg(tmp_path, workers=[{"id": "w", "url": "http://later.cortex.test:8000", "model": TOKENIZER_MODEL}])
 
     async def main() -> None:
