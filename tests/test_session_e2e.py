@@ -54,9 +54,10 @@ def fresh(tag: str) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    # Low watermarks, so two requests in flight make a worker hot (hysteresis down to one).
+    # Low watermarks, so two requests in flight make a worker hot (hysteresis down to one). No cold-start window:
+    # its share of traffic for new workers is drawn at random, and would make some decisions its own.
     with cluster(tmp_path_factory.mktemp("sess"), n_sims=3,
-                 extra_config={"scheduler": {"high_watermark": 2.0, "low_watermark": 1.0}}) as g:
+                 extra_config={"scheduler": {"high_watermark": 2.0, "low_watermark": 1.0, "cold_start_s": 0}}) as g:
         yield g
 
 
