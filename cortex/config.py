@@ -215,19 +215,56 @@ class ObserveConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    """How a worker is chosen: score = alpha * matched_tokens - beta * active - gamma * queue_latency, in
-    milliseconds of time to first token, plus the guards against piling onto one GPU."""
+    """How a worker is chosen (docs/scheduling.md). `rule: ttft` (the default) predicts each candidate's time to
+    first token from the work queued there and the tokens it would still compute, and picks the smallest;
+    `rule: cache_aware` is the older score, alpha * matched_tokens - beta * active - gamma * queue_latency.
+    Both keep the guards against piling onto one GPU."""
 
-    alpha_ms_per_token: float = Field(0.05, ge=0)
-    """What one cached prompt token saves: prefill time per token (0.05 ms is ~20K tokens/s, a 7B model on
-    one modern GPU). Raise it for bigger models, whose prefill is slower per token."""
+    rule: Literal["ttft", "cache_aware"] = "ttft"
+    """`ttft`: the time model (extproc/policies/ttft.py). `cache_aware`: the request-counting score
+    (extproc/policies/cache_aware.py), kept for comparison."""
+    alpha_ms_per_token: float = Field(0.045, ge=0)
+    """Prefill time per uncached prompt token, the linear (weight-bound) part: 0.045 ms is ~22K tokens/s, an 8B
+    model in bf16 on one H100 (2 x 8e9 FLOP per token at 36 % of 989 TFLOPS; docs/simulator.md's sources). Raise it for bigger models, whose prefill is slower per token. The time model
+    starts from it and learns each worker's own rate from observed TTFTs (`calibrate`)."""
+    attention_ms_per_token2: float = Field(1.06e-6, ge=0)
+    """The attention part of prefill, which grows with context: computing u tokens after c cached ones costs
+    this x u x (c + u / 2) ms. 1.06e-6 is an 8B GQA model on one H100 (4 x 32 layers x 4096 FLOP per query-key
+    pair at 50 %): attention outweighs the linear part from ~85K-token prompts on."""
+    step_ms: float = Field(6.2, ge=0)
+    """The fixed cost of one engine step (reading the 16 GB of weights once at 77 % of 3.35 TB/s), paid once per
+    chunk of `step_tokens`."""
+    step_tokens: int = Field(8192, ge=1)
+    """Prompt tokens one engine step computes at most (vLLM max_num_batched_tokens, SGLang chunked_prefill_size):
+    a longer prompt is prefilled over several steps."""
+    running_ms_per_request: float = Field(0.1, ge=0)
+    """What each running request adds to every step a prefill shares with it (decode interference: its decode
+    token and the read of its KV, ~0.05 ms per 1K tokens of context)."""
+    work_weight: float = Field(0.25, ge=0)
+    """The time model's price of fleet capacity: a candidate's score is its predicted TTFT plus this share of the
+    prefill work it would spend, so between equal TTFTs the worker that recomputes less wins (a burst stays
+    together, a cold copy elsewhere is not started for nothing)."""
+    high_queue_ms: float = Field(8000.0, gt=0)
+    """Predicted prefill queue (ms) at which a worker stops receiving cache-affinity traffic under `rule: ttft`:
+    the watermark in work, beside the request-count one."""
+    low_queue_ms: float = Field(4000.0, ge=0)
+    """It receives affinity traffic again once its queue is back at or under this (hysteresis)."""
+    claim_max_kv_usage: float = Field(0.9, gt=0, le=1)
+    """A proven hit on a worker whose pool is at least this full (held by running requests, as the engine
+    reports it) is not claimed: other requests' allocations can evict it before the engine schedules this one
+    (docs/reliability.md, "Claims under cache pressure"). It still decides where the request goes. 1: always
+    claim."""
+    calibrate: bool = True
+    """Scale each worker's predictions by what its observed TTFTs say (`cortex observe` learns the ratio of
+    observed to predicted per worker): a slow worker learns its own rate."""
     beta_ms_per_active: float = Field(5.0, ge=0)
-    """What one more running request on a worker costs a newcomer (batch contention in decode and chunked
-    prefill)."""
+    """`rule: cache_aware`: what one more running request on a worker costs a newcomer (batch contention in decode
+    and chunked prefill)."""
     gamma: float = Field(1.0, ge=0)
-    """Weight of the queueing delay (waiting requests x queued_request_ms)."""
+    """`rule: cache_aware`: weight of the queueing delay (waiting requests x queued_request_ms)."""
     queued_request_ms: float = Field(100.0, ge=0)
-    """How long one queued request holds the line (about one average prefill)."""
+    """How long one queued request holds the line (about one average prefill). Under `rule: ttft` only until the
+    first request was routed: from then on the typical prefill of the requests routed stands in."""
     high_watermark: float = Field(48.0, gt=0)
     """Active requests (running + waiting, or Cortex's in-flight count if larger) at which a worker stops
     receiving cache-affinity traffic."""
@@ -249,6 +286,9 @@ class SchedulerConfig(_Strict):
         if self.low_watermark >= self.high_watermark:
             raise ValueError(f"low_watermark ({self.low_watermark}) must be below high_watermark "
                              f"({self.high_watermark})")
+        if self.low_queue_ms >= self.high_queue_ms:
+            raise ValueError(f"low_queue_ms ({self.low_queue_ms}) must be below high_queue_ms "
+                             f"({self.high_queue_ms})")
         return self
 
 

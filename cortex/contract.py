@@ -45,6 +45,11 @@ class LoadReading(msgspec.Struct, frozen=True):
     """The load poll interval in force, so the reader can age the reading itself (docs/performance.md)."""
     age_s: float | None = None
     """Legacy (documents from before `at`): the reading's age when it was published."""
+    kv_usage: float | None = None
+    """Share of the KV-cache pool held by running requests at that reading, 0..1 (vLLM kv_cache_usage_perc,
+    SGLang token_usage); None: not reported. Claims on a nearly full pool are withheld (policies/claims.py)."""
+    kv_capacity_tokens: float | None = None
+    """The pool in tokens (vLLM cache_config_info, SGLang max_total_num_tokens); None: not reported."""
 
 
 class TargetMeta(msgspec.Struct, frozen=True):

@@ -46,6 +46,9 @@ DROPPED = "dropped_reason"
 """Why admission refused it (x-cortex-dropped-reason), on a refusal's answer."""
 QUEUED_MS = "queued_ms"
 """How long it waited in the waiting room before it was routed (absent: it did not wait)."""
+PREDICTED_TTFT = "predicted_ttft_ms"
+"""The time model's TTFT for the worker it chose (absent under another rule): the observer learns each worker's
+observed / predicted ratio from it (cortex/calibration.py)."""
 QUOTA_PERIOD = "quota_period_s"
 """The tenant's token-quota period in force when it was admitted (the observer charges that window)."""
 FIRST_IDS_LOGGED = 64

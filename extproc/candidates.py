@@ -8,33 +8,46 @@ whatever the view says, so no policy can claim or follow a hit it cannot prove.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from cortex.config import SchedulerConfig
 from extproc.cluster_view import TargetInfo
-from extproc.policies.base import Candidate, still_hot
+from extproc.policies.base import Candidate, queue_ms, still_hot
 from extproc.predictions import Predictions
 
 
 class Hysteresis:
-    """Each target's hot flag, carried from one decision to the next (the watermarks' hysteresis)."""
+    """Each target's hot flags, carried from one decision to the next (the watermarks' hysteresis): by requests
+    (high/low_watermark) and, under the time model, by predicted prefill queue (high/low_queue_ms)."""
 
     def __init__(self) -> None:
         self._hot: dict[int, bool] = {}
+        self._queue_hot: dict[int, bool] = {}
 
     def update(self, slot: int, active: float, s: SchedulerConfig) -> bool:
         hot = still_hot(self._hot.get(slot, False), active, s)
         self._hot[slot] = hot
         return hot
 
+    def update_queue(self, slot: int, queue_ms: float, s: SchedulerConfig) -> bool:
+        was = self._queue_hot.get(slot, False)
+        hot = queue_ms > s.low_queue_ms if was else queue_ms >= s.high_queue_ms
+        self._queue_hot[slot] = hot
+        return hot
+
 
 def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Sequence[int], inflight: np.ndarray,
-          alive: bool, predictions: Predictions, hysteresis: Hysteresis, scoring: SchedulerConfig) -> list[Candidate]:
+          alive: bool, predictions: Predictions, hysteresis: Hysteresis, scoring: SchedulerConfig,
+          backlog_ms: np.ndarray | None = None, calibration: Mapping[str, float] | None = None,
+          typical_prefill_ms: float | None = None) -> list[Candidate]:
     """An inference request's candidates. `matches`: leading blocks held per slot (None: the ledger did not
     answer); `inflight`: Cortex's in-flight totals per slot; `alive`: ingest's view is live (else engine load is
-    not trusted)."""
+    not trusted); `backlog_ms`: this replica's prefill work per slot not done yet; `calibration`: observed over
+    predicted TTFT per worker id. Under `scheduler.rule: ttft` a worker is hot by its predicted queue too."""
+    by_work = scoring.rule == "ttft"
+    typical = typical_prefill_ms if typical_prefill_ms is not None else scoring.queued_request_ms
     cands = []
     for w in workers:
         if not w.healthy:
@@ -44,12 +57,19 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
         engine_load = w.engine_load if alive else None
         n_inflight = int(inflight[w.slot])
         active = max(engine_load or 0.0, float(n_inflight))
+        backlog = float(backlog_ms[w.slot]) if backlog_ms is not None else 0.0
+        waiting = w.engine_waiting if engine_load is not None else 0.0
+        hot = hysteresis.update(w.slot, active, scoring)
+        if by_work:
+            # Both flags are carried every decision, so neither loses its hysteresis while the other is set.
+            hot = hysteresis.update_queue(w.slot, queue_ms(backlog, waiting, typical), scoring) or hot
         cands.append(Candidate(
             id=w.id, slot=w.slot, address=w.address, matched_blocks=matched, ledger_trusted=trusted,
             predicted_blocks=predictions.extend(keys, w.slot, matched) if trusted else 0,
-            engine_load=engine_load, engine_waiting=w.engine_waiting if engine_load is not None else 0.0,
-            inflight=n_inflight, hot=hysteresis.update(w.slot, active, scoring), rank=w.rank, engine=w.engine,
-            suspect=w.suspect, new=w.age_s is not None and w.age_s < scoring.cold_start_s,
+            engine_load=engine_load, engine_waiting=waiting, inflight=n_inflight, hot=hot, rank=w.rank,
+            engine=w.engine, suspect=w.suspect, new=w.age_s is not None and w.age_s < scoring.cold_start_s,
+            backlog_ms=backlog, calibration=calibration.get(w.worker, 1.0) if calibration else 1.0,
+            kv_usage=w.kv_usage if engine_load is not None else None, kv_capacity_tokens=w.kv_capacity_tokens,
         ))
     return cands
 

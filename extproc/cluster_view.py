@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import Counter
 
+from cortex.calibration import CALIBRATION_FILE, Calibration
 from cortex.config import UNRESOLVED, CortexConfig
 from cortex.contract import ContractError, LoadReading, TargetMeta, decode_meta, target_id
-from cortex.inflight import InflightBoard
+from cortex.inflight import BacklogBoard, InflightBoard
 from cortex.ledger_view import ViewBusy, ViewReader
 from cortex.upstream_tls import verify_name
 
@@ -70,6 +71,10 @@ class TargetInfo:
     healthy: bool
     engine_load: float | None
     engine_waiting: float = 0.0
+    kv_usage: float | None = None
+    """Share of its KV pool held by running requests at the last reading (None: unknown or too old)."""
+    kv_capacity_tokens: float | None = None
+    """Its KV pool in tokens (None: not reported)."""
     added_at: float | None = None
     """When ingest added it (monotonic; None until ingest has spoken)."""
     why: str = ""
@@ -102,6 +107,10 @@ class ClusterView:
         self.reader: ViewReader | None = None
         self.inflight = InflightBoard(cfg.runtime_path() / "inflight", index, cfg.extproc.process_count(),
                                       cfg.ingest.max_workers)
+        self.backlog = BacklogBoard(cfg.runtime_path() / "backlog", index, cfg.extproc.process_count(),
+                                    cfg.ingest.max_workers)
+        self.calibration = Calibration(cfg.runtime_path() / CALIBRATION_FILE)
+        """Observed over predicted TTFT per worker, as `cortex observe` last wrote it."""
         self.alive = False
         self._lost = False
         self.block_size = cfg.block_size
@@ -148,6 +157,8 @@ class ClusterView:
             info = TargetInfo(id=t.id, worker=t.worker or t.id, rank=t.rank, slot=t.slot, model=t.model,
                               engine=t.engine, address=t.address, exact_kv=t.exact_kv, healthy=t.healthy,
                               engine_load=engine_load, engine_waiting=t.load.waiting, added_at=added_at, why=why,
+                              kv_usage=t.load.kv_usage if engine_load is not None else None,
+                              kv_capacity_tokens=t.load.kv_capacity_tokens,
                               role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect,
                               tls_name=t.tls_name)
             by_model.setdefault(info.model, []).append(info)
@@ -164,8 +175,10 @@ class ClusterView:
             self.reader = ViewReader.open(self.view_path)
         elif self.reader.refresh():
             self._meta_version = self._refused_version = -1  # a new file: its versions count afresh
+        self.calibration.refresh()
         try:
             self.inflight.refresh()
+            self.backlog.refresh()
         except Exception:
             # The peers' in-flight rows are an extra signal; a failure there must not freeze the worker list,
             # health and load this process routes by (issue 11: a dead worker stayed first after it was

@@ -12,16 +12,17 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
 from cortex.errors import ClientError
 from extproc import candidates, pd
+from extproc.backlog import Backlog
 from extproc.candidates import Hysteresis
 from extproc.cluster_view import TargetInfo
-from extproc.policies import Policies
+from extproc.policies import Policies, ttft
 from extproc.policies.base import Candidate, Decision, Facts, Policy
 from extproc.predictions import Predictions
 from extproc.prepare import Prepared, Timings
@@ -34,6 +35,7 @@ class State(Protocol):
 
     predictions: Predictions
     deferred: DeferredTail
+    backlog: Backlog
     hysteresis: Hysteresis
     policies: Policies
     rng: random.Random
@@ -66,9 +68,7 @@ class Fallback:
         kept = [c for c in self.cands if c.id in kept_ids]
         if not kept:
             return self.decision
-        facts = Facts(self.facts.block_size, self.facts.ledger_usable,
-                      candidates.why_not_exact(self.why, workers, self.matches, kept), self.facts.scoring,
-                      self.facts.home, self.facts.session)
+        facts = replace(self.facts, why_not_exact=candidates.why_not_exact(self.why, workers, self.matches, kept))
         return self.policy.decide(kept, facts, random.Random(self.seed))
 
 
@@ -106,23 +106,38 @@ def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
             state: State) -> tuple[list[Candidate], Facts, Policy]:
     matches, keys = prep.matches, prep.keys
     scoring = snap.cfg.scheduler
+    typical = state.backlog.typical_ms
     cands = candidates.build(workers, matches=matches, keys=keys, inflight=snap.inflight, alive=snap.alive,
-                             predictions=state.predictions, hysteresis=state.hysteresis, scoring=scoring)
+                             predictions=state.predictions, hysteresis=state.hysteresis, scoring=scoring,
+                             backlog_ms=snap.backlog_ms, calibration=snap.calibration if scoring.calibrate else None,
+                             typical_prefill_ms=typical)
     facts = Facts(block_size=snap.block_size, ledger_usable=matches is not None,
                   why_not_exact=candidates.why_not_exact(prep.why, workers, matches, cands), scoring=scoring,
-                  home=keys[0] if keys and scoring.prompt_home else None, session=prep.session)
+                  home=keys[0] if keys and scoring.prompt_home else None, session=prep.session,
+                  prompt_tokens=prep.prompt_tokens, typical_prefill_ms=typical)
     policy = state.policies.select(cands, transparent=prep.transparent, alive=snap.alive,
-                                   ledger_usable=matches is not None)
+                                   ledger_usable=matches is not None, rule=scoring.rule)
     return cands, facts, policy
 
 
-def choose(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo], state: State, *, commit: bool) -> Decision:
+def _queue(state: State, decision: Decision, facts: Facts) -> None:
+    """The chosen worker's prefill queues behind what was sent there: the time model's estimate, also for a
+    decision another policy made, so switching rules keeps the queue right."""
+    est = decision.estimates.get(decision.chosen.id) or ttft.estimate(decision.chosen, facts)
+    state.backlog.commit(decision.chosen.slot, est.calibration * est.prefill_ms)
+
+
+def choose(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo], state: State, *, commit: bool,
+           queue: bool | None = None) -> Decision:
     """One pool's decision for a prepared prompt (a pool whose workers publish no events simply holds nothing in
-    the ledger, so it is chosen by load). `commit` records the chosen target's coming blocks as predicted."""
+    the ledger, so it is chosen by load). `commit` records the chosen target's coming blocks as predicted and
+    queues its prefill (`queue`, default `commit`: a PD prefill leg queues work without being the answer)."""
     t0 = time.perf_counter()
     cands, facts, policy = _inputs(snap, prep, workers, state)
     decision = policy.decide(cands, facts, state.rng)
     prep.timings.score_s += time.perf_counter() - t0
+    if commit if queue is None else queue:
+        _queue(state, decision, facts)
     keys = prep.keys
     if commit and keys and decision.chosen.ledger_trusted:
         state.predictions.record(decision.chosen.slot, keys)
@@ -144,7 +159,7 @@ def _pd(snap: Snapshot, prep: Prepared, pools: pd.Pools, state: State, *, commit
     shape = pd.request_shape_skip(prep.body, pools.engine)
     if shape is not None and single:
         return skip(shape)
-    prefill = choose(snap, prep, pools.prefill, state, commit=False)
+    prefill = choose(snap, prep, pools.prefill, state, commit=False, queue=commit)
     if single:
         # The uncached part is measured on the worker that would serve alone (the one the policy picks, load
         # included), not on the best holder: a skip to a cold worker computes the whole prompt again.

@@ -16,6 +16,7 @@ from cortex.config import CortexConfig
 from cortex.model_bundle import ModelBundle
 from cortex.piecewise_tokenize import EncoderSet, SegmentEncoder
 from extproc import plan, prepare, snapshot
+from extproc.backlog import Backlog
 from extproc.candidates import Hysteresis
 from extproc.cluster_view import ClusterView
 from extproc.plan import RoutePlan
@@ -39,6 +40,8 @@ class Router:
         self.deferred = DeferredTail(self.predictions)
         # Per tokenizer: the text between special tokens encoded piece by piece with a cache, checked once.
         self.segments = EncoderSet(registry.bundles.values())
+        self.backlog = Backlog(cluster.backlog)
+        """The prefill work this process queued on each worker, and the typical request's (the time model)."""
         self.hysteresis = Hysteresis()
         self.policies = Policies()
         self.rng = random.Random()

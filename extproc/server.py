@@ -975,7 +975,9 @@ class ExtProc:
             "workers": [{"id": c.id, "matched_tokens": d.matched_tokens.get(c.id),
                          "predicted_tokens": c.predicted_blocks * self.cluster.block_size,
                          "ledger_trusted": c.ledger_trusted, "engine_load": c.engine_load,
-                         "inflight": c.inflight, "suspect": c.suspect} for c in d.order],
+                         "inflight": c.inflight, "suspect": c.suspect, "hot": c.hot,
+                         **({"time_model": d.estimates[c.id].to_json()} if c.id in d.estimates else {})}
+                        for c in d.order],
             "timings_ms": {k: round(getattr(result.timings, k) * 1000, 3)
                            for k in ("tokenize_s", "hash_s", "lookup_s", "score_s")},
         }
@@ -1042,6 +1044,9 @@ def _prompt_facts(result: RoutePlan) -> dict[str, Any]:
     # The ids as one string: a protobuf list of 64 numbers costs ~40 µs to build, the string ~3.
     facts = {observation.PROMPT_HASH: result.prompt_hash, observation.FIRST_IDS: ",".join(map(str, result.head_ids)),
              observation.PROMPT_TOKENS: result.prompt_tokens}
+    est = result.decision.estimates.get(result.decision.chosen.id)
+    if est is not None:  # what the observer calibrates the worker's predictions by (cortex/calibration.py)
+        facts[observation.PREDICTED_TTFT] = round(est.ttft_ms, 1)
     if result.alias is not None:  # per-target series of a canary (observe/metrics.py)
         facts[observation.ALIAS] = result.alias
     return facts

@@ -56,6 +56,10 @@ class Snapshot:
     block_size: int
     inflight: np.ndarray
     """Cortex's in-flight requests per slot (all extproc processes), read once for this request."""
+    backlog_ms: np.ndarray
+    """This replica's prefill work per slot not done yet (ms), read once for this request."""
+    calibration: Mapping[str, float]
+    """Observed over predicted TTFT per worker id, as last read (cortex/calibration.py)."""
     view: ClusterView
     """The ledger lookup handle (match); nothing else of ClusterView is read after `take`."""
 
@@ -84,4 +88,5 @@ class Snapshot:
 
 def take(gen: Generation, view: ClusterView) -> Snapshot:
     return Snapshot(gen=gen, targets=view.targets, alive=view.alive, block_size=view.block_size,
-                    inflight=view.inflight.totals(), view=view)
+                    inflight=view.inflight.totals(), backlog_ms=view.backlog.backlog_ms(),
+                    calibration=view.calibration.factors, view=view)

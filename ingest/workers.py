@@ -40,12 +40,14 @@ class Load:
         return {"running": self.running, "waiting": self.waiting,
                 "age_s": round(now - self.at, 3) if self.at else None}
 
-    def to_meta(self, every_s: float) -> LoadReading:
+    def to_meta(self, every_s: float, kv_usage: float | None = None,
+                kv_capacity_tokens: float | None = None) -> LoadReading:
         """For extproc: the reading's own time (the host's monotonic clock, which ingest and extproc share like
         the view's heartbeat) and the poll interval in force, so extproc ages it itself and ingest need not
         republish an unchanged reading just to move its age (docs/performance.md, "What an idle replica
         costs")."""
-        return LoadReading(running=self.running, waiting=self.waiting, at=self.at or None, every_s=every_s)
+        return LoadReading(running=self.running, waiting=self.waiting, at=self.at or None, every_s=every_s,
+                           kv_usage=kv_usage, kv_capacity_tokens=kv_capacity_tokens)
 
 
 @dataclass
@@ -64,6 +66,8 @@ class Target:
     """The engine's own cumulative work counter, from the load poll."""
     kv_usage: float | None = None
     """Share of its KV-cache pool in use (0..1) at the last load reading; None: not reported."""
+    kv_capacity_tokens: float | None = None
+    """Its KV-cache pool in tokens, as the engine reports it; None: not reported."""
     activity_checked: float = 0.0
     """Its value when the last tail check was asked for: a change means batches may exist we never saw."""
     was_busy: bool = False
@@ -169,7 +173,7 @@ class Target:
             engine=w.cfg.engine, address=w.address, healthy=w.healthy, suspect=w.suspect,
             exact_kv=self.exact_kv,
             state=self.events.sync.state.value, reason=self.why_not_exact(), why=self.why_code(),
-            load=self.load.to_meta(w.poll_every),
+            load=self.load.to_meta(w.poll_every, self.kv_usage, self.kv_capacity_tokens),
             added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port, tls_name=w.tls_name,
         )
 
@@ -180,7 +184,8 @@ class Target:
         del meta["age_s"]  # the contract's legacy field; the age in seconds follows
         return {
             **meta,
-            "load": {**self.load.to_json(now), "every_s": self.worker.poll_every, "kv_usage": self.kv_usage},
+            "load": {**self.load.to_json(now), "every_s": self.worker.poll_every, "kv_usage": self.kv_usage,
+                     "kv_capacity_tokens": self.kv_capacity_tokens},
             "age_s": round(now - self.worker.added_at, 1),
             "kv_events": self.endpoint(self.worker.cfg.kv_events),
             "kv_replay": self.endpoint(self.worker.cfg.kv_replay),
@@ -285,11 +290,15 @@ class Worker:
                 # The ranks' pools are alike: the worker's usage is their mean.
                 usages = [v.kv_usage for v in per_rank.values() if v.kv_usage is not None]
                 kv_usage = sum(usages) / len(usages) if usages else None
+                pools = [v.kv_capacity_tokens for v in per_rank.values() if v.kv_capacity_tokens is not None]
+                capacity = sum(pools) if pools else None
             else:
-                running, waiting, activity, kv_usage = per_rank.get(target.rank, RankLoad(0.0, 0.0, 0.0))
+                running, waiting, activity, kv_usage, capacity = per_rank.get(target.rank,
+                                                                              RankLoad(0.0, 0.0, 0.0))
             target.load = Load(running=running, waiting=waiting, at=now)
             target.activity = activity
             target.kv_usage = kv_usage
+            target.kv_capacity_tokens = capacity
             if running > 0 and not target.busy_since:
                 target.busy_since = now
             elif running == 0:

@@ -82,6 +82,8 @@ class Observation:
     dropped_reason: str = ""
     """Why admission refused it ('' when it did not)."""
     queued_ms: float | None = None
+    predicted_ttft_ms: float | None = None
+    """The time model's TTFT for the worker that served it (absent under another rule)."""
     """How long it waited in the waiting room (None: it did not wait)."""
     alias: str = ""
     """The alias the client named ('' when it named a model): `model` is then the target it drew."""
@@ -186,4 +188,5 @@ def read(entry: al.HTTPAccessLogEntry, workers_by_address: Mapping[str, str]) ->
         routed_prompt_tokens=_int(facts.get(obs.PROMPT_TOKENS)), tenant=_str(facts.get(obs.TENANT)),
         reserved_tokens=_int(facts.get(obs.RESERVED)), quota_period_s=_int(facts.get(obs.QUOTA_PERIOD)),
         dropped_reason=_str(facts.get(obs.DROPPED)), queued_ms=_float(facts.get(obs.QUEUED_MS)),
+        predicted_ttft_ms=_float(facts.get(obs.PREDICTED_TTFT)),
         alias=_str(facts.get(obs.ALIAS)))

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cortex import admin_auth, logs
 from cortex.api_paths import HEALTH_PATH
+from cortex.calibration import CALIBRATION_FILE, Learner
 from cortex.config import CortexConfig
 from cortex.shared_metrics import shared_registry
 from cortex.tenancy import limits
@@ -35,6 +36,7 @@ from observe.entry import Observation, read
 from observe.recent import Recent
 
 log = logging.getLogger("cortex.observe")
+CALIBRATION_EVERY_S = 1.0
 
 SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 
@@ -105,6 +107,9 @@ class Observer:
         self.recent = Recent()
         self.out = out if out is not None else sys.stdout.buffer
         self.clock = clock
+        self.learner = Learner()
+        self.calibration_path = cfg.runtime_path() / CALIBRATION_FILE
+        self._calibrated_at = 0.0
 
     def take(self, entry: Any) -> Observation | None:
         try:
@@ -120,11 +125,26 @@ class Observer:
         metrics.record(o, self.labels)
         if o.reserved_tokens is not None and self.board is not None:
             self.settle(o)
-        self.recent.add(o, self.clock())
+        now = self.clock()
+        self.recent.add(o, now)
+        self.calibrate(o, now)
         oc = self.cfg.observe
         if oc.request_log and sampled(o.request_id, oc.request_log_sample):
             self.out.write(log_line(o))
         return o
+
+    def calibrate(self, o: Observation, now: float) -> None:
+        """Learn the serving worker's observed / predicted TTFT (a successful stream the time model predicted, its
+        waiting-room time taken out) and publish the ratios about once a second."""
+        if o.predicted_ttft_ms is None or o.ttft_s is None or o.status != 200 or not o.worker:
+            return
+        self.learner.add(o.worker, o.predicted_ttft_ms, o.ttft_s * 1000 - (o.queued_ms or 0.0))
+        if now - self._calibrated_at >= CALIBRATION_EVERY_S:
+            self._calibrated_at = now
+            try:
+                self.learner.write(self.calibration_path)
+            except OSError as exc:
+                log.warning("calibration not written to %s: %s", self.calibration_path, exc)
 
     def settle(self, o: Observation) -> None:
         """Charge the tenant what the request really cost (its reservation was released by extproc when it

@@ -206,7 +206,8 @@ def test_a_burst_of_new_siblings_does_not_scatter(gw: Gateway) -> None:
     first = Counter(h["x-cortex-assigned-worker"] for h, _ in results).most_common(1)[0][0]
     for h, _ in results:
         if h["x-cortex-assigned-worker"] != first:
-            assert h["x-cortex-route-reason"] in ("holder_too_loaded", "holder_over_high_watermark"), dict(h)
+            assert h["x-cortex-route-reason"] in ("holder_too_loaded", "holder_slower",
+                                                  "holder_over_high_watermark"), dict(h)
     assert sum(h["x-cortex-assigned-worker"] == first for h, _ in results) >= 4
     for h, usage in results:  # never a claim beyond what the worker itself reports
         assert int(h["x-cortex-cache-hit-tokens"]) <= usage["prompt_tokens_details"]["cached_tokens"]

@@ -1,6 +1,7 @@
 """One hot prefix floods a 4-worker simulated cluster, beside cooler prefixes, with KV pools too small to
-hold everything everywhere. Cortex must keep the holder at or under its high watermark (spilling the rest)
-and still reuse more cache than pure load balancing. Assertions are on counts and ratios, never on time.
+hold everything everywhere. Cortex must keep the holder at or under its high watermark (spilling the rest, at
+the watermark or before it where its queue would cost more than the prefix) and still reuse more cache than
+pure load balancing. Assertions are on counts and ratios, never on time.
 
 The shape is chosen so the comparison has a wide margin whatever the threads' timing: each prompt is ~190
 KV blocks and a worker holds 800, so a worker keeps ~4 prompts. Cortex homes the ten cool prefixes (~2.5 per
@@ -89,6 +90,8 @@ def test_hot_prefix_spills_at_the_watermark_and_beats_load_balancing(tmp_path: P
     print(f"\nhit ratio cortex={cortex['hit_ratio']:.3f} load-only={baseline['hit_ratio']:.3f} peaks={cortex['peak']}")
     assert max(cortex["peak"].values()) <= HIGH, cortex["peak"]
     reasons = [r[1] for r in cortex["results"]]
-    assert "holder_over_high_watermark" in reasons  # the flood did reach the watermark and spilled
+    # The flood spilled off the hot prefix's holder: at the watermark, or earlier, where the time model
+    # (the default rule) predicted the holder's queue would cost more than computing the prefix elsewhere.
+    assert {"holder_over_high_watermark", "holder_slower"} & set(reasons), reasons
     assert len({r[0] for r in cortex["results"]}) == 4  # every worker took part
     assert cortex["hit_ratio"] > baseline["hit_ratio"] * 1.1, (cortex["hit_ratio"], baseline["hit_ratio"])

@@ -24,13 +24,23 @@ import pytest
 from cortex.config import SchedulerConfig
 from extproc import candidates
 from extproc.cluster_view import TargetInfo
-from extproc.policies import CacheAware, LoadAware, Policies, Policy, PowerOfTwo, RoundRobin, Transparent, session
+from extproc.policies import (
+    CacheAware,
+    LoadAware,
+    Policies,
+    Policy,
+    PowerOfTwo,
+    RoundRobin,
+    Transparent,
+    Ttft,
+    session,
+)
 from extproc.policies.base import EXACT, Decision, Facts, still_hot
 from extproc.predictions import Predictions
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "cache_aware": CacheAware, "load_aware": LoadAware, "p2c": PowerOfTwo, "round_robin": RoundRobin,
-    "transparent": Transparent,
+    "transparent": Transparent, "ttft": Ttft,
 }
 BS = 16
 S = SchedulerConfig()
@@ -66,7 +76,8 @@ def decide(policy: Policy, targets: Sequence[TargetInfo], held: dict[int, int], 
                              inflight=np.array(inflight if inflight is not None else [0] * n),
                              alive=True, predictions=predictions or Predictions(), scoring=S,
                              hysteresis=hysteresis or candidates.Hysteresis())
-    facts = Facts(BS, True, candidates.why_not_exact("no_cached_prefix", targets, matches, cands), S, None, sess)
+    facts = Facts(BS, True, candidates.why_not_exact("no_cached_prefix", targets, matches, cands), S, None, sess,
+                  prompt_tokens=len(KEYS) * BS)
     return policy.decide(cands, facts, random.Random(seed))
 
 
@@ -181,8 +192,14 @@ def test_select_picks_the_step_of_the_chain_from_what_is_known() -> None:
     # Only liveness known (ingest's view dead, nothing in flight): round robin, whatever the model.
     assert p.select(cands, transparent=True, alive=False, ledger_usable=False) is p.round_robin
     # An in-flight count tells the workers apart: the load-reading policies (p2c inside them for unknown loads).
-    assert p.select(busy, transparent=False, alive=False, ledger_usable=False) is p.load_aware
-    assert p.select(busy, transparent=True, alive=False, ledger_usable=False) is p.transparent
-    assert p.select(cands, transparent=False, alive=True, ledger_usable=True) is p.cache_aware
-    assert p.select(cands, transparent=False, alive=True, ledger_usable=False) is p.load_aware
+    old = "cache_aware"
+    assert p.select(busy, transparent=False, alive=False, ledger_usable=False, rule=old) is p.load_aware
+    assert p.select(busy, transparent=True, alive=False, ledger_usable=False, rule=old) is p.transparent
+    assert p.select(cands, transparent=False, alive=True, ledger_usable=True, rule=old) is p.cache_aware
+    assert p.select(cands, transparent=False, alive=True, ledger_usable=False, rule=old) is p.load_aware
+    assert p.select(cands, transparent=True, alive=True, ledger_usable=True, rule=old) is p.transparent
+    # The time model (the default rule) decides with or without the ledger: without it the queues decide.
+    assert p.select(busy, transparent=False, alive=False, ledger_usable=False) is p.ttft
+    assert p.select(cands, transparent=False, alive=True, ledger_usable=True) is p.ttft
+    assert p.select(cands, transparent=False, alive=True, ledger_usable=False) is p.ttft
     assert p.select(cands, transparent=True, alive=True, ledger_usable=True) is p.transparent

@@ -67,6 +67,11 @@ def _router(module: str, policy: str, name: str, extra: Callable[[list[Worker]],
 CONTESTANTS: tuple[Contestant, ...] = (
     Contestant("cortex", "Cortex: Envoy + ext_proc, routing on the engines' KV events and load (defaults)",
                _replicated(lambda procs, workers, n: start_cortex(procs, workers, events=True, name=n), "cortex")),
+    Contestant("cortex-cache-aware", "Cortex with its previous rule (scheduler.rule: cache_aware: cached tokens "
+               "against request counts) instead of the time model, for comparison",
+               _replicated(lambda procs, workers, n: start_cortex(
+                   procs, workers, events=True, name=n, extra_config={"scheduler": {"rule": "cache_aware"}}),
+                   "cortex-cache-aware")),
     Contestant("cortex-load-only", "Cortex with exact-KV routing off: no KV-event endpoints configured, so it "
                "routes on load alone (its fallback mode)",
                _replicated(lambda procs, workers, n: start_cortex(procs, workers, events=False, name=n),

@@ -29,7 +29,10 @@ class RankLoad(NamedTuple):
     a busy one between readings."""
     kv_usage: float | None = None
     """Share of the rank's KV-cache pool in use, 0..1 (vLLM kv_cache_usage_perc, SGLang token_usage); None when
-    the engine did not report it. Shown to operators; routing does not read it."""
+    the engine did not report it. Claims on a nearly full pool are withheld (extproc/policies/claims.py)."""
+    kv_capacity_tokens: float | None = None
+    """The rank's KV pool in tokens (vLLM `vllm:cache_config_info` num_gpu_blocks x block_size, per rank; SGLang
+    `max_total_num_tokens`); None when not reported."""
 
 PdLegs = Literal["sequential", "concurrent"]
 

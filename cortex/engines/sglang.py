@@ -25,8 +25,8 @@ _U64 = (1 << 64) - 1
 
 
 def parse_loads(doc: Any) -> dict[int, RankLoad]:
-    """(running, waiting, activity, KV usage) per DP rank from /v1/loads; activity is its cumulative prefill-token
-    count, KV usage its `token_usage` (0..1)."""
+    """(running, waiting, activity, KV usage, pool) per DP rank from /v1/loads; activity is its cumulative
+    prefill-token count, KV usage its `token_usage` (0..1), the pool its `max_total_num_tokens`."""
     loads = doc.get("loads", []) if isinstance(doc, dict) else []
     out: dict[int, RankLoad] = {}
     for e in loads:
@@ -35,10 +35,13 @@ def parse_loads(doc: Any) -> dict[int, RankLoad]:
             prev = out.get(rank, RankLoad(0.0, 0.0, 0.0))
             usage = e.get("token_usage")
             kv = float(usage) if isinstance(usage, (int, float)) and not isinstance(usage, bool) else None
+            pool = e.get("max_total_num_tokens")
+            cap = float(pool) if isinstance(pool, (int, float)) and not isinstance(pool, bool) and pool > 0 else None
             out[rank] = RankLoad(prev.running + float(e.get("num_running_reqs", 0)),
                                  prev.waiting + float(e.get("num_waiting_reqs", 0)),
                                  prev.activity + float(e.get("total_prefill_uncached_tokens", 0)),
-                                 kv if prev.kv_usage is None else max(prev.kv_usage, kv or 0.0))
+                                 kv if prev.kv_usage is None else max(prev.kv_usage, kv or 0.0),
+                                 cap if prev.kv_capacity_tokens is None else prev.kv_capacity_tokens)
     return out
 
 

@@ -53,7 +53,36 @@ def parse_metrics(text: bytes) -> dict[int, RankLoad]:
                     else:
                         out.setdefault(rank, [0.0, 0.0, 0.0])[index] += value
             at = text.find(name, end)
-    return {r: RankLoad(v[0], v[1], v[2], usage.get(r)) for r, v in out.items()}
+    pool = _pool_tokens(text)
+    return {r: RankLoad(v[0], v[1], v[2], usage.get(r), pool) for r, v in out.items()}
+
+
+_CACHE_INFO = b"vllm:cache_config_info"
+
+
+def _pool_tokens(text: bytes) -> float | None:
+    """One rank's KV pool in tokens from `vllm:cache_config_info` (labels num_gpu_blocks and block_size; with
+    DP the front end sums every engine's blocks into the one config that labels each rank's sample, so the sum
+    is divided by the ranks that report it). None when the series or its labels are absent."""
+    at = text.find(_CACHE_INFO)
+    ranks: set[bytes] = set()
+    blocks = block_size = 0
+    while at >= 0:
+        end = text.find(b"\n", at)
+        if end < 0:
+            end = len(text)
+        rest = text[at + len(_CACHE_INFO):end]
+        if (at == 0 or text[at - 1] == 0x0A) and rest[:1] == b"{":
+            labels = dict(_LABEL.findall(rest[1:rest.rfind(b"}")]))
+            try:
+                blocks, block_size = int(labels[b"num_gpu_blocks"]), int(labels[b"block_size"])
+            except (KeyError, ValueError):
+                return None
+            ranks.add(labels.get(b"engine", b"0"))
+        at = text.find(_CACHE_INFO, end)
+    if not ranks or blocks <= 0 or block_size <= 0:
+        return None
+    return blocks * block_size / len(ranks)
 
 
 def _sample(rest: bytes) -> tuple[int, float] | None:

@@ -9,9 +9,9 @@ so a decision is deterministic given its seed (tests/test_policy_conformance.py)
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from cortex import engines
 from cortex.config import SchedulerConfig
@@ -50,6 +50,14 @@ class Candidate:
     engine: str = engines.DEFAULT_ENGINE
     suspect: bool = False
     """Not in good standing: its latest health probe failed, or it was never probed yet (ingest's view)."""
+    backlog_ms: float = 0.0
+    """Prefill work this replica sent it that is predicted not to be done yet (extproc/backlog.py)."""
+    calibration: float = 1.0
+    """Its observed over predicted TTFT (cortex observe learns it; 1.0 until it has)."""
+    kv_usage: float | None = None
+    """Share of its KV pool held by running requests (engine-reported; None: unknown)."""
+    kv_capacity_tokens: float | None = None
+    """Its KV pool in tokens (engine-reported; None: unknown)."""
 
     @property
     def affinity_blocks(self) -> int:
@@ -75,6 +83,8 @@ class Decision:
     hit_tokens: int = 0
     """Prompt tokens proven cached on order[0] (never a prediction); 0 unless mode is EXACT."""
     matched_tokens: dict[str, int] = field(default_factory=dict)
+    estimates: Mapping[str, Any] = field(default_factory=dict)
+    """Per candidate id, what the time model predicted (ttft.Estimate; empty for the other policies)."""
 
     @property
     def chosen(self) -> Candidate:
@@ -95,6 +105,10 @@ class Facts:
     """The prompt's first block key: its rendezvous home among equally loaded workers (None: no home)."""
     session: int | None = None
     """The session key's hash (session.key_hash): the request stays on the session's worker (session.py)."""
+    prompt_tokens: int = 0
+    """The prompt's length in tokens (an estimate when routing stopped early), for the time model."""
+    typical_prefill_ms: float | None = None
+    """The typical prefill of a request here, learned from the requests routed (None: scoring.queued_request_ms)."""
 
 
 class Policy(Protocol):
@@ -103,6 +117,11 @@ class Policy(Protocol):
     name: str
 
     def decide(self, cands: Sequence[Candidate], facts: Facts, rng: random.Random) -> Decision: ...
+
+
+def queue_ms(backlog_ms: float, engine_waiting: float, typical_ms: float) -> float:
+    """The prefill work ahead of a new request on a worker: Cortex's own, or what the engine's queue implies."""
+    return max(backlog_ms, engine_waiting * typical_ms)
 
 
 def still_hot(was_hot: bool, active: float, s: SchedulerConfig) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from extproc.policies import session
+from extproc.policies import claims, session
 from extproc.policies.base import P2C, Candidate, Decision, Facts, by_activity, matched_of
 
 
@@ -36,4 +36,4 @@ class PowerOfTwo:
         ranked = {id(c) for c in lead.order}
         rest = by_activity(c for c in cands if id(c) not in ranked)
         d = lead if not rest else Decision((*lead.order, *rest), lead.mode, lead.reason, 0, matched)
-        return session.stick(d, cands, facts)
+        return claims.withheld(session.stick(d, cands, facts), facts)

@@ -8,7 +8,7 @@
      decide (p2c.py, reason `load_unknown`);
   3. the other tier follows, known load before unknown, least active first, as retry targets only.
 Then session affinity (session.py), when the request names a session: its worker first unless a proven larger
-hit elsewhere decides.
+hit elsewhere decides. Last, a hit on a worker whose KV pool is nearly full is not claimed (claims.py).
 So an unknown or failing worker can be a retry target but never takes a first attempt, nor a hit, from a worker
 that is known to be up.
 """
@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
-from extproc.policies import p2c, session
+from extproc.policies import claims, p2c, session
 from extproc.policies.base import Candidate, Decision, Facts, by_activity, matched_of
 
 Lead = Callable[[Sequence[Candidate], Facts, int, random.Random, dict[str, int]], Decision]
@@ -36,5 +37,6 @@ def tiered(cands: Sequence[Candidate], facts: Facts, turn: int, rng: random.Rand
     ranked = {id(c) for c in first.order}
     rest = by_activity(c for c in cands if id(c) not in ranked)
     if rest:
-        first = Decision((*first.order, *rest), first.mode, first.reason, first.hit_tokens, matched)
-    return session.stick(first, cands, facts)
+        first = replace(first, order=(*first.order, *rest), matched_tokens=matched)
+    return claims.withheld(session.stick(first, cands, facts), facts)
+

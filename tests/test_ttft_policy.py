@@ -1,0 +1,213 @@
+"""The time model (extproc/policies/ttft.py), its queue (extproc/backlog.py, cortex/inflight.py: BacklogBoard) and
+its calibration (cortex/calibration.py), with vectors: each case states the facts and the decision they must give."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cortex.calibration import MAX_FACTOR, MIN_SAMPLES, Calibration, Learner
+from cortex.config import SchedulerConfig
+from cortex.inflight import BacklogBoard
+from extproc import candidates
+from extproc.backlog import Backlog
+from extproc.cluster_view import TargetInfo
+from extproc.policies import Ttft
+from extproc.policies.base import EXACT, LOAD_AWARE, Candidate, Decision, Facts
+from extproc.policies.claims import KV_PRESSURE
+from extproc.policies.ttft import estimate, prefill_ms
+from extproc.predictions import Predictions
+
+BS = 16
+S = SchedulerConfig()
+# Round numbers for the vectors: 0.05 ms a token, 10 ms a step, no attention or interference term.
+FLAT = SchedulerConfig(alpha_ms_per_token=0.05, attention_ms_per_token2=0.0, step_ms=10.0, step_tokens=8192,
+                       running_ms_per_request=0.0, work_weight=0.25)
+
+
+def cand(i: int, *, matched: int = 0, backlog: float = 0.0, load: float = 0.0, waiting: float = 0.0,
+         calibration: float = 1.0, hot: bool = False, predicted: int = 0) -> Candidate:
+    return Candidate(id=f"w{i}", slot=i, address=f"127.0.0.1:{9000 + i}", matched_blocks=matched,
+                     ledger_trusted=True, engine_load=load, engine_waiting=waiting, backlog_ms=backlog,
+                     calibration=calibration, hot=hot, predicted_blocks=max(predicted, matched))
+
+
+def decide(cands: list[Candidate], prompt_tokens: int, s: SchedulerConfig = FLAT, seed: int = 1,
+           typical: float | None = None) -> Decision:
+    facts = Facts(BS, True, "no_cached_prefix", s, prompt_tokens=prompt_tokens, typical_prefill_ms=typical)
+    return Ttft().decide(cands, facts, random.Random(seed))
+
+
+def test_prefill_cost_vectors() -> None:
+    assert prefill_ms(0, 4096, 0, FLAT) == 10.0  # a full hit still takes the step that samples the first token
+    assert prefill_ms(8192, 0, 0, FLAT) == pytest.approx(10 + 409.6)
+    assert prefill_ms(8193, 0, 0, FLAT) == pytest.approx(20 + 409.65)  # a second chunk, a second step
+    s = SchedulerConfig(alpha_ms_per_token=0.0, attention_ms_per_token2=1e-6, step_ms=0.0, running_ms_per_request=0.0)
+    # Attention grows with the context: 1000 new tokens after 31 000 cached cost 1000 x 31 500 x 1e-6 ms.
+    assert prefill_ms(1000, 31_000, 0, s) == pytest.approx(31.5)
+    assert prefill_ms(1000, 0, 0, s) == pytest.approx(0.5)
+    busy = SchedulerConfig(alpha_ms_per_token=0.0, attention_ms_per_token2=0.0, step_ms=5.0, running_ms_per_request=0.1)
+    assert prefill_ms(20_000, 0, 100, busy) == pytest.approx(3 * (5 + 10))  # three steps, each beside 100 decodes
+
+
+def test_a_short_wait_on_the_holder_beats_recomputing_elsewhere() -> None:
+    # 8 000-token prompt, w0 holds 7 680 of it and has 100 ms of prefill queued: 100 + 10 + 16 = 126 ms there,
+    # against 10 + 400 = 410 ms on an idle w1.
+    d = decide([cand(0, matched=480, backlog=100.0), cand(1)], 8000)
+    assert d.chosen.id == "w0" and d.mode == EXACT and d.hit_tokens == 480 * BS
+    assert d.estimates["w0"].ttft_ms == pytest.approx(126.0)
+    assert d.estimates["w1"].ttft_ms == pytest.approx(410.0)
+
+
+def test_a_long_queue_on_the_holder_sends_the_request_to_an_idle_worker() -> None:
+    # The same holder with 2 s queued: 2 026 ms there, 410 ms (score 410 + 0.25 x 410) on the idle worker.
+    d = decide([cand(0, matched=480, backlog=2000.0), cand(1)], 8000)
+    assert d.chosen.id == "w1"
+    assert d.mode == LOAD_AWARE and d.hit_tokens == 0 and d.reason == "holder_slower"
+    assert [c.id for c in d.order] == ["w1", "w0"]  # the retry goes to the next fastest
+
+
+def test_requests_are_counted_by_their_work_not_their_number() -> None:
+    # w0 runs 30 short requests (a few ms of work queued), w1 two long ones (3 s queued): the old rule would
+    # avoid w0 for its count; the time model sends the prompt where its wait is shortest.
+    d = decide([cand(0, load=30.0, backlog=40.0), cand(1, load=2.0, backlog=3000.0)], 2000)
+    assert d.chosen.id == "w0"
+
+
+def test_a_burst_stays_together_while_the_wait_costs_it_nothing() -> None:
+    # The burst's first copy was just sent to w0 (predicted, 410 ms of prefill queued there). The second copy
+    # waits that long on w0 and then computes nothing; on idle w1 it computes everything in the same time. Equal
+    # TTFTs: the work term keeps it on w0, and nothing is claimed (a prediction is not proof).
+    d = decide([cand(0, predicted=500, backlog=410.0), cand(1)], 8000)
+    assert d.chosen.id == "w0" and d.mode == LOAD_AWARE and d.reason == "predicted_prefix" and d.hit_tokens == 0
+
+
+def test_work_other_replicas_sent_shows_through_the_engines_queue() -> None:
+    # No backlog of our own anywhere, but w0's engine reports 4 waiting requests of a typical 500 ms each.
+    d = decide([cand(0, waiting=4.0, load=4.0), cand(1)], 4000, typical=500.0)
+    assert d.chosen.id == "w1"
+    assert d.estimates["w0"].queue_ms == pytest.approx(2000.0)
+
+
+def test_a_slow_worker_learns_its_own_rate() -> None:
+    # w0 holds half the prompt but its observed TTFTs run 3x the model: 3 x (10 + 200) = 630 ms against 410.
+    d = decide([cand(0, matched=250, calibration=3.0), cand(1)], 8000)
+    assert d.chosen.id == "w1"
+    assert d.estimates["w0"].ttft_ms == pytest.approx(630.0)
+    fair = decide([cand(0, matched=250), cand(1)], 8000)
+    assert fair.chosen.id == "w0"
+
+
+def test_ties_take_turns_and_go_home_for_a_prompt_nobody_holds() -> None:
+    idle = [cand(i) for i in range(4)]
+    picks = {decide(idle, 1000, seed=seed).chosen.id for seed in range(40)}
+    assert picks == {"w0", "w1", "w2", "w3"}
+    homed = {Ttft().decide(idle, Facts(BS, True, "no_cached_prefix", FLAT, home=12345, prompt_tokens=1000),
+                           random.Random(seed)).chosen.id for seed in range(40)}
+    assert len(homed) == 1  # every replica sends the same new prompt to the same idle worker
+
+
+def test_estimate_names_its_parts() -> None:
+    facts = Facts(BS, True, "", FLAT, prompt_tokens=1000)
+    est = estimate(cand(0, matched=10, backlog=50.0, calibration=2.0), facts)
+    assert est.uncached_tokens == 1000 - 160
+    assert est.queue_ms == 50.0 and est.prefill_ms == pytest.approx(10 + 0.05 * 840)
+    assert est.ttft_ms == pytest.approx(2 * (50 + 10 + 42))
+    assert est.to_json()["predicted_ttft_ms"] == pytest.approx(204.0)
+
+
+def target(i: int) -> TargetInfo:
+    return TargetInfo(id=f"w{i}", worker=f"w{i}", rank=None, slot=i, model="m", engine="vllm",
+                      address=f"127.0.0.1:{9000 + i}", exact_kv=True, healthy=True, engine_load=0.0)
+
+
+def test_the_queue_watermark_has_hysteresis() -> None:
+    """A holder whose predicted queue climbs through high_queue_ms gets no traffic until it is back under
+    low_queue_ms, even where its cached prefix would still make it the fastest."""
+    s = SchedulerConfig(high_queue_ms=1000.0, low_queue_ms=500.0)
+    hysteresis = candidates.Hysteresis()
+    picks = []
+    for queue in (800.0, 1000.0, 700.0, 500.0, 800.0):
+        cands = candidates.build([target(0), target(1)], matches=np.array([2000, 0]), keys=list(range(2000)),
+                                 inflight=np.zeros(2, dtype=np.int64), alive=True, predictions=Predictions(),
+                                 hysteresis=hysteresis, scoring=s, backlog_ms=np.array([queue, 0.0]))
+        picks.append(decide(cands, 32_000, s).chosen.id)
+    assert picks == ["w0", "w1", "w1", "w0", "w0"]
+
+
+def test_the_request_count_rule_is_kept_for_comparison() -> None:
+    """Under rule cache_aware the queue watermark is not applied (the old rule, as it was)."""
+    s = SchedulerConfig(rule="cache_aware", high_queue_ms=1000.0, low_queue_ms=500.0)
+    cands = candidates.build([target(0)], matches=np.array([10]), keys=list(range(10)),
+                             inflight=np.zeros(1, dtype=np.int64), alive=True, predictions=Predictions(),
+                             hysteresis=candidates.Hysteresis(), scoring=s, backlog_ms=np.array([5000.0]))
+    assert not cands[0].hot
+
+
+def test_backlog_drains_with_the_clock_and_sums_over_processes(tmp_path: Path) -> None:
+    a = BacklogBoard(tmp_path, 0, 2, 4)
+    b = BacklogBoard(tmp_path, 1, 2, 4)
+    a.push(2, 300.0, now=100.0)
+    a.push(2, 200.0, now=100.1)  # queued behind the first: done at 100.5
+    b.push(2, 100.0, now=100.2)
+    assert a.backlog_ms(now=100.2)[2] == pytest.approx(300.0 + 100.0)
+    assert a.backlog_ms(now=100.45)[2] == pytest.approx(50.0)  # b's work is done, a's has 50 ms left
+    assert a.backlog_ms(now=101.0).tolist() == [0.0, 0.0, 0.0, 0.0]
+    a.push(2, 100.0, now=200.0)  # an idle worker's queue starts now, not behind old work
+    assert a.backlog_ms(now=200.0)[2] == pytest.approx(100.0)
+
+
+def test_backlog_learns_the_typical_request(tmp_path: Path) -> None:
+    q = Backlog(BacklogBoard(tmp_path, 0, 1, 2))
+    assert q.typical_ms is None
+    q.commit(0, 400.0)
+    assert q.typical_ms == 400.0
+    for _ in range(200):
+        q.commit(1, 100.0)
+    assert q.typical_ms == pytest.approx(100.0, abs=1.0)
+
+
+def test_calibration_is_a_bounded_ratio_of_sums(tmp_path: Path) -> None:
+    learner = Learner()
+    for _ in range(MIN_SAMPLES - 1):
+        learner.add("slow", 100.0, 300.0)
+    assert learner.factors() == {}  # too few observations to publish
+    learner.add("slow", 100.0, 300.0)
+    learner.add("tiny", 1.0, 500.0)  # below MIN_PREDICTED_MS: the gateway, not the worker, dominates it
+    assert learner.factors() == {"slow": pytest.approx(3.0)}
+    for _ in range(MIN_SAMPLES):
+        learner.add("stuck", 50.0, 60_000.0)
+    assert learner.factors()["stuck"] == MAX_FACTOR
+    path = tmp_path / "calibration.json"
+    learner.write(path)
+    reader = Calibration(path)
+    reader.refresh()
+    assert reader.factors == {"slow": pytest.approx(3.0), "stuck": MAX_FACTOR}
+    path.write_text("{not json")
+    reader.refresh()
+    assert reader.factors["slow"] == pytest.approx(3.0)  # a bad file keeps what was read before
+
+
+def test_calibration_reader_without_a_file_keeps_every_factor_at_one(tmp_path: Path) -> None:
+    reader = Calibration(tmp_path / "absent.json")
+    reader.refresh()
+    assert reader.factors == {}
+
+
+def test_a_hit_on_a_nearly_full_pool_is_not_claimed() -> None:
+    """Until the engine schedules the request, other requests' allocations evict the least recently used free
+    blocks: on a pool held 95 % by running requests the holder is still chosen, but nothing is claimed."""
+    full = Candidate(id="w0", slot=0, address="a:1", matched_blocks=400, ledger_trusted=True, engine_load=1.0,
+                     kv_usage=0.95)
+    d = decide([full, cand(1)], 8000)
+    assert d.chosen.id == "w0" and d.hit_tokens == 0
+    assert d.mode == LOAD_AWARE and d.reason == KV_PRESSURE
+    roomy = Candidate(id="w0", slot=0, address="a:1", matched_blocks=400, ledger_trusted=True, engine_load=1.0,
+                      kv_usage=0.5)
+    d = decide([roomy, cand(1)], 8000)
+    assert d.chosen.id == "w0" and d.mode == EXACT and d.hit_tokens == 400 * BS
+    always = SchedulerConfig(claim_max_kv_usage=1.0, attention_ms_per_token2=0.0)
+    assert decide([full, cand(1)], 8000, always).hit_tokens == 400 * BS
