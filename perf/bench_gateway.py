@@ -47,9 +47,10 @@ from procstat import cpu_seconds
 from cortex import headers as H
 from cortex.envoy_config import envoy_binary
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
+from cortex.sim.timing import ZERO_COST_ARGS
 from tests.harness import MODEL, Gateway, cluster, free_ports, stop, wait_for
 
-SIM_ARGS = ("--prefill-ms-per-token", "0", "--decode-ms-per-token", "0", "--decode-ms-per-seq", "0")
+SIM_ARGS = ZERO_COST_ARGS
 PATH = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 

@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from procstat import cpu_seconds
 
+from cortex.sim.timing import ZERO_COST_ARGS
 from tests.harness import MODEL, Gateway, cluster, long_chat
 
-SIM_ARGS = ("--prefill-ms-per-token", "0", "--decode-ms-per-token", "0", "--decode-ms-per-seq", "0")
+SIM_ARGS = ZERO_COST_ARGS
 
 
 

@@ -28,9 +28,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cortex import headers as H
+from cortex.sim.timing import ZERO_COST_ARGS
 from tests.harness import MODEL, long_chat, pd_cluster
 
-FREE = ("--prefill-ms-per-token", "0", "--decode-ms-per-token", "0", "--decode-ms-per-seq", "0")
+FREE = ZERO_COST_ARGS
 
 
 def run(url: str, n: int, words: int, seed0: int) -> tuple[np.ndarray, set[str]]:

@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from cortex.sim.timing import ZERO_COST_ARGS
+
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 HOST = "127.0.0.1"
 
@@ -186,8 +188,7 @@ class ClusterSpec:
     """More `cortex sim` flags (compute costs, batch and queue limits: `cortex bench --noisy-neighbor`)."""
 
     def sim_args(self) -> list[str]:
-        timing = (["--prefill-ms-per-token", "0", "--decode-ms-per-token", "0", "--decode-ms-per-seq", "0"]
-                  if self.zero_compute else [])
+        timing = list(ZERO_COST_ARGS) if self.zero_compute else []
         if self.engine == "vllm":
             return ["--num-blocks", str(self.kv_tokens // 16 + 1), *timing, *self.sim_extra]  # + vLLM's null block
         return ["--max-total-tokens", str(self.kv_tokens), *timing, *self.sim_extra]

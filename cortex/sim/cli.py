@@ -67,12 +67,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-topic", default="", help="topic frame of every KV-event message (default empty)")
     p.add_argument("--kv-events-format", choices=["default", "dynamo"], default="default",
                    help="SGLang kv-events format; dynamo namespaces every salted/extra-keyed hash")
-    p.add_argument("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token,
-                   help="modelled prefill cost per uncached prompt token (default %(default)s)")
-    p.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token,
-                   help="modelled fixed cost of one engine step, i.e. the decode interval (default %(default)s)")
-    p.add_argument("--decode-ms-per-seq", type=float, default=d.decode_ms_per_seq,
-                   help="modelled extra step cost per decoding request (default %(default)s)")
+    cost = p.add_argument_group("step cost model (docs/simulator.md, \"Timing model\"; defaults: 8B bf16, one H100)")
+    cost.add_argument("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token,
+                     help="linear layers: ms per prompt token computed in a step (default %(default)s)")
+    cost.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token,
+                     help="fixed ms of every step (the weight read), i.e. a lone sequence's decode interval "
+                          "(default %(default)s)")
+    cost.add_argument("--decode-ms-per-seq", type=float, default=d.decode_ms_per_seq,
+                     help="ms per decoding sequence per step, besides its KV read (default %(default)s)")
+    cost.add_argument("--attention-ms-per-ktoken2", type=float, default=d.attention_ms_per_ktoken2,
+                     help="prefill attention: ms per 10^6 query-key pairs; a chunk of c tokens after p cached or "
+                          "computed ones has c*(p+c/2) (default %(default)s)")
+    cost.add_argument("--kv-read-ms-per-ktoken", type=float, default=d.kv_read_ms_per_ktoken,
+                     help="KV read: ms per 1000 tokens of context, per decoding sequence per step and per prefill "
+                          "chunk for the tokens before it (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", "--chunked-prefill-size", dest="max_num_batched_tokens",
                    type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step; longer prefills are chunked (default %(default)s)")
@@ -163,7 +171,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_buffer_steps=args.kv_buffer_steps,
         kv_topic=args.kv_topic, kv_events_format=args.kv_events_format,
         prefill_ms_per_token=args.prefill_ms_per_token, decode_ms_per_token=args.decode_ms_per_token,
-        decode_ms_per_seq=args.decode_ms_per_seq, max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_ms_per_seq=args.decode_ms_per_seq, attention_ms_per_ktoken2=args.attention_ms_per_ktoken2,
+        kv_read_ms_per_ktoken=args.kv_read_ms_per_ktoken, max_num_batched_tokens=args.max_num_batched_tokens,
         max_running=args.max_running, max_queued_requests=args.max_queued_requests,
         max_model_len=args.max_model_len, dp_size=args.dp_size, role=args.role,
         bootstrap_port=args.bootstrap_port, bootstrap_timeout=args.bootstrap_timeout,

@@ -7,6 +7,9 @@ from typing import Literal
 
 from cortex.engine_hashes import VLLM_HASH_ALGOS, LoraRef
 from cortex.sim.faults import FaultState
+from cortex.sim.timing import TimingModel
+
+_TIMING = TimingModel()
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-7B-Instruct"
 # Qwen2.5-7B-Instruct's max_position_embeddings; capped further by the KV pool size.
@@ -53,10 +56,16 @@ class SimConfig:
     kv_topic: str = ""
     kv_events_format: str = "default"
     """SGLang's kv-events ``format``: "default" or "dynamo" (every namespaced hash rehashed)."""
-    prefill_ms_per_token: float = 0.05
-    decode_ms_per_token: float = 7.0
-    decode_ms_per_seq: float = 0.02
-    max_num_batched_tokens: int = 8192
+    # The step cost model (cortex/sim/timing.py; defaults: an 8B dense model in bf16 on one H100).
+    prefill_ms_per_token: float = _TIMING.prefill_ms_per_token
+    decode_ms_per_token: float = _TIMING.decode_ms_per_token
+    """Fixed cost of every step (the weight read): the decode interval of a lone sequence."""
+    decode_ms_per_seq: float = _TIMING.decode_ms_per_seq
+    attention_ms_per_ktoken2: float = _TIMING.attention_ms_per_ktoken2
+    """Prefill attention: ms per 10^6 query-key pairs; a chunk of c tokens after p costs c * (p + c/2) pairs."""
+    kv_read_ms_per_ktoken: float = _TIMING.kv_read_ms_per_ktoken
+    """KV read: ms per 1000 tokens of context, per decoding sequence (and per prefill chunk's prefix) per step."""
+    max_num_batched_tokens: int = _TIMING.max_num_batched_tokens
     max_running: int = 256
     max_queued_requests: int | None = None
     """vLLM --max-num-queued-reqs / SGLang --max-queued-requests: beyond it new requests get 503."""
@@ -107,8 +116,8 @@ class SimConfig:
         if self.num_blocks is not None and self.num_blocks < minimum:
             raise ValueError(f"num_blocks: must be at least {minimum}"
                              f"{' (one is vLLM null block)' if minimum == 2 else ''}, got {self.num_blocks}")
-        for name in ("prefill_ms_per_token", "decode_ms_per_token", "decode_ms_per_seq", "bootstrap_timeout",
-                     "waiting_timeout", "kv_lease_seconds"):
+        for name in ("prefill_ms_per_token", "decode_ms_per_token", "decode_ms_per_seq", "attention_ms_per_ktoken2",
+                     "kv_read_ms_per_ktoken", "bootstrap_timeout", "waiting_timeout", "kv_lease_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must not be negative, got {getattr(self, name)}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
@@ -133,6 +142,14 @@ class SimConfig:
             # vLLM refuses to start when one max-length request cannot fit in the KV cache.
             raise ValueError(f"max_model_len: {self.max_model_len} does not fit the KV pool "
                              f"({pool_tokens} tokens)")
+
+    @property
+    def timing(self) -> TimingModel:
+        return TimingModel(prefill_ms_per_token=self.prefill_ms_per_token,
+                           decode_ms_per_token=self.decode_ms_per_token, decode_ms_per_seq=self.decode_ms_per_seq,
+                           max_num_batched_tokens=self.max_num_batched_tokens,
+                           attention_ms_per_ktoken2=self.attention_ms_per_ktoken2,
+                           kv_read_ms_per_ktoken=self.kv_read_ms_per_ktoken)
 
     @property
     def page_size(self) -> int:

@@ -7,7 +7,9 @@ its own KV-event publisher, its own queues. It is a single asyncio task; each st
    prefill continue with the next chunk; then waiting requests are admitted FCFS while the running batch has
    room, the step's token budget (``max_num_batched_tokens`` / SGLang's ``chunked_prefill_size``) is not used
    up and their blocks fit (a head that does not fit blocks the queue, as in both engines);
-2. sleeps for the step's modelled duration (``TimingModel``), minus the CPU time the step itself took;
+2. sleeps for the step's modelled duration (``TimingModel``, cortex/sim/timing.py: weights, linear prefill,
+   attention over each chunk's context, KV reads of every decoding sequence), minus the CPU time the step
+   itself took;
 3. commits the computed tokens to the cache (vLLM's cache committed them when it scheduled the step, as
    ``allocate_slots`` does), samples one token for every request whose prompt is now fully computed, publishes
    the step's events as one batch and only then hands tokens to the HTTP handlers, so a prompt's
@@ -34,6 +36,7 @@ from typing import Any, Protocol
 from cortex.engine_hashes import LoraRef
 from cortex.sim.kv_events import EventPublisher, now_batch
 from cortex.sim.prefix_cache import Admission, CapacityError
+from cortex.sim.timing import TimingModel
 
 log = logging.getLogger(__name__)
 
@@ -80,27 +83,6 @@ class KVCache(Protocol):
     def forget_all(self) -> None: ...
 
     def take_events(self) -> list[Any]: ...
-
-
-@dataclass(frozen=True)
-class TimingModel:
-    """Modelled cost of one engine step (one forward pass).
-
-    A step costs a fixed ``decode_ms_per_token`` (reading the weights once, which dominates a decode step),
-    plus ``prefill_ms_per_token`` per prompt token computed in it, plus ``decode_ms_per_seq`` per decoding
-    request (attention over its KV grows the batch cost). The defaults are roughly a 7B model in bf16 on one
-    H100: ~20k prefill tokens/s, ~7 ms per decode step at small batch, ~12 ms at a batch of 256.
-    """
-
-    prefill_ms_per_token: float = 0.05
-    decode_ms_per_token: float = 7.0
-    decode_ms_per_seq: float = 0.02
-    max_num_batched_tokens: int = 8192
-
-    def step_seconds(self, prefill_tokens: int, num_decodes: int) -> float:
-        ms = self.decode_ms_per_token + self.prefill_ms_per_token * prefill_tokens
-        ms += self.decode_ms_per_seq * num_decodes
-        return ms / 1000.0
 
 
 class EngineDeadError(RuntimeError):
@@ -303,8 +285,7 @@ class EngineCore:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                prefill_tokens = sum(n for _, n in step.prefills)
-                modelled = self.timing.step_seconds(prefill_tokens, len(step.decodes))
+                modelled = self.step_seconds(step)
                 # The simulator's own CPU time for this step counts against the modelled time, so heavy load
                 # slows the clock only once the host, not the model, is the bottleneck. sleep(0) still yields.
                 await asyncio.sleep(max(0.0, started + modelled - loop.time()))
@@ -315,6 +296,13 @@ class EngineCore:
         except Exception as exc:
             log.exception("simulated engine step failed")
             self._fail_all(f"engine step failed: {exc}")
+
+    def step_seconds(self, step: _Step) -> float:
+        """The modelled duration of a scheduled step (before ``_finish_step`` advances its requests): each
+        prefill chunk at the position its request has reached, each decode over its whole context."""
+        return self.timing.step_seconds(
+            prefills=[(n, req.num_computed_tokens) for req, n in step.prefills],
+            decode_contexts=[req.num_computed_tokens + 1 for req in step.decodes])
 
     def _schedule(self) -> _Step:
         budget = self.timing.max_num_batched_tokens

@@ -7,7 +7,7 @@ each engine's bytes, hashes, framing and replay (``kv_events``), data-parallel r
 and publisher port, and both engines' PD protocols at the HTTP level (``pd``).
 
 What is modelled, not real: generation returns a fixed cycle of ordinary tokens; time is a cost model
-(``engine.TimingModel``) applied per engine step; KV transfer between PD workers is a simulator HTTP call.
+(``timing.TimingModel``) applied per engine step; KV transfer between PD workers is a simulator HTTP call.
 See docs/simulator.md for the full list.
 
 Layering: ``engine.EngineCore`` knows nothing of HTTP or wire names; caches and publishers are passed in;
@@ -158,8 +158,7 @@ class SimServer:
         self.worker_id = cfg.worker_id or f"sim-{self._port}"
         try:
             output_ids = self.bundle.encode(OUTPUT_TEXT, add_special_tokens=False)
-            timing = TimingModel(cfg.prefill_ms_per_token, cfg.decode_ms_per_token, cfg.decode_ms_per_seq,
-                                 cfg.max_num_batched_tokens)
+            timing = cfg.timing
             for rank in range(cfg.dp_size):
                 publisher = self._make_publisher(rank)
                 self.publishers.append(publisher)

@@ -115,6 +115,55 @@ class _EngineCollector(Collector):
         yield success
 
 
+GPU_MEMORY_UTILIZATION = 0.92
+"""vLLM's CacheConfig default (vllm/config/cache.py), reported as the simulated engines' setting."""
+
+
+def cache_config_info(config: SimConfig, max_model_len: int) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info`` as vLLM writes them: ``CacheConfig.metrics_info()`` is
+    ``{field: str(value)}`` over the CacheConfig (vllm/config/cache.py), in its field order; these are the fields
+    the simulator has a value for (the Mamba, offloading and layout ones are left out). The logger adds
+    ``engine`` per DP rank (vllm/v1/metrics/loggers.py, ``log_metrics_info``); there is no ``model_name``.
+
+    ``num_gpu_blocks`` is the pool of one rank times the DP size: with DP the front end sums every engine's
+    blocks into the one CacheConfig (v1/engine/core_client.py) that labels each rank's sample, whereas
+    ``kv_cache_size_tokens`` and ``kv_cache_max_concurrency`` stay per engine (vllm/v1/core/kv_cache_utils.py
+    ``get_kv_cache_capacity``: blocks / blocks of one max_model_len request, times max_model_len)."""
+    blocks, block_size = config.effective_num_blocks, config.page_size
+    concurrency = blocks / -(-max_model_len // block_size)
+    return {
+        "block_size": str(block_size),
+        "gpu_memory_utilization": str(GPU_MEMORY_UTILIZATION),
+        "cache_dtype": "auto",
+        "is_attention_free": "False",
+        # The simulator's pool is configured, not profiled: an explicit --num-blocks is vLLM's override.
+        "num_gpu_blocks_override": str(config.num_blocks),
+        "sliding_window": "None",
+        "enable_prefix_caching": "True",
+        "prefix_caching_hash_algo": config.hash_algo,
+        "num_gpu_blocks": str(blocks * config.dp_size),
+        "num_cpu_blocks": "0",  # the V1 engine core's fixed value: no CPU swap space
+        "kv_cache_size_tokens": str(int(concurrency * max_model_len)),
+        "kv_cache_max_concurrency": str(concurrency),
+        "kv_cache_memory_bytes": "None",
+    }
+
+
+class _CacheConfigCollector(Collector):
+    """``vllm:cache_config_info``: an info-style gauge of value 1 per DP rank, labelled with the cache config."""
+
+    def __init__(self, labels: dict[str, str], ranks: int) -> None:
+        self.labels = labels
+        self.ranks = ranks
+
+    def collect(self) -> Iterable[Any]:
+        fam = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                labels=[*self.labels, "engine"])
+        for rank in range(self.ranks):
+            fam.add_metric([*self.labels.values(), str(rank)], 1)
+        yield fam
+
+
 class VllmApi(OpenAIServing):
     """The vLLM OpenAI server's routes, over one EngineCore per DP rank."""
 
@@ -132,6 +181,8 @@ class VllmApi(OpenAIServing):
                             for r in range(len(self.engines))]
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(self.engines, self.model))
+        self.registry.register(_CacheConfigCollector(cache_config_info(config, self.max_model_len),
+                                                     len(self.engines)))
         ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                          ["model_name", "engine"], buckets=TTFT_BUCKETS, registry=self.registry)
         for e in self.engines:

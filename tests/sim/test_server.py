@@ -69,13 +69,15 @@ async def sse(resp: aiohttp.ClientResponse) -> list[Any]:
 
 
 async def metrics(http: aiohttp.ClientSession) -> dict[str, float]:
-    """Samples keyed by name; every sample must carry model_name and engine="0"."""
+    """Samples keyed by name; every sample must carry engine="0", and model_name but on vLLM's
+    cache_config_info (whose labels are the cache config and engine only, as vLLM writes them)."""
     async with http.get("/metrics") as resp:
         text = await resp.text()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            assert sample.labels["model_name"] == MODEL and sample.labels["engine"] == "0"
+            assert sample.labels["engine"] == "0"
+            assert sample.labels.get("model_name") == (None if sample.name == "vllm:cache_config_info" else MODEL)
             if sample.name.endswith("_bucket"):
                 continue
             key = sample.name
