@@ -55,19 +55,21 @@ def _fleet_note(block: dict[str, Any]) -> str:
 def workload_table(name: str, block: dict[str, Any]) -> str:
     results = block["results"]
     oracle = results.get("oracle", {}).get("hit_ratio") if _ok(results.get("oracle", {})) else None
-    lines = ["| contestant | hit ratio | × oracle | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p90 | req/s | "
-             "errors | imbalance | gateway CPU ms/req |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| contestant | hit ratio | × oracle | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | e2e p50 | "
+             "e2e p90 | req/s | errors | imbalance | gateway CPU ms/req |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for cname, r in results.items():
         if "unavailable" in r:
-            lines.append(f"| {cname} | not available: {r['unavailable']} |" + " |" * 10)
+            lines.append(f"| {cname} | not available: {r['unavailable']} |" + " |" * 12)
             continue
         if "failed" in r:
-            lines.append(f"| {cname} | failed: {r['failed'][:120]} |" + " |" * 10)
+            lines.append(f"| {cname} | failed: {r['failed'][:120]} |" + " |" * 12)
             continue
         rel = r["hit_ratio"] / oracle if oracle and r["hit_ratio"] is not None else None
         lines.append(f"| {cname} | {_pm(r, 'hit_ratio', 3)} | {_f(rel, 2)} | {_pm(r, 'ttft_ms.p50')} | "
-                     f"{_pm(r, 'ttft_ms.p90')} | {_pm(r, 'ttft_ms.p99')} | {_f(r['e2e_ms']['p50'])} | "
+                     f"{_pm(r, 'ttft_ms.p90')} | {_pm(r, 'ttft_ms.p99')} | {_pm(r, 'itl_ms.p50')} | "
+                     f"{_pm(r, 'itl_ms.p90')} | {_f(r['e2e_ms']['p50'])} | "
                      f"{_f(r['e2e_ms']['p90'])} | {_f(r['rps'], 2)} | {r['errors']}/{r['requests']} | "
                      f"{_f(r['imbalance'], 2)} | {_pm(r, 'gateway_cpu_ms_per_request')} |")
         if r.get("bypass_requests"):
