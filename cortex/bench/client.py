@@ -140,10 +140,12 @@ async def _session(http: aiohttp.ClientSession, pick: Callable[[], str], s: Sess
     for turn in range(len(s.turns)):
         rec = Record(s.id, turn, 0.0, bypass=bypass)
         out.append(rec)
-        answer = await one(http, pick(), s.messages(history, turn), s.max_tokens, rec, t0)
+        content = s.turns[turn]  # built once (a trace's prompt is built here, from cached blocks)
+        answer = await one(http, pick(), s.messages(history, turn, content), s.max_tokens, rec, t0)
         if rec.error is not None:
             return  # a conversation whose turn failed has no history to continue from
-        history += [{"role": "user", "content": s.turns[turn]}, {"role": "assistant", "content": answer}]
+        if turn + 1 < len(s.turns):
+            history += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
 
 
 def _load_of(text: str, engine: str) -> float:

@@ -248,12 +248,23 @@ def goals_table(out: dict[str, Any]) -> str:
     return "| goal | measured | |\n|---|---|---|\n" + "".join(f"| {g} | {m} | {mark[ok]} |\n" for g, m, ok in rows)
 
 
+def cluster_line(out: dict[str, Any], blocks: list[dict[str, Any]]) -> str:
+    """The fleet of the run's tables: the run's cluster, or, when the tables ran on fleets of their own (a
+    workload designed for one), that fleet if they share it, or a pointer to each table's."""
+    c = out["cluster"]
+    fleets = {(b["fleet"]["workers"], b["fleet"]["kv_tokens_per_worker"]) for b in blocks if b.get("fleet")}
+    if len(fleets) > 1:
+        return f"Cluster: simulated {c['engine']} workers, the fleet each table states."
+    workers, kv = fleets.pop() if fleets else (c["workers"], c["kv_tokens_per_worker"])
+    return f"Cluster: {workers} simulated {c['engine']} workers, {kv} KV tokens each."
+
+
 def markdown(out: dict[str, Any], command: str, images: list[Path] | None = None, rel_to: Path | None = None) -> str:
-    m, c = out["machine"], out["cluster"]
+    m = out["machine"]
     parts = [f"Command: `{command}`\n",
              f"Run {out['started']} on {m['cpus']} × {m['cpu_model'] or 'CPU'} ({m['platform']}, Python "
              f"{m['python']}; load average at start {m['loadavg_at_start']}), {_f(out.get('elapsed_s'))} s in all. "
-             f"Cluster: {c['workers']} simulated {c['engine']} workers, {c['kv_tokens_per_worker']} KV tokens each.\n"]
+             + cluster_line(out, list(out["workloads"].values())) + "\n"]
     for name, block in out["workloads"].items():
         parts.append(workload_table(name, block))
     if out.get("overhead"):

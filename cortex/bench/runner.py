@@ -6,6 +6,7 @@ workload. Returns every figure as one JSON-ready dict."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import platform
@@ -80,8 +81,10 @@ class Plan:
     sticky: bool = False
     bypass: float = 0.0
     disruptions: list[Disruption] = field(default_factory=list)
-    fleet_override: bool = False
-    """True: the cluster spec (--workers / --kv-tokens given) wins over what each workload is designed for."""
+    override_workers: int | None = None
+    """--workers: every workload runs on this many workers, whatever it is designed for."""
+    override_kv_tokens: int | None = None
+    """--kv-tokens: every workload's workers have this KV pool, whatever it is designed for."""
 
 
 def run_head(spec: ClusterSpec, **cluster: Any) -> dict[str, Any]:
@@ -105,10 +108,15 @@ def machine() -> dict[str, Any]:
 
 
 def fleet_of(workload: Workload, plan: Plan) -> ClusterSpec:
-    if plan.fleet_override:
-        return plan.cluster
-    return ClusterSpec(workers=workload.workers or plan.cluster.workers, engine=plan.cluster.engine,
-                       kv_tokens=workload.kv_tokens or plan.cluster.kv_tokens)
+    """The fleet a workload runs on: the one it is designed for (the plan's cluster where it names none), each
+    figure overridden by the plan's when given (--workers, --kv-tokens); with the context length it needs (at
+    most the KV pool)."""
+    spec = ClusterSpec(workers=plan.override_workers or workload.workers or plan.cluster.workers,
+                       engine=plan.cluster.engine,
+                       kv_tokens=plan.override_kv_tokens or workload.kv_tokens or plan.cluster.kv_tokens)
+    if workload.max_model_len is None:
+        return spec
+    return dataclasses.replace(spec, max_model_len=min(workload.max_model_len, spec.kv_tokens))
 
 
 def _disrupt(d: Disruption, i: int, procs: Procs, workers: list[Worker], log: list[dict[str, Any]]
@@ -215,7 +223,8 @@ def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.std
                             "replicas": replicas, "sticky": plan.sticky, "bypass": plan.bypass,
                             "disruptions": [d.label() for d in plan.disruptions],
                             "fleet": {"workers": spec.workers, "kv_tokens_per_worker": spec.kv_tokens,
-                                      "working_set_tokens": ws, "kv_fill": round(ws / fleet_kv, 2)},
+                                      "working_set_tokens": ws, "kv_fill": round(ws / fleet_kv, 2),
+                                      **({"max_model_len": spec.max_model_len} if spec.max_model_len else {})},
                             "results": results}
                 if plan.sweep and spec == fleet_of(plan.sweep[0], plan):
                     out["sweep"] = _sweep(plan, workers, cluster_procs, root, out, log)
