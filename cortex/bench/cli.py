@@ -5,6 +5,7 @@
     cortex bench --saturation --quick --json saturation.json      # highest rate under 10 ms added TTFT p99
     cortex bench --noisy-neighbor --json noisy.json               # a steady tenant's TTFT while another floods
     cortex bench --trace ../shared/traces/conversation_trace.jsonl --trace-start 600 --trace-seconds 90
+    cortex bench --goodput --trace perf/traces/mooncake-small.jsonl --contestant cortex   # highest rate in SLO
 
 See docs/benchmarks.md for the workloads, contestants and measures.
 """
@@ -18,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cortex.bench import noisy, report, runner, saturation, trace, workloads
+from cortex.bench import goodput, noisy, report, runner, saturation, trace, workloads
 from cortex.bench.contestants import BY_NAME, CONTESTANTS
 from cortex.bench.launch import ClusterSpec
 
@@ -124,6 +125,19 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--flood-seconds", type=float, default=None, help="the flood's length (default 10, --quick 5)")
     g.add_argument("--noisy-max-concurrent", type=int, default=noisy.NOISY_MAX_CONCURRENT,
                    help="Cortex's max_concurrent limit on the noisy tenant (default %(default)s)")
+    g = p.add_argument_group("goodput (--goodput; docs/benchmarks.md, 'Goodput')")
+    g.add_argument("--goodput", action="store_true",
+                   help="instead of the tables: per contestant (default " + ", ".join(goodput.CONTESTANTS) + ") and "
+                        "workload, the highest arrival rate (the workload's times scaled) at which TTFT and ITL p90 "
+                        "stay under the SLOs, by a doubling ladder from the workload's rate, then bisection")
+    g.add_argument("--slo-ttft-ms", type=float, default=goodput.SLO_TTFT_MS,
+                   help="TTFT SLO in ms (default %(default)s)")
+    g.add_argument("--slo-itl-ms", type=float, default=goodput.SLO_ITL_MS,
+                   help="inter-token latency SLO in ms (default %(default)s)")
+    g.add_argument("--slo-percentile", type=float, default=goodput.PERCENTILE,
+                   help="the percentile of requests that must meet each SLO (default %(default)s)")
+    g.add_argument("--goodput-runs", type=int, default=goodput.MAX_RUNS,
+                   help="runs per contestant and workload at most (default %(default)s)")
     p.add_argument("--from-json", metavar="PATH", action="append",
                    help="render the report and plots of saved --json runs instead of running (repeatable: the "
                         "runs' tables are put together)")
@@ -265,6 +279,41 @@ def _build(args: argparse.Namespace, names: list[str], seeds: tuple[int, ...]) -
         raise SystemExit(f"cortex bench: {exc}") from None
 
 
+def _goodput(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.from_json:
+        out = json.loads(Path(args.from_json[-1]).read_text())
+        command = out["command"]
+    else:
+        if args.concurrency:
+            raise SystemExit("cortex bench: --goodput scales open-loop arrival times; --concurrency does not apply")
+        if args.bypass or args.restart_workers or args.seeds or "," in args.replicas:
+            raise SystemExit("cortex bench: --goodput takes one --replicas count, no --bypass, --restart-workers or "
+                             "--seeds")
+        if min(args.slo_ttft_ms, args.slo_itl_ms) <= 0 or not 0 < args.slo_percentile <= 100 \
+                or not 1 <= args.goodput_runs <= 12:
+            raise SystemExit("cortex bench: the SLOs are positive, --slo-percentile in (0, 100], --goodput-runs 1-12")
+        replicas = _ints(args.replicas, "--replicas")
+        names = args.contestant or list(goodput.CONTESTANTS)
+        plan = runner.Plan(
+            cluster=ClusterSpec(workers=args.workers or 4, engine=args.engine, kv_tokens=args.kv_tokens or 12288),
+            override_workers=args.workers, override_kv_tokens=args.kv_tokens,
+            workloads=_build(args, _names(args), (args.seed,)), contestants=[BY_NAME[n] for n in names],
+            max_seconds=args.max_seconds or (40.0 if args.quick else 120.0), overhead_probes=0,
+            work_dir=Path(args.work_dir) if args.work_dir else None, keep_records=True, replicas=replicas,
+            sticky=args.sticky, grace_s=goodput.GRACE_S)
+        out = goodput.run(plan, ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms, percentile=args.slo_percentile,
+                          max_runs=args.goodput_runs, keep_records=args.records)
+        command = "cortex bench " + shlex.join(argv)
+        out["command"] = command
+    text = goodput.markdown(out, command)
+    if args.report:
+        report.write_markdown(Path(args.report), text, args.report_section)
+    if args.json and not args.from_json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(text)
+    return 1 if any("failed" in r for b in out["goodput"].values() for r in b["results"].values()) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
@@ -275,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                          "--noisy-neighbor")
     if args.saturation:
         return _saturation(args, argv)
+    if args.goodput:
+        return _goodput(args, argv)
     names = _names(args)
     if not 0.0 <= args.bypass < 1.0:
         raise SystemExit("cortex bench: --bypass is a fraction in [0, 1)")

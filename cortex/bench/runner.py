@@ -85,6 +85,8 @@ class Plan:
     """--workers: every workload runs on this many workers, whatever it is designed for."""
     override_kv_tokens: int | None = None
     """--kv-tokens: every workload's workers have this KV pool, whatever it is designed for."""
+    grace_s: float = 60.0
+    """After the last send, how long a run waits for what is still running (then counted as errors)."""
 
 
 def run_head(spec: ClusterSpec, **cluster: Any) -> dict[str, Any]:
@@ -157,7 +159,7 @@ def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], 
         schedule = [_disrupt(d, i, cluster, workers, disrupted) for i, d in enumerate(plan.disruptions)]
         before, fleet_before = procs.cpu_seconds(), sum(cluster.cpu_seconds().values())
         result = uvloop.run(client.run(workload, routing, workers, concurrency=plan.concurrency,
-                                       max_seconds=plan.max_seconds, schedule=schedule))
+                                       max_seconds=plan.max_seconds, grace_s=plan.grace_s, schedule=schedule))
         after, fleet_after = procs.cpu_seconds(), sum(cluster.cpu_seconds().values())
     ran = {(d["kind"], d["at_s"]) for d in disrupted}
     disrupted += [{"kind": d.kind, "at_s": d.at, "worker": None, "ok": None, "took_s": None}
@@ -214,8 +216,9 @@ def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.std
                         log(f"workload {key}: {first.requests} requests x {len(built)} seed(s), {first.params}")
                         results: dict[str, Any] = {}
                         for c in plan.contestants:
-                            per_seed = {int(w.params.get("seed", 0)): _one(c, w, workers, cluster_procs, root, plan,
-                                                                            replicas, out, log) for w in built}
+                            per_seed = {int(w.params.get("seed", 0)): run_one(c, w, workers, cluster_procs, root,
+                                                                               plan, replicas, out, log)
+                                        for w in built}
                             results[c.name] = metrics.combine(per_seed)
                         out["workloads"][key] = {
                             "workload": first.name, "params": {**first.params, "seeds": [w.params.get("seed")
@@ -241,13 +244,16 @@ def _sweep(plan: Plan, workers: list[Worker], cluster: Procs, root: Path, out: d
         for workload in plan.sweep:
             log(f"sweep {workload.name} at {workload.params['rate']}/s")
             rows.append({"rate": workload.params["rate"],
-                         **_one(c, workload, workers, cluster, root, plan, 1, out, log)})
+                         **run_one(c, workload, workers, cluster, root, plan, 1, out, log)})
         sweep["results"][c.name] = rows
     return sweep
 
 
-def _one(c: Contestant, workload: Workload, workers: list[Worker], cluster: Procs, root: Path, plan: Plan,
-         replicas: int, out: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+def run_one(c: Contestant, workload: Workload, workers: list[Worker], cluster: Procs, root: Path, plan: Plan,
+            replicas: int, out: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """One cell: the contestant started fresh on emptied caches, the workload replayed through it, stopped; its
+    summary, or why it is unavailable or failed. Measures the gateway overhead first when `out["overhead"]` has
+    none for it yet (and the plan asks for probes)."""
     reason = c.unavailable()
     if reason is not None:
         log(f"  {c.name}: not available: {reason}")
