@@ -87,3 +87,12 @@ def test_tables_show_itl_beside_ttft_and_old_runs_read_as_dashes() -> None:
     assert cells[0] == "new" and cells[6:8] == ["20.0", "30.0"] and len(cells) == 14
     assert [c.strip() for c in old_row.strip("|").split("|")][6:8] == ["–", "–"]
     assert gone_row.count("|") == 15
+
+
+def test_a_run_saved_before_blocks_named_their_workload_still_renders_its_goals() -> None:
+    # docs/benchmarks.json predates the blocks' "workload" key: its goals are named by the table's key.
+    r = {"hit_ratio": 0.5, "ttft_ms": {"p50": 1.0}}
+    out = {"workloads": {"unique": {"results": {"cortex": r, "round-robin": {**r, "hit_ratio": 0.4}}}}}
+    rows = report.fleet_goals(out)
+    assert [g for g, _, _ in rows] == ["unique, one gateway: hit ≥ 0.98 × the best peer (round-robin)"]
+    assert rows[0][2] is True

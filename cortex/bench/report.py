@@ -221,11 +221,12 @@ def fleet_goals(out: dict[str, Any]) -> list[tuple[str, str, bool | str | None]]
             what = f"{workload}{' with restarts' if disrupted else ''}, {replicas} replica(s)"
             add(f"{what}: hit ≥ 1.2 × smg-cache-aware", res, "hit_ratio", SMG[0], 1.2, True)
             add(f"{what}: TTFT p90 ≤ 0.8 × smg-cache-aware's", res, "ttft_ms.p90", SMG[0], 0.8, False)
-    for block in out["workloads"].values():
+    # A run saved before the blocks named their workload (docs/benchmarks.json) is keyed by it.
+    for key, block in out["workloads"].items():
         if abs(block.get("bypass", 0.0) - 0.3) < 1e-9:
-            add(f"{block['workload']}, bypass 30 %, {block.get('replicas', 1)} replica(s): hit ≥ 0.95 × oracle",
-                block["results"], "hit_ratio", "oracle", 0.95, True)
-    for block in out["workloads"].values():
+            add(f"{block.get('workload', key)}, bypass 30 %, {block.get('replicas', 1)} replica(s): hit ≥ 0.95 × "
+                "oracle", block["results"], "hit_ratio", "oracle", 0.95, True)
+    for key, block in out["workloads"].items():
         if block.get("replicas", 1) != 1 or block.get("bypass") or block.get("disruptions"):
             continue
         res = block["results"]
@@ -233,7 +234,7 @@ def fleet_goals(out: dict[str, Any]) -> list[tuple[str, str, bool | str | None]]
         if "cortex" not in res or not peers:
             continue
         best = max(peers, key=lambda n: res[n]["hit_ratio"])
-        add(f"{block['workload']}, one gateway: hit ≥ 0.98 × the best peer ({best})", res, "hit_ratio", best,
+        add(f"{block.get('workload', key)}, one gateway: hit ≥ 0.98 × the best peer ({best})", res, "hit_ratio", best,
             0.98, True)
     return rows
 
