@@ -4,6 +4,8 @@
     cortex bench --report docs/benchmarks.md --img-dir docs/img --json bench.json      # the full run
     cortex bench --saturation --quick --json saturation.json      # highest rate under 10 ms added TTFT p99
     cortex bench --noisy-neighbor --json noisy.json               # a steady tenant's TTFT while another floods
+    cortex bench --trace ../shared/traces/conversation_trace.jsonl --trace-start 600 --trace-seconds 90
+    cortex bench --goodput --trace perf/traces/mooncake-small.jsonl --contestant cortex   # highest rate in SLO
 
 See docs/benchmarks.md for the workloads, contestants and measures.
 """
@@ -17,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cortex.bench import noisy, report, runner, saturation, workloads
+from cortex.bench import goodput, noisy, report, runner, saturation, trace, workloads
 from cortex.bench.contestants import BY_NAME, CONTESTANTS
 from cortex.bench.launch import ClusterSpec
 
@@ -44,10 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--img-dir", metavar="DIR", help="write PNG plots here (needs matplotlib)")
     p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="simulated worker flavour")
     p.add_argument("--workers", type=int, default=None,
-                   help="simulated workers (default: what each workload is designed for; 4 for the original four)")
+                   help="simulated workers (default: what each workload is designed for; 4 for the original four, "
+                        "8 for a trace)")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="KV pool per worker in tokens (default: per workload; 12288 for the original four, so the "
-                        "shared prefixes do not fit one worker)")
+                        "shared prefixes do not fit one worker; for a trace 16384 when its longest prompt fits, "
+                        "else 262144)")
     p.add_argument("--requests", type=int, help="requests per workload (default: per workload, smaller --quick)")
     p.add_argument("--rate", type=float, help="open-loop arrival rate per second (default: per workload)")
     p.add_argument("--concurrency", type=int, help="closed loop: this many sessions at a time instead of a rate")
@@ -64,7 +68,26 @@ def _parser() -> argparse.ArgumentParser:
                    help="disrupt the fleet mid-run: 'restart' (the worker crashes and comes back empty) or 'flush' "
                         "(it drops its cache) at S seconds, on worker W (default: the next in turn), e.g. "
                         "restart@15,flush@30")
-    p.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace for the 'trace' workload")
+    g = p.add_argument_group("trace replay (--workload trace; docs/benchmarks.md, 'Traces')")
+    g.add_argument("--trace", metavar="PATH",
+                   help="the 'trace' workload's trace: Mooncake-format JSONL, or a WEKA kv-cache-tester conversation "
+                        "(trace_*.json) or a directory of them; told apart by content. Alone (no --workload), it "
+                        "runs the trace workload only")
+    g.add_argument("--trace-start", type=float, default=None, metavar="SECONDS",
+                   help="replay from this offset after the trace's first arrival (trace time; default 0)")
+    g.add_argument("--trace-seconds", type=float, default=None, metavar="SECONDS",
+                   help="replay the lines arriving within this many seconds from --trace-start (trace time; "
+                        "default: to the end, or --quick's first 40 s of replay)")
+    g.add_argument("--time-scale", type=float, default=None, metavar="X",
+                   help="multiply the trace's gaps by X (< 1 compresses; --rate overrides it; default 1)")
+    g.add_argument("--max-input", type=int, default=None, metavar="TOKENS",
+                   help=f"cut longer prompts to their first blocks (default {trace.MAX_INPUT})")
+    g.add_argument("--max-idle", type=float, default=None, metavar="SECONDS",
+                   help=f"WEKA: cut pauses within a conversation to this (trace time; default {trace.MAX_IDLE_S:g}; "
+                        f"inf keeps them)")
+    g.add_argument("--conversation-gap", type=float, default=None, metavar="SECONDS",
+                   help=f"WEKA: conversation k starts k x this after the first (trace time; default "
+                        f"{trace.CONVERSATION_GAP_S:g})")
     p.add_argument("--seed", type=int, default=1, help="workload seed (default %(default)s)")
     p.add_argument("--seeds", metavar="S[,S...]",
                    help="repeat each cell with these seeds and report the mean and spread (overrides --seed)")
@@ -72,8 +95,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="no new session after this many seconds of a run (default 120, --quick 40); with "
                         "--saturation, the whole sweep's bound (default 600, --quick 150)")
     p.add_argument("--sweep-rates", default=None,
-                   help="comma-separated rates for the TTFT-vs-rate sweep of shared-prefix (default 4,8,16; "
-                        "none with --quick; 'off' to skip)")
+                   help="comma-separated rates for the TTFT-vs-rate sweep of shared-prefix (default 4,8,16 when "
+                        "shared-prefix is run; none with --quick; 'off' to skip)")
     p.add_argument("--overhead-probes", type=int, default=None,
                    help="light-load request pairs per gateway for the overhead figure (default 20, --quick 8)")
     p.add_argument("--work-dir", metavar="DIR", help="keep logs and configs here instead of a temporary directory")
@@ -102,6 +125,19 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--flood-seconds", type=float, default=None, help="the flood's length (default 10, --quick 5)")
     g.add_argument("--noisy-max-concurrent", type=int, default=noisy.NOISY_MAX_CONCURRENT,
                    help="Cortex's max_concurrent limit on the noisy tenant (default %(default)s)")
+    g = p.add_argument_group("goodput (--goodput; docs/benchmarks.md, 'Goodput')")
+    g.add_argument("--goodput", action="store_true",
+                   help="instead of the tables: per contestant (default " + ", ".join(goodput.CONTESTANTS) + ") and "
+                        "workload, the highest arrival rate (the workload's times scaled) at which TTFT and ITL p90 "
+                        "stay under the SLOs, by a doubling ladder from the workload's rate, then bisection")
+    g.add_argument("--slo-ttft-ms", type=float, default=goodput.SLO_TTFT_MS,
+                   help="TTFT SLO in ms (default %(default)s)")
+    g.add_argument("--slo-itl-ms", type=float, default=goodput.SLO_ITL_MS,
+                   help="inter-token latency SLO in ms (default %(default)s)")
+    g.add_argument("--slo-percentile", type=float, default=goodput.PERCENTILE,
+                   help="the percentile of requests that must meet each SLO (default %(default)s)")
+    g.add_argument("--goodput-runs", type=int, default=goodput.MAX_RUNS,
+                   help="runs per contestant and workload at most (default %(default)s)")
     p.add_argument("--from-json", metavar="PATH", action="append",
                    help="render the report and plots of saved --json runs instead of running (repeatable: the "
                         "runs' tables are put together)")
@@ -210,6 +246,74 @@ def _noisy(args: argparse.Namespace, argv: list[str]) -> int:
     return 1 if any("failed" in b for b in out["noisy"].values()) else 0
 
 
+def _trace_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The trace workload's own arguments given on the command line (its defaults stand for the rest). The fleet
+    options go in too: the workload is built for the fleet it will run on (its workers' context length is that
+    fleet's KV pool)."""
+    given = {"trace_start_s": args.trace_start, "trace_seconds": args.trace_seconds, "time_scale": args.time_scale,
+             "max_input": args.max_input, "max_idle_s": args.max_idle, "conversation_gap_s": args.conversation_gap,
+             "workers": args.workers, "kv_tokens": args.kv_tokens}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _names(args: argparse.Namespace) -> list[str]:
+    names = args.workload or (["trace"] if args.trace else ["all"])
+    if "all" in names:
+        names = list(DEFAULT_WORKLOADS)
+    if "trace" in names and not args.trace:
+        raise SystemExit("cortex bench: the trace workload needs --trace PATH (e.g. perf/traces/mooncake-small.jsonl, "
+                         "../shared/traces/conversation_trace.jsonl or ../shared/traces/kv-cache-tester)")
+    window = [f"--{k.replace('_', '-')}" for k in ("trace_start", "trace_seconds", "time_scale", "max_input",
+                                                   "max_idle", "conversation_gap") if getattr(args, k) is not None]
+    if window and "trace" not in names:
+        raise SystemExit(f"cortex bench: {', '.join(window)} apply to the trace workload only (--workload trace)")
+    return names
+
+
+def _build(args: argparse.Namespace, names: list[str], seeds: tuple[int, ...]) -> list[list[workloads.Workload]]:
+    tp = _trace_params(args)
+    try:
+        return [[workloads.build(n, quick=args.quick, seed=seed, requests=args.requests, rate=args.rate,
+                                 trace_path=args.trace, trace_params=tp) for seed in seeds] for n in names]
+    except trace.TraceError as exc:
+        raise SystemExit(f"cortex bench: {exc}") from None
+
+
+def _goodput(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.from_json:
+        out = json.loads(Path(args.from_json[-1]).read_text())
+        command = out["command"]
+    else:
+        if args.concurrency:
+            raise SystemExit("cortex bench: --goodput scales open-loop arrival times; --concurrency does not apply")
+        if args.bypass or args.restart_workers or args.seeds or "," in args.replicas:
+            raise SystemExit("cortex bench: --goodput takes one --replicas count, no --bypass, --restart-workers or "
+                             "--seeds")
+        if min(args.slo_ttft_ms, args.slo_itl_ms) <= 0 or not 0 < args.slo_percentile <= 100 \
+                or not 1 <= args.goodput_runs <= 12:
+            raise SystemExit("cortex bench: the SLOs are positive, --slo-percentile in (0, 100], --goodput-runs 1-12")
+        replicas = _ints(args.replicas, "--replicas")
+        names = args.contestant or list(goodput.CONTESTANTS)
+        plan = runner.Plan(
+            cluster=ClusterSpec(workers=args.workers or 4, engine=args.engine, kv_tokens=args.kv_tokens or 12288),
+            override_workers=args.workers, override_kv_tokens=args.kv_tokens,
+            workloads=_build(args, _names(args), (args.seed,)), contestants=[BY_NAME[n] for n in names],
+            max_seconds=args.max_seconds or (40.0 if args.quick else 120.0), overhead_probes=0,
+            work_dir=Path(args.work_dir) if args.work_dir else None, keep_records=True, replicas=replicas,
+            sticky=args.sticky, grace_s=goodput.GRACE_S)
+        out = goodput.run(plan, ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms, percentile=args.slo_percentile,
+                          max_runs=args.goodput_runs, keep_records=args.records)
+        command = "cortex bench " + shlex.join(argv)
+        out["command"] = command
+    text = goodput.markdown(out, command)
+    if args.report:
+        report.write_markdown(Path(args.report), text, args.report_section)
+    if args.json and not args.from_json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(text)
+    return 1 if any("failed" in r for b in out["goodput"].values() for r in b["results"].values()) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
@@ -220,11 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                          "--noisy-neighbor")
     if args.saturation:
         return _saturation(args, argv)
-    names = args.workload or ["all"]
-    if "all" in names:
-        names = list(DEFAULT_WORKLOADS)
-    if "trace" in names and not args.trace:
-        raise SystemExit("cortex bench: the trace workload needs --trace FILE (e.g. perf/traces/mooncake-small.jsonl)")
+    if args.goodput:
+        return _goodput(args, argv)
+    names = _names(args)
     if not 0.0 <= args.bypass < 1.0:
         raise SystemExit("cortex bench: --bypass is a fraction in [0, 1)")
     try:
@@ -235,10 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 1 <= r <= 16 for r in replicas):
         raise SystemExit("cortex bench: --replicas counts from 1 to 16")
     seeds = _ints(args.seeds, "--seeds") if args.seeds else (args.seed,)
-    built = [[workloads.build(n, quick=args.quick, seed=seed, requests=args.requests, rate=args.rate,
-                              trace_path=args.trace) for seed in seeds] for n in names]
+    built = [] if args.from_json else _build(args, names, seeds)
     contestants = [BY_NAME[n] for n in args.contestant] if args.contestant else list(CONTESTANTS)
-    sweep_spec = args.sweep_rates or ("off" if args.quick else "4,8,16")
+    # The sweep goes with the shared-prefix tables (a trace replay or a newer scenario alone runs none by default).
+    sweep_spec = args.sweep_rates or ("off" if args.quick or "shared-prefix" not in names else "4,8,16")
     # Each sweep point lasts about SWEEP_SECONDS of arrivals, so a high rate does not take longer than a low one.
     sweep = [] if sweep_spec == "off" else [
         workloads.build("shared-prefix", quick=args.quick, seed=seeds[0],
@@ -246,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in sweep_spec.split(",")]
     plan = runner.Plan(
         cluster=ClusterSpec(workers=args.workers or 4, engine=args.engine, kv_tokens=args.kv_tokens or 12288),
-        fleet_override=args.workers is not None or args.kv_tokens is not None,
+        override_workers=args.workers, override_kv_tokens=args.kv_tokens,
         workloads=built, contestants=contestants, concurrency=args.concurrency,
         max_seconds=args.max_seconds or (40.0 if args.quick else 120.0),
         overhead_probes=args.overhead_probes if args.overhead_probes is not None else (8 if args.quick else 20),

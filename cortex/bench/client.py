@@ -1,7 +1,8 @@
 """The benchmark's client: sends a workload's sessions to a contestant and records what each request saw.
 
 Every request streams (`stream_options.include_usage`), so time to first token is the arrival of the first
-content chunk and the prompt and cached token counts are the worker's own `usage` figures. The worker that
+content chunk, the inter-token latency the mean gap between the content chunks after it, and the prompt and
+cached token counts are the worker's own `usage` figures. The worker that
 served it is read from the simulator's `x-sim-worker` header, which every contestant passes through. While
 the run lasts, each worker's running + waiting count is sampled from its own metrics endpoint.
 """
@@ -31,6 +32,9 @@ class Record:
     """Seconds after the run's start."""
     ttft: float | None = None
     e2e: float | None = None
+    itl: float | None = None
+    """Inter-token latency: the mean gap between the content chunks after the first (last chunk's arrival minus
+    the first's, over the chunks minus one), in seconds; None with fewer than two chunks."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     worker: str | None = None
@@ -56,6 +60,7 @@ async def one(http: aiohttp.ClientSession, url: str, messages: list[dict[str, st
     start = time.monotonic()
     rec.sent = start - t0
     parts: list[str] = []
+    first = last = 0.0
     try:
         async with http.post(f"{url}/v1/chat/completions", data=orjson.dumps(body),
                              headers={"content-type": "application/json"}) as resp:
@@ -71,14 +76,18 @@ async def one(http: aiohttp.ClientSession, url: str, messages: list[dict[str, st
                 for choice in chunk.get("choices") or ():
                     content = (choice.get("delta") or {}).get("content")
                     if content:
+                        last = time.monotonic()
                         if rec.ttft is None:
-                            rec.ttft = time.monotonic() - start
+                            first = last
+                            rec.ttft = last - start
                         parts.append(content)
                 usage = chunk.get("usage")
                 if usage:
                     rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         rec.e2e = time.monotonic() - start
+        if len(parts) > 1:
+            rec.itl = (last - first) / (len(parts) - 1)
         if rec.ttft is None:
             rec.error = "stream ended without a token"
         elif not rec.prompt_tokens:
@@ -131,10 +140,12 @@ async def _session(http: aiohttp.ClientSession, pick: Callable[[], str], s: Sess
     for turn in range(len(s.turns)):
         rec = Record(s.id, turn, 0.0, bypass=bypass)
         out.append(rec)
-        answer = await one(http, pick(), s.messages(history, turn), s.max_tokens, rec, t0)
+        content = s.turns[turn]  # built once (a trace's prompt is built here, from cached blocks)
+        answer = await one(http, pick(), s.messages(history, turn, content), s.max_tokens, rec, t0)
         if rec.error is not None:
             return  # a conversation whose turn failed has no history to continue from
-        history += [{"role": "user", "content": s.turns[turn]}, {"role": "assistant", "content": answer}]
+        if turn + 1 < len(s.turns):
+            history += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
 
 
 def _load_of(text: str, engine: str) -> float:

@@ -186,9 +186,14 @@ class ClusterSpec:
     (`cortex bench --saturation`)."""
     sim_extra: tuple[str, ...] = ()
     """More `cortex sim` flags (compute costs, batch and queue limits: `cortex bench --noisy-neighbor`)."""
+    max_model_len: int | None = None
+    """The workers' context length (`--max-model-len`, at most the KV pool); None: the simulator's default,
+    min(32 768, KV pool), too short for a real trace's prompts."""
 
     def sim_args(self) -> list[str]:
         timing = list(ZERO_COST_ARGS) if self.zero_compute else []
+        if self.max_model_len is not None:
+            timing += ["--max-model-len", str(min(self.max_model_len, self.kv_tokens))]
         if self.engine == "vllm":
             return ["--num-blocks", str(self.kv_tokens // 16 + 1), *timing, *self.sim_extra]  # + vLLM's null block
         return ["--max-total-tokens", str(self.kv_tokens), *timing, *self.sim_extra]

@@ -4,6 +4,8 @@
   the sum of prompt tokens, across completed requests that went through the contestant (with --bypass, the
   sessions sent straight to a worker are reported apart, as `bypass_hit_ratio`);
 * TTFT and end-to-end latency percentiles (completed requests), in milliseconds;
+* ITL (inter-token latency) percentiles across completed requests of each request's mean gap between its
+  content chunks after the first (requests with fewer than two chunks have none), in milliseconds;
 * completed requests per second of the run's wall time (first send to last completion);
 * errors: requests that failed, were cut, or lacked a token or usage;
 * load imbalance: each worker's running + waiting count (from its own metrics, sampled every 0.25 s) averaged
@@ -54,6 +56,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
     cached = sum(r.cached_tokens for r in done)
     ttft = [r.ttft for r in done if r.ttft is not None]
     e2e = [r.e2e for r in done if r.e2e is not None]
+    itl = [r.itl for r in done if r.itl is not None]
     imbalance = None
     if result.load_samples:
         ids = list(result.load_samples[0])
@@ -74,6 +77,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "prompt_tokens": prompt, "cached_tokens": cached, "hit_ratio": round(cached / prompt, 4) if prompt else None,
         "ttft_ms": _percentiles(ttft),
         "e2e_ms": _percentiles(e2e),
+        "itl_ms": _percentiles(itl),
         "rps": round(len(done) / result.wall_s, 2) if result.wall_s > 0 else None,
         "wall_s": round(result.wall_s, 1),
         "imbalance": imbalance,
@@ -83,7 +87,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
 
 # The figures a multi-seed cell reports as a mean with its spread (half the range over seeds).
 _SPREAD_KEYS = ("hit_ratio", "ttft_ms.p50", "ttft_ms.p90", "ttft_ms.p99", "e2e_ms.p50", "e2e_ms.p90",
-                "gateway_cpu_ms_per_request", "imbalance", "rps")
+                "itl_ms.p50", "itl_ms.p90", "gateway_cpu_ms_per_request", "imbalance", "rps")
 
 
 def _get(d: dict[str, Any], dotted: str) -> Any:
@@ -109,6 +113,8 @@ def combine(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
         mean = round(sum(values) / len(values), 4) if values else None
         spread[key] = round((max(values) - min(values)) / 2, 4) if values else None
         head, _, leaf = key.partition(".")
+        if head not in base:
+            continue  # a figure these summaries do not have (ITL in a run saved before it was measured)
         if leaf:
             base[head] = {**base[head], leaf: mean}
         else:
@@ -133,5 +139,6 @@ def overhead(pairs: list[tuple[float, float]], words: int) -> dict[str, Any]:
 
 def records_json(records: list[Record]) -> list[dict[str, Any]]:
     return [{"session": r.session, "turn": r.turn, "sent_s": round(r.sent, 3), "ttft_ms": _ms(r.ttft),
-             "e2e_ms": _ms(r.e2e), "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+             "e2e_ms": _ms(r.e2e), "itl_ms": None if r.itl is None else round(r.itl * 1000.0, 2),
+             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
              "worker": r.worker, "status": r.status, "error": r.error} for r in records]

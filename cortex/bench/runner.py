@@ -6,6 +6,7 @@ workload. Returns every figure as one JSON-ready dict."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import platform
@@ -80,8 +81,12 @@ class Plan:
     sticky: bool = False
     bypass: float = 0.0
     disruptions: list[Disruption] = field(default_factory=list)
-    fleet_override: bool = False
-    """True: the cluster spec (--workers / --kv-tokens given) wins over what each workload is designed for."""
+    override_workers: int | None = None
+    """--workers: every workload runs on this many workers, whatever it is designed for."""
+    override_kv_tokens: int | None = None
+    """--kv-tokens: every workload's workers have this KV pool, whatever it is designed for."""
+    grace_s: float = 60.0
+    """After the last send, how long a run waits for what is still running (then counted as errors)."""
 
 
 def run_head(spec: ClusterSpec, **cluster: Any) -> dict[str, Any]:
@@ -105,10 +110,15 @@ def machine() -> dict[str, Any]:
 
 
 def fleet_of(workload: Workload, plan: Plan) -> ClusterSpec:
-    if plan.fleet_override:
-        return plan.cluster
-    return ClusterSpec(workers=workload.workers or plan.cluster.workers, engine=plan.cluster.engine,
-                       kv_tokens=workload.kv_tokens or plan.cluster.kv_tokens)
+    """The fleet a workload runs on: the one it is designed for (the plan's cluster where it names none), each
+    figure overridden by the plan's when given (--workers, --kv-tokens); with the context length it needs (at
+    most the KV pool)."""
+    spec = ClusterSpec(workers=plan.override_workers or workload.workers or plan.cluster.workers,
+                       engine=plan.cluster.engine,
+                       kv_tokens=plan.override_kv_tokens or workload.kv_tokens or plan.cluster.kv_tokens)
+    if workload.max_model_len is None:
+        return spec
+    return dataclasses.replace(spec, max_model_len=min(workload.max_model_len, spec.kv_tokens))
 
 
 def _disrupt(d: Disruption, i: int, procs: Procs, workers: list[Worker], log: list[dict[str, Any]]
@@ -149,7 +159,7 @@ def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], 
         schedule = [_disrupt(d, i, cluster, workers, disrupted) for i, d in enumerate(plan.disruptions)]
         before, fleet_before = procs.cpu_seconds(), sum(cluster.cpu_seconds().values())
         result = uvloop.run(client.run(workload, routing, workers, concurrency=plan.concurrency,
-                                       max_seconds=plan.max_seconds, schedule=schedule))
+                                       max_seconds=plan.max_seconds, grace_s=plan.grace_s, schedule=schedule))
         after, fleet_after = procs.cpu_seconds(), sum(cluster.cpu_seconds().values())
     ran = {(d["kind"], d["at_s"]) for d in disrupted}
     disrupted += [{"kind": d.kind, "at_s": d.at, "worker": None, "ok": None, "took_s": None}
@@ -206,8 +216,9 @@ def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.std
                         log(f"workload {key}: {first.requests} requests x {len(built)} seed(s), {first.params}")
                         results: dict[str, Any] = {}
                         for c in plan.contestants:
-                            per_seed = {int(w.params.get("seed", 0)): _one(c, w, workers, cluster_procs, root, plan,
-                                                                            replicas, out, log) for w in built}
+                            per_seed = {int(w.params.get("seed", 0)): run_one(c, w, workers, cluster_procs, root,
+                                                                               plan, replicas, out, log)
+                                        for w in built}
                             results[c.name] = metrics.combine(per_seed)
                         out["workloads"][key] = {
                             "workload": first.name, "params": {**first.params, "seeds": [w.params.get("seed")
@@ -215,7 +226,8 @@ def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.std
                             "replicas": replicas, "sticky": plan.sticky, "bypass": plan.bypass,
                             "disruptions": [d.label() for d in plan.disruptions],
                             "fleet": {"workers": spec.workers, "kv_tokens_per_worker": spec.kv_tokens,
-                                      "working_set_tokens": ws, "kv_fill": round(ws / fleet_kv, 2)},
+                                      "working_set_tokens": ws, "kv_fill": round(ws / fleet_kv, 2),
+                                      **({"max_model_len": spec.max_model_len} if spec.max_model_len else {})},
                             "results": results}
                 if plan.sweep and spec == fleet_of(plan.sweep[0], plan):
                     out["sweep"] = _sweep(plan, workers, cluster_procs, root, out, log)
@@ -232,13 +244,16 @@ def _sweep(plan: Plan, workers: list[Worker], cluster: Procs, root: Path, out: d
         for workload in plan.sweep:
             log(f"sweep {workload.name} at {workload.params['rate']}/s")
             rows.append({"rate": workload.params["rate"],
-                         **_one(c, workload, workers, cluster, root, plan, 1, out, log)})
+                         **run_one(c, workload, workers, cluster, root, plan, 1, out, log)})
         sweep["results"][c.name] = rows
     return sweep
 
 
-def _one(c: Contestant, workload: Workload, workers: list[Worker], cluster: Procs, root: Path, plan: Plan,
-         replicas: int, out: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+def run_one(c: Contestant, workload: Workload, workers: list[Worker], cluster: Procs, root: Path, plan: Plan,
+            replicas: int, out: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """One cell: the contestant started fresh on emptied caches, the workload replayed through it, stopped; its
+    summary, or why it is unavailable or failed. Measures the gateway overhead first when `out["overhead"]` has
+    none for it yet (and the plan asks for probes)."""
     reason = c.unavailable()
     if reason is not None:
         log(f"  {c.name}: not available: {reason}")

@@ -1,46 +1,80 @@
-"""Replay a Mooncake-format request trace, and generate small ones.
+"""Replay request traces with prefix (block-hash) structure, and generate small ones.
 
-A trace is JSON Lines, one request per line, as published by Mooncake (FAST'25) and replayed by Dynamo:
+Two formats, told apart by content (`read`):
 
-    {"timestamp": 27482, "input_length": 1500, "output_length": 52, "hash_ids": [46, 47, 48]}
+* **Mooncake** (FAST'25), JSON Lines, one request per line, as published by Mooncake and replayed by Dynamo:
 
-`timestamp` is the arrival in milliseconds, `input_length` and `output_length` are tokens, and `hash_ids` name the
-prompt's blocks of `block_tokens` tokens (512 in Mooncake's traces) in order: two requests whose lists start with
-the same ids share that prefix. An optional `session_id` (string or integer) ties the turns of one
-conversation together. Other keys are ignored.
+      {"timestamp": 27482, "input_length": 1500, "output_length": 52, "hash_ids": [46, 47, 48]}
+
+  `timestamp` is the arrival in milliseconds, `input_length` and `output_length` are tokens, and `hash_ids` name
+  the prompt's blocks of `block_tokens` tokens (512 in Mooncake's traces) in order: two requests whose lists start
+  with the same ids share that prefix. An optional `session_id` (string or integer) ties the turns of one
+  conversation together (Mooncake's own traces have none: each line is its own session). Other keys are ignored.
+* **WEKA agentic coding** (callanjfox/kv-cache-tester), one JSON object per conversation (a Claude Code session):
+  `{"id", "block_size": 64, "hash_id_scope": "local", "requests": [{"t", "type", "in", "out", "hash_ids", ...}]}`,
+  `t` in seconds from the conversation's start, `hash_ids` the ids of the prompt's whole 64-token blocks (the
+  last partial block has none). An entry of type "subagent" holds its own `requests`, timed from its `t`. A
+  directory of such files (`*.json`, in name order) or one file. Hash ids are local to a conversation, so each
+  conversation's ids (its sub-agents' included) are put in a namespace of their own: two conversations never
+  share a block. The tokens past the last whole block get a block of their own, unique to the request.
+  Conversation k starts `conversation_gap_s` x k seconds after the first; within a conversation, a pause longer
+  than `max_idle_s` (the user went away: some pause for a day) is cut to it. Each request is a session of one
+  turn whose affinity key is the conversation's id.
 
 The replay does what Dynamo's does: each hash id becomes a deterministic block of text, `block_tokens` words
 drawn from the benchmark's vocabulary (each word one Qwen2.5 token, so words = tokens), the same text for the same
 id in every line, run and process; a prompt is the blocks of its hash ids concatenated and cut to
-`input_length` words, sent as the user message after a short fixed system prompt; `output_length` becomes
-`max_tokens`, capped (64 by default: decode time is not what a routing benchmark measures, and an uncapped
-trace would take minutes); each line arrives at its timestamp after the first (optionally time-scaled), as a
-session of one turn whose affinity key is its `session_id`. The trace is the workload: the seed changes
-nothing in it.
+`input_length` words (and to `max_input`, keeping its first blocks), sent as the user message after a short fixed
+system prompt; `output_length` becomes `max_tokens`, capped (64 by default: decode time is not what a routing
+benchmark measures, and an uncapped trace would take minutes); each line arrives at its timestamp after the
+first of the window replayed (optionally time-scaled), as a session of one turn whose affinity key is its
+`session_id`. Prompts are built when sent, from cached block texts joined once. The trace is the workload: the
+seed changes nothing in it.
 
     python -m cortex.bench.trace generate --out perf/traces/mooncake-small.jsonl --seed 1
     python -m cortex.bench.trace info perf/traces/mooncake-small.jsonl
+    python -m cortex.bench.trace info ../shared/traces/conversation_trace.jsonl --trace-start 600 --trace-seconds 90
+    python -m cortex.bench.trace info ../shared/traces/kv-cache-tester
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
 import math
 import random
 import sys
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cortex.bench.workloads import WORDS, Session, Workload, words
+import orjson
+
+from cortex.bench.workloads import WORDS, LazyTurns, Session, Workload, words
 
 BLOCK_TOKENS = 512
+"""Mooncake's block size; a WEKA file states its own (64)."""
 MAX_TOKENS = 64
+MAX_INPUT = 131072
+"""Longest prompt replayed, in tokens: a longer line is cut to its first blocks (WEKA's reach 204K)."""
+MAX_IDLE_S = 60.0
+"""WEKA: the longest pause replayed between two requests of one conversation (seconds of trace time)."""
+CONVERSATION_GAP_S = 30.0
+"""WEKA: conversation k starts this many seconds (trace time) after conversation k - 1."""
+WORKERS = 8
+SMALL_KV_TOKENS = 16384
+"""KV per worker for a trace whose longest prompt fits it (the shipped synthetic one)."""
+LARGE_KV_TOKENS = 262144
+"""KV per worker for the real traces (Mooncake's longest prompt is 126K tokens, WEKA's are capped at 131 072)."""
 SYSTEM = "You are a helpful assistant."
+_NAMESPACE_BITS = 40
+"""A WEKA conversation's hash id h becomes namespace << 40 | h (its own ids stay below 2**39; the tail blocks
+of partial prompts take the ids from 2**39 up)."""
 
 
 class TraceError(ValueError):
@@ -111,11 +145,178 @@ def parse(lines: Iterable[str], source: str = "<trace>", block_tokens: int = BLO
 
 
 def load(path: str | Path, block_tokens: int = BLOCK_TOKENS) -> list[Line]:
+    """A Mooncake-format JSONL trace's requests, in file order."""
     try:
         with open(path, encoding="utf-8") as f:
             return parse(f, str(path), block_tokens)
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read the trace: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """A trace read from disk, in either format, as lines sorted by arrival."""
+
+    format: str
+    """"mooncake" or "weka"."""
+    lines: list[Line]
+    block_tokens: int
+    conversations: int = 0
+    """WEKA: conversations (files) read; 0 for Mooncake."""
+
+
+def _namespace(conversation: str) -> int:
+    return zlib.crc32(conversation.encode()) + 1
+
+
+def _compress(times: list[float], max_idle_s: float) -> list[float]:
+    """Offsets from the first of `times` (ascending) with every gap longer than `max_idle_s` cut to it."""
+    out: list[float] = []
+    for k, t in enumerate(times):
+        out.append(0.0 if k == 0 else out[-1] + min(t - times[k - 1], max_idle_s))
+    return out
+
+
+def _weka_request(r: Any, where: str, block_tokens: int) -> tuple[int, int, list[int]]:
+    if not isinstance(r, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(r).__name__}")
+    try:
+        n_in, n_out = _int(r, "in", 1), _int(r, "out", 0)
+    except ValueError as exc:
+        raise TraceError(f"{where}: {exc}") from None
+    ids = r.get("hash_ids")
+    # Checked at C speed (the WEKA files hold 4.5 million ids): every element an int (not a bool), within range.
+    if not isinstance(ids, list) or not set(map(type, ids)) <= {int} or (ids and not 0 <= min(ids) <= max(ids)
+                                                                         < 2 ** 39):
+        raise TraceError(f"{where}: hash_ids must be a list of integers in [0, 2**39)")
+    if len(ids) * block_tokens > n_in + block_tokens - 1:
+        raise TraceError(f"{where}: {len(ids)} hash_ids x {block_tokens} tokens is more than in={n_in} needs")
+    return n_in, n_out, ids
+
+
+def _weka_t(r: Any, where: str) -> float:
+    t = r.get("t") if isinstance(r, dict) else None
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        raise TraceError(f"{where}: t must be a number of seconds >= 0, got {t!r}")
+    return float(t)
+
+
+def weka_lines(docs: list[tuple[str, Any]], *, max_idle_s: float = MAX_IDLE_S,
+               conversation_gap_s: float = CONVERSATION_GAP_S) -> tuple[list[Line], int]:
+    """WEKA conversations (source name, parsed JSON) as Mooncake lines, sorted by arrival, and their block size.
+
+    Conversation k (in the order given) starts at k x `conversation_gap_s` seconds; its requests keep their `t`
+    offsets, with every pause longer than `max_idle_s` between consecutive ones cut to it (a sub-agent's start
+    counts as one of its parent's events; its own requests' pauses are cut the same way). Each conversation's
+    hash ids h become `namespace << 40 | h`, the namespace a CRC of the conversation's id (refused if two
+    collide), so no block is shared across conversations; the tokens past a prompt's whole blocks get fresh ids
+    of the same namespace (from 2**39), one per request. session_id is the conversation's id."""
+    if max_idle_s < 0 or conversation_gap_s < 0:
+        raise TraceError("max_idle_s and conversation_gap_s must not be negative")
+    lines: list[Line] = []
+    block_sizes: set[int] = set()
+    spaces: dict[int, str] = {}
+    for k, (source, doc) in enumerate(docs):
+        if not isinstance(doc, dict) or not isinstance(doc.get("requests"), list):
+            raise TraceError(f"{source}: not a WEKA trace (a JSON object with a requests list)")
+        bs = doc.get("block_size", 64)
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise TraceError(f"{source}: block_size must be a positive integer, got {bs!r}")
+        block_sizes.add(bs)
+        if len(block_sizes) > 1:
+            raise TraceError(f"{source}: block_size {bs} differs from the other files' {sorted(block_sizes - {bs})}")
+        conv = str(doc.get("id") or Path(source).stem)
+        space = 0 if doc.get("hash_id_scope") == "global" else _namespace(conv)
+        if space and space in spaces:
+            raise TraceError(f"{source}: conversation {conv!r} has the namespace of {spaces[space]!r} "
+                             f"(the same id twice?)")
+        spaces[space] = conv
+        # (time in the conversation's own clock, where, request) for the parent's requests and sub-agent starts.
+        events: list[tuple[float, str, Any]] = []
+        for i, r in enumerate(doc["requests"]):
+            where = f"{source}: requests[{i}]"
+            events.append((_weka_t(r, where), where, r))
+        events.sort(key=lambda e: e[0])
+        at = _compress([e[0] for e in events], max_idle_s)
+        timed: list[tuple[float, str, Any]] = []  # (seconds after the conversation's start, where, request)
+        for (_, where, r), when in zip(events, at, strict=True):
+            if r.get("type") != "subagent":
+                timed.append((when, where, r))
+                continue
+            subs = r.get("requests")
+            if not isinstance(subs, list):
+                raise TraceError(f"{where}: a subagent entry needs a requests list")
+            inner = sorted(((_weka_t(x, f"{where}.requests[{j}]"), f"{where}.requests[{j}]", x)
+                            for j, x in enumerate(subs)), key=lambda e: e[0])
+            offsets = _compress([e[0] for e in inner], max_idle_s)
+            first = min(inner[0][0], max_idle_s) if inner else 0.0
+            timed += [(when + first + off, w, x) for (_, w, x), off in zip(inner, offsets, strict=True)]
+        start = k * conversation_gap_s
+        tail = itertools.count(2 ** 39)
+        for number, (when, where, r) in enumerate(timed, 1):
+            n_in, n_out, ids = _weka_request(r, where, bs)
+            offset = space << _NAMESPACE_BITS  # ids are below 2**39: adding is or-ing, and map runs at C speed
+            full = [*map(offset.__add__, ids), *(offset + next(tail) for _ in range(math.ceil(n_in / bs) - len(ids)))]
+            lines.append(Line(number, round((start + when) * 1000.0, 3), n_in, n_out, tuple(full), conv))
+    lines.sort(key=lambda ln: ln.timestamp_ms)
+    return lines, (block_sizes.pop() if block_sizes else 64)
+
+
+def _weka_files(path: Path) -> list[Path]:
+    files = sorted(p for p in path.glob("*.json") if p.is_file())
+    if not files:
+        raise TraceError(f"{path}: no WEKA trace files (*.json) in the directory")
+    return files
+
+
+def read(path: str | Path, *, block_tokens: int = BLOCK_TOKENS, max_idle_s: float = MAX_IDLE_S,
+         conversation_gap_s: float = CONVERSATION_GAP_S) -> Trace:
+    """A trace in either format, told apart by content: a directory holds WEKA files (`*.json`); a file that is
+    one JSON object with a `requests` list is a WEKA conversation; anything else is read as Mooncake JSON Lines
+    (of `block_tokens`-token blocks). The lines are sorted by arrival."""
+    path = Path(path)
+    if path.is_dir():
+        docs = []
+        for f in _weka_files(path):
+            try:
+                docs.append((str(f), orjson.loads(f.read_bytes())))
+            except (OSError, orjson.JSONDecodeError) as exc:
+                raise TraceError(f"{f}: cannot read the trace: {exc}") from None
+        lines, bs = weka_lines(docs, max_idle_s=max_idle_s, conversation_gap_s=conversation_gap_s)
+        return Trace("weka", lines, bs, len(docs))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: cannot read the trace: {exc}") from None
+    if text.lstrip().startswith("{"):
+        try:
+            doc = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            doc = None  # JSON Lines: several objects
+        if isinstance(doc, dict) and "requests" in doc:
+            lines, bs = weka_lines([(str(path), doc)], max_idle_s=max_idle_s,
+                                   conversation_gap_s=conversation_gap_s)
+            return Trace("weka", lines, bs, 1)
+    lines = parse(text.splitlines(), str(path), block_tokens)
+    return Trace("mooncake", sorted(lines, key=lambda ln: ln.timestamp_ms), block_tokens)
+
+
+def window(lines: list[Line], start_s: float = 0.0, seconds: float | None = None) -> list[Line]:
+    """The lines (sorted by arrival) that arrive `start_s` seconds or more after the first line, and less than
+    `start_s + seconds` after it (all of them from `start_s` on when `seconds` is None). Trace time, unscaled."""
+    if not lines:
+        return []
+    t0 = lines[0].timestamp_ms
+    lo, hi = start_s * 1000.0, None if seconds is None else (start_s + seconds) * 1000.0
+    return [ln for ln in lines if ln.timestamp_ms - t0 >= lo and (hi is None or ln.timestamp_ms - t0 < hi)]
+
+
+def cap(line: Line, max_input: int, block_tokens: int) -> Line:
+    """The line cut to its first `max_input` tokens (and the blocks they span), or itself if no longer."""
+    if line.input_length <= max_input:
+        return line
+    blocks = math.ceil(max_input / block_tokens)
+    return dataclasses.replace(line, input_length=max_input, hash_ids=line.hash_ids[:blocks])
 
 
 @functools.lru_cache(maxsize=8192)
@@ -126,42 +327,79 @@ def block_words(hash_id: int, block_tokens: int = BLOCK_TOKENS) -> tuple[str, ..
     return tuple(rng.choice(WORDS) for _ in range(block_tokens))
 
 
+@functools.lru_cache(maxsize=65536)
+def block_text(hash_id: int, block_tokens: int = BLOCK_TOKENS) -> str:
+    """`block_words` joined by spaces, cached: a 130 000-token prompt is then one join of ~2 000 strings."""
+    return " ".join(block_words(hash_id, block_tokens))
+
+
 def prompt_text(line: Line, block_tokens: int = BLOCK_TOKENS) -> str:
     """The prompt of one line: its blocks' words, cut to input_length words."""
-    need = line.input_length
-    out: list[str] = []
-    for h in line.hash_ids:
-        out.extend(block_words(h, block_tokens)[:need - len(out)])
-        if len(out) >= need:
-            break
-    return " ".join(out)
+    whole = min(len(line.hash_ids), line.input_length // block_tokens)
+    parts = [block_text(h, block_tokens) for h in line.hash_ids[:whole]]
+    rest = line.input_length - whole * block_tokens
+    if rest > 0 and whole < len(line.hash_ids):
+        parts.append(" ".join(block_words(line.hash_ids[whole], block_tokens)[:rest]))
+    return " ".join(parts)
 
 
 def distinct_tokens(lines: Iterable[Line], block_tokens: int = BLOCK_TOKENS) -> int:
     """Distinct prompt tokens of a trace: each block once, as far as any line uses it."""
-    used: dict[int, int] = {}
+    whole: set[int] = set()
+    partial: dict[int, int] = {}
     for ln in lines:
-        for k, h in enumerate(ln.hash_ids):
-            n = min(block_tokens, ln.input_length - k * block_tokens)
-            if n <= 0:
-                break
-            used[h] = max(used.get(h, 0), n)
-    return sum(used.values())
+        n = min(len(ln.hash_ids), ln.input_length // block_tokens)
+        whole.update(ln.hash_ids[:n])
+        rest = ln.input_length - n * block_tokens
+        if rest > 0 and n < len(ln.hash_ids):
+            h = ln.hash_ids[n]
+            partial[h] = max(partial.get(h, 0), rest)
+    return len(whole) * block_tokens + sum(v for h, v in partial.items() if h not in whole)
+
+
+def default_kv_tokens(longest_prompt: int, max_tokens: int = MAX_TOKENS) -> int:
+    """KV per worker a trace's fleet is given by default: 16 384 tokens when its longest prompt (plus the system
+    prompt, the chat template and the answer) fits one worker's pool (the shipped synthetic trace), else 262 144
+    (the real ones, whose prompts are cut to 131 072 tokens by default), or the next power of two that holds the
+    longest (a larger --max-input)."""
+    need = longest_prompt + words(SYSTEM) + max_tokens + 64
+    if need <= SMALL_KV_TOKENS:
+        return SMALL_KV_TOKENS
+    return max(LARGE_KV_TOKENS, 1 << (need - 1).bit_length())
+
+
+def _prompt(ln: Line, block_tokens: int, _turn: int) -> str:
+    return prompt_text(ln, block_tokens)
 
 
 def workload(path: str | Path, *, seed: int, requests: int | None = None, rate: float | None = None,
              duration_s: float | None = None, time_scale: float = 1.0, block_tokens: int = BLOCK_TOKENS,
-             max_tokens: int = MAX_TOKENS, workers: int = 8, kv_tokens: int = 16384) -> Workload:
-    """The trace as a workload: the first `requests` lines by arrival (all by default), their gaps multiplied by
-    `time_scale`, or rescaled so they arrive at `rate` per second on average if given, and only the lines that
-    arrive before `duration_s`. `max_tokens` caps each line's output_length.
+             max_tokens: int = MAX_TOKENS, workers: int | None = None, kv_tokens: int | None = None,
+             trace_start_s: float = 0.0, trace_seconds: float | None = None, max_input: int = MAX_INPUT,
+             max_idle_s: float = MAX_IDLE_S, conversation_gap_s: float = CONVERSATION_GAP_S) -> Workload:
+    """The trace (either format, `read`) as a workload: the window of lines arriving from `trace_start_s` for
+    `trace_seconds` (trace time, from the trace's first arrival), of those the first `requests` (all by
+    default), each cut to `max_input` tokens; their gaps multiplied by `time_scale`, or rescaled so they arrive
+    at `rate` per second on average if given (which overrides `time_scale`), and only the lines that then
+    arrive before `duration_s`. `max_tokens` caps each line's output_length. Each prompt is built when sent.
 
-    Designed for 8 workers of 16 384 KV tokens (32 Mooncake blocks each), the fleet the generator scales its
-    traces to; a line longer than a worker's KV is refused by the workers and counted as an error."""
-    lines = sorted(load(path, block_tokens), key=lambda ln: ln.timestamp_ms)
-    total = len(lines)
+    The fleet it is designed for: `workers` (8) of `kv_tokens` per worker (`default_kv_tokens` of the longest
+    prompt replayed: 16 384 for the shipped synthetic trace, 262 144 for the real ones), with the workers'
+    context length the whole pool so the longest prompts are accepted; a line longer than that is refused by
+    the workers and counted as an error."""
+    if time_scale <= 0 or (rate is not None and rate <= 0) or max_input < 1 or trace_start_s < 0 \
+            or (trace_seconds is not None and trace_seconds <= 0):
+        raise TraceError("time_scale, rate, max_input and trace_seconds must be positive, trace_start_s >= 0")
+    tr = read(path, block_tokens=block_tokens, max_idle_s=max_idle_s, conversation_gap_s=conversation_gap_s)
+    block_tokens = tr.block_tokens
+    lines = window(tr.lines, trace_start_s, trace_seconds)
+    if not lines:
+        raise TraceError(f"{path}: no request in the window of {trace_seconds} s from {trace_start_s} s "
+                         f"(the trace spans {(tr.lines[-1].timestamp_ms - tr.lines[0].timestamp_ms) / 1000:.0f} s)")
     if requests:
         lines = lines[:requests]
+    cut = sum(ln.input_length > max_input for ln in lines)
+    lines = [cap(ln, max_input, block_tokens) for ln in lines]
     t0 = lines[0].timestamp_ms
     span = (lines[-1].timestamp_ms - t0) / 1000.0
     if rate and len(lines) > 1 and span > 0:
@@ -170,18 +408,28 @@ def workload(path: str | Path, *, seed: int, requests: int | None = None, rate: 
     if duration_s is not None:
         lines = [ln for ln, s in zip(lines, starts, strict=True) if s < duration_s]
         starts = starts[:len(lines)]
-    sessions = tuple(Session(i, starts[i], SYSTEM, (prompt_text(ln, block_tokens),),
+    sessions = tuple(Session(i, starts[i], SYSTEM,
+                             LazyTurns(functools.partial(_prompt, ln, block_tokens), 1, (str(path), ln)),
                              max(1, min(ln.output_length, max_tokens)), affinity=ln.session_id)
                      for i, ln in enumerate(lines))
     replay_s = starts[-1] if starts else 0.0
+    longest = max((ln.input_length for ln in lines), default=0)
+    kv = kv_tokens or default_kv_tokens(longest, max_tokens)
+    extra: dict[str, Any] = {}
+    if tr.format == "weka":
+        extra = {"conversations": len({ln.session_id for ln in lines}), "max_idle_s": max_idle_s,
+                 "conversation_gap_s": conversation_gap_s}
     return Workload("trace", sessions, {
-        "trace": str(path), "trace_lines": total, "requests": len(sessions), "seed": seed,
+        "trace": str(path), "format": tr.format, "trace_lines": len(tr.lines), "requests": len(sessions),
+        "seed": seed, "trace_start_s": trace_start_s, "trace_seconds": trace_seconds,
         "rate": round((len(sessions) - 1) / replay_s, 2) if replay_s > 0 else None,
-        "replay_s": round(replay_s, 1), "time_scale": round(time_scale, 4), "block_tokens": block_tokens,
-        "max_tokens": max_tokens, "sessions": len({ln.session_id for ln in lines if ln.session_id is not None}),
+        "replay_s": round(replay_s, 1), "time_scale": round(time_scale, 6), "block_tokens": block_tokens,
+        "max_tokens": max_tokens, "max_input": max_input, "cut_to_max_input": cut, **extra,
+        "sessions": len({ln.session_id for ln in lines if ln.session_id is not None}),
+        "longest_prompt_tokens": longest,
         "working_set_tokens": distinct_tokens(lines, block_tokens) + words(SYSTEM),
         "prompt_tokens": sum(ln.input_length + words(SYSTEM) for ln in lines)},
-        workers=workers, kv_tokens=kv_tokens)
+        workers=workers or WORKERS, kv_tokens=kv, max_model_len=kv)
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
@@ -253,6 +501,21 @@ def info(lines: list[Line], block_tokens: int = BLOCK_TOKENS) -> dict[str, Any]:
             "working_set_tokens": distinct_tokens(lines, block_tokens)}
 
 
+def _window_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS,
+                   help="tokens per hash id of a Mooncake trace (default %(default)s; WEKA files state theirs)")
+    p.add_argument("--trace-start", type=float, default=0.0, metavar="SECONDS",
+                   help="skip the lines arriving before this offset from the first (default 0)")
+    p.add_argument("--trace-seconds", type=float, default=None, metavar="SECONDS",
+                   help="only the lines arriving within this many seconds from --trace-start (default: all)")
+    p.add_argument("--max-input", type=int, default=MAX_INPUT, metavar="TOKENS",
+                   help="cut longer prompts to their first blocks (default %(default)s)")
+    p.add_argument("--max-idle", type=float, default=MAX_IDLE_S, metavar="SECONDS",
+                   help="WEKA: cut longer pauses within a conversation to this (default %(default)s; inf: none)")
+    p.add_argument("--conversation-gap", type=float, default=CONVERSATION_GAP_S, metavar="SECONDS",
+                   help="WEKA: seconds between the starts of consecutive conversations (default %(default)s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cortex.bench.trace", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -265,9 +528,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prefixes", type=int, default=8, help="shared system prompts (default %(default)s)")
     g.add_argument("--max-turns", type=int, default=6, help="turns per conversation at most (default %(default)s)")
     g.add_argument("--max-input", type=int, default=10240, help="longest prompt in tokens (default %(default)s)")
-    i = sub.add_parser("info", help="check a trace and print its size")
+    i = sub.add_parser("info", help="check a trace (Mooncake JSONL, a WEKA file or directory) and print its size, "
+                                    "or a window's")
     i.add_argument("path")
-    i.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
+    _window_args(i)
     args = p.parse_args(argv)
     if args.cmd == "generate":
         rows = generate(seed=args.seed, sessions=args.sessions, duration_s=args.duration,
@@ -277,7 +541,23 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(info(parse((json.dumps(r) for r in rows), args.out, args.block_tokens), args.block_tokens)))
         return 0
     try:
-        print(json.dumps(info(load(args.path, args.block_tokens), args.block_tokens)))
+        tr = read(args.path, block_tokens=args.block_tokens, max_idle_s=args.max_idle,
+                  conversation_gap_s=args.conversation_gap)
+        lines = window(tr.lines, args.trace_start, args.trace_seconds)
+        if not lines:
+            raise TraceError(f"{args.path}: no request in that window")
+        cut = sum(ln.input_length > args.max_input for ln in lines)
+        lines = [cap(ln, args.max_input, tr.block_tokens) for ln in lines]
+        out: dict[str, Any] = {"format": tr.format, "block_tokens": tr.block_tokens, "trace_lines": len(tr.lines)}
+        if tr.format == "weka":
+            out["conversations"] = tr.conversations
+        if args.trace_start or args.trace_seconds is not None:
+            out["window"] = {"start_s": args.trace_start, "seconds": args.trace_seconds}
+        out.update(info(lines, tr.block_tokens))
+        longest = max(ln.input_length for ln in lines)
+        out["cut_to_max_input"] = cut
+        out["default_fleet"] = {"workers": WORKERS, "kv_tokens_per_worker": default_kv_tokens(longest)}
+        print(json.dumps(out))
     except TraceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -19,11 +19,12 @@ the hit ratio no router can beat from empty caches.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 # Each " word" below is a single Qwen2.5 token; tests/test_bench_smoke.py checks a sample against the tokenizer.
 _VOCABULARY = (
@@ -41,13 +42,50 @@ _VOCABULARY = (
 WORDS = tuple(_VOCABULARY.split())
 
 
+class LazyTurns(Sequence[str]):
+    """A session's turns whose text is built when each is sent, not when the workload is: a real trace's prompts
+    (up to ~130 000 words each, thousands of them) would take gigabytes built at once. Equal when their keys
+    are equal (the key names what the text is built from)."""
+
+    __slots__ = ("_build", "_n", "key")
+
+    def __init__(self, build: Callable[[int], str], n: int, key: Hashable) -> None:
+        self._build, self._n, self.key = build, n, key
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[str, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> str | tuple[str, ...]:
+        if isinstance(i, slice):
+            return tuple(self._build(k) for k in range(self._n)[i])
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        return self._build(i % self._n)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LazyTurns) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"LazyTurns({self._n}, key={self.key!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class Session:
     id: int
     start: float
     """Seconds after the run's start (open loop); ignored closed-loop."""
     system: str
-    turns: tuple[str, ...]
+    turns: Sequence[str]
+    """A tuple of texts, or LazyTurns built when sent (a trace's long prompts)."""
     max_tokens: int
     group: int = -1
     """Burst group: sessions that arrive together (in `burst` identical copies, in `agentic` sub-agents sharing
@@ -55,8 +93,11 @@ class Session:
     affinity: str | None = None
     """The key a sticky balancer would keep together (a trace's session id); None means this session's id."""
 
-    def messages(self, history: list[dict[str, str]], turn: int) -> list[dict[str, str]]:
-        return [{"role": "system", "content": self.system}, *history, {"role": "user", "content": self.turns[turn]}]
+    def messages(self, history: list[dict[str, str]], turn: int, content: str | None = None
+                 ) -> list[dict[str, str]]:
+        """The chat to send for `turn`; `content` is that turn's text when the caller already built it."""
+        return [{"role": "system", "content": self.system}, *history,
+                {"role": "user", "content": self.turns[turn] if content is None else content}]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +109,9 @@ class Workload:
     """Workers the workload is designed for; None: the run's default (4)."""
     kv_tokens: int | None = None
     """KV pool per worker, in tokens, the workload is designed for; None: the run's default (12 288)."""
+    max_model_len: int | None = None
+    """The context the workers must accept (a real trace's prompts run past the simulator's default of
+    min(32 768, KV pool)); None: that default. Capped at the fleet's KV pool per worker."""
 
     @property
     def requests(self) -> int:
@@ -94,7 +138,7 @@ def working_set_tokens(sessions: Iterable[Session]) -> int:
     session's turns and the answers they carry forward (at most max_tokens each; the last answer is never sent).
     Identical sessions (a burst group) count once."""
     systems: dict[str, int] = {}
-    seen: set[tuple[str, tuple[str, ...]]] = set()
+    seen: set[tuple[str, Sequence[str]]] = set()
     total = 0
     for s in sessions:
         systems.setdefault(s.system, words(s.system))
@@ -273,6 +317,23 @@ def agentic(*, requests: int, rate: float, seed: int, system_words: int = 2000, 
         workers=workers, kv_tokens=kv_tokens)
 
 
+def at_rate(workload: Workload, rate: float) -> Workload:
+    """The same workload with every arrival time scaled so that its rate (`params["rate"]`, what `--rate` sets:
+    requests a second for the single-turn workloads and traces, session starts for multi-turn, groups for burst,
+    episodes for agentic) becomes `rate`; prompts, order and turn structure unchanged."""
+    base = workload.params.get("rate")
+    if not base or rate <= 0:
+        raise ValueError(f"{workload.name}: no arrival rate to scale (rate {base!r} -> {rate!r})")
+    factor = base / rate
+    sessions = tuple(dataclasses.replace(s, start=s.start * factor) for s in workload.sessions)
+    params = {**workload.params, "rate": round(rate, 4)}
+    if "replay_s" in params:
+        params["replay_s"] = round(params["replay_s"] * factor, 1)
+    if "time_scale" in params:
+        params["time_scale"] = round(params["time_scale"] * factor, 6)
+    return dataclasses.replace(workload, sessions=sessions, params=params)
+
+
 def trace_replay(*, path: str, seed: int, **params: Any) -> Workload:
     """A Mooncake-format trace (cortex/bench/trace.py)."""
     from cortex.bench import trace  # imported here: trace.py builds on this module
@@ -288,7 +349,8 @@ BUILDERS: dict[str, Callable[..., Workload]] = {
 # saturation on the 2-core development machine (the simulators, gateways and client share those cores): the
 # first four are for 4 workers, the newer scenarios for the 8 they name. A quick run of a newer scenario
 # replays at most ~40 s. The trace brings its own arrival times: `rate` rescales them to that mean rate,
-# `requests` keeps the first lines, `duration_s` the lines that arrive before it.
+# `requests` keeps the first lines (of the window `trace_start_s` / `trace_seconds`), `duration_s` the lines that
+# arrive before it (replay time).
 DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     "full": {"shared-prefix": {"requests": 240, "rate": 8.0}, "multi-turn": {"requests": 160, "rate": 1.5},
              "unique": {"requests": 160, "rate": 6.0}, "burst": {"requests": 160, "rate": 2.0},
@@ -302,9 +364,11 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def build(name: str, *, quick: bool, seed: int, requests: int | None = None, rate: float | None = None,
-          trace_path: str | None = None, **params: Any) -> Workload:
+          trace_path: str | None = None, trace_params: dict[str, Any] | None = None, **params: Any) -> Workload:
     """The workload `name` with its full or quick defaults; `requests`, `rate` and `params` override them.
-    `trace_path` is the trace file of the `trace` workload (required there, ignored by the others)."""
+    `trace_path` is the trace (file or WEKA directory) of the `trace` workload and `trace_params` more arguments
+    of `trace.workload` (window, time scale, fleet, caps); both required or used there only, ignored by the
+    others."""
     if name not in BUILDERS:
         raise ValueError(f"unknown workload {name!r} (known: {', '.join(BUILDERS)})")
     d = {**DEFAULTS["quick" if quick else "full"][name], **params}
@@ -314,8 +378,8 @@ def build(name: str, *, quick: bool, seed: int, requests: int | None = None, rat
         d["rate"] = rate
     if name == "trace":
         if not trace_path:
-            raise ValueError("the trace workload needs a Mooncake-format JSONL trace: --trace FILE (a small one "
-                             "ships as perf/traces/mooncake-small.jsonl; `python -m cortex.bench.trace generate` "
-                             "makes others)")
-        return trace_replay(path=trace_path, seed=seed, **d)
+            raise ValueError("the trace workload needs a trace: --trace FILE (Mooncake-format JSONL: a small one "
+                             "ships as perf/traces/mooncake-small.jsonl, `python -m cortex.bench.trace generate` "
+                             "makes others) or a WEKA file or directory")
+        return trace_replay(path=trace_path, seed=seed, **{**d, **(trace_params or {})})
     return BUILDERS[name](seed=seed, **d)
