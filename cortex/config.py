@@ -225,8 +225,9 @@ class SchedulerConfig(_Strict):
     (extproc/policies/cache_aware.py), kept for comparison."""
     alpha_ms_per_token: float = Field(0.045, ge=0)
     """Prefill time per uncached prompt token, the linear (weight-bound) part: 0.045 ms is ~22K tokens/s, an 8B
-    model in bf16 on one H100 (2 x 8e9 FLOP per token at 36 % of 989 TFLOPS; docs/simulator.md's sources). Raise it for bigger models, whose prefill is slower per token. The time model
-    starts from it and learns each worker's own rate from observed TTFTs (`calibrate`)."""
+    model in bf16 on one H100 (2 x 8e9 FLOP per token at 36 % of 989 TFLOPS; docs/simulator.md's sources).
+    Raise it for bigger models, whose prefill is slower per token. The time model starts from it and learns each
+    worker's own rate from observed TTFTs (`calibrate`)."""
     attention_ms_per_token2: float = Field(1.06e-6, ge=0)
     """The attention part of prefill, which grows with context: computing u tokens after c cached ones costs
     this x u x (c + u / 2) ms. 1.06e-6 is an 8B GQA model on one H100 (4 x 32 layers x 4096 FLOP per query-key

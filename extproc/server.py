@@ -975,7 +975,8 @@ class ExtProc:
             "workers": [{"id": c.id, "matched_tokens": d.matched_tokens.get(c.id),
                          "predicted_tokens": c.predicted_blocks * self.cluster.block_size,
                          "ledger_trusted": c.ledger_trusted, "engine_load": c.engine_load,
-                         "inflight": c.inflight, "suspect": c.suspect, "hot": c.hot,
+                         "inflight": c.inflight, "suspect": c.suspect, "hot": c.hot, "kv_usage": c.kv_usage,
+                         "kv_capacity_tokens": c.kv_capacity_tokens,
                          **({"time_model": d.estimates[c.id].to_json()} if c.id in d.estimates else {})}
                         for c in d.order],
             "timings_ms": {k: round(getattr(result.timings, k) * 1000, 3)

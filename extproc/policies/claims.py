@@ -19,13 +19,14 @@ from extproc.policies.base import EXACT, LOAD_AWARE, Candidate, Decision, Facts,
 KV_PRESSURE = "claim_withheld_kv_pressure"
 
 
-def at_risk(c: Candidate, claimed_tokens: int, facts: Facts) -> bool:
-    """Whether the engine will likely have evicted part of a `claimed_tokens` hit on `c` before it schedules the
-    request. With the pool's size known: when the new blocks of the work queued ahead of it (its prefill time
-    at the configured rate, an overestimate) and the claimed blocks together exceed the pool's free part. vLLM
-    and SGLang evict the least recently freed blocks first, and a finished request's blocks are freed tail
-    first, so the claimed prefix goes, tail first, as soon as what is allocated ahead of it eats into it.
-    Without the size: when the pool is at least `claim_max_kv_usage` held."""
+def at_risk(c: Candidate, facts: Facts) -> bool:
+    """Whether the engine will likely have evicted part of a hit on `c` before it runs the request. With the
+    pool's size known: when the request does not fit beside what is pinned now and what is queued ahead of it,
+    i.e. the pool's held part, the new blocks of the work ahead (its prefill time at the configured rate, an
+    overestimate) and the whole prompt exceed the pool. Then the engine makes room by evicting the least
+    recently freed blocks, or the request waits while others' allocations do; vLLM and SGLang free a finished
+    request's blocks tail first, so a conversation's prefix goes tail first. Without the size: when the pool is
+    at least `claim_max_kv_usage` held."""
     usage = c.kv_usage
     if usage is None:
         return False
@@ -36,11 +37,11 @@ def at_risk(c: Candidate, claimed_tokens: int, facts: Facts) -> bool:
         return False
     typical = facts.typical_prefill_ms if facts.typical_prefill_ms is not None else s.queued_request_ms
     ahead = queue_ms(c.backlog_ms, c.engine_waiting, typical) / s.alpha_ms_per_token
-    return ahead + claimed_tokens > c.kv_capacity_tokens * (1.0 - usage)
+    return usage * c.kv_capacity_tokens + ahead + facts.prompt_tokens > c.kv_capacity_tokens
 
 
 def withheld(d: Decision, facts: Facts) -> Decision:
     """`d`, with its claim withheld when its chosen worker's pool will likely have evicted part of it (`at_risk`)."""
-    if d.mode != EXACT or not at_risk(d.chosen, d.hit_tokens, facts):
+    if d.mode != EXACT or not at_risk(d.chosen, facts):
         return d
     return replace(d, mode=LOAD_AWARE, reason=KV_PRESSURE, hit_tokens=0)
