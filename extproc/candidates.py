@@ -9,6 +9,7 @@ whatever the view says, so no policy can claim or follow a hit it cannot prove.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -48,29 +49,36 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
     predicted TTFT per worker id. Under `scheduler.rule: ttft` a worker is hot by its predicted queue too."""
     by_work = scoring.rule == "ttft"
     typical = typical_prefill_ms if typical_prefill_ms is not None else scoring.queued_request_ms
+    live = [w for w in workers if w.healthy]
+    # What one of this replica's in-flight requests still has to prefill, on average: the price of each active
+    # request the engine reports beyond them (other replicas', other clients'), assumed alike. With nothing of
+    # its own in flight there is no evidence of the mix (most active requests decode): none is priced, and the
+    # engine's waiting count still prices the queued ones (ttft.queue_ms).
+    own = sum(int(inflight[w.slot]) for w in live)
+    left = sum(float(backlog_ms[w.slot]) for w in live) / own if backlog_ms is not None and own else 0.0
     cands = []
-    for w in workers:
-        if not w.healthy:
-            continue
+    for w in live:
         trusted = matches is not None and w.exact_kv
         matched = int(matches[w.slot]) if trusted and matches is not None else 0
         engine_load = w.engine_load if alive else None
         n_inflight = int(inflight[w.slot])
         active = max(engine_load or 0.0, float(n_inflight))
-        backlog = float(backlog_ms[w.slot]) if backlog_ms is not None else 0.0
         waiting = w.engine_waiting if engine_load is not None else 0.0
-        hot = hysteresis.update(w.slot, active, scoring)
-        if by_work:
-            # Both flags are carried every decision, so neither loses its hysteresis while the other is set.
-            hot = hysteresis.update_queue(w.slot, queue_ms(backlog, waiting, typical), scoring) or hot
-        cands.append(Candidate(
+        c = Candidate(
             id=w.id, slot=w.slot, address=w.address, matched_blocks=matched, ledger_trusted=trusted,
             predicted_blocks=predictions.extend(keys, w.slot, matched) if trusted else 0,
-            engine_load=engine_load, engine_waiting=waiting, inflight=n_inflight, hot=hot, rank=w.rank,
+            engine_load=engine_load, engine_waiting=waiting, inflight=n_inflight,
+            hot=hysteresis.update(w.slot, active, scoring), rank=w.rank,
             engine=w.engine, suspect=w.suspect, new=w.age_s is not None and w.age_s < scoring.cold_start_s,
-            backlog_ms=backlog, calibration=calibration.get(w.worker, 1.0) if calibration else 1.0,
+            backlog_ms=float(backlog_ms[w.slot]) if backlog_ms is not None else 0.0,
+            foreign_ms=max(0.0, (engine_load or 0.0) - n_inflight) * left,
+            calibration=calibration.get(w.worker, 1.0) if calibration else 1.0,
             kv_usage=w.kv_usage if engine_load is not None else None, kv_capacity_tokens=w.kv_capacity_tokens,
-        ))
+        )
+        if by_work and hysteresis.update_queue(w.slot, queue_ms(c, typical), scoring):
+            # Both flags are carried every decision, so neither loses its hysteresis while the other is set.
+            c = replace(c, hot=True)
+        cands.append(c)
     return cands
 
 

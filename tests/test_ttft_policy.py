@@ -211,3 +211,21 @@ def test_a_hit_on_a_nearly_full_pool_is_not_claimed() -> None:
     assert d.chosen.id == "w0" and d.mode == EXACT and d.hit_tokens == 400 * BS
     always = SchedulerConfig(claim_max_kv_usage=1.0, attention_ms_per_token2=0.0)
     assert decide([full, cand(1)], 8000, always).hit_tokens == 400 * BS
+
+
+def test_other_replicas_work_is_priced_like_our_own() -> None:
+    """4 active requests on w0 that this replica did not send (another replica's), and this replica's own two
+    in flight elsewhere with 300 ms of prefill left each on average: w0 is priced 4 x 300 ms of queue."""
+    targets = [TargetInfo(id=f"w{i}", worker=f"w{i}", rank=None, slot=i, model="m", engine="vllm",
+                          address=f"127.0.0.1:{9000 + i}", exact_kv=True, healthy=True, engine_load=load)
+               for i, load in enumerate((4.0, 2.0, 0.0))]
+    cands = candidates.build(targets, matches=np.array([0, 0, 0]), keys=[1], inflight=np.array([0, 2, 0]),
+                             alive=True, predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=S,
+                             backlog_ms=np.array([0.0, 600.0, 0.0]))
+    assert [c.foreign_ms for c in cands] == [1200.0, 0.0, 0.0]
+    d = decide(cands, 4000)
+    assert d.chosen.id == "w2" and [c.id for c in d.order] == ["w2", "w1", "w0"]
+    alone = candidates.build(targets, matches=np.array([0, 0, 0]), keys=[1], inflight=np.zeros(3, dtype=np.int64),
+                             alive=True, predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=S,
+                             backlog_ms=np.zeros(3))
+    assert [c.foreign_ms for c in alone] == [0.0, 0.0, 0.0]  # nothing of our own in flight: no evidence of the mix

@@ -52,6 +52,10 @@ class Candidate:
     """Not in good standing: its latest health probe failed, or it was never probed yet (ingest's view)."""
     backlog_ms: float = 0.0
     """Prefill work this replica sent it that is predicted not to be done yet (extproc/backlog.py)."""
+    foreign_ms: float = 0.0
+    """Prefill work other replicas and clients sent it, estimated: the engine's active requests beyond this
+    replica's in flight there, each with the prefill this replica's own in-flight requests have left on average
+    (candidates.py)."""
     calibration: float = 1.0
     """Its observed over predicted TTFT (cortex observe learns it; 1.0 until it has)."""
     kv_usage: float | None = None
@@ -119,9 +123,10 @@ class Policy(Protocol):
     def decide(self, cands: Sequence[Candidate], facts: Facts, rng: random.Random) -> Decision: ...
 
 
-def queue_ms(backlog_ms: float, engine_waiting: float, typical_ms: float) -> float:
-    """The prefill work ahead of a new request on a worker: Cortex's own, or what the engine's queue implies."""
-    return max(backlog_ms, engine_waiting * typical_ms)
+def queue_ms(c: Candidate, typical_ms: float) -> float:
+    """The prefill work ahead of a new request on `c`: this replica's own plus the estimate of everyone else's,
+    or what the engine's waiting count implies at the typical prefill, whichever is larger."""
+    return max(c.backlog_ms + c.foreign_ms, c.engine_waiting * typical_ms)
 
 
 def still_hot(was_hot: bool, active: float, s: SchedulerConfig) -> bool:

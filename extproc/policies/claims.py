@@ -36,7 +36,7 @@ def at_risk(c: Candidate, facts: Facts) -> bool:
     if c.kv_capacity_tokens is None or s.alpha_ms_per_token <= 0:
         return False
     typical = facts.typical_prefill_ms if facts.typical_prefill_ms is not None else s.queued_request_ms
-    ahead = queue_ms(c.backlog_ms, c.engine_waiting, typical) / s.alpha_ms_per_token
+    ahead = queue_ms(c, typical) / s.alpha_ms_per_token
     return usage * c.kv_capacity_tokens + ahead + facts.prompt_tokens > c.kv_capacity_tokens
 
 

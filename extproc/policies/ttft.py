@@ -78,7 +78,7 @@ def estimate(c: Candidate, facts: Facts) -> Estimate:
     cached = min(c.affinity_blocks * facts.block_size, facts.prompt_tokens)
     uncached = facts.prompt_tokens - cached
     typical = facts.typical_prefill_ms if facts.typical_prefill_ms is not None else s.queued_request_ms
-    q = queue_ms(c.backlog_ms, c.engine_waiting, typical)
+    q = queue_ms(c, typical)
     p = prefill_ms(uncached, cached, running_of(c), s)
     ttft = c.calibration * (q + p)
     return Estimate(uncached, q, p, c.calibration, ttft, ttft + s.work_weight * c.calibration * p)
