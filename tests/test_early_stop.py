@@ -95,6 +95,7 @@ class Fleet:
             self.writer.clear_worker(slot)
         self.router.predictions = Predictions(self.cfg.extproc.prediction_ttl_s)
         self.router.deferred = DeferredTail(self.router.predictions)
+        self.router.backlog.board.own[:] = 0.0  # no prefill queued from an earlier test's requests
         self.refresh()
 
     def keys(self, msgs: list[dict[str, str]], salt: str | None = None) -> list[int]:
