@@ -202,11 +202,7 @@ def _saturation(args: argparse.Namespace, argv: list[str]) -> int:
         command = "cortex bench " + shlex.join(argv)
         out["command"] = command
     text = saturation.markdown(out, command)
-    if args.report:
-        report.write_markdown(Path(args.report), text, args.report_section)
-    if args.json and not args.from_json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    print(text)
+    _emit(args, out, text)
     return 1 if any("failed" in b for b in out["saturation"].values()) else 0
 
 
@@ -238,11 +234,7 @@ def _noisy(args: argparse.Namespace, argv: list[str]) -> int:
         command = "cortex bench " + shlex.join(argv)
         out["command"] = command
     text = noisy.markdown(out, command)
-    if args.report:
-        report.write_markdown(Path(args.report), text, args.report_section)
-    if args.json and not args.from_json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    print(text)
+    _emit(args, out, text)
     return 1 if any("failed" in b for b in out["noisy"].values()) else 0
 
 
@@ -279,6 +271,16 @@ def _build(args: argparse.Namespace, names: list[str], seeds: tuple[int, ...]) -
         raise SystemExit(f"cortex bench: {exc}") from None
 
 
+
+def _emit(args: argparse.Namespace, out: dict[str, Any], text: str) -> None:
+    """A sweep's outputs: its Markdown into --report's section, its figures to --json (unless re-rendered from
+    JSON), and the Markdown on stdout."""
+    if args.report:
+        report.write_markdown(Path(args.report), text, args.report_section)
+    if args.json and not args.from_json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(text)
+
 def _goodput(args: argparse.Namespace, argv: list[str]) -> int:
     if args.from_json:
         out = json.loads(Path(args.from_json[-1]).read_text())
@@ -306,11 +308,7 @@ def _goodput(args: argparse.Namespace, argv: list[str]) -> int:
         command = "cortex bench " + shlex.join(argv)
         out["command"] = command
     text = goodput.markdown(out, command)
-    if args.report:
-        report.write_markdown(Path(args.report), text, args.report_section)
-    if args.json and not args.from_json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    print(text)
+    _emit(args, out, text)
     return 1 if any("failed" in r for b in out["goodput"].values() for r in b["results"].values()) else 0
 
 
