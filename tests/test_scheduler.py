@@ -16,7 +16,8 @@ from extproc.policies.base import EXACT, LOAD_AWARE, P2C, ROUND_ROBIN, Candidate
 from extproc.policies.cache_aware import decide
 from extproc.policies.round_robin import round_robin
 
-S = Scoring()
+# The old rule's vectors (rule cache_aware) were written for 0.05 ms a token, its default until the time model.
+S = Scoring(rule="cache_aware", alpha_ms_per_token=0.05)
 
 
 def c(id: str, matched: int = 0, trusted: bool = True, load: float | None = 0.0, inflight: int = 0,
