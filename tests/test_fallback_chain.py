@@ -31,7 +31,8 @@ def explain(gw: Gateway, messages: list[dict[str, str]]) -> dict:
 
 def decisions(gw: Gateway, mode: str, reason: str) -> float:
     text = httpx.get(f"{gw.ingest_url}/metrics", timeout=10).text
-    m = re.search(rf'cortex_route_decisions_total{{mode="{mode}",reason="{reason}"}} (\S+)', text)
+    m = re.search(rf'cortex_route_decisions_total{{model="{re.escape(MODEL)}",mode="{mode}",reason="{reason}"}} (\S+)',
+                  text)
     return float(m.group(1)) if m else 0.0
 
 

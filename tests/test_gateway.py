@@ -135,7 +135,7 @@ def test_models_and_metrics(gw: Gateway) -> None:
     models = httpx.get(f"{gw.url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     text = httpx.get(f"{gw.ingest_url}/metrics", timeout=10).text
-    assert 'cortex_route_decisions_total{mode="exact_kv_events"' in text
+    assert f'cortex_route_decisions_total{{model="{MODEL}",mode="exact_kv_events"' in text
     assert "cortex_ledger_blocks" in text and "cortex_route_decision_seconds_bucket" in text
     ready = httpx.get(f"{gw.ingest_url}/health/ready", timeout=10).json()
     assert ready["status"] == "ready" and ready["targets_exact_kv"] == 2 and not ready["degraded"]
