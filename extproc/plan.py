@@ -201,7 +201,7 @@ def plan(snap: Snapshot, prep: Prepared, state: State, *, commit: bool) -> Route
         workers = prep.workers if pools is None else pools.single
         if not workers:
             assert pools is not None  # prepare() refused a model without healthy workers
-            raise ClientError(503, pd.no_pool_message(prep.model, pools), "model")
+            raise ClientError(503, pd.no_pool_message(prep.model, pools), "model", reason="no_worker")
         decision = choose(snap, prep, workers, state, commit=commit)
     return RoutePlan(decision=decision, prompt_tokens=prep.prompt_tokens,
                      token_ids=None if prep.walked else prep.ids, timings=prep.timings, truncated=prep.truncated,

@@ -527,7 +527,7 @@ class ExtProc:
                 return self._error(ClientError(
                     502, f"prefill/decode pair for model `{result.model}` could not start: prefill worker(s) "
                          f"{', '.join(c.id for c in pair.prefill.order[:2])} failed and no worker serves the "
-                         "model alone"))
+                         "model alone", reason="pd_prefill_failed"))
             # Nothing was sent to a decoder yet: Envoy serves the request on one worker, streaming as usual.
             decision = fallback.without(frozenset(pair.targets[c.id].worker for c in pair.prefill.order[:2]))
             self._predict(result, decision)
@@ -619,8 +619,7 @@ class ExtProc:
                              served: str) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
         pair, prefill = st.pd, st.pd_prefill_decision
         assert pair is not None and prefill is not None and st.decision is not None
-        status = next((h.raw_value or h.value.encode() for h in req.response_headers.headers.headers
-                       if h.key == ":status"), b"200")
+        status = _status(req)
         failed = not status.startswith(b"2")
         pair.legs.event("decode_failed" if failed else "decode_ok")
         if status.startswith(b"5") or (not failed and pair.legs.phase is Phase.FAILED):
@@ -673,6 +672,12 @@ class ExtProc:
                    _set(H.CACHE_HIT_TOKENS, str(hit)), _set(H.MATCH_MODE, mode),
                    _set(H.ROUTE_REASON, f"pd:{prefill.reason}"), _set(H.PD, st.pd_note)]
         response = _headers_answer(st, req, headers, self.cfg.extproc.routing_headers)
+        if pair.legs.failure and not _status(req).startswith(b"2"):
+            # The pair failed and no single worker took over: the error (often Envoy's, for the decode leg Cortex
+            # cut) says why in the pair's terms, for every caller.
+            reason = f"pd_{_FALLBACK_WHY.get(pair.legs.failure, 'decode_failed')}"
+            response.response_headers.response.header_mutation.set_headers.extend(
+                [_set(H.DROPPED_REASON, reason), _set(H.LLMD_DROPPED_REASON, reason)])
         # The decode worker answers (and reports the usage); the pair's prefill is kept beside it.
         _observe(response, {**_claim_facts(headers), observation.WORKER: decode.id,
                             observation.PREFILL: pair.legs.prefill.id})
@@ -899,7 +904,8 @@ class ExtProc:
         if not self.picker:
             return _EMPTY_BODY
         if self.cfg.epp.failure_mode == "FailClose":
-            return self._error(ClientError(503, "The endpoint picker could not decide for this request."), st)
+            return self._error(ClientError(503, "The endpoint picker could not decide for this request.",
+                                           reason="picker_failed"), st)
         self._route_any(st)
         return self._routing_response(st, "request_body")
 
@@ -936,11 +942,8 @@ class ExtProc:
         for k, v in exc.headers.items():
             response.immediate_response.headers.set_headers.append(_set(k, v))
         if st is not None and st.tenant is not None:
-            # The request log says whose request was refused, and why when admission refused it.
-            facts: dict[str, Any] = {observation.TENANT: st.tenant.id}
-            if H.DROPPED_REASON in exc.headers:
-                facts[observation.DROPPED] = exc.headers[H.DROPPED_REASON]
-            _observe(response, facts)
+            # The request log says whose request was refused, and why.
+            _observe(response, {observation.TENANT: st.tenant.id, observation.DROPPED: exc.reason})
         return response
 
     def _explain(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
@@ -1087,6 +1090,12 @@ def _claim_facts(headers: list[HeaderValueOption]) -> dict[str, Any]:
 
 def _observe_claim(response: pb.ProcessingResponse, headers: list[HeaderValueOption]) -> None:
     _observe(response, _claim_facts(headers))
+
+
+def _status(req: Any) -> bytes:
+    """The :status of a response-headers message."""
+    return next((h.raw_value or h.value.encode() for h in req.response_headers.headers.headers
+                 if h.key == ":status"), b"200")
 
 
 def _headers_answer(st: StreamState, req: Any, headers: list[HeaderValueOption],

@@ -308,7 +308,7 @@ def promtool() -> str:
     beside = Path(sys.executable).parent / "promtool"
     found = str(beside) if beside.exists() else shutil.which("promtool")
     if found is None:
-        pytest.fail("promtool not found: run scripts/setup.sh (scripts/install-promtool.sh puts it in .venv/bin)")
+        pytest.fail("promtool not found: run scripts/setup.sh (scripts/install-prometheus.sh puts it in .venv/bin)")
     return found
 
 
