@@ -49,6 +49,7 @@ from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
 from extproc.plan import RoutePlan
 from extproc.policies import session
 from extproc.policies.base import EXACT, LOAD_AWARE, Decision, active_of
+from extproc.policies.explain import parts as explain_parts
 from extproc.policies.transparent import REASON as TRANSPARENT
 from extproc.prepare import NoWorker
 from extproc.registry import ModelRegistry
@@ -964,6 +965,7 @@ class ExtProc:
         isolation.isolate(parsed, tenant)
         result = self.router.route(parsed, commit=False)
         d = result.decision
+        why = explain_parts(d, self.cfg.scheduler.rule, self.cfg.scheduler, self.cluster.block_size)
         doc: dict[str, Any] = {
             "prompt_tokens": result.prompt_tokens,
             "prompt_truncated_for_routing": result.truncated,
@@ -982,6 +984,7 @@ class ExtProc:
                          "kv_capacity_tokens": c.kv_capacity_tokens, "evicted_tokens_per_s": c.evicted_tokens_per_s,
                          "last_sent": None if c.last_sent is None else
                          {"age_s": round(c.last_sent.age_s, 3), "evicted_tokens_since": c.last_sent.evicted_tokens},
+                         "score": why[c.id],
                          **({"time_model": d.estimates[c.id].to_json()} if c.id in d.estimates else {})}
                         for c in d.order],
             "timings_ms": {k: round(getattr(result.timings, k) * 1000, 3)
