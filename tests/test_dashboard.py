@@ -303,13 +303,18 @@ def _grafana_to_promql(expr: str) -> str:
     return expr
 
 
-def promtool() -> str:
-    """scripts/setup.sh puts promtool beside the venv's python; else the one on PATH. Missing fails: CI runs it."""
-    beside = Path(sys.executable).parent / "promtool"
-    found = str(beside) if beside.exists() else shutil.which("promtool")
+def prometheus_tool(name: str) -> str:
+    """scripts/setup.sh puts `promtool` and `prometheus` beside the venv's python; else the ones on PATH. Missing
+    fails: CI runs them."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
     if found is None:
-        pytest.fail("promtool not found: run scripts/setup.sh (scripts/install-prometheus.sh puts it in .venv/bin)")
+        pytest.fail(f"{name} not found: run scripts/setup.sh (scripts/install-prometheus.sh puts it in .venv/bin)")
     return found
+
+
+def promtool() -> str:
+    return prometheus_tool("promtool")
 
 
 def test_every_dashboard_query_parses(tmp_path: Path) -> None:
