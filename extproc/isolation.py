@@ -82,6 +82,10 @@ def isolate(req: ParsedRequest, tenant: Tenant | None) -> dict[str, object]:
     carries the salt to every worker that serves it ({} when its tenant is not isolated)."""
     if tenant is None or tenant.salt is None:
         return {}
+    if req.cache_salts is not None:  # SGLang's batch form: one salt per prompt, each salted
+        salts = [effective_salt(tenant.salt, s) for s in req.cache_salts]
+        req.cache_salt = salts[0] if salts else effective_salt(tenant.salt, None)
+        return {"cache_salt": salts}
     req.cache_salt = effective_salt(tenant.salt, req.cache_salt)
     return {"cache_salt": req.cache_salt}
 
