@@ -91,8 +91,8 @@ def isolate(req: ParsedRequest, tenant: Tenant | None) -> dict[str, object]:
 
 
 def salt_unrouted(raw: bytes, tenant: Tenant | None) -> dict[str, object] | None:
-    """A request body Cortex forwards without routing it (SGLang's /generate, vLLM's /v1/responses or
-    /inference/v1/generate: any path but chat and completions) reaches the same prefix cache, and those engines
+    """A request body Cortex forwards without routing it (any path but the inference paths, e.g. vLLM's
+    /inference/v1/generate where a deployment forwards it) may reach the same prefix cache, and those engines
     read `cache_salt` from it too: the body change that salts it like a routed request. None when the tenant is
     not isolated or the body is not a JSON object (no engine reads a salt from it). A client salt that breaks
     vLLM's rule is a ClientError(400), as on the routed paths; SGLang's list form (one per prompt of a batch)

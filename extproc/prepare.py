@@ -205,9 +205,9 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
         raise NoWorker(resolved.model, f"no healthy worker serves model `{req.model}`")
     timings = Timings()
     transparent = snap.transparent(resolved.model)
-    responses = req.api == "responses"
+    # A Responses request is named after its worker unless the client named it (extproc/response_ids.py).
     extra: dict[str, Any] = {"api": req.api, "response_holder": response_ids.tag_of(req.previous_response),
-                             "mint_response_id": responses and not (req.body or {}).get("request_id")}
+                             "mint_response_id": req.api == "responses" and not (req.body or {}).get("request_id")}
     pools = None if transparent else pd.split_pools(workers)
     if not (full_tokens or pools is None or req.unroutable or not snap.alive or pools.pd_ready):
         walked, truncated, fingerprint = _walk(snap, req, bundle, workers, root, timings, segments, predictions,
