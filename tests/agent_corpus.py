@@ -36,6 +36,12 @@ def _schema(rng: random.Random) -> dict[str, Any]:
     return schema
 
 
+def _result(rng: random.Random, longest: int, parts: float) -> Any:
+    """A tool's result: text, or (with probability `parts`) text parts, as agents send both."""
+    text = _text(rng, rng.randint(4, longest))
+    return [{"type": "text", "text": text}, {"type": "text", "text": _text(rng, 3)}] if rng.random() < parts else text
+
+
 TOOL_NAMES = ("read_file", "run_tests", "grep", "edit_file", "list_dir", "web_search")
 
 
@@ -87,10 +93,7 @@ def chat(seed: int) -> dict[str, Any]:
             assistant["reasoning_content"] = _text(rng, 10)
         messages.append(assistant)
         for call in calls:
-            result: Any = _text(rng, rng.randint(5, 40))
-            if rng.random() < 0.3:
-                result = [{"type": "text", "text": result}, {"type": "text", "text": _text(rng, 3)}]
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": _result(rng, 40, 0.3)})
         if rng.random() < 0.5:
             messages.append({"role": "assistant", "content": _text(rng, 15)})
             messages.append({"role": "user", "content": [{"type": "text", "text": _text(rng, 6)}]})
@@ -163,12 +166,8 @@ def messages(seed: int) -> dict[str, Any]:
         uses = [{"type": "tool_use", "id": f"toolu_{seed}_{turn}_{k}", "name": rng.choice(tools)["name"],
                  "input": _args(rng)} for k in range(rng.randint(1, 2))]
         msgs.append({"role": "assistant", "content": blocks + uses})
-        results: list[dict[str, Any]] = []
-        for use in uses:
-            content: Any = _text(rng, rng.randint(4, 30))
-            if rng.random() < 0.4:
-                content = [{"type": "text", "text": content}, {"type": "text", "text": _text(rng, 3)}]
-            results.append({"type": "tool_result", "tool_use_id": use["id"], "content": content})
+        results: list[dict[str, Any]] = [{"type": "tool_result", "tool_use_id": use["id"],
+                                          "content": _result(rng, 30, 0.4)} for use in uses]
         if rng.random() < 0.4:
             results.append({"type": "text", "text": _text(rng, 5)})
         msgs.append({"role": "user", "content": results})
