@@ -24,6 +24,7 @@ from typing import Any, Literal
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+import orjson
 
 ToolStyle = Literal["vllm", "sglang"]
 
@@ -124,18 +125,22 @@ def tool_arguments(value: Any) -> dict[str, Any]:
     parsed: Any = None
     if isinstance(value, str):
         try:
-            parsed = json.loads(value)
-        except ValueError:
-            parsed = None
+            parsed = orjson.loads(value)  # a long agent conversation has hundreds of calls: the fast parser first
+        except orjson.JSONDecodeError:
+            try:  # what orjson refuses and Python's json takes (NaN, integers past 64 bits): as vLLM reads it
+                parsed = json.loads(value)
+            except ValueError:
+                parsed = None
     return parsed if isinstance(parsed, dict) else {}
 
 
 def _tool_calls(calls: list[Any]) -> list[Any]:
     out = []
     for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict):
-            call = {**call, "function": {**function, "arguments": tool_arguments(function.get("arguments"))}}
+        function = call.get("function") if type(call) is dict else None
+        if type(function) is dict:
+            args = function.get("arguments")
+            call = {**call, "function": {**function, "arguments": args if type(args) is dict else tool_arguments(args)}}
         out.append(call)
     return out
 
@@ -146,30 +151,36 @@ def chat_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str,
     Each message keeps only what vLLM hands the template: role and content (text), an assistant's tool_calls
     (their arguments as objects; an empty list dropped) and reasoning (also as reasoning_content, the older
     name; a client's reasoning_content is read as reasoning), a tool message's tool_call_id, name and task when
-    strings, and a developer message's tools."""
+    strings, and a developer message's tools. The input is not changed (the parsed body may still be sent)."""
     out: list[dict[str, Any]] = []
     media = False
     for msg in messages:
         role = msg["role"]
-        text, is_media = content_text(msg.get("content"), role)
-        media |= is_media
-        conv: dict[str, Any] = {"role": role, "content": text}
-        reasoning = msg.get("reasoning")
-        if reasoning is None:
-            reasoning = msg.get("reasoning_content")
+        content = msg.get("content")
+        if type(content) is str and role != "system":  # the common case, cheaply: a long agent history is long
+            conv: dict[str, Any] = {"role": role, "content": content}
+        else:
+            text, is_media = content_text(content, role)
+            media |= is_media
+            conv = {"role": role, "content": text}
         if role == "assistant":
             calls = msg.get("tool_calls")
-            if isinstance(calls, list) and calls:
+            if type(calls) is list and calls:
                 conv["tool_calls"] = _tool_calls(calls)
+            reasoning = msg.get("reasoning")
+            if reasoning is None:
+                reasoning = msg.get("reasoning_content")
             if reasoning is not None:
                 conv["reasoning"] = conv["reasoning_content"] = reasoning
-        elif role == "tool" and "tool_call_id" in msg:
-            conv["tool_call_id"] = msg["tool_call_id"]
-        for key in ("name", "task"):
-            if isinstance(msg.get(key), str):
-                conv[key] = msg[key]
-        if role == "developer":
+        elif role == "tool":
+            if "tool_call_id" in msg:
+                conv["tool_call_id"] = msg["tool_call_id"]
+        elif role == "developer":
             conv["tools"] = msg.get("tools")
+        if "name" in msg and type(msg["name"]) is str:
+            conv["name"] = msg["name"]
+        if "task" in msg and type(msg["task"]) is str:
+            conv["task"] = msg["task"]
         out.append(conv)
     return out, media
 
