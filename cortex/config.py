@@ -281,6 +281,13 @@ class SchedulerConfig(_Strict):
     """A prompt no worker holds goes, among the least loaded workers, to its home (a hash of its first block,
     the same on every replica), so replicas agree and repeats land together before any event arrives. Off:
     a random least-loaded worker (pure load balancing for prompts nobody holds)."""
+    tier_weights: dict[Literal["CPU", "STORAGE"], Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=lambda: {"CPU": 0.75, "STORAGE": 0.25})  # type: ignore[arg-type]
+    """What a block a worker holds on a lower tier (its engine offloaded it: vLLM's OffloadingConnector, LMCache,
+    SGLang HiCache) is worth in the score, against 1 for a block on its GPU: such a block is loaded instead of
+    computed, which saves most of its prefill but not the transfer. Dynamo's defaults (CPU 0.75, disk 0.25;
+    llm-d weighs CPU 0.8 and has no disk weight); docs/ledger.md, "Tiers". A tier left out counts 0. A
+    lower-tier hit is claimed only where the engine reports it in cached_tokens (vLLM does)."""
 
     @model_validator(mode="after")
     def _watermarks(self) -> SchedulerConfig:

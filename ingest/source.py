@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -34,6 +35,12 @@ TAIL_QUIET_S = 0.02
 """After this long without a new batch, ask the replay socket whether anything newer was lost."""
 REPLAY_TIMEOUT_S = 3.0
 """A replay whose socket sends nothing for this long is given up (no publisher there, or no replay socket)."""
+LAYOUT_GRACE_S = 0.5
+"""How long a target stays hidden after the target list with its new KV-cache layout (a hybrid model's window
+groups, a lower tier) was written to the view: extproc reads that list before routing when its copy is older than
+0.1 s (extproc/server.py UPKEEP_S), so by then no request reads the new slots with the old layout."""
+MAX_KINDS = 16
+"""Distinct unknown event types counted by name per target (bounded metric labels); the rest count as `other`."""
 REPLAY_MAX_S = 60.0
 """The longest a replay may stream. The limit above is for silence only: a replica started late replays the
 engine's whole buffer (10 000 batches, tens of MB), which can take longer, and a replay cut short leaves a hole
@@ -130,6 +137,12 @@ class EventSource:
         """The SUB socket is connected to the publisher (ZMQ's socket monitor)."""
         self.link_since = time.monotonic()
         """When the connection last came up or went down (or the source was created)."""
+        self.unknown_events: Counter[str] = Counter()
+        """Events of types Cortex does not know, by type (skipped; a newer engine's)."""
+        self._layout = ledger.layout_version
+        """The ledger's layout version last acted on."""
+        self._layout_pending = False
+        """A new layout's slots are not shown until extproc has read the target list that describes them."""
 
     @property
     def received(self) -> int:
@@ -317,7 +330,7 @@ class EventSource:
                 elif isinstance(action, RequestReplay):
                     self._start_replay(action.from_seq)
                     changed = True
-            ready = self.sync.state is SyncState.READY
+            ready = self.sync.state is SyncState.READY and not self._layout_pending
             if self._shown and not ready:
                 # Out of sync: a batch held back behind a hole, or not received yet, may remove what the ledger
                 # lists. Readers learn of the state a refresh (~100 ms) later, so the view hides the target now
@@ -352,6 +365,9 @@ class EventSource:
             log.warning("target %s: undecodable batch: %s", self.name, exc)
             return
         self.decode_errors += len(batch.errors)
+        for kind in batch.unknown:
+            self.unknown_events[kind if len(self.unknown_events) < MAX_KINDS or kind in self.unknown_events
+                                else "other"] += 1
         if batch.ts > 0:
             # Engine clock to ingest clock: includes publish queueing, the network and any replay delay.
             self.lag_s = max(0.0, time.time() - batch.ts)
@@ -361,6 +377,42 @@ class EventSource:
         if self.parity.failed and not was_failed:
             log.error("target %s: hash parity failed, exact-KV routing off for it: %s", self.name, self.parity.reason)
             self.on_change()
+        if self.ledger.layout_version != self._layout:
+            self._new_layout()
+
+    def _new_layout(self) -> None:
+        """The ledger met a KV-cache group or tier that needs a slot of its own (or a layout it cannot route): the
+        target is hidden (perform's end) until the target list describing it has reached extproc."""
+        self._layout = self.ledger.layout_version
+        self._layout_pending = True
+        groups, tiers = self.ledger.layout()
+        if self.ledger.unsupported:
+            log.warning("target %s: KV-cache layout not routable exactly: %s; routed by load", self.name,
+                        self.ledger.unsupported)
+        else:
+            log.info("target %s: KV-cache layout: %s", self.name,
+                     ", ".join([*(f"{g.kind}{f' (window {g.need} blocks)' if g.need else ''} -> slot {g.slot}"
+                                  for g in groups), *(f"{t.medium} tier -> slot {t.slot}" for t in tiers)])
+                     or "one full-attention group")
+        self.on_change()
+
+    def layout_published(self, version: int) -> None:
+        """The target list written to the view describes layout `version`: show the target once extproc has
+        read it (LAYOUT_GRACE_S)."""
+        if not self._layout_pending or version != self._layout:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (tests driving the source by hand): nothing reads the view meanwhile
+            self._layout_settled(version)
+            return
+        loop.call_later(LAYOUT_GRACE_S, self._layout_settled, version)
+
+    def _layout_settled(self, version: int) -> None:
+        if self.closed or not self._layout_pending or version != self._layout:
+            return
+        self._layout_pending = False
+        self.perform([])
 
     def _start_replay(self, from_seq: int) -> None:
         task = self._replay_task

@@ -82,6 +82,8 @@ class Target:
     received_base: int = 0
     published_load: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """(running, waiting, reading time) of the load last written to the view."""
+    published_layout: int = 0
+    """The ledger's layout version in the target list last built for the view."""
 
     @property
     def id(self) -> str:
@@ -93,7 +95,8 @@ class Target:
     @property
     def exact_kv(self) -> bool:
         return (self.events.sync.state is SyncState.READY and not self.events.parity.failed
-                and self.worker.events_usable and self.worker.tokens_trusted and self.events_status != silence.SILENT)
+                and self.worker.events_usable and self.worker.tokens_trusted and self.events_status != silence.SILENT
+                and not self.events.ledger.unsupported)
 
     def why_code(self) -> str:
         """A short, stable reason code for headers and metrics ('' while exact-KV routing is allowed)."""
@@ -101,6 +104,8 @@ class Target:
             return "no_kv_events"
         if self.events.parity.failed:
             return "hash_parity_failed"
+        if self.events.ledger.unsupported:
+            return "kv_layout_unsupported"
         if not self.worker.tokens_trusted:
             return "tokenizer_mismatch" if self.worker.token_parity.status == TOKENS_FAILED else "tokenizer_unverified"
         if self.events_status == silence.SILENT:
@@ -114,6 +119,8 @@ class Target:
             return self.worker.events_reason
         if self.events.parity.failed:
             return f"hash parity failed: {self.events.parity.reason}"
+        if self.events.ledger.unsupported:
+            return f"KV-cache layout: {self.events.ledger.unsupported}"
         if not self.worker.tokens_trusted:
             return f"tokenizer parity {self.worker.token_parity.status}: {self.worker.token_parity.reason}"
         if self.events_status == silence.SILENT:
@@ -132,6 +139,7 @@ class Target:
 
     def mark_published(self) -> None:
         self.published_load = (self.load.running, self.load.waiting, self.load.at)
+        self.events.layout_published(self.published_layout)
 
     def tail_check_due(self) -> bool:
         """The engine worked since the last poll (its counter moved, or requests ran or just finished): its
@@ -168,6 +176,9 @@ class Target:
         """The slice extproc reads on the hot path (cortex.contract; kept small: it is re-parsed on every
         change)."""
         w = self.worker
+        ledger = self.events.ledger
+        groups, tiers = ledger.layout()
+        self.published_layout = ledger.layout_version
         return TargetMeta(
             id=self.id, worker=w.id, rank=self.rank, slot=self.slot, model=w.cfg.model,
             engine=w.cfg.engine, address=w.address, healthy=w.healthy, suspect=w.suspect,
@@ -175,6 +186,7 @@ class Target:
             state=self.events.sync.state.value, reason=self.why_not_exact(), why=self.why_code(),
             load=self.load.to_meta(w.poll_every, self.kv_usage, self.kv_capacity_tokens),
             added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port, tls_name=w.tls_name,
+            groups=groups, tiers=tiers, lookahead_blocks=-(-ledger.lookahead // ledger.block_size),
         )
 
     def status(self, now: float) -> dict[str, Any]:
@@ -201,6 +213,11 @@ class Target:
             "cached_blocks": ledger.blocks, "blocks_stored": ledger.blocks_stored,
             "blocks_removed": ledger.blocks_removed, "blocks_restated": ledger.blocks_restated,
             "dropped_events": dict(ledger.dropped),
+            # Per copy set (tier / KV-cache group [/ locality / ownership]): blocks held.
+            "kv_lanes": ledger.lanes(),
+            "kv_layout_unsupported": ledger.unsupported or None,
+            "unknown_events": dict(ev.unknown_events), "unknown_media": dict(ledger.unknown_media),
+            "inactive_events": ledger.events_inactive,
         }
 
 
