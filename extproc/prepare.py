@@ -213,6 +213,7 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
         elif walked.matches is None:
             why = "ledger_unavailable"
         found = _hits(snap, workers, walked.matches, detail, len(walked.keys))
+        why = _why(why, workers, found)
         return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=[], truncated=truncated,
                         keys=walked.keys, matches=found.matches if found else None, why=why, timings=timings,
                         body=req.body, prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
@@ -249,11 +250,23 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
         if matches is None:
             why = "ledger_unavailable"
         hits = _hits(snap, workers, matches, detail, len(keys))
+        why = _why(why, workers, hits)
     return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=ids, truncated=truncated,
                     keys=keys, matches=hits.matches if hits else matches, why=why, timings=timings, body=req.body,
                     prompt_tokens=len(ids), pools=pools, lora=resolved.lora, transparent=transparent,
                     head_ids=ids[:observation.FIRST_IDS_LOGGED], prompt_hash=fingerprint, session=sess,
                     lower=hits.lower if hits else {}, withheld=hits.withheld if hits else {})
+
+
+def _why(why: str, workers: list[TargetInfo], hits: engine_hits.Hits | None) -> str:
+    """`window_not_cached` when no trusted target has a hit but a hybrid one's full-attention group held the prefix:
+    its sliding window lacks the blocks back from there, so the engine computes the prompt again."""
+    if why != "no_cached_prefix" or hits is None or not hits.withheld:
+        return why
+    trusted = [w for w in workers if w.exact_kv]
+    if any(hits.matches[w.slot] > 0 for w in trusted) or not any(w.slot in hits.withheld for w in trusted):
+        return why
+    return "window_not_cached"
 
 
 def _hits(snap: Snapshot, workers: list[TargetInfo], matches: np.ndarray | None, detail: engine_hits.Detail | None,

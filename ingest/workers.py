@@ -82,8 +82,6 @@ class Target:
     received_base: int = 0
     published_load: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """(running, waiting, reading time) of the load last written to the view."""
-    published_layout: int = 0
-    """The ledger's layout version in the target list last built for the view."""
 
     @property
     def id(self) -> str:
@@ -139,7 +137,8 @@ class Target:
 
     def mark_published(self) -> None:
         self.published_load = (self.load.running, self.load.waiting, self.load.at)
-        self.events.layout_published(self.published_layout)
+        # The target list was just built and written, in this same call chain: it describes the ledger's layout now.
+        self.events.layout_published(self.events.ledger.layout_version)
 
     def tail_check_due(self) -> bool:
         """The engine worked since the last poll (its counter moved, or requests ran or just finished): its
@@ -178,7 +177,6 @@ class Target:
         w = self.worker
         ledger = self.events.ledger
         groups, tiers = ledger.layout()
-        self.published_layout = ledger.layout_version
         return TargetMeta(
             id=self.id, worker=w.id, rank=self.rank, slot=self.slot, model=w.cfg.model,
             engine=w.cfg.engine, address=w.address, healthy=w.healthy, suspect=w.suspect,
@@ -192,7 +190,7 @@ class Target:
     def status(self, now: float) -> dict[str, Any]:
         ev = self.events
         s, parity, ledger = ev.sync, ev.parity, ev.ledger
-        meta = msgspec.structs.asdict(self.routable_meta())
+        meta = msgspec.to_builtins(self.routable_meta())
         del meta["age_s"]  # the contract's legacy field; the age in seconds follows
         return {
             **meta,
