@@ -497,6 +497,10 @@ class WorkerConfig(_Strict):
     def _zmq(cls, value: str | None) -> str | None:
         if value is not None and not re.match(r"^(tcp://[^:/]+:\d+|ipc://.+)$", value):
             raise ValueError("must be a ZMQ endpoint such as tcp://HOST:PORT or ipc:///path")
+        if value is not None and value.startswith("tcp://") and value[6:].rsplit(":", 1)[0] in ("*", "0.0.0.0"):
+            # The engine's own endpoint spelling: it binds there; Cortex connects to the worker's address.
+            raise ValueError(f"{value} is a bind address (what the engine's --kv-events-config says); give the "
+                             "address Cortex connects to, e.g. tcp://10.0.0.5:5557")
         return value
 
     @property

@@ -479,6 +479,8 @@ class Ingest:
         if not w.events_usable or w.cfg.role == "decode":
             return
         for t in w.targets:
+            if t.id in self._sources:
+                t.events.check_link(now)
             before = t.observe_publisher(now, self.cfg.ingest.event_silence_s)
             status = t.events_status
             if status == silence.SILENT and before != silence.SILENT:

@@ -123,6 +123,8 @@ class Target:
             return f"tokenizer parity {self.worker.token_parity.status}: {self.worker.token_parity.reason}"
         if self.events_status == silence.SILENT:
             return f"publishes no KV events: {self.silence_reason}"
+        if self.events.diagnosis is not None:
+            return self.events.diagnosis[1]
         return self.events.sync.reason
 
     # -- what the service learns from the load poll; these methods are the only writers of the fields above --
@@ -202,6 +204,7 @@ class Target:
             "events": self.events_status if self.worker.events_usable else silence.OFF,
             "events_reason": self.silence_reason,
             "events_connected": ev.link_up,
+            "events_diagnosis": ev.diagnosis[0] if ev.diagnosis is not None else None,
             "last_seq": s.last_applied,
             "last_event_age_s": round(now - ev.last_event_at, 3) if ev.last_event_at else None,
             "batches": ev.batches, "gaps": s.gaps, "replays": s.replays, "resyncs": s.resyncs,
