@@ -87,6 +87,7 @@ def test_every_vllm_field_is_read() -> None:
     a, b = decode_batch(case("cpu_location_only")).events
     assert isinstance(a, BlockStored) and (a.block_hashes, a.token_ids, a.block_size, a.medium, a.locality) == \
         ([H0], [], 0, "CPU", "LOCAL")
+    assert isinstance(b, BlockStored) and b.block_hashes == [H1]
     (owned,) = decode_batch(case("storage_secondary_owner")).events
     assert isinstance(owned, BlockStored) and (owned.medium, owned.locality, owned.ownership) == \
         ("STORAGE", "REMOTE", "kvcr")
