@@ -470,7 +470,10 @@ class WorkerConfig(_Strict):
     engine: Engine = engines.DEFAULT_ENGINE
     """Must match the model's engine."""
     kv_events: str | None = None
-    """ZMQ PUB endpoint of the engine's KV events, e.g. tcp://10.0.0.5:5557 (None: route this worker by load)."""
+    """ZMQ PUB endpoint of the engine's KV events, e.g. tcp://10.0.0.5:5557 (None: route this worker by load).
+    Cortex connects to it, so the engine must bind it: vLLM binds only an endpoint with `*` (`"endpoint":
+    "tcp://*:5557"`) and connects out from any other, which Cortex names in /cortex/workers (docs/engines.md,
+    "Publishers that connect"). The engine's bind spelling (tcp://*:PORT) is refused here."""
     kv_replay: str | None = None
     """ZMQ ROUTER replay endpoint (engine `replay_endpoint`), used to fill gaps."""
     kv_topic: str = ""
