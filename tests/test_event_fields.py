@@ -27,6 +27,7 @@ from cortex.contract import TierSlot
 from ingest.events import BlockInactive, BlockRemoved, BlockStored, decode_batch
 from ingest.ledger import Ledger
 from tests.test_hit_rule import _Slots, _vllm_python
+from tests.test_ledger import SetSink as Sink
 
 ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "tests" / "fixtures" / "event_fields.json"
@@ -40,22 +41,6 @@ K0, K1 = chain_keys(TOKENS, BS, root_key())
 
 def case(name: str) -> bytes:
     return bytes.fromhex(next(c["payload"] for c in DOC["cases"] if c["name"] == name))
-
-
-class Sink:
-    """Per-slot key sets, as the shared view would hold them."""
-
-    def __init__(self) -> None:
-        self.held: dict[int, set[int]] = {}
-
-    def add(self, worker: int, keys: list[int]) -> None:
-        self.held.setdefault(worker, set()).update(keys)
-
-    def remove(self, worker: int, keys: list[int]) -> None:
-        self.held.setdefault(worker, set()).difference_update(keys)
-
-    def clear_worker(self, worker: int) -> None:
-        self.held.pop(worker, None)
 
 
 def apply(ledger: Ledger, sink: Sink, *names: str) -> None:

@@ -26,6 +26,7 @@ from extproc import engine_hits
 from extproc.cluster_view import TargetInfo
 from ingest.events import decode_batch
 from ingest.ledger import Ledger
+from tests.test_ledger import SetSink
 
 ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "tests" / "fixtures" / "hybrid_hits.json"
@@ -174,12 +175,7 @@ def test_a_window_store_is_placed_through_the_full_attention_store_of_the_same_b
 
 def test_an_unknown_group_kind_is_not_routed_exactly() -> None:
     ledger = Ledger(slot=0, engine="vllm", block_size=4, alloc=_Slots(1))
-
-    class Sink:
-        def add(self, worker: int, keys: list[int]) -> None: ...
-        def remove(self, worker: int, keys: list[int]) -> None: ...
-        def clear_worker(self, worker: int) -> None: ...
-    ledger.apply(decode_batch(_wire([["S", 0, None, [1], [1, 2, 3, 4], "mamba", None]], 4)).events, Sink())
+    ledger.apply(decode_batch(_wire([["S", 0, None, [1], [1, 2, 3, 4], "mamba", None]], 4)).events, SetSink())
     assert "mamba" in ledger.unsupported and ledger.dropped["unsupported_group"] == 1
 
 

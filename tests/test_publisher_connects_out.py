@@ -11,6 +11,7 @@ readiness detail and the log say what to change. Driven by vLLM's own ZmqEventPu
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from ingest.ledger import Ledger
 from ingest.source import EventSource
 from ingest.sync import SourceSync
 from tests.engine_wheels import PUBLISHER_FILES, PUBLISHER_STUBS, VLLM, extract
+from tests.test_ledger import SetSink
 
 # vLLM's publisher, as the engine builds it from --kv-events-config (nothing patched: its own bind-or-connect rule).
 PUBLISHER = r'''
@@ -45,12 +47,6 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-class _Sink:
-    def add(self, worker: int, keys: list[int]) -> None: ...
-    def remove(self, worker: int, keys: list[int]) -> None: ...
-    def clear_worker(self, worker: int) -> None: ...
-
-
 @pytest.fixture(scope="module")
 def vllm_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     stubs = {k: v for k, v in PUBLISHER_STUBS.items() if k.startswith("vllm/")}
@@ -61,7 +57,7 @@ async def _diagnose(endpoint: str, replay: str | None) -> tuple[EventSource, tup
     ctx = zmq.asyncio.Context()
     parity = ParityCheck(engine="vllm", page_size=16)
     events = EventSource("w0", Ledger(slot=0, engine="vllm", block_size=16, parity=parity), parity,
-                         SourceSync(has_replay=replay is not None), ctx, _Sink(), endpoint=endpoint,
+                         SourceSync(has_replay=replay is not None), ctx, SetSink(), endpoint=endpoint,
                          replay_endpoint=replay)
     task = asyncio.create_task(events.run())
     try:
@@ -80,23 +76,28 @@ async def _diagnose(endpoint: str, replay: str | None) -> tuple[EventSource, tup
 
 
 def _publisher(src: Path, endpoint: str, replay: str) -> subprocess.Popen[str]:
-    import os
     proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, endpoint, replay], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(src)})
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
 
 
+def _with_publisher(src: Path, engine_endpoint: str, port: int, replay: int) -> tuple[EventSource,
+                                                                                    tuple[str, str] | None]:
+    """Cortex's source at tcp://127.0.0.1:port beside vLLM's publisher configured with `engine_endpoint`."""
+    proc = _publisher(src, engine_endpoint, f"tcp://*:{replay}")
+    try:
+        return asyncio.run(_diagnose(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}"))
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
 def test_an_engine_that_connects_out_is_diagnosed(vllm_src: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(source, "UNREACHABLE_S", 0.3)
     port, replay = _port(), _port()
     # The operator's mistake: the worker's own address in the engine's config (it connects there, to nothing).
-    proc = _publisher(vllm_src, f"tcp://127.0.0.1:{port}", f"tcp://*:{replay}")
-    try:
-        events, got = asyncio.run(_diagnose(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}"))
-    finally:
-        proc.kill()
-        proc.wait(30)
+    events, got = _with_publisher(vllm_src, f"tcp://127.0.0.1:{port}", port, replay)
     assert not events.link_up and got is not None
     code, reason = got
     assert code == silence.CONNECTS_OUT
@@ -106,12 +107,7 @@ def test_an_engine_that_connects_out_is_diagnosed(vllm_src: Path, monkeypatch: p
 def test_an_engine_that_binds_needs_no_diagnosis(vllm_src: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(source, "UNREACHABLE_S", 0.3)
     port, replay = _port(), _port()
-    proc = _publisher(vllm_src, f"tcp://*:{port}", f"tcp://*:{replay}")
-    try:
-        events, got = asyncio.run(_diagnose(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}"))
-    finally:
-        proc.kill()
-        proc.wait(30)
+    events, got = _with_publisher(vllm_src, f"tcp://*:{port}", port, replay)
     assert events.link_up and got is None
 
 
