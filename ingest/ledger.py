@@ -157,6 +157,12 @@ class _Published:
         else:
             self.counts[key] = n - 1
 
+    def size(self) -> int:
+        if len(self.lanes) == 1:
+            return len(self.lanes[0].key_refs)
+        need = len(self.lanes) if self.every else 1
+        return sum(1 for n in self.counts.values() if n >= need)
+
     def keys(self) -> list[int]:
         if len(self.lanes) == 1:
             return list(self.lanes[0].key_refs)
@@ -263,7 +269,7 @@ class Ledger:
     @property
     def blocks(self) -> int:
         """Cortex blocks the target's slot lists (its full-attention spec's)."""
-        return len(self._primary.keys()) if self._primary.lanes else 0
+        return self._primary.size() if self._primary.lanes else 0
 
     def layout(self) -> tuple[tuple[GroupSlot, ...], tuple[TierSlot, ...]]:
         """The target's KV-cache specs and tiers with their slots (empty: one full-attention spec on the GPU)."""
@@ -323,6 +329,7 @@ class Ledger:
                     self._removed(event)
                 elif isinstance(event, AllBlocksCleared):
                     self._forget()
+                    self._held = None  # what waited came before the clear
                 elif isinstance(event, BlockInactive):
                     self.events_inactive += 1
                 self.events_applied += 1

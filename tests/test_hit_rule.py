@@ -24,7 +24,7 @@ from cortex.blockkeys import chain_keys, root_key
 from cortex.ledger_view import ViewReader, ViewWriter
 from extproc import engine_hits
 from extproc.cluster_view import TargetInfo
-from ingest.events import decode_batch
+from ingest.events import AllBlocksCleared, decode_batch
 from ingest.ledger import Ledger
 from tests.test_ledger import SetSink
 
@@ -171,6 +171,25 @@ def test_a_window_store_is_placed_through_the_full_attention_store_of_the_same_b
     counts, bits = reader.match_detail(keys, np.array([window]))
     assert int(counts[0]) == 6 and bits[:, 0].tolist() == [False] * 4 + [True] * 2
     assert ledger.dropped == {}
+
+
+def test_a_clear_drops_what_waited_before_it(tmp_path: Path) -> None:
+    """A window store waits for the batch's other events; a clear later in the same batch came after it, so what
+    waited is dropped with everything else, not applied after the clear."""
+    tokens = list(range(100, 124))
+    sink = SetSink()
+    ledger = Ledger(slot=0, engine="vllm", block_size=4, alloc=_Slots(1))
+    ledger.apply(decode_batch(_wire([["S", 0, None, [5, 6], tokens, "sliding_window", 9],
+                                     ["S", 1, None, [1, 2, 3, 4, 5, 6], tokens, "full_attention", None]], 4)).events,
+                 sink)
+    window = ledger.slots()[1]
+    assert len(sink.held[window]) == 2
+    more = tokens + [1, 2, 3, 4]
+    before, after = (decode_batch(_wire([e], 4)).events for e in (
+        ["S", 0, None, [8], more, "sliding_window", 9],                       # waits: 8 is not placed yet
+        ["S", 1, None, [1, 2, 3, 4, 5, 6, 8], more, "full_attention", None]))  # after the clear, places 8
+    ledger.apply([*before, AllBlocksCleared(), *after], sink)
+    assert not sink.held.get(window) and ledger.lanes() == {"GPU/0": 0, "GPU/1": 7}
 
 
 def test_an_unknown_group_kind_is_not_routed_exactly() -> None:
