@@ -184,7 +184,7 @@ def test_a_clear_drops_what_waited_before_it(tmp_path: Path) -> None:
                  sink)
     window = ledger.slots()[1]
     assert len(sink.held[window]) == 2
-    more = tokens + [1, 2, 3, 4]
+    more = [*tokens, 1, 2, 3, 4]
     before, after = (decode_batch(_wire([e], 4)).events for e in (
         ["S", 0, None, [8], more, "sliding_window", 9],                       # waits: 8 is not placed yet
         ["S", 1, None, [1, 2, 3, 4, 5, 6, 8], more, "full_attention", None]))  # after the clear, places 8
