@@ -386,6 +386,7 @@ class Ledger:
         """A new lane, joined to the slot it publishes to (a new slot if its spec or tier is new)."""
         lane = Lane()
         tier, group = lid[0], lid[1]
+        before = self.layout()
         if tier == TIER_GPU:
             assert spec is not None
             pub = self._specs.get(spec)
@@ -398,7 +399,6 @@ class Ledger:
                     pub = _Published(slot if slot is not None else -1, every=True)
                     pub.delta.clear()  # a slot another target may have used: start from a clean bitset
                 self._specs[spec] = pub
-                self.layout_version += 1
             self._group_spec[group] = spec
         else:
             pub = self._tiers.get(tier)
@@ -406,12 +406,14 @@ class Ledger:
                 slot = self._slot()
                 pub = self._tiers[tier] = _Published(slot if slot is not None else -1, every=False)
                 pub.delta.clear()
-                self.layout_version += 1
         if pub.slot < 0:
             lane.gain = lane.lose = lambda _: None  # nowhere to publish (the target is marked unsupported)
         else:
             pub.join(lane)
         self._lanes[lid] = lane
+        if self.layout() != before:
+            # What extproc must know to read the slots changed (one full-attention group alone changes nothing).
+            self.layout_version += 1
         return lane
 
     def _spec_of(self, event: BlockStored) -> _Spec | None:

@@ -223,3 +223,16 @@ def test_the_vectors_are_what_vllm_encodes() -> None:
         pytest.skip("no vLLM install (set CORTEX_VLLM_VENV, or run scripts/setup-vllm.sh)")
     out = subprocess.run([str(py), str(GENERATOR)], capture_output=True, timeout=600, check=True, cwd=ROOT)
     assert json.loads(out.stdout) == DOC
+
+
+def test_only_a_layout_extproc_must_know_moves_the_layout_version() -> None:
+    """A target whose events show one full-attention group publishes nothing new (and is not hidden while extproc
+    reads it, ingest/source.py); a window group or a lower tier does."""
+    ledger, sink = fresh()
+    apply(ledger, sink, "gpu_store")
+    assert ledger.layout_version == 0 and ledger.layout() == ((), ())
+    apply(ledger, sink, "cpu_location_only")
+    assert ledger.layout_version == 1
+    hybrid, sink = fresh()
+    apply(hybrid, sink, "gpu_store_every_field")
+    assert hybrid.layout_version == 1 and len(hybrid.layout()[0]) == 2
