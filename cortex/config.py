@@ -255,6 +255,15 @@ class SchedulerConfig(_Strict):
     reports it) is not claimed: other requests' allocations can evict it before the engine schedules this one
     (docs/reliability.md, "Claims under cache pressure"). It still decides where the request goes. 1: always
     claim."""
+    claim_horizon_share: float = Field(0.5, gt=0, le=1)
+    """On a worker whose engine is evicting, a proven hit is claimed only while the tokens evicted there since
+    this replica last sent the prefix, plus those expected until the engine admits the request, stay under this
+    share of the pool's free part: when the prefix was freed that free part stood in front of it in the engine's
+    LRU (docs/scheduling.md, "Claims that hold at scheduling time"). The free part then is taken as the free part
+    now, which bursts of admissions make uncertain. 1: up to the whole free part."""
+    claim_unknown_age_s: float = Field(30.0, ge=0)
+    """For the rule above, a matched prefix this replica has not sent to the worker itself (another replica's or
+    client's traffic put it there) is taken as this old, its evictions at the worker's recent rate."""
     calibrate: bool = True
     """Scale each worker's predictions by what its observed TTFTs say (`cortex observe` learns the ratio of
     observed to predicted per worker): a slow worker learns its own rate."""

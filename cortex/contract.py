@@ -57,6 +57,11 @@ class LoadReading(msgspec.Struct, frozen=True):
     SGLang token_usage); None: not reported. Claims on a nearly full pool are withheld (policies/claims.py)."""
     kv_capacity_tokens: float | None = None
     """The pool in tokens (vLLM cache_config_info, SGLang max_total_num_tokens); None: not reported."""
+    evicted_tokens: float | None = None
+    """Tokens the engine has evicted from its pool since its ledger started (its BlockRemoved events), at that
+    reading; None: not known (a writer from before the field)."""
+    evicted_tokens_per_s: float | None = None
+    """How many it has been evicting per second lately (an average that follows rises fast); None: not known."""
 
 
 class GroupSlot(msgspec.Struct, frozen=True):

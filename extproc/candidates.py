@@ -8,6 +8,7 @@ whatever the view says, so no policy can claim or follow a hit it cannot prove.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -52,6 +53,7 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
     by_work = scoring.rule == "ttft"
     typical = typical_prefill_ms if typical_prefill_ms is not None else scoring.queued_request_ms
     live = [w for w in workers if w.healthy]
+    now = time.monotonic()
     # What one of this replica's in-flight requests still has to prefill, on average: the price of each active
     # request the engine reports beyond them (other replicas', other clients'), assumed alike. With nothing of
     # its own in flight there is no evidence of the mix (most active requests decode): none is priced, and the
@@ -63,6 +65,7 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
         trusted = matches is not None and w.exact_kv
         matched = int(matches[w.slot]) if trusted and matches is not None else 0
         tier = lower.get(w.slot) if trusted and lower else None
+        sent = predictions.last_sent(w.slot, keys[matched - 1]) if 0 < matched <= len(keys) else None
         engine_load = w.engine_load if alive else None
         n_inflight = int(inflight[w.slot])
         active = max(engine_load or 0.0, float(n_inflight))
@@ -80,6 +83,8 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
             foreign_ms=max(0.0, (engine_load or 0.0) - n_inflight) * left,
             calibration=calibration.get(w.worker, 1.0) if calibration else 1.0,
             kv_usage=w.kv_usage if engine_load is not None else None, kv_capacity_tokens=w.kv_capacity_tokens,
+            evicted_tokens_per_s=w.evicted_tokens_per_s if engine_load is not None else None,
+            last_sent=sent, uncounted_s=max(0.0, now - w.load_at) if w.load_at else 0.0,
         )
         if by_work and hysteresis.update_queue(w.slot, queue_ms(c, typical), scoring):
             # Both flags are carried every decision, so neither loses its hysteresis while the other is set.

@@ -981,7 +981,9 @@ class ExtProc:
                          "predicted_tokens": c.predicted_blocks * self.cluster.block_size,
                          "ledger_trusted": c.ledger_trusted, "engine_load": c.engine_load,
                          "inflight": c.inflight, "suspect": c.suspect, "hot": c.hot, "kv_usage": c.kv_usage,
-                         "kv_capacity_tokens": c.kv_capacity_tokens,
+                         "kv_capacity_tokens": c.kv_capacity_tokens, "evicted_tokens_per_s": c.evicted_tokens_per_s,
+                         "last_sent": None if c.last_sent is None else
+                         {"age_s": round(c.last_sent.age_s, 3), "evicted_tokens_since": c.last_sent.evicted_tokens},
                          **({"time_model": d.estimates[c.id].to_json()} if c.id in d.estimates else {})}
                         for c in d.order],
             "timings_ms": {k: round(getattr(result.timings, k) * 1000, 3)

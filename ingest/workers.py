@@ -11,6 +11,7 @@ probes.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,14 +41,31 @@ class Load:
         return {"running": self.running, "waiting": self.waiting,
                 "age_s": round(now - self.at, 3) if self.at else None}
 
-    def to_meta(self, every_s: float, kv_usage: float | None = None,
-                kv_capacity_tokens: float | None = None) -> LoadReading:
+    def to_meta(self, every_s: float, kv_usage: float | None = None, kv_capacity_tokens: float | None = None,
+                evicted_tokens: float | None = None, evicted_tokens_per_s: float | None = None) -> LoadReading:
         """For extproc: the reading's own time (the host's monotonic clock, which ingest and extproc share like
         the view's heartbeat) and the poll interval in force, so extproc ages it itself and ingest need not
         republish an unchanged reading just to move its age (docs/performance.md, "What an idle replica
         costs")."""
         return LoadReading(running=self.running, waiting=self.waiting, at=self.at or None, every_s=every_s,
-                           kv_usage=kv_usage, kv_capacity_tokens=kv_capacity_tokens)
+                           kv_usage=kv_usage, kv_capacity_tokens=kv_capacity_tokens,
+                           evicted_tokens=evicted_tokens, evicted_tokens_per_s=evicted_tokens_per_s)
+
+
+EVICTION_RISE_S = 1.0
+EVICTION_FALL_S = 10.0
+"""Time constants of the eviction rate's average: it follows a rise within about a second and lets go over
+about ten. The claim rule reads a high rate as caution, so the estimate errs high: admissions evict in bursts,
+and a pool that just started churning must not look calm while its average catches up."""
+
+
+def eviction_rate(rate: float, evicted_tokens: float, dt: float) -> float:
+    """The average of tokens evicted per second, after `evicted_tokens` more over `dt` seconds."""
+    if dt <= 0:
+        return rate
+    now = evicted_tokens / dt
+    tau = EVICTION_RISE_S if now > rate else EVICTION_FALL_S
+    return rate + (1.0 - math.exp(-dt / tau)) * (now - rate)
 
 
 @dataclass
@@ -68,6 +86,14 @@ class Target:
     """Share of its KV-cache pool in use (0..1) at the last load reading; None: not reported."""
     kv_capacity_tokens: float | None = None
     """Its KV-cache pool in tokens, as the engine reports it; None: not reported."""
+    evicted_tokens: float = 0.0
+    """Tokens the engine has evicted since its ledger started (its BlockRemoved, as the ledger applied them), at
+    the last load reading: extproc counts how many were evicted since it last sent a prefix there, against the
+    pool's free part (extproc/policies/claims.py)."""
+    evicted_tokens_per_s: float = 0.0
+    """How fast it has been evicting lately (`eviction_rate`), for the evictions not counted yet."""
+    evictions_seen: tuple[int, float] = (0, 0.0)
+    """(the ledger's removed-block count, when) at the last load reading."""
     activity_checked: float = 0.0
     """Its value when the last tail check was asked for: a change means batches may exist we never saw."""
     was_busy: bool = False
@@ -80,8 +106,8 @@ class Target:
     batch_at: float = 0.0
     """When ingest.silence last saw a batch arrive (live or replayed); 0: never."""
     received_base: int = 0
-    published_load: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    """(running, waiting, reading time) of the load last written to the view."""
+    published_load: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """(running, waiting, evicted tokens, reading time) of the load last written to the view."""
 
     @property
     def id(self) -> str:
@@ -129,16 +155,27 @@ class Target:
 
     # -- what the service learns from the load poll; these methods are the only writers of the fields above --
 
+    def note_evictions(self, now: float) -> None:
+        page = self.events.parity.page_size
+        removed = self.events.ledger.blocks_removed
+        seen, seen_at = self.evictions_seen
+        self.evictions_seen = (removed, now)
+        self.evicted_tokens = float(removed * page)
+        if seen_at and removed >= seen:  # fewer: a new ledger (a restart) counts from zero again
+            self.evicted_tokens_per_s = eviction_rate(self.evicted_tokens_per_s, (removed - seen) * page,
+                                                      now - seen_at)
+
     def load_news(self, now: float, every_s: float) -> bool:
         """Publish a reading whose values changed, or whose published predecessor is getting old (extproc
         ages readings itself, against max(2 s, 2 x the interval in force): republishing an unchanged one
-        every max(1 s, interval) keeps it fresh there with margin, at a fraction of the polls)."""
-        running, waiting, at = self.published_load
-        return self.load.at > at and ((self.load.running, self.load.waiting) != (running, waiting)
-                                      or now - at >= max(1.0, every_s))
+        every max(1 s, interval) keeps it fresh there with margin, at a fraction of the polls). Evictions are news:
+        the claim rule counts them since a prefix was last sent (they change only while the worker works)."""
+        running, waiting, evicted, at = self.published_load
+        return self.load.at > at and ((self.load.running, self.load.waiting, self.evicted_tokens)
+                                      != (running, waiting, evicted) or now - at >= max(1.0, every_s))
 
     def mark_published(self) -> None:
-        self.published_load = (self.load.running, self.load.waiting, self.load.at)
+        self.published_load = (self.load.running, self.load.waiting, self.evicted_tokens, self.load.at)
         # The target list was just built and written, in this same call chain: it describes the ledger's layout now.
         self.events.layout_published(self.events.ledger.layout_version)
 
@@ -184,7 +221,8 @@ class Target:
             engine=w.cfg.engine, address=w.address, healthy=w.healthy, suspect=w.suspect,
             exact_kv=self.exact_kv,
             state=self.events.sync.state.value, reason=self.why_not_exact(), why=self.why_code(),
-            load=self.load.to_meta(w.poll_every, self.kv_usage, self.kv_capacity_tokens),
+            load=self.load.to_meta(w.poll_every, self.kv_usage, self.kv_capacity_tokens, self.evicted_tokens,
+                                   round(self.evicted_tokens_per_s, 1)),
             added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port, tls_name=w.tls_name,
             groups=groups, tiers=tiers, lookahead_blocks=-(-ledger.lookahead // ledger.block_size),
         )
@@ -197,7 +235,9 @@ class Target:
         return {
             **meta,
             "load": {**self.load.to_json(now), "every_s": self.worker.poll_every, "kv_usage": self.kv_usage,
-                     "kv_capacity_tokens": self.kv_capacity_tokens},
+                     "kv_capacity_tokens": self.kv_capacity_tokens,
+                     "evicted_tokens": self.evicted_tokens,
+                     "evicted_tokens_per_s": round(self.evicted_tokens_per_s, 1)},
             "age_s": round(now - self.worker.added_at, 1),
             "kv_events": self.endpoint(self.worker.cfg.kv_events),
             "kv_replay": self.endpoint(self.worker.cfg.kv_replay),
@@ -317,6 +357,7 @@ class Worker:
             target.activity = activity
             target.kv_usage = kv_usage
             target.kv_capacity_tokens = capacity
+            target.note_evictions(now)
             if running > 0 and not target.busy_since:
                 target.busy_since = now
             elif running == 0:

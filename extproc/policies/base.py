@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from cortex import engines
 from cortex.config import SchedulerConfig
+from cortex.inflight import Touch
 
 EXACT = "exact_kv_events"
 LOAD_AWARE = "load_aware"
@@ -63,6 +64,14 @@ class Candidate:
     """Share of its KV pool held by running requests (engine-reported; None: unknown)."""
     kv_capacity_tokens: float | None = None
     """Its KV pool in tokens (engine-reported; None: unknown)."""
+    evicted_tokens_per_s: float | None = None
+    """How fast its engine has been evicting lately (ingest's average of its BlockRemoved; None: unknown)."""
+    last_sent: Touch | None = None
+    """When this replica last sent it the last block of its matched prefix, and how many tokens its engine has
+    evicted since as far as the published count says (None: not known, or no match): the claim rule's bound on
+    how far that prefix has moved towards the front of the engine's LRU."""
+    uncounted_s: float = 0.0
+    """Seconds since the eviction count was read: evictions in them are not counted yet."""
     tier_blocks: int = 0
     """Blocks right after its GPU hit that a lower tier (CPU, storage) holds: loaded, not computed."""
     tier_claimed: int = 0
