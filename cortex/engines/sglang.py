@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, GENERATE, MESSAGES, RERANK, RESPONSES, SCORE
 from cortex.engine_hashes import sglang_page_hashes, sglang_wire_hash
 from cortex.engines.base import ChainStartHasher, EngineAdapter, RankLoad
 
@@ -88,6 +89,10 @@ class SglangAdapter(EngineAdapter):
     lora_as_model = False
     lora_as_suffix = True
     lora_path_field = True
+
+    # Its OpenAI server's inference routes (vLLM 0.32 has no /generate; SGLang 0.5.23 serves all eight).
+    inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE, EMBEDDINGS, RERANK, SCORE})
+    tool_style = "sglang"
 
     def rank_headers(self, rank: int) -> Mapping[str, str]:
         return {}

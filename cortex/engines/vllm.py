@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cortex import headers
+from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE
 from cortex.engine_hashes import VLLM_HASH_ALGOS, VllmBlockHasher, none_hash_reproducible, vllm_wire_hash
 from cortex.engines.base import ChainStartHasher, EngineAdapter, NotReproducible, RankLoad
 from cortex.kv_events import TIER_CPU, TIER_STORAGE
@@ -156,6 +157,10 @@ class VllmAdapter(EngineAdapter):
     lora_as_model = True
     lora_as_suffix = False
     lora_path_field = False
+
+    # Its OpenAI server's inference routes (vLLM 0.32 has no /generate; SGLang 0.5.23 serves all eight).
+    inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS, RERANK, SCORE})
+    tool_style = "vllm"
 
     def rank_headers(self, rank: int) -> Mapping[str, str]:
         return {DP_RANK_HEADER: str(rank)}
