@@ -210,7 +210,12 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     root = root_key(resolved.lora, req.cache_salt)
     inference_paths.check_served(inference_paths.PATH_OF[req.api], resolved.model, registry)
     bundle = registry.bundles[resolved.model]
-    style = registry.engines[resolved.model].tool_style
+    engine = registry.engines[resolved.model]
+    style = engine.tool_style
+    # A request the engine will not (fully) read from its cache, e.g. one asking for the prompt's logprobs: routed
+    # by load when it reads none, its match cut to what it reads otherwise, so nothing above it is ever claimed.
+    read_limit = engine.cache_read_limit(req.api, req.body or {})
+    unroutable = req.unroutable or ("engine_skips_cache" if read_limit == 0 else None)
     workers = snap.candidates(resolved.model)
     if not workers:
         raise NoWorker(resolved.model, f"no healthy worker serves model `{req.model}`")
@@ -221,7 +226,7 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
                              "mint_response_id": req.api == "responses" and not (req.body or {}).get("request_id")}
     pools = None if transparent else pd.split_pools(workers)
     # A lower tier's run starts where the GPU hit ends, past what the walk follows: such models are looked up whole.
-    if not (full_tokens or pools is None or req.unroutable or not snap.alive or pools.pd_ready
+    if not (full_tokens or pools is None or unroutable or not snap.alive or pools.pd_ready
             or engine_hits.tiered(workers)):
         walked, truncated, fingerprint, detail = _walk(snap, req, bundle, workers, root, timings, segments,
                                                        predictions, deferred, style)
@@ -230,7 +235,8 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
             why = "prompt_shorter_than_a_block"
         elif walked.matches is None:
             why = "ledger_unavailable"
-        found = _hits(snap, workers, walked.matches, detail, len(walked.keys))
+        found = _hits(snap, workers, _capped(walked.matches, read_limit, snap.block_size), detail,
+                      len(walked.keys))
         why = _why(why, workers, found)
         return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=[], truncated=truncated,
                         keys=walked.keys, matches=found.matches if found else None, why=why, timings=timings,
@@ -251,8 +257,8 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     hits: engine_hits.Hits | None = None
     if transparent:
         why = "transparent_proxy"
-    elif req.unroutable:
-        why = req.unroutable
+    elif unroutable:
+        why = unroutable
     elif not snap.alive:
         why = "ledger_unavailable"
     elif usable_blocks == 0:
@@ -267,13 +273,20 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
         timings.lookup_s = time.perf_counter() - t2
         if matches is None:
             why = "ledger_unavailable"
-        hits = _hits(snap, workers, matches, detail, len(keys))
+        hits = _hits(snap, workers, _capped(matches, read_limit, bs), detail, len(keys))
         why = _why(why, workers, hits)
     return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=ids, truncated=truncated,
                     keys=keys, matches=hits.matches if hits else matches, why=why, timings=timings, body=req.body,
                     prompt_tokens=len(ids), pools=pools, lora=resolved.lora, transparent=transparent,
                     head_ids=ids[:observation.FIRST_IDS_LOGGED], prompt_hash=fingerprint, session=sess,
                     lower=hits.lower if hits else {}, withheld=hits.withheld if hits else {}, **extra)
+
+
+def _capped(matches: np.ndarray | None, read_limit: int | None, block_size: int) -> np.ndarray | None:
+    """The matches cut to the blocks an engine reading at most `read_limit` prompt tokens from cache uses."""
+    if matches is None or read_limit is None:
+        return matches
+    return np.minimum(matches, read_limit // block_size)
 
 
 def _why(why: str, workers: list[TargetInfo], hits: engine_hits.Hits | None) -> str:

@@ -117,6 +117,12 @@ class EngineAdapter(ABC):
     tool_style: ClassVar[ToolStyle]
     """How its server dumps a request's tools for the chat template (cortex/conversation.py: template_tools)."""
 
+    @abstractmethod
+    def cache_read_limit(self, api: str, body: Mapping[str, Any]) -> int | None:
+        """The most prompt tokens the engine will read from its prefix cache for this request (`api` as
+        extproc/request.py names it, `body` its parsed JSON): None for no limit beyond its own, 0 when it reads
+        none (a request that asks for the prompt's logprobs is computed whole). Cortex then claims no more."""
+
     # -- Data-parallel ranks -------------------------------------------------------------------------------
     @abstractmethod
     def rank_headers(self, rank: int) -> Mapping[str, str]:

@@ -162,6 +162,20 @@ class VllmAdapter(EngineAdapter):
     inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS, RERANK, SCORE})
     tool_style = "vllm"
 
+    def cache_read_limit(self, api: str, body: Mapping[str, Any]) -> int | None:
+        # vLLM 0.32: SamplingParams.skip_reading_prefix_cache defaults to `prompt_logprobs is not None`, and the
+        # OpenAI layer sets prompt_logprobs from top_logprobs (chat) or logprobs (completions) when `echo` is on
+        # (chat_completion/protocol.py, completion/protocol.py: to_sampling_params).
+        if api not in ("chat", "completion"):
+            return None
+        if body.get("prompt_logprobs") is not None:
+            return 0
+        if body.get("echo"):
+            echoed = body.get("top_logprobs", 0) if api == "chat" else body.get("logprobs")
+            if echoed is not None:
+                return 0
+        return None
+
     def rank_headers(self, rank: int) -> Mapping[str, str]:
         return {DP_RANK_HEADER: str(rank)}
 
