@@ -286,7 +286,8 @@ def _capped(matches: np.ndarray | None, read_limit: int | None, block_size: int)
     """The matches cut to the blocks an engine reading at most `read_limit` prompt tokens from cache uses."""
     if matches is None or read_limit is None:
         return matches
-    return np.minimum(matches, read_limit // block_size)
+    capped: np.ndarray = np.minimum(matches, read_limit // block_size)
+    return capped
 
 
 def _why(why: str, workers: list[TargetInfo], hits: engine_hits.Hits | None) -> str:
