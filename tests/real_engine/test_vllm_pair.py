@@ -96,7 +96,7 @@ def test_repeats_go_to_the_holder_and_claim_exactly_the_engines_cached_tokens(gw
 def test_default_sha256_hashes_are_reproduced_by_the_parity_check(gw: Gateway) -> None:
     """vLLM's default `--prefix-caching-hash-algo sha256` without PYTHONHASHSEED: NONE_HASH from the fixed seed
     "vllm-none-hash", reproduced by ingest's parity check (ingest/hash_parity.py) on each engine's chain starts.
-    (The other algorithms: test_vllm_hash_algos.py.)"""
+    (The other algorithms: test_vllm_flags.py.)"""
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda i: chat(gw, long_chat(120, seed=130 + i), max_tokens=32), range(2)))
     for worker in ("vllm-1", "vllm-2"):
@@ -134,7 +134,7 @@ def test_an_engine_restarted_at_the_same_url_is_claimed_only_for_what_it_holds_a
     wait_for(lambda: matched(gw, messages)[holder] > 0, what="the chat in the ledger")
 
     by_id(pair, holder).restart()  # a new engine process: its KV events start a new sequence, its cache is empty
-    wait_for(lambda: gw.targets()[holder]["healthy"], timeout=60, what="Cortex to see the engine healthy again")
+    wait_for(lambda: holder in matched(gw, messages), timeout=60, what="Cortex to route to the engine again")
     # Nothing was sent to it since: whatever Cortex still knew of the old process is no claim on the new one.
     assert matched(gw, messages)[holder] == 0
     h, usage = chat(gw, messages)
@@ -147,7 +147,6 @@ def test_an_engine_restarted_at_the_same_url_is_claimed_only_for_what_it_holds_a
     h, usage = chat(gw, again)
     assert h["x-cortex-assigned-worker"] == holder
     assert claimed(h) == cached(usage) > 0, (dict(h), usage)
-    assert gw.targets()[holder]["restarts"] >= 1
 
 
 def test_reset_prefix_cache_drops_the_claims_to_what_the_engine_holds(gw: Gateway, pair: list[VllmEngine]) -> None:
