@@ -4,9 +4,11 @@ Each extproc process owns one small file per board (`<board>/<index>.bin`, one n
 its only writer; a reader combines every process's row. A restarted process starts its row from zero: the
 requests it was counting ended with it (their ext_proc streams were torn down).
 
-Two boards: `InflightBoard` counts the requests in flight per worker (int64, summed); `BacklogBoard` keeps,
+Three boards: `InflightBoard` counts the requests in flight per worker (int64, summed); `BacklogBoard` keeps,
 per worker, the moment the prefill work this process sent there is predicted to be done (float64 on the
-host's monotonic clock), so the work queued ahead of a new request is the sum over processes of what is left.
+host's monotonic clock), so the work queued ahead of a new request is the sum over processes of what is left;
+`TouchBoard` keeps when this process last sent each block key to each worker (a direct-mapped table, not one
+number per worker), so a claim can tell a prefix the engine used a moment ago from one its LRU is about to evict.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +27,11 @@ class SlotBoard:
 
     dtype: type[np.generic] = np.int64
 
+    @classmethod
+    def width(cls, max_workers: int) -> int:
+        """Numbers in one process's row: one per worker slot."""
+        return max_workers
+
     def __init__(self, directory: str | os.PathLike[str], index: int | None, processes: int,
                  max_workers: int) -> None:
         """`index` None: a reader of every process's row that owns none (ingest, to see where this replica's
@@ -33,14 +41,15 @@ class SlotBoard:
         self.index = index
         self.processes = processes
         self.max_workers = max_workers
-        self._size = max_workers * 8
+        self._width = self.width(max_workers)
+        self._size = self._width * 8
         self._maps: dict[int, mmap.mmap] = {}
         self._rows: dict[int, np.ndarray] = {}
         # (st_dev, st_ino) of the file each row was mapped from: a restarted peer replaces its file
         # (os.replace), so a different identity at the path means the mapped row is an orphan.
         self._ids: dict[int, tuple[int, int]] = {}
         if index is None:
-            self.own = np.zeros((max_workers,), dtype=self.dtype)
+            self.own = np.zeros((self._width,), dtype=self.dtype)
             return
         path = self._path(index)
         tmp = path.with_suffix(".tmp")
@@ -70,7 +79,7 @@ class SlotBoard:
             os.close(fd)
         self._maps[index] = mm
         self._ids[index] = (st.st_dev, st.st_ino)
-        row = np.ndarray((self.max_workers,), dtype=self.dtype, buffer=mm)
+        row = np.ndarray((self._width,), dtype=self.dtype, buffer=mm)
         self._rows[index] = row
         return row
 
@@ -134,3 +143,81 @@ class BacklogBoard(SlotBoard):
                 if row is not None:
                     total += np.maximum(row - t, 0.0)
         return total * 1000.0
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+_LOW32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class Touch:
+    """What a replica knows of a prefix's last use on a worker: how long ago it last sent it there, and how many
+    tokens the worker's engine has evicted since (as far as its published count says)."""
+
+    age_s: float
+    evicted_tokens: float
+
+
+class TouchBoard(SlotBoard):
+    """When this replica last sent each (worker, block key), and how much the worker had evicted by then: one
+    direct-mapped table per process.
+
+    An entry is two 8-byte words, each carrying the same 32-bit tag of the (worker slot, key) pair in its high
+    half: the host's monotonic clock in milliseconds (mod 2**32, lowest bit set, so a written word is never 0,
+    the empty one) and the worker's eviction count in tokens (mod 2**32) in their low halves. A reader takes an
+    entry only when both tags match, so a write landing between its two reads makes the pair unknown, never
+    younger. The entry's index is other bits of the same mix as the tag. A pair that lands on an occupied entry
+    overwrites it: the older pair is forgotten, which only ever makes its prefix look unknown. Ages up to 2**32 ms
+    (49 days) and up to 2**32 tokens evicted in between are told apart.
+    """
+
+    dtype = np.uint64
+    ENTRIES = 1 << 16
+    """Per process: 1 MiB; about the blocks of the last few hundred long prompts."""
+
+    @classmethod
+    def width(cls, max_workers: int) -> int:
+        return 2 * cls.ENTRIES
+
+    def __init__(self, directory: str | os.PathLike[str], index: int | None, processes: int,
+                 max_workers: int) -> None:
+        super().__init__(directory, index, processes, max_workers)
+        self.evicted = np.zeros((max_workers,), dtype=np.float64)
+        """Per worker slot, its eviction count as this process last read it (note_evicted)."""
+
+    def note_evicted(self, slot: int, tokens: float) -> None:
+        if 0 <= slot < self.evicted.size:
+            self.evicted[slot] = tokens
+
+    @staticmethod
+    def _now_ms(now: float | None) -> int:
+        return int((time.monotonic() if now is None else now) * 1000.0)
+
+    def touch(self, slot: int, keys: np.ndarray, now: float | None = None) -> None:
+        """Record that this process just sent `keys` (uint64 block keys) to worker `slot`."""
+        if not len(keys):
+            return
+        mix = keys ^ np.uint64(((slot + 1) * _GOLDEN) & _MASK64)
+        idx = 2 * (mix & np.uint64(self.ENTRIES - 1)).astype(np.intp)
+        tag = (mix >> np.uint64(32)) << np.uint64(32)
+        self.own[idx] = tag | np.uint64((self._now_ms(now) & _LOW32) | 1)
+        self.own[idx + 1] = tag | np.uint64(int(self.evicted[slot]) & _LOW32)
+
+    def last(self, slot: int, key: int, now: float | None = None) -> Touch | None:
+        """The youngest send of `key` to worker `slot` by any process of this replica (None: not known)."""
+        mix = (key ^ ((slot + 1) * _GOLDEN)) & _MASK64
+        idx, tag = 2 * (mix & (self.ENTRIES - 1)), mix >> 32
+        now_ms = self._now_ms(now) & _LOW32
+        evicted_now = int(self.evicted[slot]) & _LOW32 if 0 <= slot < self.evicted.size else 0
+        best: Touch | None = None
+        for i in range(self.processes):
+            row = self.own if i == self.index else self._map(i)
+            if row is None:
+                continue
+            when, count = int(row[idx]), int(row[idx + 1])
+            if when and when >> 32 == tag and count >> 32 == tag:
+                age = ((now_ms - (when & _LOW32)) & _LOW32) / 1000.0
+                if best is None or age < best.age_s:
+                    best = Touch(age, float((evicted_now - (count & _LOW32)) & _LOW32))
+        return best

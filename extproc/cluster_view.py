@@ -19,8 +19,8 @@ from prometheus_client import Counter
 
 from cortex.calibration import CALIBRATION_FILE, Calibration
 from cortex.config import UNRESOLVED, CortexConfig
-from cortex.contract import ContractError, LoadReading, TargetMeta, decode_meta, target_id
-from cortex.inflight import BacklogBoard, InflightBoard
+from cortex.contract import ContractError, GroupSlot, LoadReading, TargetMeta, TierSlot, decode_meta, target_id
+from cortex.inflight import BacklogBoard, InflightBoard, TouchBoard
 from cortex.ledger_view import ViewBusy, ViewReader
 from cortex.upstream_tls import verify_name
 
@@ -75,6 +75,10 @@ class TargetInfo:
     """Share of its KV pool held by running requests at the last reading (None: unknown or too old)."""
     kv_capacity_tokens: float | None = None
     """Its KV pool in tokens (None: not reported)."""
+    evicted_tokens_per_s: float | None = None
+    """How fast its engine has been evicting lately (None: not known)."""
+    load_at: float | None = None
+    """When its load and eviction count were read (monotonic; None: never)."""
     added_at: float | None = None
     """When ingest added it (monotonic; None until ingest has spoken)."""
     why: str = ""
@@ -88,6 +92,12 @@ class TargetInfo:
     first while a worker in good standing exists. False for the config's list (nothing is known yet)."""
     tls_name: str | None = None
     """An https worker: the name its certificate must carry (extproc's own requests check it); None: http."""
+    groups: tuple[GroupSlot, ...] = ()
+    """A hybrid model's KV-cache specs and their slots (empty: `slot`'s leading run is the hit)."""
+    tiers: tuple[TierSlot, ...] = ()
+    """Its lower tiers' slots (empty: GPU only)."""
+    lookahead_blocks: int = 0
+    """Blocks a hit gives up to the engine's lookahead hashing (extproc/engine_hits.py)."""
 
     @property
     def age_s(self) -> float | None:
@@ -109,6 +119,9 @@ class ClusterView:
                                       cfg.ingest.max_workers)
         self.backlog = BacklogBoard(cfg.runtime_path() / "backlog", index, cfg.extproc.process_count(),
                                     cfg.ingest.max_workers)
+        self.touches = TouchBoard(cfg.runtime_path() / "touches", index, cfg.extproc.process_count(),
+                                  cfg.ingest.max_workers)
+        """When this replica last sent each block to each worker (the claim rule's recency)."""
         self.calibration = Calibration(cfg.runtime_path() / CALIBRATION_FILE)
         """Observed over predicted TTFT per worker, as `cortex observe` last wrote it."""
         self.alive = False
@@ -159,8 +172,12 @@ class ClusterView:
                               engine_load=engine_load, engine_waiting=t.load.waiting, added_at=added_at, why=why,
                               kv_usage=t.load.kv_usage if engine_load is not None else None,
                               kv_capacity_tokens=t.load.kv_capacity_tokens,
+                              evicted_tokens_per_s=t.load.evicted_tokens_per_s, load_at=t.load.at,
                               role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect,
-                              tls_name=t.tls_name)
+                              tls_name=t.tls_name, groups=t.groups, tiers=t.tiers,
+                              lookahead_blocks=t.lookahead_blocks)
+            if t.load.evicted_tokens is not None:
+                self.touches.note_evicted(t.slot, t.load.evicted_tokens)
             by_model.setdefault(info.model, []).append(info)
             by_address.setdefault(info.address, info)
         self.targets = by_model
@@ -179,6 +196,7 @@ class ClusterView:
         try:
             self.inflight.refresh()
             self.backlog.refresh()
+            self.touches.refresh()
         except Exception:
             # The peers' in-flight rows are an extra signal; a failure there must not freeze the worker list,
             # health and load this process routes by (issue 11: a dead worker stayed first after it was
@@ -249,5 +267,14 @@ class ClusterView:
             return None
         try:
             return self.reader.match(keys)
+        except ViewBusy:
+            return None
+
+    def match_detail(self, keys: list[int], slots: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """`match`, plus per key which of `slots` hold it (ViewReader.match_detail); None as for `match`."""
+        if not self.alive or self.reader is None or not keys:
+            return None
+        try:
+            return self.reader.match_detail(keys, slots)
         except ViewBusy:
             return None

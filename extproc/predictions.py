@@ -6,6 +6,10 @@ would otherwise see no holder and scatter across the fleet, each worker prefilli
 the blocks a routed prompt will create count as held by its target for a short TTL, for *choosing* a
 worker only: they never count as a confirmed hit in headers or metrics, and confirmed events replace
 them. Kept per extproc process (a sibling routed by another process does not see them).
+
+Every record is also a touch on the replica's `TouchBoard` (cortex/inflight.py), shared by its processes: when
+the worker last received each block from this replica, which the claim rule reads as the youngest the engine's
+own use of that prefix can be (extproc/policies/claims.py).
 """
 
 from __future__ import annotations
@@ -14,11 +18,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
+from cortex.inflight import Touch, TouchBoard
+
 
 class Predictions:
     def __init__(self, ttl_s: float = 2.0, max_keys: int = 200_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, touches: TouchBoard | None = None) -> None:
         self.ttl_s = ttl_s
+        self.touches = touches
         self.max_keys = max_keys
         self.clock = clock
         # key -> {slot: expiry}; insertion order approximates age, so the oldest go first when full.
@@ -28,6 +37,9 @@ class Predictions:
         return len(self._held)
 
     def record(self, slot: int, keys: Sequence[int]) -> None:
+        """`keys` were just sent to `slot`: it holds them soon (a prediction), and used them now (a touch)."""
+        if self.touches is not None and keys:
+            self.touches.touch(slot, np.asarray(keys, dtype=np.uint64), self.clock())
         if self.ttl_s <= 0:
             return
         expiry = self.clock() + self.ttl_s
@@ -41,6 +53,10 @@ class Predictions:
                 held.move_to_end(key)
         while len(held) > self.max_keys:
             held.popitem(last=False)
+
+    def last_sent(self, slot: int, key: int) -> Touch | None:
+        """When this replica last sent `key` to `slot`, and the evictions there since (None: not known)."""
+        return None if self.touches is None else self.touches.last(slot, key, self.clock())
 
     def extend(self, keys: Sequence[int], slot: int, start: int) -> int:
         """How far the leading run of keys held by `slot` reaches, given `start` confirmed ones."""

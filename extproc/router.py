@@ -35,7 +35,7 @@ class Router:
         self.cluster = cluster
         self.source = source or Source(cfg, registry)
         """The config generation in force: the one reference a reload swaps (shared with the server)."""
-        self.predictions = Predictions(cfg.extproc.prediction_ttl_s)
+        self.predictions = Predictions(cfg.extproc.prediction_ttl_s, touches=cluster.touches)
         # Prompt tails past the first block no worker holds, finished into predictions after the answer.
         self.deferred = DeferredTail(self.predictions)
         # Per tokenizer: the text between special tokens encoded piece by piece with a cache, checked once.

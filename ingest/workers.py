@@ -11,6 +11,7 @@ probes.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,14 +41,31 @@ class Load:
         return {"running": self.running, "waiting": self.waiting,
                 "age_s": round(now - self.at, 3) if self.at else None}
 
-    def to_meta(self, every_s: float, kv_usage: float | None = None,
-                kv_capacity_tokens: float | None = None) -> LoadReading:
+    def to_meta(self, every_s: float, kv_usage: float | None = None, kv_capacity_tokens: float | None = None,
+                evicted_tokens: float | None = None, evicted_tokens_per_s: float | None = None) -> LoadReading:
         """For extproc: the reading's own time (the host's monotonic clock, which ingest and extproc share like
         the view's heartbeat) and the poll interval in force, so extproc ages it itself and ingest need not
         republish an unchanged reading just to move its age (docs/performance.md, "What an idle replica
         costs")."""
         return LoadReading(running=self.running, waiting=self.waiting, at=self.at or None, every_s=every_s,
-                           kv_usage=kv_usage, kv_capacity_tokens=kv_capacity_tokens)
+                           kv_usage=kv_usage, kv_capacity_tokens=kv_capacity_tokens,
+                           evicted_tokens=evicted_tokens, evicted_tokens_per_s=evicted_tokens_per_s)
+
+
+EVICTION_RISE_S = 1.0
+EVICTION_FALL_S = 10.0
+"""Time constants of the eviction rate's average: it follows a rise within about a second and lets go over
+about ten. The claim rule reads a high rate as caution, so the estimate errs high: admissions evict in bursts,
+and a pool that just started churning must not look calm while its average catches up."""
+
+
+def eviction_rate(rate: float, evicted_tokens: float, dt: float) -> float:
+    """The average of tokens evicted per second, after `evicted_tokens` more over `dt` seconds."""
+    if dt <= 0:
+        return rate
+    now = evicted_tokens / dt
+    tau = EVICTION_RISE_S if now > rate else EVICTION_FALL_S
+    return rate + (1.0 - math.exp(-dt / tau)) * (now - rate)
 
 
 @dataclass
@@ -68,6 +86,14 @@ class Target:
     """Share of its KV-cache pool in use (0..1) at the last load reading; None: not reported."""
     kv_capacity_tokens: float | None = None
     """Its KV-cache pool in tokens, as the engine reports it; None: not reported."""
+    evicted_tokens: float = 0.0
+    """Tokens the engine has evicted since its ledger started (its BlockRemoved, as the ledger applied them), at
+    the last load reading: extproc counts how many were evicted since it last sent a prefix there, against the
+    pool's free part (extproc/policies/claims.py)."""
+    evicted_tokens_per_s: float = 0.0
+    """How fast it has been evicting lately (`eviction_rate`), for the evictions not counted yet."""
+    evictions_seen: tuple[int, float] = (0, 0.0)
+    """(the ledger's removed-block count, when) at the last load reading."""
     activity_checked: float = 0.0
     """Its value when the last tail check was asked for: a change means batches may exist we never saw."""
     was_busy: bool = False
@@ -80,8 +106,8 @@ class Target:
     batch_at: float = 0.0
     """When ingest.silence last saw a batch arrive (live or replayed); 0: never."""
     received_base: int = 0
-    published_load: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    """(running, waiting, reading time) of the load last written to the view."""
+    published_load: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """(running, waiting, evicted tokens, reading time) of the load last written to the view."""
 
     @property
     def id(self) -> str:
@@ -93,7 +119,8 @@ class Target:
     @property
     def exact_kv(self) -> bool:
         return (self.events.sync.state is SyncState.READY and not self.events.parity.failed
-                and self.worker.events_usable and self.worker.tokens_trusted and self.events_status != silence.SILENT)
+                and self.worker.events_usable and self.worker.tokens_trusted and self.events_status != silence.SILENT
+                and not self.events.ledger.unsupported)
 
     def why_code(self) -> str:
         """A short, stable reason code for headers and metrics ('' while exact-KV routing is allowed)."""
@@ -101,6 +128,8 @@ class Target:
             return "no_kv_events"
         if self.events.parity.failed:
             return "hash_parity_failed"
+        if self.events.ledger.unsupported:
+            return "kv_layout_unsupported"
         if not self.worker.tokens_trusted:
             return "tokenizer_mismatch" if self.worker.token_parity.status == TOKENS_FAILED else "tokenizer_unverified"
         if self.events_status == silence.SILENT:
@@ -114,24 +143,41 @@ class Target:
             return self.worker.events_reason
         if self.events.parity.failed:
             return f"hash parity failed: {self.events.parity.reason}"
+        if self.events.ledger.unsupported:
+            return f"KV-cache layout: {self.events.ledger.unsupported}"
         if not self.worker.tokens_trusted:
             return f"tokenizer parity {self.worker.token_parity.status}: {self.worker.token_parity.reason}"
         if self.events_status == silence.SILENT:
             return f"publishes no KV events: {self.silence_reason}"
+        if self.events.diagnosis is not None:
+            return self.events.diagnosis[1]
         return self.events.sync.reason
 
     # -- what the service learns from the load poll; these methods are the only writers of the fields above --
 
+    def note_evictions(self, now: float) -> None:
+        page = self.events.parity.page_size
+        removed = self.events.ledger.blocks_removed
+        seen, seen_at = self.evictions_seen
+        self.evictions_seen = (removed, now)
+        self.evicted_tokens = float(removed * page)
+        if seen_at and removed >= seen:  # fewer: a new ledger (a restart) counts from zero again
+            self.evicted_tokens_per_s = eviction_rate(self.evicted_tokens_per_s, (removed - seen) * page,
+                                                      now - seen_at)
+
     def load_news(self, now: float, every_s: float) -> bool:
         """Publish a reading whose values changed, or whose published predecessor is getting old (extproc
         ages readings itself, against max(2 s, 2 x the interval in force): republishing an unchanged one
-        every max(1 s, interval) keeps it fresh there with margin, at a fraction of the polls)."""
-        running, waiting, at = self.published_load
-        return self.load.at > at and ((self.load.running, self.load.waiting) != (running, waiting)
-                                      or now - at >= max(1.0, every_s))
+        every max(1 s, interval) keeps it fresh there with margin, at a fraction of the polls). Evictions are news:
+        the claim rule counts them since a prefix was last sent (they change only while the worker works)."""
+        running, waiting, evicted, at = self.published_load
+        return self.load.at > at and ((self.load.running, self.load.waiting, self.evicted_tokens)
+                                      != (running, waiting, evicted) or now - at >= max(1.0, every_s))
 
     def mark_published(self) -> None:
-        self.published_load = (self.load.running, self.load.waiting, self.load.at)
+        self.published_load = (self.load.running, self.load.waiting, self.evicted_tokens, self.load.at)
+        # The target list was just built and written, in this same call chain: it describes the ledger's layout now.
+        self.events.layout_published(self.events.ledger.layout_version)
 
     def tail_check_due(self) -> bool:
         """The engine worked since the last poll (its counter moved, or requests ran or just finished): its
@@ -168,30 +214,37 @@ class Target:
         """The slice extproc reads on the hot path (cortex.contract; kept small: it is re-parsed on every
         change)."""
         w = self.worker
+        ledger = self.events.ledger
+        groups, tiers = ledger.layout()
         return TargetMeta(
             id=self.id, worker=w.id, rank=self.rank, slot=self.slot, model=w.cfg.model,
             engine=w.cfg.engine, address=w.address, healthy=w.healthy, suspect=w.suspect,
             exact_kv=self.exact_kv,
             state=self.events.sync.state.value, reason=self.why_not_exact(), why=self.why_code(),
-            load=self.load.to_meta(w.poll_every, self.kv_usage, self.kv_capacity_tokens),
+            load=self.load.to_meta(w.poll_every, self.kv_usage, self.kv_capacity_tokens, self.evicted_tokens,
+                                   round(self.evicted_tokens_per_s, 1)),
             added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port, tls_name=w.tls_name,
+            groups=groups, tiers=tiers, lookahead_blocks=-(-ledger.lookahead // ledger.block_size),
         )
 
     def status(self, now: float) -> dict[str, Any]:
         ev = self.events
         s, parity, ledger = ev.sync, ev.parity, ev.ledger
-        meta = msgspec.structs.asdict(self.routable_meta())
+        meta = msgspec.to_builtins(self.routable_meta())
         del meta["age_s"]  # the contract's legacy field; the age in seconds follows
         return {
             **meta,
             "load": {**self.load.to_json(now), "every_s": self.worker.poll_every, "kv_usage": self.kv_usage,
-                     "kv_capacity_tokens": self.kv_capacity_tokens},
+                     "kv_capacity_tokens": self.kv_capacity_tokens,
+                     "evicted_tokens": self.evicted_tokens,
+                     "evicted_tokens_per_s": round(self.evicted_tokens_per_s, 1)},
             "age_s": round(now - self.worker.added_at, 1),
             "kv_events": self.endpoint(self.worker.cfg.kv_events),
             "kv_replay": self.endpoint(self.worker.cfg.kv_replay),
             "events": self.events_status if self.worker.events_usable else silence.OFF,
             "events_reason": self.silence_reason,
             "events_connected": ev.link_up,
+            "events_diagnosis": ev.diagnosis[0] if ev.diagnosis is not None else None,
             "last_seq": s.last_applied,
             "last_event_age_s": round(now - ev.last_event_at, 3) if ev.last_event_at else None,
             "batches": ev.batches, "gaps": s.gaps, "replays": s.replays, "resyncs": s.resyncs,
@@ -201,6 +254,11 @@ class Target:
             "cached_blocks": ledger.blocks, "blocks_stored": ledger.blocks_stored,
             "blocks_removed": ledger.blocks_removed, "blocks_restated": ledger.blocks_restated,
             "dropped_events": dict(ledger.dropped),
+            # Per copy set (tier / KV-cache group [/ locality / ownership]): blocks held.
+            "kv_lanes": ledger.lanes(),
+            "kv_layout_unsupported": ledger.unsupported or None,
+            "unknown_events": dict(ev.unknown_events), "unknown_media": dict(ledger.unknown_media),
+            "inactive_events": ledger.events_inactive,
         }
 
 
@@ -299,6 +357,7 @@ class Worker:
             target.activity = activity
             target.kv_usage = kv_usage
             target.kv_capacity_tokens = capacity
+            target.note_evictions(now)
             if running > 0 and not target.busy_since:
                 target.busy_since = now
             elif running == 0:

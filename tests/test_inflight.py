@@ -8,7 +8,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from cortex.inflight import InflightBoard
+import numpy as np
+import pytest
+
+from cortex.inflight import InflightBoard, Touch, TouchBoard
 
 SLOTS = 8
 
@@ -123,3 +126,43 @@ def test_a_reader_without_a_row_sums_every_process_and_writes_nothing(tmp_path: 
     b2 = InflightBoard(tmp_path, 1, 2, SLOTS)  # process 1 restarts: its requests ended with it
     reader.refresh()
     assert _counts(reader) == [0, 1, 0, 0, 0, 0, 0, 0] and _counts(b2) == _counts(reader)
+
+
+def test_touches_are_shared_by_the_replicas_processes_and_the_youngest_wins(tmp_path: Path) -> None:
+    a = TouchBoard(tmp_path, 0, 2, SLOTS)
+    b = TouchBoard(tmp_path, 1, 2, SLOTS)
+    keys = np.array([7, 2**63 + 5, 2**64 - 1], dtype=np.uint64)
+    a.note_evicted(3, 1000.0)
+    a.touch(3, keys, now=1000.0)
+    b.note_evicted(3, 1600.0)
+    b.touch(3, keys[:1], now=1004.0)
+    a.note_evicted(3, 2000.0)  # what process a reads now
+    assert a.last(3, 7, now=1010.0) == Touch(pytest.approx(6.0, abs=0.002), 400.0)  # type: ignore[arg-type]
+    assert a.last(3, 2**63 + 5, now=1010.0) == Touch(pytest.approx(10.0, abs=0.002), 1000.0)  # type: ignore[arg-type]
+    assert a.last(3, 2**64 - 1, now=1010.0) == Touch(pytest.approx(10.0, abs=0.002), 1000.0)  # type: ignore[arg-type]
+    assert a.last(4, 7, now=1010.0) is None  # another worker: never sent there
+    assert a.last(3, 8, now=1010.0) is None
+
+
+def test_a_touch_that_lands_on_an_occupied_entry_forgets_the_older_pair(tmp_path: Path) -> None:
+    """The table is direct-mapped: a later pair on the same entry makes the earlier one unknown, never younger;
+    an entry whose two words disagree (a write between a reader's two reads) is unknown too."""
+    board = TouchBoard(tmp_path, 0, 1, SLOTS)
+    board.touch(0, np.array([1], dtype=np.uint64), now=50.0)
+    # Same entry index (low bits of the mix), other key and slot: both mixes share their low 16 bits.
+    other = 1 ^ (1 * 0x9E3779B97F4A7C15 & (2**64 - 1)) ^ (2 * 0x9E3779B97F4A7C15 & (2**64 - 1)) ^ (1 << 40)
+    board.touch(1, np.array([other], dtype=np.uint64), now=60.0)
+    assert board.last(0, 1, now=61.0) is None
+    assert board.last(1, other, now=61.0) is not None
+    idx = int(np.flatnonzero(board.own)[0])
+    board.own[idx + 1] ^= np.uint64(1 << 33)  # the count word now carries another tag
+    assert board.last(1, other, now=61.0) is None
+
+
+def test_touch_ages_and_counts_survive_their_32_bit_wrap(tmp_path: Path) -> None:
+    board = TouchBoard(tmp_path, 0, 1, SLOTS)
+    wrap = 2**32 / 1000.0
+    board.note_evicted(2, 2**32 - 100.0)
+    board.touch(2, np.array([99], dtype=np.uint64), now=wrap - 1.0)
+    board.note_evicted(2, 2**32 + 300.0)
+    assert board.last(2, 99, now=wrap + 2.0) == Touch(pytest.approx(3.0, abs=0.002), 400.0)  # type: ignore[arg-type]

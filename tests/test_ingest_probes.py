@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import orjson
@@ -19,7 +20,7 @@ from ingest.membership import MembershipError
 from ingest.probes import HealthReading
 from ingest.source import EventSource
 from ingest.sync import SourceSync
-from ingest.workers import Target, Worker
+from ingest.workers import EVICTION_RISE_S, Target, Worker, eviction_rate
 
 
 class NullSink:
@@ -233,3 +234,31 @@ def test_a_working_engine_whose_events_never_arrive_turns_silent() -> None:
     ev.link_up, ev.link_since = True, 12.8  # the publisher was found ...
     ev.batches += 1  # ... and a batch arrived on it
     assert t.observe_publisher(now=13.0, bound_s=10.0) == "silent" and t.events_status == "flowing"
+
+
+def test_eviction_rate_vectors() -> None:
+    assert eviction_rate(0.0, 0.0, 1.0) == 0.0
+    # 5 000 tokens over 0.5 s after nothing: a rise, followed at the 1 s time constant (1 - e^-0.5 of the way).
+    assert eviction_rate(0.0, 5000.0, 0.5) == pytest.approx(10_000.0 * (1 - math.exp(-0.5)))
+    # Then nothing for 0.5 s: a fall, let go at the 10 s one.
+    assert eviction_rate(4000.0, 0.0, 0.5) == pytest.approx(4000.0 * math.exp(-0.05))
+    assert eviction_rate(800.0, 0.0, 0.0) == 800.0  # no time passed: nothing to learn
+    rate = 0.0
+    for _ in range(200):  # a steady 1 000 tokens/s, read every 100 ms
+        rate = eviction_rate(rate, 100.0, 0.1)
+    assert rate == pytest.approx(1000.0, rel=0.02)
+
+
+def test_each_target_learns_its_engines_eviction_rate_from_the_ledger_at_each_load_reading() -> None:
+    w = worker(WCFG, [None])
+    t = w.targets[0]
+    w.apply_load({0: L(1.0, 0.0, 0.0)}, now=10.0)
+    assert t.evicted_tokens_per_s == 0.0  # the first reading only sets the base
+    t.events.ledger.blocks_removed += 40  # 40 engine pages of 16 tokens evicted over the next second
+    w.apply_load({0: L(1.0, 0.0, 0.0)}, now=11.0)
+    first = t.evicted_tokens_per_s
+    assert first == pytest.approx(640.0 * (1 - math.exp(-1 / EVICTION_RISE_S)))
+    assert t.routable_meta().load.evicted_tokens_per_s == round(first, 1)
+    t.events.ledger.blocks_removed = 3  # a new ledger (the engine restarted): counts start again, nothing learnt
+    w.apply_load({0: L(1.0, 0.0, 0.0)}, now=12.0)
+    assert t.evicted_tokens_per_s == first

@@ -11,7 +11,7 @@ import pytest
 
 from cortex.calibration import MAX_FACTOR, MIN_SAMPLES, Calibration, Learner
 from cortex.config import SchedulerConfig
-from cortex.inflight import BacklogBoard
+from cortex.inflight import BacklogBoard, Touch, TouchBoard
 from extproc import candidates
 from extproc.backlog import Backlog
 from extproc.cluster_view import TargetInfo
@@ -229,3 +229,62 @@ def test_other_replicas_work_is_priced_like_our_own() -> None:
                              alive=True, predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=S,
                              backlog_ms=np.zeros(3))
     assert [c.foreign_ms for c in alone] == [0.0, 0.0, 0.0]  # nothing of our own in flight: no evidence of the mix
+
+
+def evicting(*, sent: Touch | None, rate: float = 1000.0, usage: float = 0.5, pool: float = 8000.0,
+             backlog: float = 0.0, uncounted: float = 0.0) -> Candidate:
+    """A holder of 100 blocks whose engine evicts `rate` tokens a second from a pool whose free part is
+    (1 - usage) x pool (4 000 tokens with the defaults)."""
+    return Candidate(id="w0", slot=0, address="a:1", matched_blocks=100, ledger_trusted=True, engine_load=1.0,
+                     kv_usage=usage, kv_capacity_tokens=pool, evicted_tokens_per_s=rate, last_sent=sent,
+                     backlog_ms=backlog, uncounted_s=uncounted)
+
+
+@pytest.mark.parametrize(("cand_", "claimed"), [
+    # Share 0.5 of a free part of 4 000 tokens: 1 500 evicted since the prefix was last sent there stay under
+    # 2 000; 2 050 do not.
+    (evicting(sent=Touch(0.9, 1500.0)), True),
+    (evicting(sent=Touch(0.9, 2050.0)), False),
+    # Evictions since the count was read (0.6 s x 1 000/s) are added.
+    (evicting(sent=Touch(0.9, 1500.0), uncounted=0.6), False),
+    # So is one per token of the prefill queued ahead (30 ms at 0.05 ms a token: 600 tokens to allocate).
+    (evicting(sent=Touch(0.5, 1500.0), backlog=30.0), False),
+    (evicting(sent=Touch(0.5, 1300.0), backlog=30.0), True),
+    # A prefix this replica never sent there is taken as claim_unknown_age_s (30 s) old, at the recent rate.
+    (evicting(sent=None), False),
+    (evicting(sent=None, rate=50.0), True),  # 30 x 50 = 1 500 tokens
+    # Nothing evicted since and nothing evicting: claimed, however long ago it was sent.
+    (evicting(sent=Touch(600.0, 0.0), rate=0.0), True),
+    # A pool held whole by running requests has no free part: anything unused goes first.
+    (evicting(sent=Touch(0.01, 16.0), usage=1.0), False),
+])
+def test_a_hit_the_engines_lru_will_likely_have_reached_is_not_claimed(cand_: Candidate, claimed: bool) -> None:
+    """On a pool that is evicting, the engine's LRU takes the least recently freed blocks at every allocation,
+    overflow or not, and the BlockRemoved for what it evicts while scheduling reach the ledger only after that
+    step: once the evictions since the prefix was freed approach the free part that stood in front of it, it
+    is likely gone by admission."""
+    s = SchedulerConfig(claim_horizon_share=0.5, claim_max_kv_usage=1.0, alpha_ms_per_token=0.05)
+    d = decide([cand_], 1700, s, typical=100.0)
+    assert d.chosen.id == "w0"
+    assert (d.mode, d.hit_tokens) == ((EXACT, 1600) if claimed else (LOAD_AWARE, 0))
+
+
+def test_the_touch_board_is_what_candidates_read_as_a_prefixs_last_send(tmp_path: Path) -> None:
+    """A prefix this replica sent to w1 is counted from that send on w1 only (the evictions there since, as the
+    published count says); w0, which holds it from someone else's traffic, has no last send."""
+    board = TouchBoard(tmp_path, 0, 1, 4)
+    clock = [100.0]
+    preds = Predictions(clock=lambda: clock[0], touches=board)
+    keys = [11, 12, 13]
+    board.note_evicted(1, 5000.0)
+    preds.record(1, keys)
+    clock[0] += 2.5
+    board.note_evicted(1, 5800.0)
+    targets = [TargetInfo(id=f"w{i}", worker=f"w{i}", rank=None, slot=i, model="m", engine="vllm",
+                          address=f"127.0.0.1:{9000 + i}", exact_kv=True, healthy=True, engine_load=0.0,
+                          evicted_tokens_per_s=50.0) for i in range(2)]
+    cands = candidates.build(targets, matches=np.array([3, 2]), keys=keys, inflight=np.zeros(2, dtype=np.int64),
+                             alive=True, predictions=preds, hysteresis=candidates.Hysteresis(), scoring=S)
+    assert cands[0].last_sent is None
+    assert cands[1].last_sent == Touch(pytest.approx(2.5, abs=0.002), 800.0)  # type: ignore[arg-type]
+    assert [c.evicted_tokens_per_s for c in cands] == [50.0, 50.0]
