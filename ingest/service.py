@@ -116,7 +116,8 @@ class Ingest:
     def _load_probes(cfg: CortexConfig) -> dict[str, list[Any]]:
         if cfg.ingest.token_parity == "off":
             return {}
-        return {m.name: tokenizer_parity.expected(ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template))
+        return {m.name: tokenizer_parity.expected(ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template),
+                                                  engines.adapter(m.engine).tool_style)
                 for m in cfg.models}
 
     async def _config_loop(self) -> None:
