@@ -67,7 +67,7 @@ def loopback(host: str) -> bool:
 
 
 def exposed(cfg: CortexConfig) -> list[str]:
-    """The admin listeners bound beyond loopback, as `setting host` ('' for none)."""
+    """The admin listeners bound beyond loopback, as `setting host` (empty: all on loopback)."""
     out = [] if loopback(cfg.ingest.host) else [f"ingest.host {cfg.ingest.host or '*'}"]
     if cfg.observe.enabled and not loopback(cfg.observe.host):
         out.append(f"observe.host {cfg.observe.host or '*'}")
