@@ -39,6 +39,14 @@ class RankLoad(NamedTuple):
 PdLegs = Literal["sequential", "concurrent"]
 
 
+class MediaSpan(NamedTuple):
+    """One media item of a prompt: where its placeholder tokens start, how many there are, and its identifier."""
+
+    offset: int
+    length: int
+    identifier: str
+
+
 class NotReproducible(Exception):
     """The engine's block hashes cannot be recomputed outside it for this configuration (the reason is the
     message): hash parity is `unchecked`, never `failed`."""
@@ -91,6 +99,14 @@ class EngineAdapter(ABC):
     counted_media: ClassVar[frozenset[str]]
     """Lower tiers (cortex.kv_events TIERS other than the GPU) whose hits the engine reports in a response's
     `cached_tokens`: only those are claimed (extproc/engine_hits.py); hits on the others count in the score only."""
+
+    # -- Media ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def media_page_extras(self, items: Sequence[MediaSpan], n_pages: int, page_size: int) -> list[list[Any]] | None:
+        """For a prompt whose media items take `items` (sorted by offset), each of its first `n_pages` pages'
+        content extra keys as the engine's KV events publish them (cortex/blockkeys.py: content_extras; [] for a
+        page without media). None when Cortex does not reproduce the engine's media keys: its requests with media
+        are then routed by load, never claimed."""
 
     # -- Load ----------------------------------------------------------------------------------------------
     load_path: ClassVar[str]

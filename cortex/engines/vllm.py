@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from cortex import headers
 from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE
 from cortex.engine_hashes import VLLM_HASH_ALGOS, VllmBlockHasher, none_hash_reproducible, vllm_wire_hash
-from cortex.engines.base import ChainStartHasher, EngineAdapter, NotReproducible, RankLoad
+from cortex.engines.base import ChainStartHasher, EngineAdapter, MediaSpan, NotReproducible, RankLoad
 from cortex.kv_events import TIER_CPU, TIER_STORAGE
 
 if TYPE_CHECKING:
@@ -142,6 +142,20 @@ class VllmAdapter(EngineAdapter):
             rest = [k for k in first if isinstance(k, str) and k != lora_name]
             return rest[-1] if rest else None
         return None
+
+    def media_page_extras(self, items: Sequence[MediaSpan], n_pages: int, page_size: int) -> list[list[Any]] | None:
+        # vllm/v1/core/kv_cache_utils.py: _gen_mm_extra_hash_keys puts ("mm", identifier, offset - page start) on
+        # every page its placeholder run touches, in the items' order; to_event_extra_keys publishes
+        # (identifier, offset). tests/fixtures/media_vectors.json holds vLLM 0.32's own output.
+        out: list[list[Any]] = []
+        first = 0
+        for page in range(n_pages):
+            start, end = page * page_size, (page + 1) * page_size
+            while first < len(items) and items[first].offset + items[first].length <= start:
+                first += 1
+            out.append([[it.identifier, it.offset - start] for it in items[first:] if it.offset < end
+                        and it.offset + it.length > start])
+        return out
 
     # A connector's hit (OffloadingConnector's CPU / storage tiers, LMCache) is the request's external hit, and
     # `cached_tokens` is `prefill_stats.num_cached_tokens` = local + external (vllm/v1/metrics/stats.py:
