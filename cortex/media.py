@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import blake3
 import numpy as np
@@ -46,6 +46,18 @@ RGBA_BACKGROUND = (255, 255, 255)
 _SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
 """EXIF orientations whose transpose (vLLM's normalize_image) swaps width and height."""
 _EXIF_ORIENTATION = 0x0112
+
+
+if TYPE_CHECKING:
+    from cortex.conversation import MediaRef
+
+
+class MediaSpan(NamedTuple):
+    """One media item of a prompt: where its placeholder tokens start, how many there are, and its identifier."""
+
+    offset: int
+    length: int
+    identifier: str
 
 
 class MediaRuleError(ValueError):
@@ -284,3 +296,75 @@ def load_rule(directory: Path, token_id: Callable[[str], int | None]) -> Process
                       "video": "<|vision_start|><|video_pad|><|vision_end|>"},
         patch_size=_int(pre, "patch_size", 14, pre_file), merge_size=_int(pre, "merge_size", 2, pre_file),
         min_pixels=_int(bounds, "min_pixels", 0, pre_file), max_pixels=_int(bounds, "max_pixels", 0, pre_file))
+
+
+# -- a rendered prompt with its items expanded -----------------------------------------------------------------
+
+@dataclass(slots=True)
+class Expanded:
+    """A rendered prompt as the engine's processor makes it, as far as Cortex can compute it."""
+
+    ids: list[int]
+    """Token ids with every computed item's placeholder run; past `keyed` the rest as rendered."""
+    spans: list[MediaSpan]
+    keyed: int
+    """Leading tokens known exactly (all of them when every item was computed)."""
+    why_not: str = ""
+    """Why `keyed` stops short ('' when it does not)."""
+
+
+def item_facts(ref: MediaRef, rule: ProcessorRule, model_id: str, hasher: HasherAlgorithm,
+               kwargs: bool) -> tuple[str, int] | str:
+    """(identifier, placeholder tokens) of one item as the engine computes them, or why Cortex cannot."""
+    if ref.modality != "image":
+        return f"{ref.modality} items are not keyed"
+    if kwargs:
+        return "mm_processor_kwargs / media_io_kwargs change the engine's keys"
+    data = data_url_bytes(ref.url) if ref.url else None
+    if data is None:
+        return "an image that is not a base64 data URL (Cortex never fetches one)"
+    facts = image_facts(data)
+    if facts is None:
+        return "an image the engine cannot open"
+    tokens = rule.image_tokens(facts)
+    if tokens is None:
+        return "an image the processor refuses"
+    identifier = ref.uuid if ref.uuid is not None else image_identifier(data, facts, model_id, hasher)
+    return identifier, tokens
+
+
+def expand(rendered: list[int], refs: list[MediaRef], rule: ProcessorRule, model_id: str,
+           hasher: HasherAlgorithm, kwargs: bool = False) -> Expanded:
+    """The processor's prompt: each item's marker token (in the rendered prompt, in order, one per item) repeated
+    into its placeholder run, item by item, up to the first item Cortex cannot compute. `kwargs`: the request
+    carries processor or media-io kwargs (they join every identifier)."""
+    video = next(iter(rule.marker_token_ids - {rule.image_token_id}), None)
+    markers = [i for i, t in enumerate(rendered) if t in rule.marker_token_ids]
+    images = [r for r in refs if r.modality == "image"]
+    videos = [r for r in refs if r.modality == "video"]
+    n_images = sum(1 for i in markers if rendered[i] == rule.image_token_id)
+    if n_images != len(images) or len(markers) - n_images != len(videos) or len(refs) != len(markers):
+        # Not one marker per item (the template dropped one, or the text holds a marker): the engine refuses the
+        # prompt or places the items elsewhere; only the text before the first marker is certain.
+        return Expanded(list(rendered), [], markers[0] if markers else 0,
+                        "the rendered prompt does not hold one marker per item")
+    queues = {rule.image_token_id: iter(images), video: iter(videos)}
+    ids: list[int] = []
+    spans: list[MediaSpan] = []
+    prev = 0
+    why_not = ""
+    for pos in markers:
+        token = rendered[pos]
+        found = item_facts(next(queues[token]), rule, model_id, hasher, kwargs)
+        ids += rendered[prev:pos]
+        prev = pos
+        if isinstance(found, str):
+            why_not = found
+            break
+        identifier, n = found
+        spans.append(MediaSpan(len(ids), n, identifier))
+        ids += [token] * n
+        prev = pos + 1
+    keyed = len(ids) if why_not else len(ids) + len(rendered) - prev
+    ids += rendered[prev:]
+    return Expanded(ids, spans, keyed, why_not)

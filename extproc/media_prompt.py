@@ -22,7 +22,7 @@ from cortex import conversation, media
 from cortex.blockkeys import extras_suffix
 from cortex.config import ModelConfig
 from cortex.engines import EngineAdapter
-from cortex.engines.base import MediaSpan
+from cortex.media import MediaSpan
 from cortex.model_bundle import ModelBundle
 from extproc.request import ParsedRequest
 
@@ -54,67 +54,16 @@ def keyable(req: ParsedRequest, bundle: ModelBundle, engine: EngineAdapter, mode
             and engine.media_page_extras([], 0, block_size) is not None and model.engine_page_size() == block_size)
 
 
-def _item(ref: conversation.MediaRef, rule: media.ProcessorRule, model_id: str, hasher: media.HasherAlgorithm,
-          kwargs: bool) -> tuple[str, int] | str:
-    """(identifier, placeholder tokens) of one item, or why Cortex cannot compute them."""
-    if ref.modality != "image":
-        return f"{ref.modality} items are not keyed"
-    if kwargs:
-        return "mm_processor_kwargs / media_io_kwargs change the engine's keys"
-    data = media.data_url_bytes(ref.url) if ref.url else None
-    if data is None:
-        return "an image that is not a base64 data URL (Cortex never fetches one)"
-    facts = media.image_facts(data)
-    if facts is None:
-        return "an image the engine cannot open"
-    tokens = rule.image_tokens(facts)
-    if tokens is None:
-        return "an image the processor refuses"
-    identifier = ref.uuid if ref.uuid is not None else media.image_identifier(data, facts, model_id, hasher)
-    return identifier, tokens
-
-
 def build(req: ParsedRequest, bundle: ModelBundle, engine: EngineAdapter, model: ModelConfig,
           rendered_ids: list[int], block_size: int) -> MediaPrompt:
     """The engine's view of `rendered_ids` (the tokenized render of `req` with its media parts, prepare.prompt_text
     with media=True): placeholders expanded item by item, keyed up to the first item Cortex cannot compute."""
     rule = bundle.media_rule
     assert rule is not None and req.chat_source is not None
-    model_id, hasher = model.media.model_id or model.name, model.media.hasher
     source = req.inline_source if req.inline_system is not None and bundle.rejects_inline_system else req.chat_source
-    refs = conversation.media_refs(source or [])
     body: dict[str, Any] = req.body or {}
-    kwargs = any(body.get(k) for k in KWARGS_FIELDS)
-    video = next(iter(rule.marker_token_ids - {rule.image_token_id}), None)
-    markers = [i for i, t in enumerate(rendered_ids) if t in rule.marker_token_ids]
-    images = [r for r in refs if r.modality == "image"]
-    videos = [r for r in refs if r.modality == "video"]
-    n_image_markers = sum(1 for i in markers if rendered_ids[i] == rule.image_token_id)
-    if n_image_markers != len(images) or len(markers) - n_image_markers != len(videos) or len(refs) != len(markers):
-        # The render does not hold one marker per item (the template dropped an item, or the text holds a marker):
-        # the engine refuses such a prompt or places the items elsewhere; only the text before them is certain.
-        keyed = markers[0] if markers else 0
-        return MediaPrompt(list(rendered_ids), keyed, why_not="the rendered prompt does not hold one marker per item")
-    queues = {rule.image_token_id: iter(images), video: iter(videos)}
-    ids: list[int] = []
-    spans: list[MediaSpan] = []
-    prev = 0
-    why_not = ""
-    for pos in markers:
-        token = rendered_ids[pos]
-        found = _item(next(queues[token]), rule, model_id, hasher, kwargs)
-        ids += rendered_ids[prev:pos]
-        prev = pos
-        if isinstance(found, str):
-            why_not = found
-            break
-        identifier, n = found
-        spans.append(MediaSpan(len(ids), n, identifier))
-        ids += [token] * n
-        prev = pos + 1
-    keyed = len(ids) if why_not else len(ids) + len(rendered_ids) - prev
-    ids += rendered_ids[prev:]
-    n_blocks = keyed // block_size
-    extras = engine.media_page_extras(spans, n_blocks, block_size) or []
+    found = media.expand(rendered_ids, conversation.media_refs(source or []), rule, model.media.model_id or model.name,
+                         model.media.hasher, kwargs=any(body.get(k) for k in KWARGS_FIELDS))
+    extras = engine.media_page_extras(found.spans, found.keyed // block_size, block_size) or []
     suffixes = {i: extras_suffix(e) for i, e in enumerate(extras) if e}
-    return MediaPrompt(ids, keyed, suffixes, spans, why_not)
+    return MediaPrompt(found.ids, found.keyed, suffixes, found.spans, found.why_not)

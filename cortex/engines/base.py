@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 from cortex.conversation import ToolStyle
+from cortex.media import MediaSpan
 
 if TYPE_CHECKING:
     from cortex.config import PdConfig
@@ -37,14 +38,6 @@ class RankLoad(NamedTuple):
     `max_total_num_tokens`); None when not reported."""
 
 PdLegs = Literal["sequential", "concurrent"]
-
-
-class MediaSpan(NamedTuple):
-    """One media item of a prompt: where its placeholder tokens start, how many there are, and its identifier."""
-
-    offset: int
-    length: int
-    identifier: str
 
 
 class NotReproducible(Exception):

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, GENERATE, MESSAGES, RERANK, RESPONSES, SCORE
 from cortex.engine_hashes import sglang_page_hashes, sglang_wire_hash
-from cortex.engines.base import ChainStartHasher, EngineAdapter, MediaSpan, RankLoad
+from cortex.engines.base import ChainStartHasher, EngineAdapter, RankLoad
+from cortex.media import MediaSpan
 
 if TYPE_CHECKING:
     from cortex.config import PdConfig

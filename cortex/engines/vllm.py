@@ -14,9 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from cortex import headers
 from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE
-from cortex.engine_hashes import VLLM_HASH_ALGOS, VllmBlockHasher, none_hash_reproducible, vllm_wire_hash
-from cortex.engines.base import ChainStartHasher, EngineAdapter, MediaSpan, NotReproducible, RankLoad
+from cortex.engine_hashes import (
+    VLLM_HASH_ALGOS,
+    VllmBlockHasher,
+    none_hash_reproducible,
+    vllm_mm_keys,
+    vllm_wire_hash,
+)
+from cortex.engines.base import ChainStartHasher, EngineAdapter, NotReproducible, RankLoad
 from cortex.kv_events import TIER_CPU, TIER_STORAGE
+from cortex.media import MediaSpan
 
 if TYPE_CHECKING:
     from cortex.config import PdConfig
@@ -147,15 +154,7 @@ class VllmAdapter(EngineAdapter):
         # vllm/v1/core/kv_cache_utils.py: _gen_mm_extra_hash_keys puts ("mm", identifier, offset - page start) on
         # every page its placeholder run touches, in the items' order; to_event_extra_keys publishes
         # (identifier, offset). tests/fixtures/media_vectors.json holds vLLM 0.32's own output.
-        out: list[list[Any]] = []
-        first = 0
-        for page in range(n_pages):
-            start, end = page * page_size, (page + 1) * page_size
-            while first < len(items) and items[first].offset + items[first].length <= start:
-                first += 1
-            out.append([[it.identifier, it.offset - start] for it in items[first:] if it.offset < end
-                        and it.offset + it.length > start])
-        return out
+        return [[list(k) for k in vllm_mm_keys(items, p * page_size, (p + 1) * page_size)] for p in range(n_pages)]
 
     # A connector's hit (OffloadingConnector's CPU / storage tiers, LMCache) is the request's external hit, and
     # `cached_tokens` is `prefill_stats.num_cached_tokens` = local + external (vllm/v1/metrics/stats.py:
