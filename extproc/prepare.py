@@ -92,11 +92,9 @@ def prompt_text(req: ParsedRequest, bundle: ModelBundle, style: ToolStyle = "vll
         if req.kind == "chat":
             assert req.messages is not None
             template = bundle.chat_template or ""
-            messages = req.messages
-            inline = req.inline_system is not None and bundle.rejects_inline_system
-            if req.inline_system is not None and inline:
-                messages = req.inline_system
-            source = req.inline_source if inline else req.chat_source
+            inline = req.inline_system if bundle.rejects_inline_system else None
+            messages = req.messages if inline is None else inline
+            source = req.chat_source if inline is None else req.inline_source
             # A template that takes content as parts gets them, as vLLM gives them (cortex/template_format.py).
             if source is not None and (bundle.content_format == "openai" or (media and bundle.media_rule)):
                 placeholders = bundle.media_rule.placeholders if media and bundle.media_rule else None
@@ -262,10 +260,15 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     t0 = time.perf_counter()
     bs = snap.block_size
     shown: media_prompt.MediaPrompt | None = None
-    if with_media and not unroutable:
+    if with_media and not unroutable and not transparent:
         text, _ = prompt_text(req, bundle, style, media=True)
-        fingerprint, truncated = observation.prompt_hash(text, None), False
-        shown = media_prompt.build(req, bundle, engine, model_cfg, bundle.encode(text, add_special_tokens=False), bs)
+        fingerprint = observation.prompt_hash(text, None)
+        # Past the cap the markers left out make the items uncountable: keying stops at the first one, or earlier.
+        truncated = len(text) > snap.cfg.extproc.max_tokenize_chars
+        rendered = bundle.encode(text[:snap.cfg.extproc.max_tokenize_chars], add_special_tokens=False)
+        shown = media_prompt.build(req, bundle, engine, model_cfg, rendered, bs)
+        if truncated:
+            shown.keyed = min(shown.keyed, max(0, len(shown.ids) - 2 * bs))
         ids = shown.ids
     else:
         ids, truncated, fingerprint = _tokens(snap, req, bundle, segments, style)
