@@ -49,7 +49,8 @@ def _fleet_note(block: dict[str, Any]) -> str:
     if not f:
         return ""
     return (f"; fleet {f['workers']} workers × {f['kv_tokens_per_worker']} KV tokens, working set ~"
-            f"{f['working_set_tokens']} tokens = {_f(f['kv_fill'], 2)} × the fleet's KV")
+            f"{f['working_set_tokens']} tokens = {_f(f['kv_fill'], 2)} × the fleet's KV"
+            + (" (the largest seed's)" if len(block["params"].get("seeds") or []) > 1 else ""))
 
 
 def workload_table(name: str, block: dict[str, Any]) -> str:
@@ -358,6 +359,8 @@ def plots(out: dict[str, Any], img_dir: Path) -> list[Path]:
 def _ceiling(block: dict[str, Any]) -> float | None:
     """The most any router can hit from empty caches: every distinct prompt token computed once."""
     ws, sent = block["params"].get("working_set_tokens"), block["params"].get("prompt_tokens")
+    if isinstance(ws, list) and isinstance(sent, list):  # per seed (windows of a trace): over them all
+        ws, sent = sum(ws), sum(sent)
     return 1.0 - ws / sent if ws and sent else None
 
 

@@ -178,6 +178,23 @@ def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], 
     return summary, over
 
 
+PER_SEED_PARAMS = ("trace_start_s", "requests", "rate", "replay_s", "sessions", "longest_prompt_tokens",
+                   "working_set_tokens", "prompt_tokens")
+"""Parameters a cell's table lists per seed when its seeds differ in them (a trace's windows, which are its
+seeds); the rest are the first seed's."""
+
+
+def cell_params(built: list[Workload]) -> dict[str, Any]:
+    """The parameters a cell's table states: the first seed's, the seeds, and for `PER_SEED_PARAMS` that differ
+    between seeds (a trace replayed in several windows), the value of each, in seed order."""
+    params = {**built[0].params, "seeds": [w.params.get("seed") for w in built]}
+    for k in PER_SEED_PARAMS:
+        values = [w.params.get(k) for w in built]
+        if k in params and len(set(map(repr, values))) > 1:
+            params[k] = values
+    return params
+
+
 def label(name: str, replicas: int, plan: Plan) -> str:
     """The key of one table: the workload and what was done to it."""
     parts = [name]
@@ -210,7 +227,8 @@ def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.std
                 for built in group:
                     first = built[0]
                     fleet_kv = spec.workers * spec.kv_tokens
-                    ws = int(first.params.get("working_set_tokens") or 0)
+                    # The fleet's fill by the largest seed's working set (a trace's windows differ widely).
+                    ws = max(int(w.params.get("working_set_tokens") or 0) for w in built)
                     for replicas in plan.replicas:
                         key = label(first.name, replicas, plan)
                         log(f"workload {key}: {first.requests} requests x {len(built)} seed(s), {first.params}")
@@ -221,8 +239,7 @@ def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.std
                                         for w in built}
                             results[c.name] = metrics.combine(per_seed)
                         out["workloads"][key] = {
-                            "workload": first.name, "params": {**first.params, "seeds": [w.params.get("seed")
-                                                                                         for w in built]},
+                            "workload": first.name, "params": cell_params(built),
                             "replicas": replicas, "sticky": plan.sticky, "bypass": plan.bypass,
                             "disruptions": [d.label() for d in plan.disruptions],
                             "fleet": {"workers": spec.workers, "kv_tokens_per_worker": spec.kv_tokens,

@@ -432,6 +432,15 @@ def workload(path: str | Path, *, seed: int, requests: int | None = None, rate: 
         workers=workers or WORKERS, kv_tokens=kv, max_model_len=kv)
 
 
+def same_fleet(windows: list[Workload]) -> list[Workload]:
+    """Several windows of one trace (the seeds of a cell) on one fleet: the largest KV pool (and context length)
+    any of them is designed for, given to each."""
+    kv = max(w.kv_tokens or 0 for w in windows)
+    if all(w.kv_tokens == kv for w in windows):
+        return windows
+    return [dataclasses.replace(w, kv_tokens=kv, max_model_len=kv) for w in windows]
+
+
 def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))))
 
