@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 START, END = "<!-- bench:results:start -->", "<!-- bench:results:end -->"
+LATE_SEND_MS = 100.0
+"""A table notes a contestant's run whose first requests left the client more than this late (p99) after their
+arrival times: the client, not the contestant, set part of that run's pace."""
 
 
 def num(v: Any, digits: int = 1) -> str:
@@ -85,6 +88,12 @@ def workload_table(name: str, block: dict[str, Any]) -> str:
                                  f"{'done' if d['ok'] else 'REFUSED'} in {d['took_s']} s")
         if r.get("failed_seeds"):
             notes.append(f"{cname}: seeds {', '.join(r['failed_seeds'])} failed; the figures are the others'")
+        late = [(seed, run["send_lag_ms"]) for seed, run in (r.get("seeds") or {"": r}).items()
+                if (run.get("send_lag_ms") or {}).get("p99", 0) > LATE_SEND_MS]
+        for seed, lag in late:
+            notes.append(f"{cname}: the client sent behind schedule{f' (seed {seed})' if seed else ''}: first "
+                         f"requests' send lag p99 {_f(lag['p99'])} ms, max {_f(lag['max'])} ms (the replay ran "
+                         f"slower than the workload's rate)")
     params = ", ".join(f"{k}={v}" for k, v in block["params"].items())
     seeds = block["params"].get("seeds") or []
     spread = "; ± is half the range over the seeds" if len(seeds) > 1 else ""
