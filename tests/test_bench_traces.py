@@ -317,6 +317,10 @@ def test_several_windows_are_the_trace_workloads_seeds(tmp_path: Path) -> None:
     assert params["trace_seconds"] == 6.0  # the same in both windows: shown once
     assert params["working_set_tokens"] == [w.params["working_set_tokens"] for w in windows]
     assert runner.cell_params(unique)["seeds"] == [1, 2]
+    # A trace's tables go by the file replayed, so two traces in one report keep apart.
+    assert runner.title(windows[0]) == "trace (t)" and runner.title(unique[0]) == "unique"
+    assert runner.title(build("trace", quick=True, seed=1, trace_path=str(REPO / "perf/traces/mooncake-small.jsonl"))
+                        ) == "trace (mooncake-small)"
 
 
 @pytest.mark.parametrize(("spec", "says"), [

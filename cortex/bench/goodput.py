@@ -146,7 +146,7 @@ def run(plan: runner.Plan, *, ttft: TtftSlo | None = None, itl_ms: float = SLO_I
             with Procs(root) as cluster_procs:
                 workers = start_workers(cluster_procs, spec)
                 for w in group:
-                    key = runner.label(w.name, replicas, plan)
+                    key = runner.label(runner.title(w), replicas, plan)
                     w_slo = ttft or default_ttft(w.name)
                     solo = simulated_solo_ms() if w_slo.relative else None
                     log(f"goodput {key}: {w.requests} requests from {w.params.get('rate')} {rate_unit(w.name)}, "
@@ -159,7 +159,7 @@ def run(plan: runner.Plan, *, ttft: TtftSlo | None = None, itl_ms: float = SLO_I
                                                       max_runs, keep_records, log)
                     ws = int(w.params.get("working_set_tokens") or 0)
                     out["goodput"][key] = {
-                        "workload": w.name, "params": w.params, "rate_unit": rate_unit(w.name),
+                        "workload": runner.title(w), "params": w.params, "rate_unit": rate_unit(w.name),
                         "replicas": replicas, "sticky": plan.sticky, "ttft_slo": w_slo.as_json(),
                         "grace_s": w_plan.grace_s,
                         **({"solo_ms": solo_points(solo)} if solo else {}),
@@ -167,7 +167,7 @@ def run(plan: runner.Plan, *, ttft: TtftSlo | None = None, itl_ms: float = SLO_I
                                   "working_set_tokens": ws, "kv_fill": round(ws / (spec.workers * spec.kv_tokens), 2),
                                   **({"max_model_len": spec.max_model_len} if spec.max_model_len else {})},
                         "results": results}
-    out["elapsed_s"] = round(time.monotonic() - started, 1)
+    runner.finish(out, started)
     return out
 
 
