@@ -31,25 +31,21 @@ GOODPUT=()
 
 took() { echo "== $1: done in $(($2 / 60)) min $(($2 % 60)) s (load average $(cut -d' ' -f1-3 /proc/loadavg))" >&2; }
 
-run() {
-  local name=$1; shift
-  RUNS+=(--from-json "$OUT/$name.json")
+# cell LIST NAME COMMAND...: run COMMAND with --json NAME.json (skipped when that exists), add the JSON to LIST
+# (RUNS or GOODPUT, rendered at the end), print how long it took.
+cell() {
+  local -n into=$1
+  local name=$2
+  shift 2
+  into+=(--from-json "$OUT/$name.json")
   [ -s "$OUT/$name.json" ] && return 0
-  echo "== $name: cortex bench $*" >&2
+  echo "== $name: $*" >&2
   local t=$SECONDS
-  "${B[@]}" "$@" --json "$OUT/$name.json" > "$OUT/$name.md"
+  "$@" --json "$OUT/$name.json" > "$OUT/$name.md"
   took "$name" $((SECONDS - t))
 }
-
-goodput() {
-  local name=$1; shift
-  GOODPUT+=(--from-json "$OUT/$name.json")
-  [ -s "$OUT/$name.json" ] && return 0
-  echo "== $name: cortex bench --goodput $*" >&2
-  local t=$SECONDS
-  .venv/bin/cortex bench --goodput "$@" --json "$OUT/$name.json" > "$OUT/$name.md"
-  took "$name" $((SECONDS - t))
-}
+run() { local name=$1; shift; cell RUNS "$name" "${B[@]}" "$@"; }
+goodput() { local name=$1; shift; cell GOODPUT "$name" .venv/bin/cortex bench --goodput "$@"; }
 
 # The headline: 4 replicas behind an L4 balancer (no stickiness), three seeds; shared-prefix and multi-turn
 # full-size, agentic quick.

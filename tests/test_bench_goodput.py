@@ -214,11 +214,12 @@ def test_goodput_table_shows_the_bracket() -> None:
     assert "failed: boom" in rows["d"] and "not available" in rows["e"] and "working_set_tokens" not in text
     assert "TTFT p90 / ITL p90" in rows["contestant"] and "TTFT SLO: TTFT ≤ 2000 ms" in text
     # A relative SLO: the runs show TTFT over solo time, the header what the solo curve asked.
-    rel = {**block, "replicas": 4, "ttft_slo": {"slowdown": 5.0, "solo": "x"},
+    rel = {**block, "replicas": 4, "ttft_slo": {"slowdown": 5.0, "solo": "x"}, "grace_s": 73.9,
            "solo_ms": {"1000": 56.0, "100000": 9620.0},
            "results": {"a": {**block["results"]["a"], "passed_run": {**run_ok, "ttft_slowdown": 3.25},
                              "failed_run": {**run_bad, "ttft_slowdown": 12.0}}}}
-    text = goodput.table(rel, {"percentile": 90.0, "ttft": "per workload"})
+    text = goodput.table(rel, {"percentile": 90.0, "ttft": "per workload", "grace_s": 30.0})
+    assert "each run waits up to 73.9 s after its last send" in text
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     assert "| 8 | 8/s: 3.25× / 20.0 ms, hit 0.500, 0/24 errors | 16/s: 12.00× / 20.0 ms" in rows["a"]
     assert "TTFT/solo p90 / ITL p90" in rows["contestant"] and text.startswith("**shared-prefix, 4 replicas**")

@@ -49,7 +49,7 @@ def rate_unit(workload: str) -> str:
     return RATE_UNITS.get(workload, "requests/s")
 
 
-# ---- the pure part: whether a run met the SLOs, and the search over rates ----
+# ---- the pure part: the search over rates (whether a run met the SLOs: cortex.bench.slo) ----
 
 def _round(rate: float) -> float:
     return float(f"{rate:.4g}")
@@ -281,6 +281,8 @@ def table(block: dict[str, Any], slo: dict[str, Any]) -> str:
                        if k not in ("working_set_tokens", "prompt_tokens"))
     f = block["fleet"]
     slo_line = f"TTFT SLO: {ttft.describe()}"
+    if block.get("grace_s") and block["grace_s"] != slo.get("grace_s"):
+        slo_line = f"each run waits up to {block['grace_s']:g} s after its last send; " + slo_line
     if ttft.relative and block.get("solo_ms"):
         slo_line += (" (cold prefill alone in the simulated workers' timing model: " + ", ".join(
             f"{int(n) // 1000}K tokens {_f(ms)} ms" for n, ms in block["solo_ms"].items()) + ")")
@@ -313,8 +315,8 @@ def markdown(out: dict[str, Any], command: str) -> str:
     parts = [f"Command: {commands}\n",
              head + f" SLOs: {ttft_text} and ITL p{q:g} ≤ {slo['itl_ms']:g} ms, a failed "
              f"request missing both; at most {slo['max_runs']} runs per contestant, each of at most "
-             f"{slo['max_seconds']:g} s of sends (+ {slo['grace_s']:g} s to finish). Goodput: the highest rate "
-             f"that passed below the lowest that failed; ≥ when nothing failed, < when nothing passed.\n"]
+             f"{slo['max_seconds']:g} s of sends (+ at least {slo['grace_s']:g} s to finish). Goodput: the highest "
+             f"rate that passed below the lowest that failed; ≥ when nothing failed, < when nothing passed.\n"]
     for block in out["goodput"].values():
         parts.append(table(block, slo))
     return "\n".join(parts)
