@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from cortex.errors import ClientError
-from extproc import candidates, pd
+from extproc import candidates, pd, response_ids
 from extproc.backlog import Backlog
 from extproc.candidates import Hysteresis
 from extproc.cluster_view import TargetInfo
@@ -100,6 +100,8 @@ class RoutePlan:
     head_ids: list[int] = field(default_factory=list)
     """The prompt's first ids and its fingerprint (Prepared's), for the request log."""
     prompt_hash: str = ""
+    withheld: dict[int, int] = field(default_factory=dict)
+    """Per hybrid slot: blocks its full-attention run held that its sliding windows did not (Prepared's)."""
 
 
 def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
@@ -110,7 +112,7 @@ def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
     cands = candidates.build(workers, matches=matches, keys=keys, inflight=snap.inflight, alive=snap.alive,
                              predictions=state.predictions, hysteresis=state.hysteresis, scoring=scoring,
                              backlog_ms=snap.backlog_ms, calibration=snap.calibration if scoring.calibrate else None,
-                             typical_prefill_ms=typical)
+                             typical_prefill_ms=typical, lower=prep.lower)
     facts = Facts(block_size=snap.block_size, ledger_usable=matches is not None,
                   why_not_exact=candidates.why_not_exact(prep.why, workers, matches, cands), scoring=scoring,
                   home=keys[0] if keys and scoring.prompt_home else None, session=prep.session,
@@ -156,8 +158,9 @@ def _pd(snap: Snapshot, prep: Prepared, pools: pd.Pools, state: State, *, commit
     def skip(why: str) -> pd.PdPlan:
         return pd.PdPlan(None, why, pools.engine, prep.model, cfg, stream)
     single = pools.single
-    shape = pd.request_shape_skip(prep.body, pools.engine)
-    if shape is not None and single:
+    # The PD legs speak chat completions and completions only (extproc/pd_dispatch.py).
+    shape = pd.request_shape_skip(prep.body, pools.engine) if prep.api in ("chat", "completion") else pd.SKIP_API
+    if shape is not None and (single or shape == pd.SKIP_API):
         return skip(shape)
     prefill = choose(snap, prep, pools.prefill, state, commit=False, queue=commit)
     if single:
@@ -166,8 +169,8 @@ def _pd(snap: Snapshot, prep: Prepared, pools: pd.Pools, state: State, *, commit
         alone = choose(snap, prep, single, state, commit=False).chosen
         bs = snap.block_size
         why = pd.skip_reason(prompt_tokens=prep.prompt_tokens,
-                             prefill_cached_tokens=prefill.chosen.affinity_blocks * bs,
-                             single_cached_tokens=alone.affinity_blocks * bs, cfg=cfg)
+                             prefill_cached_tokens=round(prefill.chosen.affinity_blocks * bs),
+                             single_cached_tokens=round(alone.affinity_blocks * bs), cfg=cfg)
         if why is not None:
             return skip(why)
     if commit and prep.keys and prefill.chosen.ledger_trusted:
@@ -202,14 +205,17 @@ def plan(snap: Snapshot, prep: Prepared, state: State, *, commit: bool) -> Route
         if not workers:
             assert pools is not None  # prepare() refused a model without healthy workers
             raise ClientError(503, pd.no_pool_message(prep.model, pools), "model")
-        decision = choose(snap, prep, workers, state, commit=commit)
+        decision = response_ids.pin(choose(snap, prep, workers, state, commit=commit), prep.response_holder)
+    # The worker serves the model, not the public alias; a Responses answer is named after its worker.
+    changes: dict[str, object] = {"model": prep.model} if prep.alias is not None else {}
+    if prep.mint_response_id:
+        changes["request_id"] = response_ids.mint(decision.chosen.address, state.rng)
     return RoutePlan(decision=decision, prompt_tokens=prep.prompt_tokens,
                      token_ids=None if prep.walked else prep.ids, timings=prep.timings, truncated=prep.truncated,
                      model=prep.model, alias=prep.alias, lora=prep.lora, pd=pd_plan,
                      prompt_tokens_estimated=prep.estimated, fallback=fallback,
-                     # The worker serves the model, not the public alias.
-                     changes={"model": prep.model} if prep.alias is not None else {}, generation=snap.gen.number,
-                     head_ids=prep.head_ids, prompt_hash=prep.prompt_hash)
+                     changes=changes, generation=snap.gen.number,
+                     head_ids=prep.head_ids, prompt_hash=prep.prompt_hash, withheld=prep.withheld)
 
 
 def route_any(snap: Snapshot, state: State) -> Decision | None:
