@@ -55,6 +55,18 @@ def block_key(block: bytes, parent: int) -> int:
     return _nonzero(xxhash.xxh3_64_intdigest(block, seed=parent))
 
 
+def _full_blocks(token_ids: Sequence[int] | np.ndarray, block_size: int,
+                 max_blocks: int | None) -> tuple[bytes, int]:
+    """The token bytes of the full blocks to key (at most `max_blocks`), and how many there are."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    tokens = np.asarray(token_ids, dtype=np.uint32)
+    n_blocks = len(tokens) // block_size
+    if max_blocks is not None:
+        n_blocks = min(n_blocks, max_blocks)
+    return token_bytes(tokens[: n_blocks * block_size]), n_blocks
+
+
 def chain_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, parent: int,
                max_blocks: int | None = None) -> list[int]:
     """Keys of the full blocks of `token_ids`, chained from `parent` (a root key or a previous block's key).
@@ -62,13 +74,7 @@ def chain_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, parent: i
     Chunked hashing equals one-shot hashing: chain_keys(a + b, parent=r) ==
     chain_keys(a) + chain_keys(b, parent=last key of a) when len(a) is a multiple of block_size.
     """
-    if block_size <= 0:
-        raise ValueError("block_size must be positive")
-    tokens = np.asarray(token_ids, dtype=np.uint32)
-    n_blocks = len(tokens) // block_size
-    if max_blocks is not None:
-        n_blocks = min(n_blocks, max_blocks)
-    raw = token_bytes(tokens[: n_blocks * block_size])
+    raw, n_blocks = _full_blocks(token_ids, block_size, max_blocks)
     stride = block_size * 4
     keys: list[int] = []
     # block_key's step, inlined: the call per block would cost ~15% of this loop, which runs per request
@@ -117,11 +123,7 @@ def chain_keys_with(token_ids: Sequence[int] | np.ndarray, block_size: int, pare
     """chain_keys where block i's bytes are followed by `suffixes[i]` when present (extras_suffix)."""
     if not suffixes:
         return chain_keys(token_ids, block_size, parent, max_blocks)
-    tokens = np.asarray(token_ids, dtype=np.uint32)
-    n_blocks = len(tokens) // block_size
-    if max_blocks is not None:
-        n_blocks = min(n_blocks, max_blocks)
-    raw = token_bytes(tokens[: n_blocks * block_size])
+    raw, n_blocks = _full_blocks(token_ids, block_size, max_blocks)
     stride = block_size * 4
     keys: list[int] = []
     key = parent

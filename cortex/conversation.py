@@ -94,16 +94,21 @@ def part_text(part: Any) -> tuple[str | None, bool]:
     return None, True
 
 
-def content_text(content: Any, role: str) -> tuple[str, bool]:
-    """A message's content as the template sees it: text parts joined by newlines (media parts leave no text)."""
+def _content_parts(content: Any, role: str) -> list[Any]:
+    """_parse_chat_message_content: a message's content as a list of parts (none for null, one text part for a
+    string), a system message's billing header dropped."""
     if content is None:
         parts: list[Any] = []
     elif isinstance(content, str):
         parts = [{"type": "text", "text": content}]
     else:
         parts = list(content)
-    if role == "system":
-        parts = _strip_billing(parts)
+    return _strip_billing(parts) if role == "system" else parts
+
+
+def content_text(content: Any, role: str) -> tuple[str, bool]:
+    """A message's content as the template sees it: text parts joined by newlines (media parts leave no text)."""
+    parts = _content_parts(content, role)
     texts: list[str] = []
     media = False
     for part in parts:
@@ -259,16 +264,8 @@ def media_refs(messages: Sequence[Mapping[str, Any]]) -> list[MediaRef]:
 def _openai_parts(content: Any, role: str) -> list[Any]:
     """_parse_chat_message_content_parts with wrap_dicts: text parts as {"type": "text", "text": ...} and media
     parts as {"type": <modality>}, each with the part's unknown keys; empty text and refusal parts dropped."""
-    if content is None:
-        parts: list[Any] = []
-    elif isinstance(content, str):
-        parts = [{"type": "text", "text": content}]
-    else:
-        parts = list(content)
-    if role == "system":
-        parts = _strip_billing(parts)
     out: list[Any] = []
-    for part in parts:
+    for part in _content_parts(content, role):
         if isinstance(part, str):
             out.append({"type": "text", "text": part})
             continue

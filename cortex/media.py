@@ -18,7 +18,6 @@ directory's JSON at load time.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import hashlib
 import io
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import blake3
 import numpy as np
+import pybase64
 from PIL import Image
 
 HasherAlgorithm = Literal["blake3", "sha256", "sha512"]
@@ -151,7 +151,7 @@ def data_url_bytes(url: str) -> bytes | None:
     if not sep or spec.rpartition(";")[1:] != (";", "base64"):
         return None
     try:
-        return base64.b64decode(data, validate=True)
+        return pybase64.b64decode(data, validate=True)  # vLLM's own call (ImageMediaIO.load_base64); SIMD-fast
     except (binascii.Error, ValueError):
         return None
 
@@ -175,7 +175,11 @@ def image_facts(data: bytes) -> ImageFacts | None:
             width, height = im.size
             mode = im.mode
             try:
-                orientation = im.getexif().get(_EXIF_ORIENTATION)
+                # Pillow's PNG getexif decodes the pixels to find metadata after the image data; with none there
+                # (nearly every PNG) the header's is all there is, read without decoding.
+                header_only = im.format == "PNG" and not _png_chunks_after_data(data)
+                exif = Image.Image.getexif(im) if header_only else im.getexif()
+                orientation = exif.get(_EXIF_ORIENTATION)
             except Exception:  # vLLM ignores malformed EXIF (contextlib.suppress): no transpose
                 orientation = None
     except Exception:  # Pillow raises many kinds for bad input (and DecompressionBombError for huge images)
@@ -183,6 +187,20 @@ def image_facts(data: bytes) -> ImageFacts | None:
     if orientation in _SWAPPING_ORIENTATIONS:
         width, height = height, width
     return ImageFacts(width, height, mode)
+
+
+def _png_chunks_after_data(data: bytes) -> bool:
+    """Whether a PNG holds chunks other than image data after its first IDAT (metadata Pillow reads on load)."""
+    at, seen_data = 8, False
+    while at + 8 <= len(data):
+        length = int.from_bytes(data[at:at + 4], "big")
+        kind = data[at + 4:at + 8]
+        if kind == b"IDAT":
+            seen_data = True
+        elif seen_data and kind != b"IEND":
+            return True
+        at += 12 + length
+    return False
 
 
 def image_identifier(data: bytes, facts: ImageFacts, model_id: str, algorithm: HasherAlgorithm = "blake3") -> str:
