@@ -245,6 +245,11 @@ class SchedulerConfig(_Strict):
     """The time model's price of fleet capacity: a candidate's score is its predicted TTFT plus this share of the
     prefill work it would spend, so between equal TTFTs the worker that recomputes less wins (a burst stays
     together, a cold copy elsewhere is not started for nothing)."""
+    eviction_weight: float = Field(1.0, ge=0)
+    """The time model's price of what a request evicts: on a worker whose pool is evicting, the new blocks a
+    request brings evict as many tokens there, and the share of them that will be needed again (the worker's
+    regretted over evicted tokens, ingest/regret.py) will be prefilled again. The score adds this weight times
+    that share of the request's own prefill there. 0: evictions are free."""
     high_queue_ms: float = Field(8000.0, gt=0)
     """Predicted prefill queue (ms) at which a worker stops receiving cache-affinity traffic under `rule: ttft`:
     the watermark in work, beside the request-count one."""
