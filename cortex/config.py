@@ -292,9 +292,10 @@ class SchedulerConfig(_Strict):
     cold_start_share: float = Field(0.1, ge=0, le=1)
     """Share of the requests that no worker can serve from cache that go to a new worker, so it warms up."""
     prompt_home: bool = True
-    """A prompt no worker holds goes, among the least loaded workers, to its home (a hash of its first block,
-    the same on every replica), so replicas agree and repeats land together before any event arrives. Off:
-    a random least-loaded worker (pure load balancing for prompts nobody holds)."""
+    """A prompt no worker holds goes, among the least loaded workers, to its home (a hash of its first block past
+    the longest prefix any worker holds, the same on every replica), so replicas agree and repeats land together
+    before any event arrives, while prompts that share only a system prompt spread. Off: a random least-loaded
+    worker (pure load balancing for prompts nobody holds)."""
     tier_weights: dict[Literal["CPU", "STORAGE"], Annotated[float, Field(ge=0, le=1)]] = Field(
         default_factory=lambda: {"CPU": 0.75, "STORAGE": 0.25})  # type: ignore[arg-type]
     """What a block a worker holds on a lower tier (its engine offloaded it: vLLM's OffloadingConnector, LMCache,
