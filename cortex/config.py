@@ -247,6 +247,11 @@ class SchedulerConfig(_Strict):
     """The time model's price of fleet capacity: a candidate's score is its predicted TTFT plus this share of the
     prefill work it would spend, so between equal TTFTs the worker that recomputes less wins (a burst stays
     together, a cold copy elsewhere is not started for nothing)."""
+    eviction_weight: float = Field(1.0, ge=0)
+    """The time model's price of what a request evicts: on a worker whose pool is evicting, the new blocks a
+    request brings evict as many tokens there, and the share of them that will be needed again (the worker's
+    regretted over evicted tokens, ingest/regret.py) will be prefilled again. The score adds this weight times
+    that share of the request's own prefill there. 0: evictions are free."""
     high_queue_ms: float = Field(8000.0, gt=0)
     """Predicted prefill queue (ms) at which a worker stops receiving cache-affinity traffic under `rule: ttft`:
     the watermark in work, beside the request-count one."""
@@ -289,9 +294,10 @@ class SchedulerConfig(_Strict):
     cold_start_share: float = Field(0.1, ge=0, le=1)
     """Share of the requests that no worker can serve from cache that go to a new worker, so it warms up."""
     prompt_home: bool = True
-    """A prompt no worker holds goes, among the least loaded workers, to its home (a hash of its first block,
-    the same on every replica), so replicas agree and repeats land together before any event arrives. Off:
-    a random least-loaded worker (pure load balancing for prompts nobody holds)."""
+    """A prompt no worker holds goes, among the least loaded workers, to its home (a hash of its first block past
+    the longest prefix any worker holds, the same on every replica), so replicas agree and repeats land together
+    before any event arrives, while prompts that share only a system prompt spread. Off: a random least-loaded
+    worker (pure load balancing for prompts nobody holds)."""
     tier_weights: dict[Literal["CPU", "STORAGE"], Annotated[float, Field(ge=0, le=1)]] = Field(
         default_factory=lambda: {"CPU": 0.75, "STORAGE": 0.25})  # type: ignore[arg-type]
     """What a block a worker holds on a lower tier (its engine offloaded it: vLLM's OffloadingConnector, LMCache,
@@ -393,6 +399,19 @@ class LogConfig(_Strict):
         return v.lower() if isinstance(v, str) else v
 
 
+class MediaConfig(_Strict):
+    """How the model's vLLM workers identify media items: each image's identifier is folded into the hash of every
+    KV block its placeholders fill (docs/ledger.md, "Media"). Used only for models whose tokenizer directory holds a
+    processor Cortex has a rule for (cortex/media.py)."""
+
+    model_id: str | None = None
+    """The workers' `--model` value (a path or a Hugging Face id; `/v1/models` lists it as `root`): vLLM hashes it
+    into every image's identifier. Default: the model's `name`. Workers started with another value still serve
+    the text before the first image from cache; their image blocks are never claimed."""
+    hasher: Literal["blake3", "sha256", "sha512"] = "blake3"
+    """The workers' `--mm-hasher-algorithm` (vLLM's default: blake3)."""
+
+
 class ModelConfig(_Strict):
     """A served model: the name clients send, the engine family, and the files that tokenize like it."""
 
@@ -419,6 +438,8 @@ class ModelConfig(_Strict):
     PD decision and never claims a hit, but still observes (ledger, metrics, headers)."""
     pd: PdConfig = PdConfig()
     """Prefill/decode orchestration knobs (used when the model has prefill and decode workers)."""
+    media: MediaConfig = MediaConfig()
+    """Media parts of chat requests (images as base64 data URLs are keyed like the engine's blocks)."""
     loras: list[str] = Field(default_factory=list)
     """LoRA adapters its workers serve, by name (vLLM `--lora-modules NAME=PATH`, SGLang `--lora-paths NAME=PATH`;
     every worker of the model is expected to serve them). vLLM clients pick one with `model: NAME`, which only

@@ -115,11 +115,22 @@ def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
                              typical_prefill_ms=typical, lower=prep.lower)
     facts = Facts(block_size=snap.block_size, ledger_usable=matches is not None,
                   why_not_exact=candidates.why_not_exact(prep.why, workers, matches, cands), scoring=scoring,
-                  home=keys[0] if keys and scoring.prompt_home else None, session=prep.session,
+                  home=home_key(keys, matches) if scoring.prompt_home else None, session=prep.session,
                   prompt_tokens=prep.prompt_tokens, typical_prefill_ms=typical)
     policy = state.policies.select(cands, transparent=prep.transparent, alive=snap.alive,
                                    ledger_usable=matches is not None, rule=scoring.rule)
     return cands, facts, policy
+
+
+def home_key(keys: Sequence[int], matches: np.ndarray | None) -> int | None:
+    """The key a prompt's rendezvous home is drawn from: the first block past the longest prefix any worker
+    holds. Prompts that share only a system prompt then get homes of their own (their first block would send all
+    of them to one worker on every replica at once), while identical prompts still share one. The walk always
+    computes that key, so an early-stopped decision and a whole-prompt one draw the same home."""
+    if not keys:
+        return None
+    held = int(matches.max()) if matches is not None and len(matches) else 0
+    return keys[min(held, len(keys) - 1)]
 
 
 def _queue(state: State, decision: Decision, facts: Facts) -> None:

@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -124,6 +125,22 @@ def test_a_prompt_of_whole_blocks_claims_one_block_less(gw: Gateway, pair: list[
     h, usage = chat(gw, messages)
     assert usage["prompt_tokens"] % BLOCK == 0
     assert claimed(h) == cached(usage) == usage["prompt_tokens"] - BLOCK, (dict(h), usage)
+
+
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 1}, {"echo": True}])
+def test_a_request_the_engine_computes_whole_is_never_claimed(gw: Gateway, extra: dict[str, Any]) -> None:
+    """vLLM reads no prefix cache for a request that asks for its prompt's logprobs (a chat with `echo` asks for
+    them too: its top_logprobs becomes prompt_logprobs): on a prompt the holder has cached, the engine reports 0
+    cached tokens and Cortex claims none (engines' cache_read_limit, reason engine_skips_cache)."""
+    messages = long_chat(160, seed=170 + len(extra) + ("echo" in extra))
+    h, _ = chat(gw, messages)
+    holder = h["x-cortex-assigned-worker"]
+    wait_for(lambda: matched(gw, messages)[holder] > 0, what="the chat in the ledger")
+    h, usage = chat(gw, messages)
+    assert claimed(h) == cached(usage) > 0  # the plain repeat is a hit
+    h, usage = chat(gw, messages, **extra)
+    assert cached(usage) == 0, usage
+    assert claimed(h) == 0 and h["x-cortex-route-reason"] == "engine_skips_cache", dict(h)
 
 
 def test_an_engine_restarted_at_the_same_url_is_claimed_only_for_what_it_holds_again(
