@@ -110,7 +110,9 @@ class IngestConfig(_Strict):
     admin_token_file: str | None = None
     """File holding the admin token (at least 16 characters): every admin route (worker changes, the status page,
     the observer's recent decisions) then needs `Authorization: Bearer <token>` (or Basic auth with the token as
-    password, for a browser). Health probes and /metrics stay open. None: no token (keep the port on loopback)."""
+    password, for a browser). Health probes and /metrics stay open. None: no token while the admin ports
+    (`ingest.host`, `observe.host`) are on loopback; beyond it, one is generated at each start and required
+    (shown on the starting terminal, kept in <runtime_dir>/admin-token, never logged; docs/security.md)."""
 
     @model_validator(mode="after")
     def _poll_intervals(self) -> IngestConfig:

@@ -75,25 +75,46 @@ def _addr(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _error_mapper(status: int, message: str) -> dict[str, Any]:
-    status_filter = {"status_code_filter": {"comparison": {
-        "op": "EQ", "value": {"default_value": status, "runtime_key": f"cortex.local_reply.{status}"}}}}
-    # Envoy's own 5xx (no healthy upstream, reset, timeout) carry a response flag; extproc's immediate responses
-    # carry none and already hold Cortex's precise OpenAI error, which must not be replaced by a generic one.
-    flagged = {"and_filter": {"filters": [status_filter, {"response_flag_filter": {}}]}}
-    return {
-        "filter": flagged if status >= 500 else status_filter,
-        "body": {"inline_string": message},
-        "body_format_override": {
-            "json_format": {"error": {"message": "%LOCAL_REPLY_BODY%", "type": _error_type(status),
-                                      "code": status}},
-            "content_type": "application/json",
-        },
-    }
+# Envoy's own 5xx, by its response flag: why (the `x-cortex-dropped-reason` of the reply, the same words as the
+# observer's causes in observe/entry.py) and what the client is told. A flagged 5xx outside these groups is a
+# `gateway_error`. extproc's immediate responses carry no flag: their own OpenAI error and reason stand.
+_FLAG_REPLIES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("no_healthy_upstream", ("UH", "NR", "NC"), "no healthy worker is available to serve this request"),
+    ("upstream_connect_failure", ("UF", "UO", "URX"), "no worker could be reached (connection failed or refused)"),
+    ("upstream_timeout", ("UT", "SI", "DT", "UMSDR"), "the worker did not answer in time"),
+    ("upstream_reset", ("UR", "UC", "LR", "UPE"), "the worker failed before answering (connection reset)"),
+    ("overloaded", ("OM",), "the gateway is overloaded"),
+    ("gateway_error", (), "the gateway failed to process this request"),
+)
 
 
-def _error_type(status: int) -> str:
-    return "invalid_request_error" if status < 500 else "upstream_error"
+def dropped_reason_headers(reason: str) -> list[dict[str, Any]]:
+    """The dropped reason under Cortex's and llm-d's names, unless the answer already carries one (extproc's)."""
+    return [{"header": {"key": key, "value": reason}, "append_action": "ADD_IF_ABSENT"}
+            for key in (headers.DROPPED_REASON, headers.LLMD_DROPPED_REASON)]
+
+
+def _rewrite(message: str, status: int | str, kind: str) -> dict[str, Any]:
+    """The local reply's body as an OpenAI error (a command operator alone in a JSON value keeps its type)."""
+    return {"body": {"inline_string": message}, "body_format_override": {
+        "json_format": {"error": {"message": "%LOCAL_REPLY_BODY%", "type": kind, "code": status}},
+        "content_type": "application/json"}}
+
+
+def local_reply_mappers(max_body_bytes: int) -> list[dict[str, Any]]:
+    too_large = {"status_code_filter": {"comparison": {
+        "op": "EQ", "value": {"default_value": 413, "runtime_key": "cortex.local_reply.413"}}}}
+    server_error = {"status_code_filter": {"comparison": {
+        "op": "GE", "value": {"default_value": 500, "runtime_key": "cortex.local_reply.5xx"}}}}
+    mappers = [{"filter": too_large, **_rewrite(f"request body exceeds the {max_body_bytes} byte limit", 413,
+                                                "invalid_request_error"),
+                "headers_to_add": dropped_reason_headers("body_too_large")}]
+    for reason, flags, message in _FLAG_REPLIES:
+        flagged = {"response_flag_filter": {"flags": list(flags)} if flags else {}}
+        mappers.append({"filter": {"and_filter": {"filters": [server_error, flagged]}},
+                        **_rewrite(message, "%RESPONSE_CODE%", "upstream_error"),
+                        "headers_to_add": dropped_reason_headers(reason)})
+    return mappers
 
 
 def max_message_timeout_s(cfg: CortexConfig) -> int:
@@ -212,13 +233,7 @@ def public_paths(cfg: CortexConfig) -> list[str]:
 def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     xds = xds_dir(cfg)
     ep = cfg.extproc
-    local_reply = {"mappers": [
-        _error_mapper(413, f"request body exceeds the {ep.max_body_bytes} byte limit"),
-        _error_mapper(503, "no worker is available to serve this request"),
-        _error_mapper(502, "the worker failed before answering"),
-        _error_mapper(504, "the worker did not answer in time"),
-        _error_mapper(500, "the gateway failed to process this request"),
-    ]}
+    local_reply = {"mappers": local_reply_mappers(ep.max_body_bytes)}
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -288,7 +303,8 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
          "direct_response": {"status": 404, "body": {"inline_string": error_body(
              404, "Not found: this gateway serves the OpenAI API (listen.paths).").decode()}},
          "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
-                                      "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+                                      "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+                                     *dropped_reason_headers("path_not_served")],
          # A refused path costs no extproc call.
          "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
              "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",

@@ -14,8 +14,8 @@ from typing import Any
 
 import aiohttp
 
-from cortex import extproc_tls, grpc_health, logs
-from cortex.admin_auth import TokenError, configured_token
+from cortex import admin_auth, extproc_tls, grpc_health, logs
+from cortex.admin_auth import TokenError
 from cortex.config import ConfigError, CortexConfig, check_models, reachable_host
 from cortex.envoy_config import envoy_binary, write_bootstrap
 from cortex.model_bundle import BundleError
@@ -167,7 +167,7 @@ def start_refusal(cfg: CortexConfig, picker: bool) -> str | None:
     file, the upstream certificates, and extproc.tls (`cortex epp` only, with readable files); None: start."""
     try:
         check_models(cfg)
-        configured_token(cfg.ingest.admin_token_file)  # a bad token file stops the start, not ingest
+        admin_auth.admin_token(cfg)  # a bad token file stops the start, not ingest
         WorkerTls(cfg.upstream_tls)  # so does an unreadable CA or client certificate
     except (BundleError, TokenError, ConfigError) as exc:
         return str(exc)
@@ -177,6 +177,23 @@ def start_refusal(cfg: CortexConfig, picker: bool) -> str | None:
         return ("extproc.tls is for `cortex epp` (a gateway on another host calls extproc); under `cortex run` "
                 "Envoy calls extproc on the same host: remove extproc.tls")
     return None
+
+
+def provide_admin_token(cfg: CortexConfig, name: str = "") -> None:
+    """An admin port beyond loopback without a configured token gets one for this run (admin_auth.generate_token).
+    The token itself goes to the terminal of the person who started the gateway, as Jupyter shows its own, and
+    nowhere else: not to a log (a container's output is collected and kept), only its file is named there."""
+    token = admin_auth.generate_token(cfg)
+    if token is None:
+        return
+    where = ", ".join(admin_auth.exposed(cfg))
+    path = admin_auth.generated_path(cfg)
+    if sys.stderr.isatty():
+        print(f"[cortex] {name + ': ' if name else ''}admin token for this run: {token}  (send "
+              "`Authorization: Bearer <token>`; a browser asks for it as the password)", file=sys.stderr, flush=True)
+    logs.say("%s%s is beyond loopback and no ingest.admin_token_file is set: every admin route needs the token "
+             "generated for this run, in %s (mode 0600; never logged)", f"{name}: " if name else "", where, path,
+             level=logging.WARNING, token_file=str(path))
 
 
 def reset_workers(cfg: CortexConfig) -> None:
@@ -211,6 +228,7 @@ def run_gateways(gateways: Sequence[GatewaySpec], extra: list[ChildSpec] | None 
     """Start independent gateways under one supervisor (one Ctrl-C stops them all, Envoys first); `on_ready`
     runs once every one of them is ready."""
     for g in gateways:
+        provide_admin_token(g.cfg, g.name)
         if (why := start_refusal(g.cfg, picker=False)) is not None:
             logs.fatal(why)
             return 2
@@ -261,6 +279,7 @@ def picker_ready_message(cfg: CortexConfig, body: dict[str, Any]) -> str:
 
 def run_picker(cfg: CortexConfig, config_path: Path) -> int:
     """`cortex epp`: ingest and extproc, serving the endpoint-picker protocol to a gateway run by someone else."""
+    provide_admin_token(cfg)
     if (why := start_refusal(cfg, picker=True)) is not None:
         logs.fatal(why)
         return 2

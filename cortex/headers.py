@@ -11,8 +11,8 @@ Response side (set by extproc on the answer the client gets):
   MATCH_MODE        the step of the fallback chain that decided (extproc/policies)
   ROUTE_REASON      why, as a reason code
   PD                a PD model's outcome: pair, pair:repicked, skipped:<why>, fallback:<why>
-  DROPPED_REASON    why Cortex refused a request before it reached a worker (429/503; docs/tenancy.md), also
-                    under llm-d's name LLMD_DROPPED_REASON
+  DROPPED_REASON    why Cortex or its Envoy answered in place of a worker (every refusal; docs/observability.md),
+                    also under llm-d's name LLMD_DROPPED_REASON
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ MATCH_MODE = "x-cortex-match-mode"
 ROUTE_REASON = "x-cortex-route-reason"
 PD = "x-cortex-pd"
 DROPPED_REASON = "x-cortex-dropped-reason"
-"""Why Cortex refused a request before it reached a worker (queue_full, queue_ttl, ...)."""
+"""Why Cortex or its Envoy answered in place of a worker (invalid_request, no_worker, queue_full, ...)."""
 LLMD_DROPPED_REASON = "x-llm-d-request-dropped-reason"
 """The same reason under llm-d's name, for clients written against it."""
 

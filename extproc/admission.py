@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cortex import headers as H
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
 from cortex.tenancy import limits
@@ -38,9 +37,7 @@ class Ticket:
 def refusal(tenant: str, reason: str, status: int, message: str, retry_after_s: float) -> ClientError:
     """A 429/503 that says why, how long to wait, and under which dropped reason (Cortex's and llm-d's names)."""
     metrics.ADMISSION_REJECTIONS.labels(tenant, reason).inc()
-    return ClientError(status, message, headers={
-        "retry-after": str(max(1, math.ceil(retry_after_s))), H.DROPPED_REASON: reason,
-        H.LLMD_DROPPED_REASON: reason})
+    return ClientError(status, message, headers={"retry-after": str(max(1, math.ceil(retry_after_s)))}, reason=reason)
 
 
 class Admission:

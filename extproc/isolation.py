@@ -47,6 +47,7 @@ from collections.abc import Iterable
 
 import orjson
 
+from cortex.headers import DROPPED_REASON
 from extproc.request import ParsedRequest, _cache_salt
 from extproc.tenants import Tenant
 
@@ -120,5 +121,6 @@ def sees_routing(tenant: Tenant | None) -> bool:
 
 def upstream_cortex_headers(names: Iterable[str]) -> list[str]:
     """The x-cortex-* headers among a worker's response headers: removed for a caller who may not see routing
-    facts, since a worker that is itself a gateway (or a sidecar) could send its own."""
-    return sorted({n for n in names if n.lower().startswith(_PREFIX)})
+    facts, since a worker that is itself a gateway (or a sidecar) could send its own. The dropped reason is no
+    routing fact: every caller gets it on a refusal (Envoy's local replies pass this way too)."""
+    return sorted({n for n in names if n.lower().startswith(_PREFIX) and n.lower() != DROPPED_REASON})

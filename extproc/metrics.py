@@ -7,15 +7,20 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from extproc.plan import RoutePlan
 
-DECISIONS = Counter("cortex_route_decisions", "routing decisions by match mode and reason", ["mode", "reason"])
+# `model` is the configured model that serves the request (an alias's target): bounded by the config, and what the
+# dashboard's model variable and CortexFallbackRateHigh group by.
+DECISIONS = Counter("cortex_route_decisions", "routing decisions by model, match mode and reason",
+                    ["model", "mode", "reason"])
 CLIENT_ERRORS = Counter("cortex_client_errors", "requests refused by Cortex with a 4xx/5xx", ["status"])
 INTERNAL_ERRORS = Counter("cortex_extproc_internal_errors",
                           "requests sent to the fallback route because routing raised")
-HIT_TOKENS = Counter("cortex_claimed_cache_hit_tokens", "prompt tokens Cortex claimed as cached on the chosen worker")
+HIT_TOKENS = Counter("cortex_claimed_cache_hit_tokens", "prompt tokens Cortex claimed as cached on the chosen worker",
+                     ["model"])
 RANDOM_HIT_TOKENS = Counter("cortex_random_choice_hit_tokens",
                             "prompt tokens a worker drawn at random from the same candidates would have had cached, "
-                            "by the same ledger (the mean over the candidates): routing gain = claimed / this")
-PROMPT_TOKENS = Counter("cortex_routed_prompt_tokens", "prompt tokens of routed requests")
+                            "by the same ledger (the mean over the candidates): routing gain = claimed / this",
+                            ["model"])
+PROMPT_TOKENS = Counter("cortex_routed_prompt_tokens", "prompt tokens of routed requests", ["model"])
 LOWER_TIER_TOKENS = Counter("cortex_lower_tier_hit_tokens",
                             "prompt tokens of the chosen worker's hit that a lower tier holds (loaded, not computed), "
                             "by tier and whether they were claimed (the engine counts them in cached_tokens)",
@@ -57,8 +62,9 @@ START_TIME = Gauge("cortex_extproc_start_time_seconds", "unix time the extproc p
 
 def observe_decision(result: RoutePlan, total_s: float, block_size: int) -> None:
     d = result.decision
-    DECISIONS.labels(d.mode, d.reason).inc()
-    HIT_TOKENS.inc(d.hit_tokens)
+    model = result.model
+    DECISIONS.labels(model, d.mode, d.reason).inc()
+    HIT_TOKENS.labels(model).inc(d.hit_tokens)
     if d.order:
         chosen = d.chosen
         claimed = d.hit_tokens > 0
@@ -73,8 +79,8 @@ def observe_decision(result: RoutePlan, total_s: float, block_size: int) -> None
         WINDOW_WITHHELD_TOKENS.inc(result.withheld.get(chosen.slot, 0) * block_size)
     if d.order:
         # What round robin (or any choice blind to the cache) would have got on average, proven blocks only.
-        RANDOM_HIT_TOKENS.inc(sum(c.matched_blocks for c in d.order) * block_size / len(d.order))
-    PROMPT_TOKENS.inc(result.prompt_tokens)
+        RANDOM_HIT_TOKENS.labels(model).inc(sum(c.matched_blocks for c in d.order) * block_size / len(d.order))
+    PROMPT_TOKENS.labels(model).inc(result.prompt_tokens)
     DECISION_SECONDS.observe(total_s)
     for stage in ("tokenize", "hash", "lookup", "score"):
         STAGE_SECONDS.labels(stage).observe(getattr(result.timings, f"{stage}_s"))

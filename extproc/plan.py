@@ -215,7 +215,7 @@ def plan(snap: Snapshot, prep: Prepared, state: State, *, commit: bool) -> Route
         workers = prep.workers if pools is None else pools.single
         if not workers:
             assert pools is not None  # prepare() refused a model without healthy workers
-            raise ClientError(503, pd.no_pool_message(prep.model, pools), "model")
+            raise ClientError(503, pd.no_pool_message(prep.model, pools), "model", reason="no_worker")
         decision = response_ids.pin(choose(snap, prep, workers, state, commit=commit), prep.response_holder)
     # The worker serves the model, not the public alias; a Responses answer is named after its worker.
     changes: dict[str, object] = {"model": prep.model} if prep.alias is not None else {}

@@ -197,7 +197,7 @@ class NoWorker(ClientError):
     """No healthy worker serves the model at all (scale from zero): a 503, unless the waiting room holds it."""
 
     def __init__(self, model: str, message: str) -> None:
-        super().__init__(503, message, "model")
+        super().__init__(503, message, "model", reason="no_worker")
         self.model = model
 
 

@@ -99,7 +99,7 @@ class ModelRegistry:
                 return Resolved(head, None, adapter)
         alias = self.aliases.get(name)
         if alias is None:
-            raise ClientError(404, f"The model `{name}` does not exist.", "model")
+            raise ClientError(404, f"The model `{name}` does not exist.", "model", reason="model_not_found")
         if alias.by_session and session is not None:
             drawn = session_draw(name, session, alias.models, alias.weights)
         else:

@@ -49,6 +49,7 @@ from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
 from extproc.plan import RoutePlan
 from extproc.policies import session
 from extproc.policies.base import EXACT, LOAD_AWARE, Decision, active_of
+from extproc.policies.explain import parts as explain_parts
 from extproc.policies.transparent import REASON as TRANSPARENT
 from extproc.prepare import NoWorker
 from extproc.registry import ModelRegistry
@@ -531,7 +532,7 @@ class ExtProc:
                 return self._error(ClientError(
                     502, f"prefill/decode pair for model `{result.model}` could not start: prefill worker(s) "
                          f"{', '.join(c.id for c in pair.prefill.order[:2])} failed and no worker serves the "
-                         "model alone"))
+                         "model alone", reason="pd_prefill_failed"))
             # Nothing was sent to a decoder yet: Envoy serves the request on one worker, streaming as usual.
             decision = fallback.without(frozenset(pair.targets[c.id].worker for c in pair.prefill.order[:2]))
             self._predict(result, decision)
@@ -623,8 +624,7 @@ class ExtProc:
                              served: str) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
         pair, prefill = st.pd, st.pd_prefill_decision
         assert pair is not None and prefill is not None and st.decision is not None
-        status = next((h.raw_value or h.value.encode() for h in req.response_headers.headers.headers
-                       if h.key == ":status"), b"200")
+        status = _status(req)
         failed = not status.startswith(b"2")
         pair.legs.event("decode_failed" if failed else "decode_ok")
         if status.startswith(b"5") or (not failed and pair.legs.phase is Phase.FAILED):
@@ -677,6 +677,12 @@ class ExtProc:
                    _set(H.CACHE_HIT_TOKENS, str(hit)), _set(H.MATCH_MODE, mode),
                    _set(H.ROUTE_REASON, f"pd:{prefill.reason}"), _set(H.PD, st.pd_note)]
         response = _headers_answer(st, req, headers, self.cfg.extproc.routing_headers)
+        if pair.legs.failure and not _status(req).startswith(b"2"):
+            # The pair failed and no single worker took over: the error (often Envoy's, for the decode leg Cortex
+            # cut) says why in the pair's terms, for every caller.
+            reason = f"pd_{_FALLBACK_WHY.get(pair.legs.failure, 'decode_failed')}"
+            response.response_headers.response.header_mutation.set_headers.extend(
+                [_set(H.DROPPED_REASON, reason), _set(H.LLMD_DROPPED_REASON, reason)])
         # The decode worker answers (and reports the usage); the pair's prefill is kept beside it.
         _observe(response, {**_claim_facts(headers), observation.WORKER: decode.id,
                             observation.PREFILL: pair.legs.prefill.id})
@@ -903,7 +909,8 @@ class ExtProc:
         if not self.picker:
             return _EMPTY_BODY
         if self.cfg.epp.failure_mode == "FailClose":
-            return self._error(ClientError(503, "The endpoint picker could not decide for this request."), st)
+            return self._error(ClientError(503, "The endpoint picker could not decide for this request.",
+                                           reason="picker_failed"), st)
         self._route_any(st)
         return self._routing_response(st, "request_body")
 
@@ -940,11 +947,8 @@ class ExtProc:
         for k, v in exc.headers.items():
             response.immediate_response.headers.set_headers.append(_set(k, v))
         if st is not None and st.tenant is not None:
-            # The request log says whose request was refused, and why when admission refused it.
-            facts: dict[str, Any] = {observation.TENANT: st.tenant.id}
-            if H.DROPPED_REASON in exc.headers:
-                facts[observation.DROPPED] = exc.headers[H.DROPPED_REASON]
-            _observe(response, facts)
+            # The request log says whose request was refused, and why.
+            _observe(response, {observation.TENANT: st.tenant.id, observation.DROPPED: exc.reason})
         return response
 
     def _explain(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
@@ -970,6 +974,7 @@ class ExtProc:
         isolation.isolate(parsed, tenant)
         result = self.router.route(parsed, commit=False)
         d = result.decision
+        why = explain_parts(d, self.cfg.scheduler.rule, self.cfg.scheduler, self.cluster.block_size)
         doc: dict[str, Any] = {
             "prompt_tokens": result.prompt_tokens,
             "prompt_truncated_for_routing": result.truncated,
@@ -993,6 +998,7 @@ class ExtProc:
                          "kv_capacity_tokens": c.kv_capacity_tokens, "evicted_tokens_per_s": c.evicted_tokens_per_s,
                          "last_sent": None if c.last_sent is None else
                          {"age_s": round(c.last_sent.age_s, 3), "evicted_tokens_since": c.last_sent.evicted_tokens},
+                         "score": why[c.id],
                          **({"time_model": d.estimates[c.id].to_json()} if c.id in d.estimates else {})}
                         for c in d.order],
             "timings_ms": {k: round(getattr(result.timings, k) * 1000, 3)
@@ -1087,6 +1093,12 @@ def _claim_facts(headers: list[HeaderValueOption]) -> dict[str, Any]:
 
 def _observe_claim(response: pb.ProcessingResponse, headers: list[HeaderValueOption]) -> None:
     _observe(response, _claim_facts(headers))
+
+
+def _status(req: Any) -> bytes:
+    """The :status of a response-headers message."""
+    return next((h.raw_value or h.value.encode() for h in req.response_headers.headers.headers
+                 if h.key == ":status"), b"200")
 
 
 def _headers_answer(st: StreamState, req: Any, headers: list[HeaderValueOption],

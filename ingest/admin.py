@@ -219,7 +219,7 @@ def build_app(ingest: Ingest, picker: bool = False) -> web.Application:
 
     # Worker changes and the status page need the admin token when one is configured; health and metrics do not.
     app = web.Application(middlewares=[admin_auth.middleware(
-        admin_auth.configured_token(ingest.cfg.ingest.admin_token_file), {*admin_auth.OPEN_PATHS, "/metrics"})])
+        admin_auth.admin_token(ingest.cfg), {*admin_auth.OPEN_PATHS, "/metrics"})])
     app.on_cleanup.append(close_readiness)
     app.router.add_get("/health/live", live)
     app.router.add_get("/health/ready", ready)

@@ -373,7 +373,7 @@ class StatusPage:
 
 def add_routes(app: web.Application, ingest: Ingest) -> None:
     """`/cortex/ui` and `/cortex/ui/data` on ingest's app (its admin port only)."""
-    page = StatusPage(ingest, admin_auth.configured_token(ingest.cfg.ingest.admin_token_file))
+    page = StatusPage(ingest, admin_auth.admin_token(ingest.cfg))
     app.on_cleanup.append(page.close)
     handlers: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]] = {
         "/cortex/ui": page.page, "/cortex/ui/data": page.data_json}

@@ -199,7 +199,7 @@ class Observer:
 
         # The recent decisions carry prompt fingerprints and first token ids: admin routes.
         app = web.Application(middlewares=[admin_auth.middleware(
-            admin_auth.configured_token(self.cfg.ingest.admin_token_file), {*admin_auth.OPEN_PATHS, "/metrics"})])
+            admin_auth.admin_token(self.cfg), {*admin_auth.OPEN_PATHS, "/metrics"})])
         app.router.add_get("/cortex/decisions", decisions)
         app.router.add_get("/cortex/hit-ratio", hit_ratio)
         app.router.add_get("/health", health)

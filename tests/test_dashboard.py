@@ -27,6 +27,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.policies.base import MODES
+from ingest.sync import SyncState
+from observe.entry import CAUSES, OUTCOMES
 from tests.harness import MODEL, Gateway, cluster, long_chat, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +130,54 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
+_MATCH_OPS = frozenset({"=", "!=", "=~", "!~"})
+
+
+def _matcher_labels(block: list[tuple[str, str]]) -> frozenset[str]:
+    """Label names a matcher block `{a="x", b=~"y"}` (its tokens, braces excluded) filters on."""
+    return frozenset(text for k, (kind, text) in enumerate(block[:-1])
+                     if kind == "ident" and block[k + 1][0] == "punct" and block[k + 1][1] in _MATCH_OPS
+                     and text != "__name__")
+
+
+def selectors(expr: str) -> set[tuple[str, frozenset[str]]]:
+    """(metric name, the label names its matchers filter on) for every series selector of an expression."""
+    toks = _tokens(expr)
+    names = metric_names(expr)
+    found: set[tuple[str, frozenset[str]]] = set()
+    i = 0
+    while i < len(toks):
+        kind, text = toks[i]
+        if kind == "ident" and text in names and toks[i + 1:i + 2] == [("punct", "{")]:
+            end = _closing(toks, i + 1, "{", "}")
+            found.add((text, _matcher_labels(toks[i + 2:end])))
+            i = end + 1
+            continue
+        if kind == "ident" and text in names and toks[i + 1:i + 2] != [("punct", "(")]:
+            found.add((text, frozenset()))
+        elif (kind, text) == ("punct", "{") and (i == 0 or toks[i - 1][0] != "ident"):
+            end = _closing(toks, i, "{", "}")
+            block = toks[i + 1:end]
+            for k in range(len(block) - 2):
+                if block[k] == ("ident", "__name__") and block[k + 1] == ("punct", "="):
+                    found.add((block[k + 2][1][1:-1], _matcher_labels(block)))
+            i = end + 1
+            continue
+        i += 1
+    return found
+
+
+def grouping_labels(expr: str) -> set[str]:
+    """Label names in `by`, `without`, `on`, `ignoring`, `group_left` and `group_right` lists."""
+    toks = _tokens(expr)
+    found: set[str] = set()
+    for i, (kind, text) in enumerate(toks):
+        if kind == "ident" and text.lower() in _GROUPING and toks[i + 1:i + 2] == [("punct", "(")]:
+            end = _closing(toks, i + 1, "(", ")")
+            found |= {t for k, t in toks[i + 2:end] if k == "ident"}
+    return found
+
+
 _SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
 
 
@@ -163,6 +214,28 @@ def test_metric_names(expr: str, names: set[str]) -> None:
                                            ("a_seconds_count", "a_seconds"), ("a_seconds_sum", "a_seconds")])
 def test_family(name: str, fam: str) -> None:
     assert family(name) == fam
+
+
+@pytest.mark.parametrize(("expr", "found"), [
+    ("up", {("up", frozenset())}),
+    ('sum by (model, le) (rate(x_bucket{model=~"$model", worker=~"a|b"}[5m])) / y{job="c"}',
+     {("x_bucket", frozenset({"model", "worker"})), ("y", frozenset({"job"}))}),
+    ('a{l="by (x)"} + on (instance) group_left (state) b', {("a", frozenset({"l"})), ("b", frozenset())}),
+    ('{__name__="via_matcher", job="cortex"}', {("via_matcher", frozenset({"job"}))}),
+    ("time() - start_time_seconds", {("start_time_seconds", frozenset())}),
+])
+def test_selectors(expr: str, found: set[tuple[str, frozenset[str]]]) -> None:
+    assert selectors(expr) == found
+
+
+@pytest.mark.parametrize(("expr", "labels"), [
+    ("sum by (model, le) (rate(x[5m]))", {"model", "le"}),
+    ("a + on (instance, target) group_left (state) b and ignoring (x) c", {"instance", "target", "state", "x"}),
+    ("a + on () group_left () (sum(rate(b[10m])) or vector(0))", set()),
+    ('sum without (instance) (a{l="by (x)"})', {"instance"}),
+])
+def test_grouping_labels(expr: str, labels: set[str]) -> None:
+    assert grouping_labels(expr) == labels
 
 
 def test_unbalanced_expression_is_an_error() -> None:
@@ -230,13 +303,18 @@ def _grafana_to_promql(expr: str) -> str:
     return expr
 
 
-def promtool() -> str:
-    """scripts/setup.sh puts promtool beside the venv's python; else the one on PATH. Missing fails: CI runs it."""
-    beside = Path(sys.executable).parent / "promtool"
-    found = str(beside) if beside.exists() else shutil.which("promtool")
+def prometheus_tool(name: str) -> str:
+    """scripts/setup.sh puts `promtool` and `prometheus` beside the venv's python; else the ones on PATH. Missing
+    fails: CI runs them."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
     if found is None:
-        pytest.fail("promtool not found: run scripts/setup.sh (scripts/install-promtool.sh puts it in .venv/bin)")
+        pytest.fail(f"{name} not found: run scripts/setup.sh (scripts/install-prometheus.sh puts it in .venv/bin)")
     return found
+
+
+def promtool() -> str:
+    return prometheus_tool("promtool")
 
 
 def test_every_dashboard_query_parses(tmp_path: Path) -> None:
@@ -304,6 +382,18 @@ def exposition(gw: Gateway) -> dict[str, str]:
     return samples
 
 
+def exposed_label_sets(gw: Gateway) -> dict[str, set[frozenset[str]]]:
+    """Sample name -> every set of label names its samples carry, over every scrape target of the gateway."""
+    found: dict[str, set[frozenset[str]]] = {}
+    for url in scrape_targets(gw):
+        r = httpx.get(url, timeout=10)
+        assert r.status_code == 200, url
+        for fam in text_string_to_metric_families(r.text):
+            for s in fam.samples:
+                found.setdefault(s.name, set()).add(frozenset(s.labels))
+    return found
+
+
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     with cluster(tmp_path_factory.mktemp("dash")) as g:
@@ -361,6 +451,78 @@ def test_suffixes_match_the_exposed_types(exposed: dict[str, str]) -> None:
                 assert kind == "histogram", f"{title}: {name} is a {kind}"
             elif name.endswith("_total"):
                 assert kind == "counter", f"{title}: {name} is a {kind}"
+
+
+# Labels Prometheus adds to every series of a target (the alert rules and their tests use them; no exporter emits
+# them).
+TARGET_LABELS = frozenset({"instance", "job"})
+
+
+@pytest.fixture(scope="module")
+def exposed_labels(gw: Gateway, exposed: dict[str, str]) -> dict[str, set[frozenset[str]]]:
+    return exposed_label_sets(gw)
+
+
+def test_queried_labels_are_exposed(exposed_labels: dict[str, set[frozenset[str]]]) -> None:
+    """Every label a query filters or groups by is on the series it reads: a filter on a label the exporter does not
+    emit matches nothing (a dashboard panel goes empty once a value is picked), a grouping by one merges what it
+    should split."""
+    wrong = []
+    for title, expr in queries(dashboard()) + rule_queries():
+        carried: set[str] = set(TARGET_LABELS)
+        for name, labels in sorted(selectors(expr)):
+            if name in SYNTHETIC or name not in exposed_labels:
+                continue  # Prometheus's own series; a missing name is reported by the tests above
+            sets = exposed_labels[name]
+            carried |= set().union(*sets)
+            if not any(labels - TARGET_LABELS <= have for have in sets):
+                wrong.append(f"{title}: {name} filtered by {sorted(labels)}, exposed with {sorted(map(sorted, sets))}")
+        missing = grouping_labels(expr) - carried
+        if missing and any(n not in SYNTHETIC for n in metric_names(expr)):
+            wrong.append(f"{title}: grouped by {sorted(missing)}, which none of its series carries")
+    assert not wrong, "\n".join(dict.fromkeys(wrong))
+
+
+ALERT_TESTS = RULES.with_name("cortex-alerts.test.yaml")
+# Label values the code draws from a fixed set: a synthetic series with any other value tests a series that cannot
+# exist.
+ENUMERATED = {"state": {s.value for s in SyncState}, "outcome": set(OUTCOMES), "cause": set(CAUSES) - {""},
+              "mode": set(MODES)}
+
+
+def alert_test_series() -> list[tuple[str, dict[str, str]]]:
+    """(name, labels) of every input series of the promtool tests."""
+    out = []
+    for case in yaml.safe_load(ALERT_TESTS.read_text())["tests"]:
+        for series in case.get("input_series", []):
+            toks = _tokens(series["series"])
+            assert toks[0][0] == "ident" and toks[1] == ("punct", "{") and toks[-1] == ("punct", "}"), series
+            body = toks[2:-1]
+            labels = {body[k][1]: body[k + 2][1][1:-1] for k in range(0, len(body), 4)}
+            out.append((toks[0][1], labels))
+    return out
+
+
+def test_alert_test_series_are_real(exposed_labels: dict[str, set[frozenset[str]]]) -> None:
+    """The promtool tests' synthetic series carry exactly the label names a real gateway's series of the same name
+    carry (plus the target's job and instance), with values the code can produce: a test whose series carry a
+    label the exporter lacks passes while the alert it tests can never fire."""
+    wrong = []
+    for name, labels in alert_test_series():
+        if name in SYNTHETIC:
+            assert set(labels) == TARGET_LABELS, (name, labels)
+            continue
+        if name not in exposed_labels:
+            wrong.append(f"{name}: no such series on a real gateway")
+            continue
+        names = frozenset(labels) - TARGET_LABELS
+        if set(labels) & TARGET_LABELS != TARGET_LABELS or names not in exposed_labels[name]:
+            wrong.append(f"{name}{sorted(labels)}: a real scrape has {sorted(map(sorted, exposed_labels[name]))} "
+                         "(+ job, instance)")
+        for label, allowed in ENUMERATED.items():
+            if label in labels and labels[label] not in allowed:
+                wrong.append(f"{name}: {label}={labels[label]!r} is none of {sorted(allowed)}")
+    assert not wrong, "\n".join(dict.fromkeys(wrong))
 
 
 def _value(gw: Gateway, name: str, **labels: str) -> float | None:

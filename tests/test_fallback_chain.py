@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import MODEL, Gateway, Sim, cluster, free_ports, long_chat, start_sim, stop, wait_for
 from tests.test_gateway import chat
@@ -31,8 +32,9 @@ def explain(gw: Gateway, messages: list[dict[str, str]]) -> dict:
 
 def decisions(gw: Gateway, mode: str, reason: str) -> float:
     text = httpx.get(f"{gw.ingest_url}/metrics", timeout=10).text
-    m = re.search(rf'cortex_route_decisions_total{{mode="{mode}",reason="{reason}"}} (\S+)', text)
-    return float(m.group(1)) if m else 0.0
+    want = {"model": MODEL, "mode": mode, "reason": reason}
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "cortex_route_decisions_total" and s.labels == want)
 
 
 def faults(sim: Sim, **kw: object) -> None:

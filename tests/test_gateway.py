@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import MODEL, Gateway, cluster, long_chat, wait_for
 
@@ -135,7 +136,9 @@ def test_models_and_metrics(gw: Gateway) -> None:
     models = httpx.get(f"{gw.url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     text = httpx.get(f"{gw.ingest_url}/metrics", timeout=10).text
-    assert 'cortex_route_decisions_total{mode="exact_kv_events"' in text
+    decided = [s.labels for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "cortex_route_decisions_total"]
+    assert {"model": MODEL, "mode": "exact_kv_events", "reason": "longest_cached_prefix"} in decided
     assert "cortex_ledger_blocks" in text and "cortex_route_decision_seconds_bucket" in text
     ready = httpx.get(f"{gw.ingest_url}/health/ready", timeout=10).json()
     assert ready["status"] == "ready" and ready["targets_exact_kv"] == 2 and not ready["degraded"]

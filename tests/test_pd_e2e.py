@@ -50,10 +50,14 @@ def sglang_queues(sim: Sim) -> tuple[float, float]:
     return value("sglang:num_prefill_bootstrap_queue_reqs"), value("sglang:num_decode_transfer_queue_reqs")
 
 
-def assert_openai_error(resp: httpx.Response) -> None:
+def assert_openai_error(resp: httpx.Response, reason: str | None = None) -> None:
+    """A 5xx in the OpenAI form; with `reason`, the dropped reason it carries under both names."""
     assert resp.status_code >= 500, resp.text
     err = resp.json()["error"]
     assert err["message"] and err["type"] and err["code"] == resp.status_code
+    if reason is not None:
+        assert resp.headers["x-cortex-dropped-reason"] == reason, dict(resp.headers)
+        assert resp.headers["x-llm-d-request-dropped-reason"] == reason
 
 
 # -- SGLang: concurrent legs with a bootstrap room -------------------------------------------------------------
@@ -113,7 +117,7 @@ def test_sglang_bootstrap_never_arrives_is_cut_by_the_watchdog(sglang_gw: Gatewa
         t0 = time.monotonic()
         resp = chat(gw, seed=2, timeout=30)
         took = time.monotonic() - t0
-        assert_openai_error(resp)
+        assert_openai_error(resp, "pd_bootstrap_timeout")
         assert took < 20  # the watchdog (3 s here), not the engines' 120-300 s timeouts
         # Both legs were cancelled: nothing waits in a prefill bootstrap queue or the decode's transfer queue.
         wait_for(lambda: all(sglang_queues(s) == (0, 0) for s in gw.sims), timeout=10, what="queues drained")
@@ -130,7 +134,7 @@ def test_sglang_failing_prefills_end_in_a_clear_error(sglang_gw: Gateway) -> Non
     try:
         t0 = time.monotonic()
         resp = chat(gw, seed=6, timeout=30)
-        assert_openai_error(resp)
+        assert_openai_error(resp, "pd_prefill_failed")
         assert time.monotonic() - t0 < 15
         wait_for(lambda: all(sglang_queues(s) == (0, 0) for s in gw.sims), timeout=10, what="queues drained")
     finally:
@@ -164,7 +168,8 @@ def test_sglang_dead_prefill_is_repicked(sglang_gw: Gateway) -> None:
     stop(other_sim.proc)
     t0 = time.monotonic()
     resp = chat(gw, seed=5, timeout=30)
-    assert_openai_error(resp)
+    assert_openai_error(resp, "pd_prefill_failed")
+    assert resp.status_code == 502  # extproc's own answer: the pair never started
     assert time.monotonic() - t0 < 15
     assert sglang_queues(gw.sims[2]) == (0, 0)
 
@@ -186,7 +191,7 @@ def test_sglang_dead_decode_is_replaced_then_reported(tmp_path: Path) -> None:
         stop(d2.proc)
         t0 = time.monotonic()
         resp = chat(gw, seed=45, timeout=30)
-        assert_openai_error(resp)
+        assert_openai_error(resp, "pd_decode_failed")
         assert time.monotonic() - t0 < 15
         # The prefill leg of the broken pair was cancelled, not left in the bootstrap queue.
         wait_for(lambda: sglang_queues(p1) == (0, 0), timeout=10, what="prefill bootstrap queue drained")
@@ -326,6 +331,7 @@ def test_both_pools_empty_is_a_clear_error(tmp_path: Path) -> None:
         resp = chat(gw, seed=30)
         assert resp.status_code == 503
         assert "no healthy decode worker" in resp.json()["error"]["message"]
+        assert resp.headers["x-cortex-dropped-reason"] == "no_worker"
         # A decoder registered through the admin API, with its role, completes the pool.
         port, kv = free_ports(2)
         dec = Sim(id="q2", port=port, kv_port=kv, engine="vllm", role="decode")

@@ -33,6 +33,7 @@ from extproc.policies import (
     RoundRobin,
     Transparent,
     Ttft,
+    explain,
     session,
 )
 from extproc.policies.base import EXACT, Decision, Facts, still_hot
@@ -133,6 +134,40 @@ def test_never_claims_a_hit_it_cannot_prove(make: Callable[[], Policy], sess: in
             assert d.mode != EXACT
         # Only trusted ledgers' blocks are reported as matched.
         assert set(d.matched_tokens) <= {c.id for c in d.order if c.ledger_trusted}
+
+
+# The rule each policy's candidates are explained by (route explain's `score.by`).
+EXPLAINED_BY = {"cache_aware": {"cache_aware", "load_aware", "p2c"}, "load_aware": {"load_aware", "p2c"},
+                "p2c": {"p2c"}, "round_robin": {"round_robin"}, "transparent": {"load_aware", "p2c"},
+                "ttft": {"ttft", "load_aware", "p2c"}}  # load_aware: the cold-start share (no estimate made)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_candidate_shows_what_placed_it(name: str) -> None:
+    """Route explain's per-candidate `score`: every candidate of every decision says which rule placed it and
+    what that rule weighed; a cache score's terms add up to the score the policy compared."""
+    rng = random.Random(4)
+    seen: set[str] = set()
+    for seed in range(200):
+        targets, held = random_fleet(rng)
+        d = decide(POLICIES[name](), targets, held, seed)
+        rule = "cache_aware" if name == "cache_aware" else "ttft"
+        parts = explain.parts(d, rule, S, BS)
+        assert set(parts) == {c.id for c in d.order}
+        for c in d.order:
+            why = parts[c.id]
+            assert why["by"] in EXPLAINED_BY[name], (name, why)
+            seen.add(why["by"])
+            if why["by"] == "cache_aware":
+                assert why["cache_ms"] + why["load_ms"] + why["queue_ms"] == pytest.approx(why["score"], abs=0.01)
+                assert why["score"] == pytest.approx(c.score(S, BS), abs=0.01)
+            elif why["by"] == "ttft":
+                assert why["score"] == pytest.approx(d.estimates[c.id].score, abs=0.01)
+            elif why["by"] == "p2c":
+                assert why["inflight"] == c.inflight
+            elif why["by"] == "load_aware":
+                assert why["active"] == c.load
+    assert seen == EXPLAINED_BY[name]  # each rule the policy can fall to was seen
 
 
 def test_ties_are_broken_at_random(make: Callable[[], Policy]) -> None:

@@ -233,6 +233,17 @@ def test_long_error_messages_are_cut_in_the_middle() -> None:
     assert short["message"] == "short"
 
 
+@pytest.mark.parametrize(("status", "reason", "expected"), [
+    (400, None, "invalid_request"), (401, None, "unauthenticated"), (404, "model_not_found", "model_not_found"),
+    (413, None, "body_too_large"), (503, "no_worker", "no_worker"), (418, None, "http_418"),
+])
+def test_every_refusal_says_why_under_both_names(status: int, reason: str | None, expected: str) -> None:
+    exc = ClientError(status, "no", reason=reason, headers={"retry-after": "2"})
+    assert exc.reason == expected
+    assert exc.headers == {"x-cortex-dropped-reason": expected, "x-llm-d-request-dropped-reason": expected,
+                           "retry-after": "2"}
+
+
 FULL_CHAT = {
     "model": "m",
     "messages": [

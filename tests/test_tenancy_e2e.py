@@ -55,6 +55,7 @@ def test_no_or_unknown_key_gets_401_before_any_worker(gw: Gateway, key: str | No
     before = engine_requests(gw)
     r = chat(gw, key)
     assert r.status_code == 401
+    assert r.headers["x-cortex-dropped-reason"] == r.headers["x-llm-d-request-dropped-reason"] == "unauthenticated"
     err = r.json()["error"]
     assert err["type"] == "authentication_error" and err["code"] == 401
     assert "x-cortex-assigned-worker" not in r.headers

@@ -64,6 +64,8 @@ def test_a_slow_worker_learns_its_own_rate_and_loses_the_work(tmp_path: Path) ->
         parts = {w["id"]: w["time_model"] for w in d["workers"]}
         assert d["chosen"] == "sim-1", d
         assert parts[SLOW]["predicted_ttft_ms"] > 3 * parts["sim-1"]["predicted_ttft_ms"], parts
+        # Each candidate's `score` names the rule that placed it, with what it weighed.
+        assert all(w["score"] == {"by": "ttft", **w["time_model"]} for w in d["workers"]), d["workers"]
         # Both idle, both cold: from now on the slow worker gets none of the new prompts sent one at a time.
         served = [stream_chat(gw, long_chat(1000, seed=500 + i)) for i in range(6)]
         assert served == ["sim-1"] * 6, served

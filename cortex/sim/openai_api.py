@@ -343,6 +343,9 @@ class OpenAIServing(ABC):
 
     async def run(self, request: web.Request, body: Mapping[str, Any], req: SimRequest, engine: EngineCore,
                   prepared: Prepared, *, stream: bool, chat: bool) -> web.StreamResponse:
+        delay = self.faults.get("slow_first_token_ms")
+        if delay > 0:  # held before the engine sees it: no token, streamed or not, leaves earlier
+            await asyncio.sleep(delay / 1000.0)
         engine.submit(req)
         try:
             if stream:

@@ -184,7 +184,8 @@ def test_fault_endpoint_contract() -> None:
         assert state == {"drop_events": 0.0, "duplicate_events": 0.0, "reorder_events": 0.0, "seq_gap": 0,
                          "restart_publisher": False, "stall_stream_ms": 0.0, "crash_mid_stream": False,
                          "http_5xx_rate": 0.0, "overload_503": False, "slow_health_ms": 0.0,
-                         "load_endpoint_down": False, "pd_stall_bootstrap": False, "pd_transfer_fail": False}
+                         "slow_first_token_ms": 0.0, "load_endpoint_down": False, "pd_stall_bootstrap": False,
+                         "pd_transfer_fail": False}
         state = await post_faults(http, drop_events=0.25, stall_stream_ms=10)
         assert state["drop_events"] == 0.25 and state["stall_stream_ms"] == 10.0
         async with http.post("/sim/faults", json={"drop_events": 3}) as resp:
@@ -277,6 +278,23 @@ def test_slow_health() -> None:
             assert resp.status == 200
 
     serve(scenario)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_slow_first_token_holds_the_request_before_the_engine(engine: str) -> None:
+    async def scenario(srv: SimServer, http: aiohttp.ClientSession) -> None:
+        await post_faults(http, slow_first_token_ms=60_000)
+        body = {"prompt": "hello there", "max_tokens": 2, "stream": True}
+        with pytest.raises(asyncio.TimeoutError):
+            async with http.post("/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.3)) as resp:
+                await first_token(resp)
+        assert all(not e.running and not e.waiting for e in srv.engines)  # the engine never saw it
+        await post_faults(http, slow_first_token_ms=0)
+        async with http.post("/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            await first_token(resp)
+
+    serve(scenario, config(engine=engine))
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
