@@ -55,6 +55,17 @@ def engine_load_of(load: LoadReading, now: float) -> tuple[float | None, float]:
     return load.running + load.waiting, expires
 
 
+def derived_load(reading: float | None, inflight_at_read: float | None, inflight_now: float) -> float | None:
+    """A worker's running + waiting now, from its last reading and this replica's own requests in flight there
+    then and now: the other replicas' and clients' share as read (the reading less this replica's share then, at
+    least 0: a request of ours still on its way to the engine was not in it) plus ours now. So this replica's own
+    traffic is seen at once, the others' as of the reading. None: the reading is unknown; a reading that does not
+    say this replica's share then (`inflight_at_read` None) is taken as it is."""
+    if reading is None or inflight_at_read is None:
+        return reading
+    return max(reading - inflight_at_read, 0.0) + inflight_now
+
+
 @dataclass(frozen=True, slots=True)
 class TargetInfo:
     """One routing target: a worker, or one data-parallel rank of it."""
@@ -79,6 +90,8 @@ class TargetInfo:
     """How fast its engine has been evicting lately (None: not known)."""
     load_at: float | None = None
     """When its load and eviction count were read (monotonic; None: never)."""
+    load_inflight: float | None = None
+    """This replica's requests in flight there at that reading (None: not known; `derived_load`)."""
     added_at: float | None = None
     """When ingest added it (monotonic; None until ingest has spoken)."""
     why: str = ""
@@ -167,6 +180,7 @@ class ClusterView:
                               kv_usage=t.load.kv_usage if engine_load is not None else None,
                               kv_capacity_tokens=t.load.kv_capacity_tokens,
                               evicted_tokens_per_s=t.load.evicted_tokens_per_s, load_at=t.load.at,
+                              load_inflight=t.load.inflight,
                               role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect,
                               tls_name=t.tls_name)
             if t.load.evicted_tokens is not None:

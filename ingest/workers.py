@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from cortex import engines
-from cortex.config import WorkerConfig
+from cortex.config import IngestConfig, WorkerConfig
 from cortex.contract import LoadReading, TargetMeta, target_id
 from cortex.engines import RankLoad
 from ingest import silence
@@ -42,14 +43,16 @@ class Load:
                 "age_s": round(now - self.at, 3) if self.at else None}
 
     def to_meta(self, every_s: float, kv_usage: float | None = None, kv_capacity_tokens: float | None = None,
-                evicted_tokens: float | None = None, evicted_tokens_per_s: float | None = None) -> LoadReading:
+                evicted_tokens: float | None = None, evicted_tokens_per_s: float | None = None,
+                inflight: float | None = None) -> LoadReading:
         """For extproc: the reading's own time (the host's monotonic clock, which ingest and extproc share like
         the view's heartbeat) and the poll interval in force, so extproc ages it itself and ingest need not
         republish an unchanged reading just to move its age (docs/performance.md, "What an idle replica
         costs")."""
         return LoadReading(running=self.running, waiting=self.waiting, at=self.at or None, every_s=every_s,
                            kv_usage=kv_usage, kv_capacity_tokens=kv_capacity_tokens,
-                           evicted_tokens=evicted_tokens, evicted_tokens_per_s=evicted_tokens_per_s)
+                           evicted_tokens=evicted_tokens, evicted_tokens_per_s=evicted_tokens_per_s,
+                           inflight=inflight)
 
 
 EVICTION_RISE_S = 1.0
@@ -66,6 +69,16 @@ def eviction_rate(rate: float, evicted_tokens: float, dt: float) -> float:
     now = evicted_tokens / dt
     tau = EVICTION_RISE_S if now > rate else EVICTION_FALL_S
     return rate + (1.0 - math.exp(-dt / tau)) * (now - rate)
+
+
+def load_poll_interval(active: bool, routed: bool, icfg: IngestConfig) -> float:
+    """How often a worker's load is read. Idle: `idle_load_poll_interval_s`. Active and sent requests by this
+    replica: `routed_load_poll_interval_s`, since extproc adds this replica's own in-flight change to the reading
+    between two (cortex.contract LoadReading.inflight), so only the other replicas' and clients' share waits for
+    the next one. Active by others' traffic only: `load_poll_interval_s`."""
+    if not active:
+        return icfg.idle_load_poll_interval_s
+    return icfg.routed_load_poll_interval_s if routed else icfg.load_poll_interval_s
 
 
 @dataclass
@@ -92,6 +105,8 @@ class Target:
     pool's free part (extproc/policies/claims.py)."""
     evicted_tokens_per_s: float = 0.0
     """How fast it has been evicting lately (`eviction_rate`), for the evictions not counted yet."""
+    inflight_at_read: float | None = None
+    """This replica's requests in flight there when the last reading was taken (None: not known)."""
     evictions_seen: tuple[int, float] = (0, 0.0)
     """(the ledger's removed-block count, when) at the last load reading."""
     activity_checked: float = 0.0
@@ -211,7 +226,7 @@ class Target:
             exact_kv=self.exact_kv,
             state=self.events.sync.state.value, reason=self.why_not_exact(), why=self.why_code(),
             load=self.load.to_meta(w.poll_every, self.kv_usage, self.kv_capacity_tokens, self.evicted_tokens,
-                                   round(self.evicted_tokens_per_s, 1)),
+                                   round(self.evicted_tokens_per_s, 1), self.inflight_at_read),
             added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port, tls_name=w.tls_name,
         )
 
@@ -265,9 +280,11 @@ class Worker:
     bootstrap_port: int | None = None
     """SGLang prefill: the bootstrap port a decode must reach (config, else the worker's /server_info)."""
     poll_every: float = 0.0
-    """The load poll interval in force (ingest.load_poll_interval_s while active, else the idle one)."""
+    """The load poll interval in force (`load_poll_interval`)."""
     active_until: float = 0.0
     """Monotonic time until which its load is polled at the active cadence."""
+    idle: bool = True
+    """On the idle cadence: its next reading waits for `wake` (or the idle interval)."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set to cut an idle-cadence wait short (a KV event arrived, or this replica routed to it)."""
     tls_name: str | None = None
@@ -319,8 +336,9 @@ class Worker:
             if self.health_failures >= failures:
                 self.healthy = False
 
-    def apply_load(self, per_rank: LoadByRank, now: float) -> None:
-        """A load reading, per rank: each target takes its rank's (a worker without DP, the sum)."""
+    def apply_load(self, per_rank: LoadByRank, now: float, inflight: np.ndarray | None = None) -> None:
+        """A load reading, per rank: each target takes its rank's (a worker without DP, the sum). `inflight`: this
+        replica's requests in flight per slot at the reading (None: not known)."""
         for target in self.targets:
             if target.rank is None:
                 readings = per_rank.values()
@@ -336,6 +354,8 @@ class Worker:
                 running, waiting, activity, kv_usage, capacity = per_rank.get(target.rank,
                                                                               RankLoad(0.0, 0.0, 0.0))
             target.load = Load(running=running, waiting=waiting, at=now)
+            target.inflight_at_read = (float(inflight[target.slot])
+                                       if inflight is not None and 0 <= target.slot < inflight.size else None)
             target.activity = activity
             target.kv_usage = kv_usage
             target.kv_capacity_tokens = capacity
