@@ -305,6 +305,13 @@ class SchedulerConfig(_Strict):
     """A prompt no worker holds goes, among the least loaded workers, to its home (a hash of its first block,
     the same on every replica), so replicas agree and repeats land together before any event arrives. Off:
     a random least-loaded worker (pure load balancing for prompts nobody holds)."""
+    tier_weights: dict[Literal["CPU", "STORAGE"], Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=lambda: {"CPU": 0.75, "STORAGE": 0.25})  # type: ignore[arg-type]
+    """What a block a worker holds on a lower tier (its engine offloaded it: vLLM's OffloadingConnector, LMCache,
+    SGLang HiCache) is worth in the score, against 1 for a block on its GPU: such a block is loaded instead of
+    computed, which saves most of its prefill but not the transfer. Dynamo's defaults (CPU 0.75, disk 0.25;
+    llm-d weighs CPU 0.8 and has no disk weight); docs/ledger.md, "Tiers". A tier left out counts 0. A
+    lower-tier hit is claimed only where the engine reports it in cached_tokens (vLLM does)."""
 
     @model_validator(mode="after")
     def _watermarks(self) -> SchedulerConfig:
@@ -487,7 +494,10 @@ class WorkerConfig(_Strict):
     engine: Engine = engines.DEFAULT_ENGINE
     """Must match the model's engine."""
     kv_events: str | None = None
-    """ZMQ PUB endpoint of the engine's KV events, e.g. tcp://10.0.0.5:5557 (None: route this worker by load)."""
+    """ZMQ PUB endpoint of the engine's KV events, e.g. tcp://10.0.0.5:5557 (None: route this worker by load).
+    Cortex connects to it, so the engine must bind it: vLLM binds only an endpoint with `*` (`"endpoint":
+    "tcp://*:5557"`) and connects out from any other, which Cortex names in /cortex/workers (docs/engines.md,
+    "Publishers that connect"). The engine's bind spelling (tcp://*:PORT) is refused here."""
     kv_replay: str | None = None
     """ZMQ ROUTER replay endpoint (engine `replay_endpoint`), used to fill gaps."""
     kv_topic: str = ""
@@ -514,6 +524,10 @@ class WorkerConfig(_Strict):
     def _zmq(cls, value: str | None) -> str | None:
         if value is not None and not re.match(r"^(tcp://[^:/]+:\d+|ipc://.+)$", value):
             raise ValueError("must be a ZMQ endpoint such as tcp://HOST:PORT or ipc:///path")
+        if value is not None and value.startswith("tcp://") and value[6:].rsplit(":", 1)[0] in ("*", "0.0.0.0"):
+            # The engine's own endpoint spelling: it binds there; Cortex connects to the worker's address.
+            raise ValueError(f"{value} is a bind address (what the engine's --kv-events-config says); give the "
+                             "address Cortex connects to, e.g. tcp://10.0.0.5:5557")
         return value
 
     @property

@@ -13,6 +13,11 @@ version it was not written for (`ContractError`), and extproc then treats the vi
 its config and its own in-flight counts, claims no hit) instead of misreading it. That is what a rolling
 restart that starts a newer ingest next to an older extproc looks like. A document without `version` is
 version 1: the layout ingest published before the field existed.
+
+Version 2 added `TargetMeta.groups`: a hybrid model's target slot lists only its full-attention spec, so a
+version-1 reader, which does not know the other specs, would claim hits the engine will not serve. Ingest writes
+the lowest version that describes the document (`version_of`): 1 while no target has groups (a fleet without
+hybrid models keeps its exact routing through a rolling restart), 2 once one has. This code reads both.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from typing import Any
 
 import msgspec
 
-SCHEMA_VERSION = 1
-"""The version this code writes and the only one it reads."""
+SCHEMA_VERSION = 2
+"""The newest version this code writes."""
+READABLE = (1, 2)
+"""The versions this code reads."""
 
 
 def target_id(worker: str, rank: int | None) -> str:
@@ -59,6 +66,25 @@ class LoadReading(msgspec.Struct, frozen=True):
     """This replica's requests in flight there at that reading (its extproc processes' in-flight board): between
     readings extproc adds its own in-flight change since to the reading (extproc/cluster_view.py derived_load).
     None: not known (a writer from before the field); the reading is then taken as it is."""
+
+
+class GroupSlot(msgspec.Struct, frozen=True):
+    """One KV-cache spec of a hybrid model's target: the slot whose bitset lists the blocks every group of that
+    spec holds on the GPU, and how the engine's hit rule reads it (cortex/hit_rule.py)."""
+
+    slot: int
+    kind: str
+    """`full` (a prefix run) or `window` (the blocks of the window back from the hit point)."""
+    need: int = 0
+    """`window`: consecutive blocks a hit must end with."""
+
+
+class TierSlot(msgspec.Struct, frozen=True):
+    """One lower tier of a target (its blocks offloaded to CPU memory or storage): the slot listing them."""
+
+    slot: int
+    medium: str
+    """`CPU` or `STORAGE` (cortex.kv_events.TIERS)."""
 
 
 class TargetMeta(msgspec.Struct, frozen=True):
@@ -100,6 +126,14 @@ class TargetMeta(msgspec.Struct, frozen=True):
     tls_name: str | None = None
     """An https worker: the name its certificate must carry (upstream_tls, cortex/upstream_tls.py), which extproc's
     own requests to it check. None: plain http."""
+    groups: tuple[GroupSlot, ...] = ()
+    """A hybrid model's KV-cache specs, `slot`'s (its full-attention spec) among them; empty: one full-attention
+    spec, whose hit is `slot`'s leading run (schema version 2)."""
+    tiers: tuple[TierSlot, ...] = ()
+    """Lower tiers the target publishes (offloaded copies); empty: GPU only."""
+    lookahead_blocks: int = 0
+    """Blocks the engine's hit may fall short of a matched run because its hashes fold in tokens after each
+    block (vLLM lookahead hashing, speculative drafters): the claim leaves them out."""
 
 
 class ClusterMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,10 +149,16 @@ class ClusterMeta(msgspec.Struct, frozen=True, kw_only=True):
 _encoder = msgspec.json.Encoder()
 
 
+def version_of(meta: ClusterMeta) -> int:
+    """The lowest schema version that describes `meta` (module docstring)."""
+    return 2 if any(t.groups for t in meta.targets) else 1
+
+
 def encode_meta(meta: ClusterMeta) -> bytes:
-    """Ingest's side: the document as JSON bytes, stamped with the version this code writes."""
-    if meta.version != SCHEMA_VERSION:
-        meta = msgspec.structs.replace(meta, version=SCHEMA_VERSION)
+    """Ingest's side: the document as JSON bytes, stamped with the lowest version that describes it."""
+    version = version_of(meta)
+    if meta.version != version:
+        meta = msgspec.structs.replace(meta, version=version)
     return _encoder.encode(meta)
 
 
@@ -134,10 +174,10 @@ def decode_meta(doc: dict[str, Any] | bytes) -> ClusterMeta:
     if not isinstance(doc, dict):
         raise ContractError(f"meta document is a {type(doc).__name__}, not an object")
     version = doc.get("version", 1)
-    if type(version) is not int or version != SCHEMA_VERSION:
-        raise ContractError(f"meta document has schema version {version!r}; this process reads version "
-                            f"{SCHEMA_VERSION} only (a newer or older ingest is running: finish the rolling "
-                            "restart so both sides run the same release)")
+    if type(version) is not int or version not in READABLE:
+        raise ContractError(f"meta document has schema version {version!r}; this process reads versions "
+                            f"{', '.join(map(str, READABLE))} only (a newer or older ingest is running: finish the "
+                            "rolling restart so both sides run the same release)")
     try:
         return msgspec.convert(doc, ClusterMeta)
     except msgspec.ValidationError as exc:

@@ -31,6 +31,19 @@ MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 
+# Where a block lives, as Cortex ranks hits: the engines' `medium` values folded into three tiers. vLLM's GPU pool
+# sends "GPU" (also on CPU builds), its OffloadingConnector "CPU" / "STORAGE" (vllm/distributed/kv_events.py);
+# SGLang 0.5.23's StorageMedium is GPU / CPU_PINNED / DISK / EXTERNAL (HiCache: device, host, storage), and an
+# earlier SGLang sent CPU_TIER1 / CPU_TIER2 for its L2 / L3 (sgl-project/sglang#18205). No medium (older
+# publishers) is the GPU. Anything else is unknown: counted, never applied (ingest/events.py).
+TIER_GPU, TIER_CPU, TIER_STORAGE = "GPU", "CPU", "STORAGE"
+TIERS = (TIER_GPU, TIER_CPU, TIER_STORAGE)
+MEDIUM_TIERS: dict[str | None, str] = {
+    None: TIER_GPU, "GPU": TIER_GPU, "gpu": TIER_GPU,
+    "CPU": TIER_CPU, "cpu": TIER_CPU, "CPU_PINNED": TIER_CPU, "CPU_TIER1": TIER_CPU,
+    "STORAGE": TIER_STORAGE, "DISK": TIER_STORAGE, "EXTERNAL": TIER_STORAGE, "CPU_TIER2": TIER_STORAGE,
+}
+
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of a replay's end marker (ff * 8)."""
 
@@ -76,6 +89,16 @@ class BlockRemoved(KVCacheEvent):
 
 class AllBlocksCleared(KVCacheEvent):
     pass
+
+
+class BlockInactive(KVCacheEvent):
+    """In review for vLLM (vllm-project/vllm#50732, not in 0.32/0.33): a GPU block no request references any more,
+    still cached. Not part of KVEventBatch's union here, as upstream has not released it; the simulator never
+    sends it. Cortex decodes it and leaves the ledger unchanged (the block is still held)."""
+
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
 
 
 class KVEventBatch(EventBatch):

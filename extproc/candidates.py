@@ -16,6 +16,7 @@ import numpy as np
 
 from cortex.config import SchedulerConfig
 from extproc.cluster_view import TargetInfo, derived_load
+from extproc.engine_hits import LowerHit
 from extproc.policies.base import Candidate, queue_ms, still_hot
 from extproc.predictions import Predictions
 
@@ -43,10 +44,11 @@ class Hysteresis:
 def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Sequence[int], inflight: np.ndarray,
           alive: bool, predictions: Predictions, hysteresis: Hysteresis, scoring: SchedulerConfig,
           backlog_ms: np.ndarray | None = None, calibration: Mapping[str, float] | None = None,
-          typical_prefill_ms: float | None = None) -> list[Candidate]:
-    """An inference request's candidates. `matches`: leading blocks held per slot (None: the ledger did not
-    answer); `inflight`: Cortex's in-flight totals per slot; `alive`: ingest's view is live (else engine load is
-    not trusted); `backlog_ms`: this replica's prefill work per slot not done yet; `calibration`: observed over
+          typical_prefill_ms: float | None = None, lower: Mapping[int, LowerHit] | None = None) -> list[Candidate]:
+    """An inference request's candidates. `matches`: leading blocks each slot's engine reuses from its GPU (None:
+    the ledger did not answer); `lower`: per slot, the run a lower tier holds after that (extproc/engine_hits.py);
+    `inflight`: Cortex's in-flight totals per slot; `alive`: ingest's view is live (else engine load is not
+    trusted); `backlog_ms`: this replica's prefill work per slot not done yet; `calibration`: observed over
     predicted TTFT per worker id. Under `scheduler.rule: ttft` a worker is hot by its predicted queue too."""
     by_work = scoring.rule == "ttft"
     typical = typical_prefill_ms if typical_prefill_ms is not None else scoring.queued_request_ms
@@ -62,13 +64,17 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
     for w in live:
         trusted = matches is not None and w.exact_kv
         matched = int(matches[w.slot]) if trusted and matches is not None else 0
+        tier = lower.get(w.slot) if trusted and lower else None
         sent = predictions.last_sent(w.slot, keys[matched - 1]) if 0 < matched <= len(keys) else None
         n_inflight = int(inflight[w.slot])
         engine_load = derived_load(w.engine_load, w.load_inflight, n_inflight) if alive else None
         active = max(engine_load or 0.0, float(n_inflight))
         waiting = w.engine_waiting if engine_load is not None else 0.0
         c = Candidate(
-            id=w.id, slot=w.slot, address=w.address, matched_blocks=matched, ledger_trusted=trusted,
+            id=w.id, slot=w.slot, address=w.address, ledger_trusted=trusted,
+            matched_blocks=matched + (tier.claimed if tier else 0),
+            tier_blocks=tier.blocks if tier else 0, tier_claimed=tier.claimed if tier else 0,
+            tier_credit=tier.credit if tier else 0.0, tier_media=tuple(tier.by_medium.items()) if tier else (),
             predicted_blocks=predictions.extend(keys, w.slot, matched) if trusted else 0,
             engine_load=engine_load, engine_waiting=waiting, inflight=n_inflight,
             hot=hysteresis.update(w.slot, active, scoring), rank=w.rank,

@@ -19,7 +19,7 @@ from prometheus_client import Counter
 
 from cortex.calibration import CALIBRATION_FILE, Calibration
 from cortex.config import UNRESOLVED, CortexConfig
-from cortex.contract import ContractError, LoadReading, TargetMeta, decode_meta, target_id
+from cortex.contract import ContractError, GroupSlot, LoadReading, TargetMeta, TierSlot, decode_meta, target_id
 from cortex.inflight import BacklogBoard, InflightBoard, TouchBoard
 from cortex.ledger_view import ViewBusy, ViewReader
 from cortex.upstream_tls import verify_name
@@ -105,6 +105,12 @@ class TargetInfo:
     first while a worker in good standing exists. False for the config's list (nothing is known yet)."""
     tls_name: str | None = None
     """An https worker: the name its certificate must carry (extproc's own requests check it); None: http."""
+    groups: tuple[GroupSlot, ...] = ()
+    """A hybrid model's KV-cache specs and their slots (empty: `slot`'s leading run is the hit)."""
+    tiers: tuple[TierSlot, ...] = ()
+    """Its lower tiers' slots (empty: GPU only)."""
+    lookahead_blocks: int = 0
+    """Blocks a hit gives up to the engine's lookahead hashing (extproc/engine_hits.py)."""
 
     @property
     def age_s(self) -> float | None:
@@ -182,7 +188,8 @@ class ClusterView:
                               evicted_tokens_per_s=t.load.evicted_tokens_per_s, load_at=t.load.at,
                               load_inflight=t.load.inflight,
                               role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect,
-                              tls_name=t.tls_name)
+                              tls_name=t.tls_name, groups=t.groups, tiers=t.tiers,
+                              lookahead_blocks=t.lookahead_blocks)
             if t.load.evicted_tokens is not None:
                 self.touches.note_evicted(t.slot, t.load.evicted_tokens)
             by_model.setdefault(info.model, []).append(info)
@@ -274,5 +281,14 @@ class ClusterView:
             return None
         try:
             return self.reader.match(keys)
+        except ViewBusy:
+            return None
+
+    def match_detail(self, keys: list[int], slots: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """`match`, plus per key which of `slots` hold it (ViewReader.match_detail); None as for `match`."""
+        if not self.alive or self.reader is None or not keys:
+            return None
+        try:
+            return self.reader.match_detail(keys, slots)
         except ViewBusy:
             return None

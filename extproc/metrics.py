@@ -16,6 +16,14 @@ RANDOM_HIT_TOKENS = Counter("cortex_random_choice_hit_tokens",
                             "prompt tokens a worker drawn at random from the same candidates would have had cached, "
                             "by the same ledger (the mean over the candidates): routing gain = claimed / this")
 PROMPT_TOKENS = Counter("cortex_routed_prompt_tokens", "prompt tokens of routed requests")
+LOWER_TIER_TOKENS = Counter("cortex_lower_tier_hit_tokens",
+                            "prompt tokens of the chosen worker's hit that a lower tier holds (loaded, not computed), "
+                            "by tier and whether they were claimed (the engine counts them in cached_tokens)",
+                            ["medium", "claimed"])
+WINDOW_WITHHELD_TOKENS = Counter("cortex_window_withheld_tokens",
+                                 "prompt tokens a hybrid model's chosen worker held in its full-attention group but "
+                                 "not in the blocks its sliding windows need: never claimed (a full-attention-only "
+                                 "match would have)")
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 DECISION_SECONDS = Histogram("cortex_route_decision_seconds", "time to route one request inside extproc",
                              buckets=_BUCKETS)
@@ -51,6 +59,18 @@ def observe_decision(result: RoutePlan, total_s: float, block_size: int) -> None
     d = result.decision
     DECISIONS.labels(d.mode, d.reason).inc()
     HIT_TOKENS.inc(d.hit_tokens)
+    if d.order:
+        chosen = d.chosen
+        claimed = d.hit_tokens > 0
+        left = chosen.tier_claimed if claimed else 0
+        for medium, n in chosen.tier_media:  # in load order: the claimed part comes first
+            took = min(n, left)
+            left -= took
+            if took:
+                LOWER_TIER_TOKENS.labels(medium, "true").inc(took * block_size)
+            if n - took:
+                LOWER_TIER_TOKENS.labels(medium, "false").inc((n - took) * block_size)
+        WINDOW_WITHHELD_TOKENS.inc(result.withheld.get(chosen.slot, 0) * block_size)
     if d.order:
         # What round robin (or any choice blind to the cache) would have got on average, proven blocks only.
         RANDOM_HIT_TOKENS.inc(sum(c.matched_blocks for c in d.order) * block_size / len(d.order))

@@ -100,6 +100,8 @@ class RoutePlan:
     head_ids: list[int] = field(default_factory=list)
     """The prompt's first ids and its fingerprint (Prepared's), for the request log."""
     prompt_hash: str = ""
+    withheld: dict[int, int] = field(default_factory=dict)
+    """Per hybrid slot: blocks its full-attention run held that its sliding windows did not (Prepared's)."""
 
 
 def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
@@ -110,7 +112,7 @@ def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
     cands = candidates.build(workers, matches=matches, keys=keys, inflight=snap.inflight, alive=snap.alive,
                              predictions=state.predictions, hysteresis=state.hysteresis, scoring=scoring,
                              backlog_ms=snap.backlog_ms, calibration=snap.calibration if scoring.calibrate else None,
-                             typical_prefill_ms=typical)
+                             typical_prefill_ms=typical, lower=prep.lower)
     facts = Facts(block_size=snap.block_size, ledger_usable=matches is not None,
                   why_not_exact=candidates.why_not_exact(prep.why, workers, matches, cands), scoring=scoring,
                   home=keys[0] if keys and scoring.prompt_home else None, session=prep.session,
@@ -166,8 +168,8 @@ def _pd(snap: Snapshot, prep: Prepared, pools: pd.Pools, state: State, *, commit
         alone = choose(snap, prep, single, state, commit=False).chosen
         bs = snap.block_size
         why = pd.skip_reason(prompt_tokens=prep.prompt_tokens,
-                             prefill_cached_tokens=prefill.chosen.affinity_blocks * bs,
-                             single_cached_tokens=alone.affinity_blocks * bs, cfg=cfg)
+                             prefill_cached_tokens=round(prefill.chosen.affinity_blocks * bs),
+                             single_cached_tokens=round(alone.affinity_blocks * bs), cfg=cfg)
         if why is not None:
             return skip(why)
     if commit and prep.keys and prefill.chosen.ledger_trusted:
@@ -209,7 +211,7 @@ def plan(snap: Snapshot, prep: Prepared, state: State, *, commit: bool) -> Route
                      prompt_tokens_estimated=prep.estimated, fallback=fallback,
                      # The worker serves the model, not the public alias.
                      changes={"model": prep.model} if prep.alias is not None else {}, generation=snap.gen.number,
-                     head_ids=prep.head_ids, prompt_hash=prep.prompt_hash)
+                     head_ids=prep.head_ids, prompt_hash=prep.prompt_hash, withheld=prep.withheld)
 
 
 def route_any(snap: Snapshot, state: State) -> Decision | None:

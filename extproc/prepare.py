@@ -19,7 +19,7 @@ from cortex.blockkeys import chain_keys, root_key
 from cortex.errors import ClientError
 from cortex.model_bundle import ModelBundle, TemplateError
 from cortex.piecewise_tokenize import EncoderSet, SegmentMismatch, TokenCursor
-from extproc import pd
+from extproc import engine_hits, pd
 from extproc.cluster_view import TargetInfo
 from extproc.policies import session
 from extproc.predictions import Predictions
@@ -48,6 +48,8 @@ class Prepared:
     """The prompt was longer than extproc.max_tokenize_chars; prompt_tokens counts only the routed prefix."""
     keys: list[int]
     matches: np.ndarray | None
+    """Per slot, the leading blocks its engine will reuse from its GPU (the view's match through the engine's hit
+    rule: extproc/engine_hits.py)."""
     why: str
     timings: Timings
     body: dict[str, Any] | None = None
@@ -68,6 +70,10 @@ class Prepared:
     """observation.prompt_hash of the whole prompt, for the request log."""
     session: int | None = None
     """The request's session key hashed (policies/session.py), None without one."""
+    lower: dict[int, engine_hits.LowerHit] = field(default_factory=dict)
+    """Per slot, the blocks a lower tier holds right after its GPU hit (extproc/engine_hits.py)."""
+    withheld: dict[int, int] = field(default_factory=dict)
+    """Per hybrid slot: blocks its full-attention run held that its sliding windows did not (never claimed)."""
 
 
 def prompt_text(req: ParsedRequest, bundle: ModelBundle) -> tuple[str, bool]:
@@ -117,7 +123,7 @@ def _tokens(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle,
 
 def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list[TargetInfo], root: int,
           timings: Timings, segments: EncoderSet, predictions: Predictions,
-          deferred: DeferredTail) -> tuple[WalkResult, bool, str]:
+          deferred: DeferredTail) -> tuple[WalkResult, bool, str, engine_hits.Detail | None]:
     """Tokenize, hash and look up only as far as some worker can hold the prompt (extproc/prompt_walk.py)."""
     t0 = time.perf_counter()
     bs = snap.block_size
@@ -142,10 +148,15 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
     timings.tokenize_s += time.perf_counter() - t0
     watched = [w.slot for w in workers]
     trusted = [w.slot for w in workers if w.exact_kv]
+    detail: engine_hits.Detail | None = None
+    slots = engine_hits.detail_slots(workers)
 
     def go(cursor: TokenCursor) -> WalkResult:
+        nonlocal detail
+        detail = engine_hits.Detail(snap.match_detail, slots) if slots is not None else None
         # Past a cut the last tokens may differ from the engine's: two more blocks are left out, as in tokens().
-        return walk(cursor, block_size=bs, root=root, holdback=1 + 2 * bs * truncated, lookup=snap.match,
+        return walk(cursor, block_size=bs, root=root, holdback=1 + 2 * bs * truncated,
+                    lookup=snap.match if detail is None else detail.lookup,
                     predictions=predictions, watched=watched, trusted=trusted, timings=timings,
                     catch_up=deferred.catch_up, whole=whole)
     try:
@@ -158,7 +169,7 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
         result = go(cursor)
     if truncated:
         result.prompt_tokens = max(0, result.prompt_tokens - 2 * bs)
-    return result, truncated, fingerprint
+    return result, truncated, fingerprint, detail
 
 
 class NoWorker(ClientError):
@@ -191,19 +202,24 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     timings = Timings()
     transparent = snap.transparent(resolved.model)
     pools = None if transparent else pd.split_pools(workers)
-    if not (full_tokens or pools is None or req.unroutable or not snap.alive or pools.pd_ready):
-        walked, truncated, fingerprint = _walk(snap, req, bundle, workers, root, timings, segments, predictions,
-                                               deferred)
+    # A lower tier's run starts where the GPU hit ends, past what the walk follows: such models are looked up whole.
+    if not (full_tokens or pools is None or req.unroutable or not snap.alive or pools.pd_ready
+            or engine_hits.tiered(workers)):
+        walked, truncated, fingerprint, detail = _walk(snap, req, bundle, workers, root, timings, segments,
+                                                       predictions, deferred)
         why = "no_cached_prefix"
         if not walked.keys:
             why = "prompt_shorter_than_a_block"
         elif walked.matches is None:
             why = "ledger_unavailable"
+        found = _hits(snap, workers, walked.matches, detail, len(walked.keys))
+        why = _why(why, workers, found)
         return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=[], truncated=truncated,
-                        keys=walked.keys, matches=walked.matches, why=why, timings=timings, body=req.body,
-                        prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
+                        keys=walked.keys, matches=found.matches if found else None, why=why, timings=timings,
+                        body=req.body, prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
                         tail=walked.tail, pools=pools, lora=resolved.lora,
-                        head_ids=walked.head, prompt_hash=fingerprint, session=sess)
+                        head_ids=walked.head, prompt_hash=fingerprint, session=sess,
+                        lower=found.lower if found else {}, withheld=found.withheld if found else {})
     t0 = time.perf_counter()
     ids, truncated, fingerprint = _tokens(snap, req, bundle, segments)
     t1 = time.perf_counter()
@@ -214,6 +230,7 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     why = "no_cached_prefix"
     matches = None
     keys: list[int] = []
+    hits: engine_hits.Hits | None = None
     if transparent:
         why = "transparent_proxy"
     elif req.unroutable:
@@ -226,11 +243,35 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
         keys = chain_keys(ids, bs, root, max_blocks=usable_blocks)
         t2 = time.perf_counter()
         timings.hash_s = t2 - t1
-        matches = snap.match(keys)
+        slots = engine_hits.detail_slots(workers)
+        detail = engine_hits.Detail(snap.match_detail, slots) if slots is not None else None
+        matches = snap.match(keys) if detail is None else detail.lookup(keys)
         timings.lookup_s = time.perf_counter() - t2
         if matches is None:
             why = "ledger_unavailable"
+        hits = _hits(snap, workers, matches, detail, len(keys))
+        why = _why(why, workers, hits)
     return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=ids, truncated=truncated,
-                    keys=keys, matches=matches, why=why, timings=timings, body=req.body, prompt_tokens=len(ids),
-                    pools=pools, lora=resolved.lora, transparent=transparent,
-                    head_ids=ids[:observation.FIRST_IDS_LOGGED], prompt_hash=fingerprint, session=sess)
+                    keys=keys, matches=hits.matches if hits else matches, why=why, timings=timings, body=req.body,
+                    prompt_tokens=len(ids), pools=pools, lora=resolved.lora, transparent=transparent,
+                    head_ids=ids[:observation.FIRST_IDS_LOGGED], prompt_hash=fingerprint, session=sess,
+                    lower=hits.lower if hits else {}, withheld=hits.withheld if hits else {})
+
+
+def _why(why: str, workers: list[TargetInfo], hits: engine_hits.Hits | None) -> str:
+    """`window_not_cached` when no trusted target has a hit but a hybrid one's full-attention group held the prefix:
+    its sliding window lacks the blocks back from there, so the engine computes the prompt again."""
+    if why != "no_cached_prefix" or hits is None or not hits.withheld:
+        return why
+    trusted = [w for w in workers if w.exact_kv]
+    if any(hits.matches[w.slot] > 0 for w in trusted) or not any(w.slot in hits.withheld for w in trusted):
+        return why
+    return "window_not_cached"
+
+
+def _hits(snap: Snapshot, workers: list[TargetInfo], matches: np.ndarray | None, detail: engine_hits.Detail | None,
+          limit: int) -> engine_hits.Hits | None:
+    """The view's matches through each target's engine hit rule (None when the view did not answer)."""
+    if matches is None:
+        return None
+    return engine_hits.resolve(matches, workers, detail, limit, snap.cfg.scheduler.tier_weights)

@@ -973,6 +973,11 @@ class ExtProc:
             "reason": d.reason,
             "cache_hit_tokens": d.hit_tokens,
             "workers": [{"id": c.id, "matched_tokens": d.matched_tokens.get(c.id),
+                         **({"window_withheld_tokens": result.withheld[c.slot] * self.cluster.block_size}
+                            if c.slot in result.withheld else {}),
+                         **({"lower_tier_tokens": {m: n * self.cluster.block_size for m, n in c.tier_media},
+                             "lower_tier_claimed_tokens": c.tier_claimed * self.cluster.block_size}
+                            if c.tier_media else {}),
                          "predicted_tokens": c.predicted_blocks * self.cluster.block_size,
                          "ledger_trusted": c.ledger_trusted, "engine_load": c.engine_load,
                          "inflight": c.inflight, "suspect": c.suspect, "hot": c.hot, "kv_usage": c.kv_usage,

@@ -85,6 +85,9 @@ class Snapshot:
     def match(self, keys: list[int]) -> np.ndarray | None:
         return self.view.match(keys) if self.alive else None
 
+    def match_detail(self, keys: list[int], slots: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        return self.view.match_detail(keys, slots) if self.alive else None
+
 
 def take(gen: Generation, view: ClusterView) -> Snapshot:
     return Snapshot(gen=gen, targets=view.targets, alive=view.alive, block_size=view.block_size,

@@ -93,6 +93,13 @@ class IngestCollector(Collector):
         )}
         dropped = CounterMetricFamily("cortex_ingest_dropped_events", "events not applied, by reason",
                                       labels=[*labels, "reason"])
+        unknown = CounterMetricFamily("cortex_ingest_unknown_events", "events of a type Cortex does not know (a newer "
+                                      "engine's), skipped", labels=[*labels, "kind"])
+        media = CounterMetricFamily("cortex_ingest_unknown_media", "stores and removals on a medium Cortex does not "
+                                    "know, skipped", labels=[*labels, "medium"])
+        lanes = GaugeMetricFamily("cortex_ledger_lane_blocks", "Cortex blocks a target holds per copy set: "
+                                  "<tier>/<KV-cache group>[/<locality>][/<ownership>] (GPU/0: the first group on the "
+                                  "GPU; CPU/..., STORAGE/...: offloaded copies)", labels=[*labels, "lane"])
         for w in self.ingest.workers.values():
             healthy.add_metric([w.id], 1.0 if w.healthy else 0.0)
             tokens.add_metric([w.id, w.token_parity.status], 1.0)
@@ -121,8 +128,14 @@ class IngestCollector(Collector):
                     counters[name].add_metric(key, value)
                 for reason, n in ev.ledger.dropped.items():
                     dropped.add_metric([*key, reason], n)
+                for kind, n in ev.unknown_events.items():
+                    unknown.add_metric([*key, kind], n)
+                for medium, n in ev.ledger.unknown_media.items():
+                    media.add_metric([*key, medium], n)
+                for lane, n in ev.ledger.lanes().items():
+                    lanes.add_metric([*key, lane], n)
         yield from (state, exact, silent, parity, healthy, tokens, blocks, running, waiting, kv_usage, event_age, lag,
-                    *counters.values(), dropped)
+                    *counters.values(), dropped, unknown, media, lanes)
         yield GaugeMetricFamily("cortex_ingest_start_time_seconds", "unix time this ingest process started",
                                 value=STARTED_AT)
         yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view",

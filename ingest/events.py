@@ -18,8 +18,6 @@ import msgspec
 
 from cortex import kv_events
 
-GPU_MEDIA = frozenset({None, "GPU", "gpu"})
-
 
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     block_hashes: list[int]
@@ -31,23 +29,45 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     cache_salt: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    """vLLM: the KV-cache group's kind (full_attention, sliding_window, mamba, ...); None: not said (one group)."""
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    """LOCAL / REMOTE relative to the publisher (offloading tiers); None: unspecified."""
+    ownership: str | None = None
+    """A secondary offloading tier's id; a copy under another ownership is another copy."""
+    lookahead: int = 0
+    """Tokens after each block that vLLM folded into its hash (`lookahead_token_ids`, speculative drafters): the
+    last block of a hit also needs them to match (ingest/ledger.py)."""
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
     block_hashes: list[int]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
     pass
 
 
-Event = BlockStored | BlockRemoved | AllBlocksCleared
+class BlockInactive(msgspec.Struct, tag="BlockInactive", tag_field="type"):
+    """A block no request references any more, still cached (vllm-project/vllm#50732, in review): no change to
+    what the engine holds."""
+
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared | BlockInactive
 
 
 class _WireStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
-    """The current map layout, decoded in C; hashes may still be signed or bytes until normalised."""
+    """The current map layout, decoded in C; hashes may still be signed or bytes until normalised. Fields Cortex
+    does not use (lora_id, session_id) are skipped by the decoder."""
 
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
@@ -58,15 +78,29 @@ class _WireStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     cache_salt: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class _WireRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
     block_hashes: list[int | bytes]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
-_typed = msgspec.msgpack.Decoder(tuple[float, list[_WireStored | _WireRemoved | AllBlocksCleared], int | None])
+class _WireInactive(msgspec.Struct, tag="BlockInactive", tag_field="type"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+_typed = msgspec.msgpack.Decoder(
+    tuple[float, list[_WireStored | _WireRemoved | AllBlocksCleared | _WireInactive], int | None])
 
 
 @dataclass(slots=True)
@@ -75,6 +109,8 @@ class Batch:
     events: list[Event]
     dp_rank: int | None
     errors: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    """Tags of events of a type Cortex does not know (skipped and counted: a newer engine's event is no error)."""
 
 
 class DecodeError(ValueError):
@@ -109,11 +145,26 @@ def _opt_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _lookahead(value: Any) -> int:
+    """Tokens folded into each block's hash after it: the longest of `lookahead_token_ids`' lists (0 for none)."""
+    if not isinstance(value, list):
+        return 0
+    return max((len(v) for v in value if isinstance(v, list)), default=0)
+
+
+class UnknownEvent(DecodeError):
+    """An event of a type Cortex does not know: skipped and counted, not an error."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__(f"unknown event type {tag!r}")
+        self.tag = tag
+
+
 # Positional layouts of older releases, after the tag: the engine schema's fields in order (kv-events.md §5).
 # SGLang's old BlockStored is a prefix of vLLM's, so vLLM's order serves both.
 _POSITIONAL: dict[str, tuple[str, ...]] = {
     cls.__struct_config__.tag: cls.__struct_fields__  # type: ignore[misc]
-    for cls in (kv_events.BlockStored, kv_events.BlockRemoved, kv_events.AllBlocksCleared)
+    for cls in (kv_events.BlockStored, kv_events.BlockRemoved, kv_events.AllBlocksCleared, kv_events.BlockInactive)
 }
 
 
@@ -125,7 +176,7 @@ def decode_event(raw: Any) -> Event:
         tag = raw[0]
         names = _POSITIONAL.get(tag)
         if names is None:
-            raise DecodeError(f"unknown event type {tag!r}")
+            raise UnknownEvent(tag)
         fields = dict(zip(names, raw[1:], strict=False))
         # SGLang 0.5.18-0.5.19 appended a {cache_salt, session_id} map to salted stores.
         if tag == "BlockStored" and len(raw) == 8 and isinstance(raw[7], dict):
@@ -146,13 +197,23 @@ def decode_event(raw: Any) -> Event:
                            tokens, block_size, lora_name=_opt_str(fields.get("lora_name")),
                            medium=_opt_str(fields.get("medium")), cache_salt=_opt_str(fields.get("cache_salt")),
                            extra_keys=extra if isinstance(extra, list) else None,
-                           group_idx=_opt_int(fields.get("group_idx")))
+                           group_idx=_opt_int(fields.get("group_idx")),
+                           kv_cache_spec_kind=_opt_str(fields.get("kv_cache_spec_kind")),
+                           kv_cache_spec_sliding_window=_opt_int(fields.get("kv_cache_spec_sliding_window")),
+                           locality=_opt_str(fields.get("locality")), ownership=_opt_str(fields.get("ownership")),
+                           lookahead=_lookahead(fields.get("lookahead_token_ids")))
     if tag == "BlockRemoved":
         return BlockRemoved(_hashes(fields.get("block_hashes")), medium=_opt_str(fields.get("medium")),
-                            group_idx=_opt_int(fields.get("group_idx")))
+                            group_idx=_opt_int(fields.get("group_idx")), locality=_opt_str(fields.get("locality")),
+                            ownership=_opt_str(fields.get("ownership")))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise DecodeError(f"unknown event type {tag!r}")
+    if tag == "BlockInactive":
+        return BlockInactive(_hashes(fields.get("block_hashes")), medium=_opt_str(fields.get("medium")),
+                             group_idx=_opt_int(fields.get("group_idx")))
+    if not isinstance(tag, str):
+        raise DecodeError("event without a type tag")
+    raise UnknownEvent(tag)
 
 
 _decoder = msgspec.msgpack.Decoder()
@@ -167,13 +228,17 @@ def _norm(hashes: list[int | bytes]) -> list[int]:
     return [wire_hash(h) for h in hashes]
 
 
-def _from_wire(ev: _WireStored | _WireRemoved | AllBlocksCleared) -> Event:
+def _from_wire(ev: _WireStored | _WireRemoved | AllBlocksCleared | _WireInactive) -> Event:
     if isinstance(ev, _WireStored):
         parent = ev.parent_block_hash
         return BlockStored(_norm(ev.block_hashes), None if parent is None else wire_hash(parent), ev.token_ids,
-                           ev.block_size, ev.lora_name, ev.medium, ev.cache_salt, ev.extra_keys, ev.group_idx)
+                           ev.block_size, ev.lora_name, ev.medium, ev.cache_salt, ev.extra_keys, ev.group_idx,
+                           ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.locality, ev.ownership,
+                           _lookahead(ev.lookahead_token_ids) if ev.lookahead_token_ids else 0)
     if isinstance(ev, _WireRemoved):
-        return BlockRemoved(_norm(ev.block_hashes), ev.medium, ev.group_idx)
+        return BlockRemoved(_norm(ev.block_hashes), ev.medium, ev.group_idx, ev.locality, ev.ownership)
+    if isinstance(ev, _WireInactive):
+        return BlockInactive(_norm(ev.block_hashes), ev.medium, ev.group_idx)
     return ev
 
 
@@ -198,6 +263,8 @@ def decode_batch(payload: bytes) -> Batch:
     for item in raw[1]:
         try:
             batch.events.append(decode_event(item))
+        except UnknownEvent as exc:
+            batch.unknown.append(exc.tag)
         except DecodeError as exc:
             batch.errors.append(str(exc))
     return batch

@@ -38,7 +38,9 @@ def subscription(t: Target) -> dict[str, Any]:
     if not t.worker.events_usable:
         return {"state": "off", "reason": t.worker.events_reason}
     sync = t.events.sync
-    return {"state": _SUBSCRIPTION[sync.state], "reason": sync.reason,
+    diagnosis = t.events.diagnosis
+    return {"state": _SUBSCRIPTION[sync.state], "reason": diagnosis[1] if diagnosis is not None else sync.reason,
+            **({"diagnosis": diagnosis[0]} if diagnosis is not None else {}),
             "endpoint": t.endpoint(t.worker.cfg.kv_events), "replay": t.endpoint(t.worker.cfg.kv_replay)}
 
 

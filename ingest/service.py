@@ -198,12 +198,23 @@ class Ingest:
         self.publish_meta()
         log.info("worker %s removed", worker_id)
 
-    def _free_slots(self, n: int) -> list[int]:
+    def _used_slots(self) -> set[int]:
+        # A target's own slot and those its ledger took for a hybrid model's other KV-cache specs and lower tiers.
         used = {t.slot for w in self.workers.values() for t in w.targets}
+        used.update(s for w in self.workers.values() for t in w.targets for s in t.events.ledger.slots())
+        return used
+
+    def _free_slots(self, n: int) -> list[int]:
+        used = self._used_slots()
         free = [s for s in range(self.view.max_workers) if s not in used][:n]
         if len(free) < n:
             raise MembershipError(507, f"no free target slot (ingest.max_workers={self.view.max_workers})")
         return free
+
+    def _spare_slot(self) -> int | None:
+        """A slot for a ledger's other KV-cache spec or tier (None: all taken; that target is then not exact)."""
+        used = self._used_slots()
+        return next((s for s in range(self.view.max_workers) if s not in used), None)
 
     def _add(self, wcfg: WorkerConfig, source: str, address: str | None = None) -> Worker:
         model = self.cfg.model(wcfg.model)
@@ -225,7 +236,8 @@ class Ingest:
                                  hash_seed=model.hash_seed)
             tid = target_id(wcfg.id, rank)
             events = EventSource(
-                tid, Ledger(slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size, parity=parity), parity,
+                tid, Ledger(slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size, parity=parity,
+                            alloc=self._spare_slot), parity,
                 SourceSync(has_replay=wcfg.kv_replay is not None), self.zmq, self.view,
                 endpoint=rank_endpoint(wcfg.kv_events, rank), replay_endpoint=rank_endpoint(wcfg.kv_replay, rank),
                 topic=wcfg.kv_topic, on_change=self._changed, on_events=partial(self._events_arrived, worker))
@@ -505,6 +517,8 @@ class Ingest:
         if not w.events_usable or w.cfg.role == "decode":
             return
         for t in w.targets:
+            if t.id in self._sources:
+                t.events.check_link(now)
             before = t.observe_publisher(now, self.cfg.ingest.event_silence_s)
             status = t.events_status
             if status == silence.SILENT and before != silence.SILENT:

@@ -60,6 +60,33 @@ def verdict(o: Observation) -> tuple[str, str]:
     since = o.now - o.link_since
     if not o.connected:
         return SILENT, (f"serves requests, but its KV-event endpoint has not accepted a connection for {since:.0f}s "
-                        "(wrong kv_events port, a firewall, or KV events not enabled on the engine)")
+                        "(wrong kv_events port, a firewall, KV events not enabled on the engine, or an engine "
+                        "endpoint without '*', which vLLM connects out from instead of binding)")
     return SILENT, (f"serves requests, but has published no KV-event batch in the {since:.0f}s since ingest "
                     "connected (KV events not enabled, or a kv_topic that does not match)")
+
+
+CONNECTS_OUT = "connects_out"
+"""The engine's replay socket answers but its event endpoint accepts no connection: it publishes by connecting."""
+UNREACHABLE = "unreachable"
+
+
+def unreachable(endpoint: str, replay: str | None, replay_answered: bool | None, since_s: float) -> tuple[str, str]:
+    """(code, reason) for a KV-event endpoint that has accepted no connection for `since_s`, given whether the
+    engine's replay socket answered a probe (None: no replay endpoint configured, or not asked).
+
+    vLLM binds its event endpoint only when it has `*` or `::` in it (or is ipc:// / inproc://); any other address
+    it *connects* to (`ZmqEventPublisher._is_bind_endpoint`), expecting the subscriber to bind, while it always
+    binds its replay endpoint. So a replay socket that answers beside an event endpoint that refuses is that
+    engine. Cortex does not bind in its place (docs/engines.md, "Publishers that connect")."""
+    if replay_answered:
+        return CONNECTS_OUT, (
+            f"the engine's replay socket {replay} answers, but nothing accepts connections at {endpoint} for "
+            f"{since_s:.0f}s: the engine publishes by connecting out (vLLM binds an event endpoint only when it has "
+            f"'*' in it). Start it with \"endpoint\": \"tcp://*:{endpoint.rsplit(':', 1)[-1]}\" in "
+            "--kv-events-config; routed by load until its events arrive")
+    hint = ("" if replay_answered is None else f"; its replay socket {replay} does not answer either")
+    return UNREACHABLE, (
+        f"nothing accepts connections at {endpoint} for {since_s:.0f}s{hint} (wrong kv_events port, a firewall, KV "
+        "events not enabled on the engine, or an engine endpoint without '*', which vLLM connects out from instead "
+        "of binding); routed by load until its events arrive")

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -21,6 +22,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from cortex.kv_events import END_SEQ
+from ingest import silence
 from ingest.events import DecodeError, decode_batch
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import KeySink, Ledger
@@ -34,6 +36,16 @@ TAIL_QUIET_S = 0.02
 """After this long without a new batch, ask the replay socket whether anything newer was lost."""
 REPLAY_TIMEOUT_S = 3.0
 """A replay whose socket sends nothing for this long is given up (no publisher there, or no replay socket)."""
+LAYOUT_GRACE_S = 0.5
+"""How long a target stays hidden after the target list with its new KV-cache layout (a hybrid model's window
+groups, a lower tier) was written to the view: extproc reads that list before routing when its copy is older than
+0.1 s (extproc/server.py UPKEEP_S), so by then no request reads the new slots with the old layout."""
+UNREACHABLE_S = 5.0
+"""An event endpoint that has accepted no connection for this long is diagnosed (ingest.silence.unreachable): a
+live engine's publisher accepts within ZMQ's 100 ms reconnect interval."""
+DIAGNOSE_EVERY_S = 30.0
+MAX_KINDS = 16
+"""Distinct unknown event types counted by name per target (bounded metric labels); the rest count as `other`."""
 REPLAY_MAX_S = 60.0
 """The longest a replay may stream. The limit above is for silence only: a replica started late replays the
 engine's whole buffer (10 000 batches, tens of MB), which can take longer, and a replay cut short leaves a hole
@@ -130,6 +142,17 @@ class EventSource:
         """The SUB socket is connected to the publisher (ZMQ's socket monitor)."""
         self.link_since = time.monotonic()
         """When the connection last came up or went down (or the source was created)."""
+        self.diagnosis: tuple[str, str] | None = None
+        """(code, reason) when the event endpoint accepts no connection (ingest.silence.unreachable); None once it
+        does."""
+        self._diagnosed_at = -DIAGNOSE_EVERY_S
+        self._diagnose_task: asyncio.Task[None] | None = None
+        self.unknown_events: Counter[str] = Counter()
+        """Events of types Cortex does not know, by type (skipped; a newer engine's)."""
+        self._layout = ledger.layout_version
+        """The ledger's layout version last acted on."""
+        self._layout_pending = False
+        """A new layout's slots are not shown until extproc has read the target list that describes them."""
 
     @property
     def received(self) -> int:
@@ -202,6 +225,11 @@ class EventSource:
                         # ingest.silence tells a worker whose publisher never accepts us from an idle one.
                         self.link_up = event == zmq.EVENT_CONNECTED
                         self.link_since = time.monotonic()
+                        if self.link_up and self.diagnosis is not None:
+                            log.info("target %s: KV-event endpoint %s accepts connections now", self.name,
+                                     self.endpoint)
+                            self.diagnosis = None
+                            self.on_change()
                     if event == zmq.EVENT_CONNECTED:
                         # Batches published before the SUB handshake completes are lost (slow joiner):
                         # exactly what the initial replay fills.
@@ -220,7 +248,7 @@ class EventSource:
                 wake.clear()
                 await wake.wait()
         finally:
-            for task in (self._replay_task, self._tail_task):
+            for task in (self._replay_task, self._tail_task, self._diagnose_task):
                 if task is not None:
                     task.cancel()
             self._unwatch(loop, sock, monitor)
@@ -265,6 +293,37 @@ class EventSource:
         if self.on_events is not None:
             self.on_events()
         self.check_tail()
+
+    def check_link(self, now: float) -> None:
+        """Called with each load reading: an event endpoint that has accepted no connection for UNREACHABLE_S is
+        diagnosed (again every DIAGNOSE_EVERY_S while it stays so)."""
+        if (self.link_up or self.endpoint is None or now - self.link_since < UNREACHABLE_S
+                or now - self._diagnosed_at < DIAGNOSE_EVERY_S
+                or (self._diagnose_task is not None and not self._diagnose_task.done())):
+            return
+        self._diagnosed_at = now
+        self._diagnose_task = asyncio.create_task(timed("events", self._diagnose()))
+
+    async def _diagnose(self) -> None:
+        """Ask the replay socket, which the engines always bind, whether a publisher lives there."""
+        assert self.endpoint is not None
+        answered: bool | None = None
+        if self.replay_endpoint is not None:
+            try:
+                # From past any sequence: a live publisher answers with the end marker alone, at once.
+                _, answered = await replay(self.ctx, self.replay_endpoint, (1 << 63) - 1, timeout_s=1.0, max_s=2.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("target %s: replay probe failed: %s", self.name, exc)
+                answered = False
+        if self.link_up or self.closed:
+            return
+        got = silence.unreachable(self.endpoint, self.replay_endpoint, answered, time.monotonic() - self.link_since)
+        if self.diagnosis is None or got[0] != self.diagnosis[0]:
+            log.warning("target %s: KV events: %s", self.name, got[1])
+        self.diagnosis = got
+        self.on_change()
 
     def check_tail(self) -> None:
         """Ask replay for anything newer than the last applied batch once the stream is quiet. Called after
@@ -317,7 +376,7 @@ class EventSource:
                 elif isinstance(action, RequestReplay):
                     self._start_replay(action.from_seq)
                     changed = True
-            ready = self.sync.state is SyncState.READY
+            ready = self.sync.state is SyncState.READY and not self._layout_pending
             if self._shown and not ready:
                 # Out of sync: a batch held back behind a hole, or not received yet, may remove what the ledger
                 # lists. Readers learn of the state a refresh (~100 ms) later, so the view hides the target now
@@ -352,6 +411,9 @@ class EventSource:
             log.warning("target %s: undecodable batch: %s", self.name, exc)
             return
         self.decode_errors += len(batch.errors)
+        for kind in batch.unknown:
+            self.unknown_events[kind if len(self.unknown_events) < MAX_KINDS or kind in self.unknown_events
+                                else "other"] += 1
         if batch.ts > 0:
             # Engine clock to ingest clock: includes publish queueing, the network and any replay delay.
             self.lag_s = max(0.0, time.time() - batch.ts)
@@ -361,6 +423,42 @@ class EventSource:
         if self.parity.failed and not was_failed:
             log.error("target %s: hash parity failed, exact-KV routing off for it: %s", self.name, self.parity.reason)
             self.on_change()
+        if self.ledger.layout_version != self._layout:
+            self._new_layout()
+
+    def _new_layout(self) -> None:
+        """The ledger met a KV-cache group or tier that needs a slot of its own (or a layout it cannot route): the
+        target is hidden (perform's end) until the target list describing it has reached extproc."""
+        self._layout = self.ledger.layout_version
+        self._layout_pending = True
+        groups, tiers = self.ledger.layout()
+        if self.ledger.unsupported:
+            log.warning("target %s: KV-cache layout not routable exactly: %s; routed by load", self.name,
+                        self.ledger.unsupported)
+        else:
+            log.info("target %s: KV-cache layout: %s", self.name,
+                     ", ".join([*(f"{g.kind}{f' (window {g.need} blocks)' if g.need else ''} -> slot {g.slot}"
+                                  for g in groups), *(f"{t.medium} tier -> slot {t.slot}" for t in tiers)])
+                     or "one full-attention group")
+        self.on_change()
+
+    def layout_published(self, version: int) -> None:
+        """The target list written to the view describes layout `version`: show the target once extproc has
+        read it (LAYOUT_GRACE_S)."""
+        if not self._layout_pending or version != self._layout:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (tests driving the source by hand): nothing reads the view meanwhile
+            self._layout_settled(version)
+            return
+        loop.call_later(LAYOUT_GRACE_S, self._layout_settled, version)
+
+    def _layout_settled(self, version: int) -> None:
+        if self.closed or not self._layout_pending or version != self._layout:
+            return
+        self._layout_pending = False
+        self.perform([])
 
     def _start_replay(self, from_seq: int) -> None:
         task = self._replay_task

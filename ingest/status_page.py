@@ -65,12 +65,25 @@ def fleet(status: dict[str, Any]) -> list[dict[str, Any]]:
                 "events": t.get("events", ""),
                 "running": load.get("running"), "waiting": load.get("waiting"), "load_age_s": load.get("age_s"),
                 "cached_blocks": t.get("cached_blocks"),
+                "lower_tiers": _lower_tiers(t.get("kv_lanes") or {}),
+                "layout": " + ".join(f"window {g['need']} blocks" if g.get("kind") == "window" else "full"
+                                     for g in t.get("groups") or ()),
                 "exact_kv": bool(t.get("exact_kv")), "why_not_exact": "" if t.get("exact_kv") else t.get("reason", ""),
                 "hash_parity": parity.get("status", ""),
                 "token_parity": (w.get("token_parity") or {}).get("status", ""),
                 "last_event_age_s": t.get("last_event_age_s"), "gaps": t.get("gaps", 0),
             })
     return rows
+
+
+def _lower_tiers(lanes: dict[str, Any]) -> dict[str, int]:
+    """Blocks held per lower tier (offloaded copies), from the ledger's lanes (`<tier>/<group>/...`)."""
+    out: dict[str, int] = {}
+    for lane, n in lanes.items():
+        tier = str(lane).split("/", 1)[0]
+        if tier != "GPU" and isinstance(n, int):
+            out[tier] = out.get(tier, 0) + n
+    return out
 
 
 def _coerce(value: Any, kind: type) -> Any:
@@ -179,6 +192,7 @@ def _fleet_html(rows: list[dict[str, Any]]) -> str:
         return '<p class="dim">No workers.</p>'
     head = ("<tr><th>target</th><th>worker</th><th>model</th><th>engine</th><th>role</th><th>health</th>"
             "<th>ledger sync</th><th>KV events</th><th>running</th><th>waiting</th><th>cached blocks</th>"
+            "<th>lower tiers</th><th>KV-cache groups</th>"
             "<th>exact-KV</th><th>hash parity</th><th>tokenizer parity</th></tr>")
     body = []
     for r in rows:
@@ -192,6 +206,8 @@ def _fleet_html(rows: list[dict[str, Any]]) -> str:
             ("subscription", _e(r["subscription"]), ""),
             ("running", _num(r["running"]), "num"), ("waiting", _num(r["waiting"]), "num"),
             ("cached_blocks", _num(r["cached_blocks"]), "num"),
+            ("lower_tiers", _e(", ".join(f"{t} {n}" for t, n in r["lower_tiers"].items())), ""),
+            ("layout", _e(r["layout"]), ""),
             ("exact_kv", exact, "why"),
             ("hash_parity", _e(r["hash_parity"]), "bad" if r["hash_parity"] == "failed" else ""),
             ("token_parity", _e(r["token_parity"]), "bad" if r["token_parity"] == "failed" else ""),

@@ -134,7 +134,8 @@ class Target:
     @property
     def exact_kv(self) -> bool:
         return (self.events.sync.state is SyncState.READY and not self.events.parity.failed
-                and self.worker.events_usable and self.worker.tokens_trusted and self.events_status != silence.SILENT)
+                and self.worker.events_usable and self.worker.tokens_trusted and self.events_status != silence.SILENT
+                and not self.events.ledger.unsupported)
 
     def why_code(self) -> str:
         """A short, stable reason code for headers and metrics ('' while exact-KV routing is allowed)."""
@@ -142,6 +143,8 @@ class Target:
             return "no_kv_events"
         if self.events.parity.failed:
             return "hash_parity_failed"
+        if self.events.ledger.unsupported:
+            return "kv_layout_unsupported"
         if not self.worker.tokens_trusted:
             return "tokenizer_mismatch" if self.worker.token_parity.status == TOKENS_FAILED else "tokenizer_unverified"
         if self.events_status == silence.SILENT:
@@ -155,10 +158,14 @@ class Target:
             return self.worker.events_reason
         if self.events.parity.failed:
             return f"hash parity failed: {self.events.parity.reason}"
+        if self.events.ledger.unsupported:
+            return f"KV-cache layout: {self.events.ledger.unsupported}"
         if not self.worker.tokens_trusted:
             return f"tokenizer parity {self.worker.token_parity.status}: {self.worker.token_parity.reason}"
         if self.events_status == silence.SILENT:
             return f"publishes no KV events: {self.silence_reason}"
+        if self.events.diagnosis is not None:
+            return self.events.diagnosis[1]
         return self.events.sync.reason
 
     # -- what the service learns from the load poll; these methods are the only writers of the fields above --
@@ -184,6 +191,8 @@ class Target:
 
     def mark_published(self) -> None:
         self.published_load = (self.load.running, self.load.waiting, self.evicted_tokens, self.load.at)
+        # The target list was just built and written, in this same call chain: it describes the ledger's layout now.
+        self.events.layout_published(self.events.ledger.layout_version)
 
     def tail_check_due(self) -> bool:
         """The engine worked since the last poll (its counter moved, or requests ran or just finished): its
@@ -220,6 +229,8 @@ class Target:
         """The slice extproc reads on the hot path (cortex.contract; kept small: it is re-parsed on every
         change)."""
         w = self.worker
+        ledger = self.events.ledger
+        groups, tiers = ledger.layout()
         return TargetMeta(
             id=self.id, worker=w.id, rank=self.rank, slot=self.slot, model=w.cfg.model,
             engine=w.cfg.engine, address=w.address, healthy=w.healthy, suspect=w.suspect,
@@ -228,12 +239,13 @@ class Target:
             load=self.load.to_meta(w.poll_every, self.kv_usage, self.kv_capacity_tokens, self.evicted_tokens,
                                    round(self.evicted_tokens_per_s, 1), self.inflight_at_read),
             added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port, tls_name=w.tls_name,
+            groups=groups, tiers=tiers, lookahead_blocks=-(-ledger.lookahead // ledger.block_size),
         )
 
     def status(self, now: float) -> dict[str, Any]:
         ev = self.events
         s, parity, ledger = ev.sync, ev.parity, ev.ledger
-        meta = msgspec.structs.asdict(self.routable_meta())
+        meta = msgspec.to_builtins(self.routable_meta())
         del meta["age_s"]  # the contract's legacy field; the age in seconds follows
         return {
             **meta,
@@ -247,6 +259,7 @@ class Target:
             "events": self.events_status if self.worker.events_usable else silence.OFF,
             "events_reason": self.silence_reason,
             "events_connected": ev.link_up,
+            "events_diagnosis": ev.diagnosis[0] if ev.diagnosis is not None else None,
             "last_seq": s.last_applied,
             "last_event_age_s": round(now - ev.last_event_at, 3) if ev.last_event_at else None,
             "batches": ev.batches, "gaps": s.gaps, "replays": s.replays, "resyncs": s.resyncs,
@@ -256,6 +269,11 @@ class Target:
             "cached_blocks": ledger.blocks, "blocks_stored": ledger.blocks_stored,
             "blocks_removed": ledger.blocks_removed, "blocks_restated": ledger.blocks_restated,
             "dropped_events": dict(ledger.dropped),
+            # Per copy set (tier / KV-cache group [/ locality / ownership]): blocks held.
+            "kv_lanes": ledger.lanes(),
+            "kv_layout_unsupported": ledger.unsupported or None,
+            "unknown_events": dict(ev.unknown_events), "unknown_media": dict(ledger.unknown_media),
+            "inactive_events": ledger.events_inactive,
         }
 
 

@@ -81,7 +81,10 @@ def populate(w: ViewWriter, n_chains: int, length: int) -> list[np.ndarray]:
     return chains
 
 
-def time_matches(r: ViewReader, queries: list, seconds: float, limit: int = 5000) -> tuple[list[int], int]:
+def time_matches(r: ViewReader, queries: list, seconds: float, limit: int = 5000,
+                 detail: np.ndarray | None = None) -> tuple[list[int], int]:
+    """Per-call latency of r.match, or of r.match_detail for the slots `detail` (a hybrid model's window groups,
+    a target's lower tiers: extproc/engine_hits.py)."""
     samples: list[int] = []
     busy = 0
     deadline = time.perf_counter() + seconds
@@ -91,7 +94,10 @@ def time_matches(r: ViewReader, queries: list, seconds: float, limit: int = 5000
         i += 1
         t0 = time.perf_counter_ns()
         try:
-            r.match(q)
+            if detail is None:
+                r.match(q)
+            else:
+                r.match_detail(q, detail)
         except ViewBusy:
             busy += 1
             continue
@@ -121,6 +127,13 @@ def bench_match(tmp: Path) -> None:
                 samples, _ = time_matches(r, queries, 1.0)
                 row(f"{length} keys, all present", kind, f"{pct(samples, 50):.1f}", f"{pct(samples, 99):.1f}",
                     str(ok))
+            # The same lookup with the per-key bits of two slots, as a hybrid or tiered target needs them.
+            detail = np.array([1, 5])
+            counts, bits = r.match_detail(chains[0].tolist(), detail)
+            ok = counts.tolist() == expect and bits.sum(axis=0).tolist() == [expect[1], expect[5]]
+            samples, _ = time_matches(r, [c.tolist() for c in chains], 1.0, detail=detail)
+            row(f"{length} keys, detail of 2 slots", "list[int]", f"{pct(samples, 50):.1f}",
+                f"{pct(samples, 99):.1f}", str(ok))
         miss = [random_keys(512).tolist() for _ in range(16)]
         samples, _ = time_matches(r, miss, 0.5)
         row("512 keys, first key absent", "list[int]", f"{pct(samples, 50):.1f}", f"{pct(samples, 99):.1f}",

@@ -20,10 +20,13 @@ from cortex.contract import (
     SCHEMA_VERSION,
     ClusterMeta,
     ContractError,
+    GroupSlot,
     LoadReading,
     TargetMeta,
+    TierSlot,
     decode_meta,
     encode_meta,
+    version_of,
 )
 from cortex.ledger_view import ViewWriter
 from extproc.cluster_view import VIEW_REFUSED, ClusterView
@@ -56,29 +59,42 @@ WIRE = (b'{"version":1,"block_size":16,"targets":[{"id":"w0@1","slot":3,"model":
         b'"worker":"w0","rank":1,"engine":"sglang","healthy":true,"suspect":false,"exact_kv":true,'
         b'"state":"READY","reason":"","why":"","load":{"running":2.0,"waiting":1.0,"at":1234.5,"every_s":0.1,'
         b'"age_s":null,"kv_usage":0.25,"kv_capacity_tokens":6400.0,'
-        b'"evicted_tokens":48000.0,"evicted_tokens_per_s":320.0,"inflight":3.0},"added_at":1000.25,"age_s":null,"role":"prefill","bootstrap_port":8998,"tls_name":null}]}')
+        b'"evicted_tokens":48000.0,"evicted_tokens_per_s":320.0,"inflight":3.0},"added_at":1000.25,"age_s":null,'
+        b'"role":"prefill","bootstrap_port":8998,"tls_name":null,"groups":[],"tiers":[],"lookahead_blocks":0}]}')
 
 
 def test_encode_decode_vector() -> None:
-    assert SCHEMA_VERSION == 1
-    assert encode_meta(META) == WIRE
+    assert SCHEMA_VERSION == 2
+    assert encode_meta(META) == WIRE  # no target has groups: written as version 1, which older readers take
     assert decode_meta(WIRE) == META
     assert decode_meta(msgspec.json.decode(WIRE)) == META  # as the view reader hands it over (parsed JSON)
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", None])
+@pytest.mark.parametrize("version", [3, 0, "1", None])
 def test_other_versions_are_refused_with_the_reason(version: object) -> None:
     doc = msgspec.json.decode(WIRE)
     doc["version"] = version
-    with pytest.raises(ContractError, match=rf"schema version {version!r}; this process reads version 1"):
+    with pytest.raises(ContractError, match=rf"schema version {version!r}; this process reads versions 1, 2"):
         decode_meta(doc)
 
 
 def test_a_newer_layout_is_refused_as_a_version_not_a_bad_field() -> None:
-    # A v2 writer renamed a field: the version is what is reported, not the missing field.
-    doc = {"version": 2, "block_size": 16, "workers": [{"name": "w0"}]}
-    with pytest.raises(ContractError, match="schema version 2"):
+    # A v3 writer renamed a field: the version is what is reported, not the missing field.
+    doc = {"version": 3, "block_size": 16, "workers": [{"name": "w0"}]}
+    with pytest.raises(ContractError, match="schema version 3"):
         decode_meta(doc)
+
+
+def test_a_hybrid_target_makes_the_document_version_2() -> None:
+    """A hybrid model's slot lists only its full-attention spec: a version-1 reader would over-claim on it, so
+    the document says version 2, which such a reader refuses (and then routes by load, claiming nothing)."""
+    hybrid = msgspec.structs.replace(META.targets[0], groups=(GroupSlot(slot=3, kind="full"),
+                                                                GroupSlot(slot=7, kind="window", need=4)))
+    meta = ClusterMeta(block_size=16, targets=[hybrid])
+    assert version_of(meta) == 2 and msgspec.json.decode(encode_meta(meta))["version"] == 2
+    assert decode_meta(encode_meta(meta)).targets[0].groups == hybrid.groups
+    tiered = msgspec.structs.replace(META.targets[0], tiers=(TierSlot(slot=9, medium="CPU"),))
+    assert version_of(ClusterMeta(block_size=16, targets=[tiered])) == 1  # a v1 reader only claims less
 
 
 def test_a_document_from_before_versioning_and_new_fields_reads_with_the_defaults() -> None:
@@ -172,8 +188,8 @@ def test_a_newer_ingest_makes_the_view_unusable_never_misread(tmp_path: Path,
         assert view.synced and view.match(keys) is not None
         before = [t.id for t in view.all_candidates()]
 
-        # A rolling restart: a newer ingest publishes version 2 with a layout this process does not know.
-        newer = {"version": 2, "block_size": 64, "targets": [{"id": "w9", "shard": 0}]}
+        # A rolling restart: a newer ingest publishes version 3 with a layout this process does not know.
+        newer = {"version": 3, "block_size": 64, "targets": [{"id": "w9", "shard": 0}]}
         refused_before = VIEW_REFUSED._value.get()
         caplog.set_level(logging.ERROR, logger="cortex.extproc")
         writer.set_meta(newer)
@@ -184,7 +200,7 @@ def test_a_newer_ingest_makes_the_view_unusable_never_misread(tmp_path: Path,
         assert view.match(keys) is None  # no hit claimed
         assert [t.id for t in view.all_candidates()] == before and view.block_size == cfg.block_size
         refusals = [r for r in caplog.records if "ledger view refused" in r.getMessage()]
-        assert len(refusals) == 1 and "schema version 2" in refusals[0].getMessage()  # once, with the reason
+        assert len(refusals) == 1 and "schema version 3" in refusals[0].getMessage()  # once, with the reason
         assert VIEW_REFUSED._value.get() == refused_before + 1
 
         # The rollout finishes (or rolls back): a readable document makes the view usable again.

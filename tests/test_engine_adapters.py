@@ -17,6 +17,7 @@ from cortex import engines
 from cortex.config import ConfigError, ModelConfig, PdConfig, WorkerConfig, parse_config
 from cortex.engine_hashes import LoraRef, vllm_event_extra_keys, vllm_extra_keys
 from cortex.engines import ENGINE_NAMES, EngineAdapter, NotReproducible, adapter, all_adapters
+from cortex.kv_events import TIER_GPU, TIERS
 from cortex.sim.config import ENGINES as SIM_ENGINES
 from cortex.sim.config import SimConfig
 from tests.sim import simkit
@@ -61,6 +62,7 @@ LOADS = {
 RANK = {"vllm": ({"x-data-parallel-rank": "3"}, {}), "sglang": ({}, {"routed_dp_rank": 3})}
 LORA = {"vllm": (True, False, False), "sglang": (False, True, True)}  # as model, as suffix, lora_path
 PD = {"vllm": ("sequential", True, False, True), "sglang": ("concurrent", False, True, False)}
+COUNTED_MEDIA = {"vllm": {"CPU", "STORAGE"}, "sglang": set()}  # lower tiers reported in cached_tokens
 TOKENIZE = {"vllm": ("/tokenize", {"add_generation_prompt": True}), "sglang": ("/v1/tokenize", {})}
 
 
@@ -104,6 +106,14 @@ def test_facts_have_their_types(eng: EngineAdapter) -> None:
     if eng.bootstrap_port_info is not None:
         path, key = eng.bootstrap_port_info
         assert path.startswith("/") and key
+    assert isinstance(eng.counted_media, frozenset) and eng.counted_media <= set(TIERS) - {TIER_GPU}
+
+
+@ADAPTERS
+def test_counted_media(eng: EngineAdapter) -> None:
+    """Only lower tiers whose hits the engine reports in cached_tokens are claimed (vLLM: connector hits are its
+    external hits, counted; SGLang: not proven, so never claimed)."""
+    assert eng.counted_media == golden(COUNTED_MEDIA, eng)
 
 
 def test_registry_is_what_the_config_accepts() -> None:
@@ -178,8 +188,16 @@ def test_vllm_salt_is_read_from_its_untagged_extra_keys() -> None:
     assert vllm.event_salt(None, ["not-a-list"], None) is None
 
 
-def test_sglang_salt_is_its_own_field_only() -> None:
-    assert adapter("sglang").event_salt(None, [["tenant-a"]], None) is None
+def test_sglang_salt_is_its_field_or_the_rfc_extra_key() -> None:
+    """SGLang 0.5.23 sends `cache_salt`; RFC sgl-project/sglang#39991 (vLLM's schema) also sends the salt as the
+    one element of block 0's extra key, `[(salt,), None, ...]` (lists after msgpack). Anything else is no salt."""
+    sgl = adapter("sglang")
+    assert sgl.event_salt("tenant-a", None, None) == "tenant-a"
+    assert sgl.event_salt(None, [["tenant-a"], None], None) == "tenant-a"
+    assert sgl.event_salt("field", [["extra"]], None) == "field"  # both sent (the RFC keeps the field): the field
+    assert sgl.event_salt(None, [None, ["tenant-a"]], None) is None  # not on the first block
+    assert sgl.event_salt(None, [["a", "b"]], None) is None
+    assert sgl.event_salt(None, [[7]], None) is None
 
 
 # -- load ----------------------------------------------------------------------------------------------------------

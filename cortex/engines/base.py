@@ -86,6 +86,10 @@ class EngineAdapter(ABC):
         """The cache salt a BlockStored was stored under, from the event's fields (the Cortex key of a salted
         block is namespaced by it, docs/ledger.md)."""
 
+    counted_media: ClassVar[frozenset[str]]
+    """Lower tiers (cortex.kv_events TIERS other than the GPU) whose hits the engine reports in a response's
+    `cached_tokens`: only those are claimed (extproc/engine_hits.py); hits on the others count in the score only."""
+
     # -- Load ----------------------------------------------------------------------------------------------
     load_path: ClassVar[str]
     """The GET endpoint ingest reads the worker's load from."""

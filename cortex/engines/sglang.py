@@ -64,7 +64,18 @@ class SglangAdapter(EngineAdapter):
 
     def event_salt(self, cache_salt: str | None, extra_keys: Sequence[Any] | None,
                    lora_name: str | None) -> str | None:
-        return cache_salt
+        if cache_salt is not None or not extra_keys:
+            return cache_salt
+        # RFC sgl-project/sglang#39991 (vLLM's schema): the salt also rides in `extra_keys`, `[(salt,), None,
+        # ...]` lined up with the blocks, on a chain start's first block.
+        first = extra_keys[0]
+        if isinstance(first, list | tuple) and len(first) == 1 and isinstance(first[0], str):
+            return first[0]
+        return None
+
+    # Not claimed until SGLang's accounting of host and storage hits in `cached_tokens` is proven: HiCache hits
+    # are scored at their tier weight only.
+    counted_media = frozenset[str]()
 
     load_path = "/v1/loads"
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from cortex import headers
 from cortex.engine_hashes import VLLM_HASH_ALGOS, VllmBlockHasher, none_hash_reproducible, vllm_wire_hash
 from cortex.engines.base import ChainStartHasher, EngineAdapter, NotReproducible, RankLoad
+from cortex.kv_events import TIER_CPU, TIER_STORAGE
 
 if TYPE_CHECKING:
     from cortex.config import PdConfig
@@ -140,6 +141,11 @@ class VllmAdapter(EngineAdapter):
             rest = [k for k in first if isinstance(k, str) and k != lora_name]
             return rest[-1] if rest else None
         return None
+
+    # A connector's hit (OffloadingConnector's CPU / storage tiers, LMCache) is the request's external hit, and
+    # `cached_tokens` is `prefill_stats.num_cached_tokens` = local + external (vllm/v1/metrics/stats.py:
+    # PrefillStats.set, set by the scheduler with num_external_computed_tokens; v1/engine/output_processor.py).
+    counted_media = frozenset({TIER_CPU, TIER_STORAGE})
 
     load_path = "/metrics"
 

@@ -72,6 +72,22 @@ class ViewReader:
 
     def match(self, keys: Sequence[int] | np.ndarray) -> np.ndarray:
         """int32[max_workers]: per worker, how many leading keys of the chain it holds."""
+        rows, workers = self._leading_rows(keys)
+        return _prefix_counts(rows, workers)
+
+    def match_detail(self, keys: Sequence[int] | np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`match`, plus which of the leading keys present in the view each of `slots` holds: bool[n, len(slots)]
+        for the n leading keys some slot holds (past them no slot holds any key of the chain). What a hybrid
+        model's sliding-window groups and a target's lower tiers need (cortex/hit_rule.py); `match` stays the
+        common path."""
+        rows, workers = self._leading_rows(keys)
+        s = np.asarray(slots, dtype=np.intp)
+        bits = ((rows[:, s // 64] >> (s % 64).astype(np.uint64)) & np.uint64(1)).astype(bool)
+        return _prefix_counts(rows, workers), bits
+
+    def _leading_rows(self, keys: Sequence[int] | np.ndarray) -> tuple[np.ndarray, int]:
+        """The bitset rows of the chain's leading keys present in the view (a copy, taken under the seqlock), and
+        the view's worker count."""
         q = _as_keys(keys)
         if q.size and not q.all():
             # A zero key is never stored, so the chain is matched only up to it.
@@ -89,7 +105,7 @@ class ViewReader:
             except _Torn:
                 continue
             if hdr[_H_SEQ] == seq:
-                return _prefix_counts(rows, m.max_workers)
+                return rows, m.max_workers
         raise ViewBusy(f"view at {self._path} stayed mid-update through {self.RETRIES} attempts")
 
     def holders(self, key: int) -> list[int]:

@@ -32,7 +32,8 @@ class Candidate:
     slot: int
     address: str
     matched_blocks: int = 0
-    """Leading prompt blocks the ledger proves this worker holds (0 when the ledger is not trusted for it)."""
+    """Leading prompt blocks the ledger proves this worker's engine reuses, as it counts them in `cached_tokens`
+    (0 when the ledger is not trusted for it): its GPU hit, then the part of a lower tier's run it counts."""
     ledger_trusted: bool = False
     engine_load: float | None = None
     """running + waiting as the engine last reported it; None when unknown or too old."""
@@ -71,10 +72,22 @@ class Candidate:
     how far that prefix has moved towards the front of the engine's LRU."""
     uncounted_s: float = 0.0
     """Seconds since the eviction count was read: evictions in them are not counted yet."""
+    tier_blocks: int = 0
+    """Blocks right after its GPU hit that a lower tier (CPU, storage) holds: loaded, not computed."""
+    tier_claimed: int = 0
+    """Of those, the ones in `matched_blocks` (the engine counts them in `cached_tokens`)."""
+    tier_credit: float = 0.0
+    """`tier_blocks` weighted by tier (scheduler.tier_weights): what they are worth next to GPU blocks."""
+    tier_media: tuple[tuple[str, int], ...] = ()
+    """`tier_blocks` by the tier each is loaded from (route explain)."""
 
     @property
-    def affinity_blocks(self) -> int:
-        return max(self.matched_blocks, self.predicted_blocks)
+    def affinity_blocks(self) -> float:
+        """Blocks whose prefill this worker saves, for scoring: GPU blocks whole, lower-tier ones at their weight,
+        or what it is about to hold (predictions) if more."""
+        if not self.tier_blocks:
+            return max(self.matched_blocks, self.predicted_blocks)
+        return max(self.matched_blocks - self.tier_claimed + self.tier_credit, self.predicted_blocks)
 
     @property
     def load(self) -> float | None:

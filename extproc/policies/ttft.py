@@ -75,7 +75,7 @@ def running_of(c: Candidate) -> float:
 
 def estimate(c: Candidate, facts: Facts) -> Estimate:
     s = facts.scoring
-    cached = min(c.affinity_blocks * facts.block_size, facts.prompt_tokens)
+    cached = min(round(c.affinity_blocks * facts.block_size), facts.prompt_tokens)
     uncached = facts.prompt_tokens - cached
     typical = facts.typical_prefill_ms if facts.typical_prefill_ms is not None else s.queued_request_ms
     q = queue_ms(c, typical)
