@@ -30,6 +30,8 @@ VIEW_REFUSED = Counter("cortex_ledger_view_refused", "meta documents of the ledg
                        "not read (a schema version it was not written for, or a malformed document)")
 # Here rather than in extproc/metrics.py, which imports the router (and so this module).
 
+FILES_EVERY_S = 1.0
+"""How often refresh() stats the files it follows (the view's path, the calibration, the peers' board rows)."""
 LOAD_MAX_AGE_S = 2.0
 """An engine load reading older than this (or than two poll intervals in force, if longer) is unknown."""
 
@@ -150,6 +152,8 @@ class ClusterView:
         self._inflight_failed = False
         self.refreshed_at = 0.0
         """When refresh() last ran (monotonic)."""
+        self._files_at = -math.inf
+        """When refresh() last looked at the files (FILES_EVERY_S)."""
         self.targets: dict[str, list[TargetInfo]] = {}
         self.by_address: dict[str, TargetInfo] = {}
         self._set_targets(self._config_targets())
@@ -201,16 +205,24 @@ class ClusterView:
 
     def refresh(self) -> None:
         """Background upkeep; cheap enough to run every 100-250 ms, and before a request when it has not."""
-        self.refreshed_at = time.monotonic()
+        now = self.refreshed_at = time.monotonic()
+        # What needs a stat() of a file (a replaced view file, the calibration, a restarted peer's board rows) is
+        # looked at once a second: each is a system call, and this runs ten times a second in every process. A
+        # view file replaced by growth or by a new ingest is followed at once anyway (the writer marks the old
+        # one retired, which every read checks); the stat is the fallback.
+        files = now - self._files_at >= FILES_EVERY_S
+        if files:
+            self._files_at = now
         if self.reader is None:
             self.reader = ViewReader.open(self.view_path)
-        elif self.reader.refresh():
+        elif (self.reader.refresh() if files else self.reader.followed()):
             self._meta_version = self._refused_version = -1  # a new file: its versions count afresh
-        self.calibration.refresh()
         try:
-            self.inflight.refresh()
-            self.backlog.refresh()
-            self.touches.refresh()
+            if files:
+                self.calibration.refresh()
+                self.inflight.refresh()
+                self.backlog.refresh()
+                self.touches.refresh()
         except Exception:
             # The peers' in-flight rows are an extra signal; a failure there must not freeze the worker list,
             # health and load this process routes by (issue 11: a dead worker stayed first after it was
