@@ -88,7 +88,7 @@ class IngestConfig(_Strict):
     (when not set, a larger `load_poll_interval_s` is used for both)."""
     routed_load_poll_interval_s: float = Field(0.5, gt=0, le=60)
     """How often the load of an active worker that this replica itself sends requests to is read: one with requests
-    of this replica in flight, or sent some within the last 10 s. Between two readings
+    of this replica in flight, or sent some within the last 30 s. Between two readings
     extproc adds the change in this replica's own in-flight count there to the reading, so its own traffic is seen
     at once; other replicas' and clients' traffic there is seen at most this late (docs/performance.md, "Gateway
     CPU against SMG at 4 replicas"). An active worker this replica does not send to is read every

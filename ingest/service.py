@@ -52,7 +52,7 @@ log = logging.getLogger("cortex.ingest")
 
 PUBLISH_SPACING_S = 0.1
 """Least time between two writes of the target list (extproc re-reads it on each)."""
-ROUTED_HOLD_S = 10.0
+ROUTED_HOLD_S = 30.0
 """A worker this replica sent requests to within this long is read at the routed cadence while active (a replica
 behind an L4 balancer sends each worker a request every few seconds; its own share is known either way)."""
 
