@@ -33,10 +33,11 @@ from cortex.ledger_view.layout import (
     _write_header,
 )
 
-_SMALL = 24
+_SMALL = 8
 """Up to this many keys, add and remove probe and write in plain Python over the memoryviews: every numpy call costs
-about a microsecond whatever its size and the vectorised path makes a dozen or more, so a write of a few keys (one
-engine step's batch: the common case under live traffic) cost ~100 µs that way against ~10 µs this way."""
+about a microsecond whatever its size and the vectorised path makes a dozen or more, so a write of one or two keys
+(one engine step's batch under live traffic: the common case) costs 5-9 µs of CPU this way against 21-30 µs that
+way; at 24 keys the two are even (`python perf/bench_view.py --small`, docs/performance.md)."""
 
 
 class ViewWriter:
