@@ -24,9 +24,19 @@ MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/cortex/health"
 """GET: 200 when the whole chain Envoy -> extproc answers (load balancers probe it; not a request to observe)."""
 
-PUBLIC_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/embeddings", "/v1/responses",
-                "/v1/rerank", "/v1/score", "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize",
-                "/generate", "/health")
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+GENERATE = "/generate"
+EMBEDDINGS = "/v1/embeddings"
+RERANK = "/v1/rerank"
+SCORE = "/v1/score"
+INFERENCE_PATHS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE, EMBEDDINGS, RERANK, SCORE)
+"""The inference paths: every one goes through extproc's one pipeline (extproc/inference_paths.py)."""
+
+PUBLIC_PATHS = (CHAT, COMPLETIONS, "/v1/models", EMBEDDINGS, RESPONSES, MESSAGES, RERANK, SCORE, "/tokenize",
+                "/detokenize", "/v1/tokenize", "/v1/detokenize", GENERATE, "/health")
 """The engines' paths the public listener forwards by default (`listen.paths`): their inference APIs. The rest of
 what an engine serves is its admin plane (SGLang /flush_cache, /abort_request, /update_weights_*, profiling, vLLM
 /reset_prefix_cache, /sleep, /collective_rpc, LoRA loading, /metrics): a client reaching it through the gateway

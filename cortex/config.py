@@ -260,6 +260,11 @@ class SchedulerConfig(_Strict):
     """The time model's price of fleet capacity: a candidate's score is its predicted TTFT plus this share of the
     prefill work it would spend, so between equal TTFTs the worker that recomputes less wins (a burst stays
     together, a cold copy elsewhere is not started for nothing)."""
+    eviction_weight: float = Field(1.0, ge=0)
+    """The time model's price of what a request evicts: on a worker whose pool is evicting, the new blocks a
+    request brings evict as many tokens there, and the share of them that will be needed again (the worker's
+    regretted over evicted tokens, ingest/regret.py) will be prefilled again. The score adds this weight times
+    that share of the request's own prefill there. 0: evictions are free."""
     high_queue_ms: float = Field(8000.0, gt=0)
     """Predicted prefill queue (ms) at which a worker stops receiving cache-affinity traffic under `rule: ttft`:
     the watermark in work, beside the request-count one."""
@@ -302,9 +307,10 @@ class SchedulerConfig(_Strict):
     cold_start_share: float = Field(0.1, ge=0, le=1)
     """Share of the requests that no worker can serve from cache that go to a new worker, so it warms up."""
     prompt_home: bool = True
-    """A prompt no worker holds goes, among the least loaded workers, to its home (a hash of its first block,
-    the same on every replica), so replicas agree and repeats land together before any event arrives. Off:
-    a random least-loaded worker (pure load balancing for prompts nobody holds)."""
+    """A prompt no worker holds goes, among the least loaded workers, to its home (a hash of its first block past
+    the longest prefix any worker holds, the same on every replica), so replicas agree and repeats land together
+    before any event arrives, while prompts that share only a system prompt spread. Off: a random least-loaded
+    worker (pure load balancing for prompts nobody holds)."""
     tier_weights: dict[Literal["CPU", "STORAGE"], Annotated[float, Field(ge=0, le=1)]] = Field(
         default_factory=lambda: {"CPU": 0.75, "STORAGE": 0.25})  # type: ignore[arg-type]
     """What a block a worker holds on a lower tier (its engine offloaded it: vLLM's OffloadingConnector, LMCache,

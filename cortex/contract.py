@@ -62,6 +62,9 @@ class LoadReading(msgspec.Struct, frozen=True):
     reading; None: not known (a writer from before the field)."""
     evicted_tokens_per_s: float | None = None
     """How many it has been evicting per second lately (an average that follows rises fast); None: not known."""
+    regretted_tokens_per_s: float | None = None
+    """How many of the tokens it evicted per second lately had to be computed again soon after, by it or another
+    engine (ingest/regret.py); None: not known."""
     inflight: float | None = None
     """This replica's requests in flight there at that reading (its extproc processes' in-flight board): between
     readings extproc adds its own in-flight change since to the reading (extproc/cluster_view.py derived_load).

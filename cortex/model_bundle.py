@@ -8,6 +8,7 @@ environment below mirrors `transformers.utils.chat_template_utils._compile_jinja
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
+
+from cortex import conversation
 
 
 class BundleError(ValueError):
@@ -111,6 +114,12 @@ class ModelBundle:
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
+
+    @functools.cached_property
+    def rejects_inline_system(self) -> bool:
+        """The template demands system-first ordering, so vLLM merges an Anthropic request's inline system messages
+        into the leading one (cortex/conversation.py: rejects_inline_system)."""
+        return conversation.rejects_inline_system(self.chat_template)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Any = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -7,14 +7,15 @@
 -- client's behalf (metadata cortex.usage_injected) does it cut that usage event out of the stream; it then
 -- holds back an unfinished server-sent event only while it may still be that event (no choice in it yet).
 --
--- A usage object is found by its key: `"usage":{` cannot occur inside a JSON string (a quote there is
--- escaped), so a match is the real key. The object is captured across chunks (bounded) until its braces
+-- A usage object is found by its key (`"usage":{`, or SGLang's `"meta_info":{`): it cannot occur inside a JSON
+-- string (a quote there is escaped), so a match is the real key. The object is captured across chunks (bounded) until its braces
 -- balance; only keys and numbers are inside, so counting braces is exact.
 
 local NS = "cortex.observed"
 local MAX_USAGE = 4096        -- longest usage object captured
 local MAX_PENDING = 65536     -- strip mode: the most an unfinished event may hold back before it passes as is
 local USAGE_KEY = '"usage"%s*:%s*{'
+local META_KEY = '"meta_info"%s*:%s*{'  -- SGLang's /generate reports its usage there
 local A_CHOICE = '"choices"%s*:%s*%[%s*{'
 local NO_CHOICES = '"choices"%s*:%s*%[%s*%]'
 local EVENT_END = "\n\r?\n"
@@ -39,13 +40,24 @@ local function object_end(s)
   return nil
 end
 
+-- Every API's usage in one form: prompt tokens (all of them, cached included), completion tokens, cached tokens.
+-- OpenAI chat/completions and SGLang's meta_info say so directly; the Responses API says input/output tokens
+-- (input includes the cached ones, in input_tokens_details.cached_tokens); Anthropic's Messages API counts the
+-- cache reads and writes apart from input_tokens.
 local function record_usage(md, obj)  -- md: a fresh dynamicMetadata() handle
-  local p = obj:match('"prompt_tokens"%s*:%s*(%d+)')
-  local c = obj:match('"completion_tokens"%s*:%s*(%d+)')
-  local k = obj:match('"cached_tokens"%s*:%s*(%d+)')
-  if p then md:set(NS, "prompt_tokens", tonumber(p)) end
-  if c then md:set(NS, "completion_tokens", tonumber(c)) end
-  if k then md:set(NS, "cached_tokens", tonumber(k)) end
+  local p = tonumber(obj:match('"prompt_tokens"%s*:%s*(%d+)'))
+  local c = tonumber(obj:match('"completion_tokens"%s*:%s*(%d+)'))
+  local k = tonumber(obj:match('"cached_tokens"%s*:%s*(%d+)'))
+  local input = tonumber(obj:match('"input_tokens"%s*:%s*(%d+)'))
+  local read = tonumber(obj:match('"cache_read_input_tokens"%s*:%s*(%d+)'))
+  if not p and input then
+    p = input + (read or 0) + (tonumber(obj:match('"cache_creation_input_tokens"%s*:%s*(%d+)')) or 0)
+  end
+  c = c or tonumber(obj:match('"output_tokens"%s*:%s*(%d+)'))
+  k = k or read
+  if p then md:set(NS, "prompt_tokens", p) end
+  if c then md:set(NS, "completion_tokens", c) end
+  if k then md:set(NS, "cached_tokens", k) end
 end
 
 -- Usage finder: feed(text) with consecutive pieces of the body; records every complete usage object.
@@ -64,6 +76,8 @@ local function usage_finder(meta)
     while true do
       if not cap then
         local _, b = s:find(USAGE_KEY)
+        local _, m = s:find(META_KEY)
+        if m and (not b or m < b) then b = m end
         if not b then return end
         s = s:sub(b)  -- starts at the object's "{"
       end

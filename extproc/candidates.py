@@ -85,12 +85,20 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
             kv_usage=w.kv_usage if engine_load is not None else None, kv_capacity_tokens=w.kv_capacity_tokens,
             evicted_tokens_per_s=w.evicted_tokens_per_s if engine_load is not None else None,
             last_sent=sent, uncounted_s=max(0.0, now - w.load_at) if w.load_at else 0.0,
+            regret_share=regret_share(w.evicted_tokens_per_s, w.regretted_tokens_per_s),
         )
         if by_work and hysteresis.update_queue(w.slot, queue_ms(c, typical), scoring):
             # Both flags are carried every decision, so neither loses its hysteresis while the other is set.
             c = replace(c, hot=True)
         cands.append(c)
     return cands
+
+
+def regret_share(evicted_per_s: float | None, regretted_per_s: float | None) -> float:
+    """The share of a worker's recent evictions that came back (0 when it is not evicting), at most 1."""
+    if not evicted_per_s or not regretted_per_s or evicted_per_s <= 0:
+        return 0.0
+    return min(1.0, max(0.0, regretted_per_s / evicted_per_s))
 
 
 def whole_workers(targets: Sequence[TargetInfo], *, inflight: np.ndarray, alive: bool) -> list[Candidate]:

@@ -90,6 +90,8 @@ class TargetInfo:
     """Its KV pool in tokens (None: not reported)."""
     evicted_tokens_per_s: float | None = None
     """How fast its engine has been evicting lately (None: not known)."""
+    regretted_tokens_per_s: float | None = None
+    """How fast what it evicts has been coming back (None: not known)."""
     load_at: float | None = None
     """When its load and eviction count were read (monotonic; None: never)."""
     load_inflight: float | None = None
@@ -189,7 +191,8 @@ class ClusterView:
                               engine_load=engine_load, engine_waiting=t.load.waiting, added_at=added_at, why=why,
                               kv_usage=t.load.kv_usage if engine_load is not None else None,
                               kv_capacity_tokens=t.load.kv_capacity_tokens,
-                              evicted_tokens_per_s=t.load.evicted_tokens_per_s, load_at=t.load.at,
+                              evicted_tokens_per_s=t.load.evicted_tokens_per_s,
+                              regretted_tokens_per_s=t.load.regretted_tokens_per_s, load_at=t.load.at,
                               load_inflight=t.load.inflight,
                               role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect,
                               tls_name=t.tls_name, groups=t.groups, tiers=t.tiers,

@@ -82,13 +82,17 @@ def isolate(req: ParsedRequest, tenant: Tenant | None) -> dict[str, object]:
     carries the salt to every worker that serves it ({} when its tenant is not isolated)."""
     if tenant is None or tenant.salt is None:
         return {}
+    if req.cache_salts is not None:  # SGLang's batch form: one salt per prompt, each salted
+        salts = [effective_salt(tenant.salt, s) for s in req.cache_salts]
+        req.cache_salt = salts[0] if salts else effective_salt(tenant.salt, None)
+        return {"cache_salt": salts}
     req.cache_salt = effective_salt(tenant.salt, req.cache_salt)
     return {"cache_salt": req.cache_salt}
 
 
 def salt_unrouted(raw: bytes, tenant: Tenant | None) -> dict[str, object] | None:
-    """A request body Cortex forwards without routing it (SGLang's /generate, vLLM's /v1/responses or
-    /inference/v1/generate: any path but chat and completions) reaches the same prefix cache, and those engines
+    """A request body Cortex forwards without routing it (any path but the inference paths, e.g. vLLM's
+    /inference/v1/generate where a deployment forwards it) may reach the same prefix cache, and those engines
     read `cache_salt` from it too: the body change that salts it like a routed request. None when the tenant is
     not isolated or the body is not a JSON object (no engine reads a salt from it). A client salt that breaks
     vLLM's rule is a ClientError(400), as on the routed paths; SGLang's list form (one per prompt of a batch)

@@ -30,6 +30,7 @@ SKIP_SHORT = "short_uncached_part"
 SKIP_HELD = "decode_holds_prefix"
 SKIP_N = "n_gt_1"  # vLLM's KV handoff has one consumer; n samples would each need their own (engines.md §2.2)
 SKIP_BATCH = "batched_prompts"
+SKIP_API = "api_not_paired"  # the PD legs speak chat completions and completions; other APIs are served alone
 
 
 @dataclass(frozen=True, slots=True)

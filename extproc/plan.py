@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from cortex.errors import ClientError
-from extproc import candidates, pd
+from extproc import candidates, pd, response_ids
 from extproc.backlog import Backlog
 from extproc.candidates import Hysteresis
 from extproc.cluster_view import TargetInfo
@@ -115,11 +115,22 @@ def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
                              typical_prefill_ms=typical, lower=prep.lower)
     facts = Facts(block_size=snap.block_size, ledger_usable=matches is not None,
                   why_not_exact=candidates.why_not_exact(prep.why, workers, matches, cands), scoring=scoring,
-                  home=keys[0] if keys and scoring.prompt_home else None, session=prep.session,
+                  home=home_key(keys, matches) if scoring.prompt_home else None, session=prep.session,
                   prompt_tokens=prep.prompt_tokens, typical_prefill_ms=typical)
     policy = state.policies.select(cands, transparent=prep.transparent, alive=snap.alive,
                                    ledger_usable=matches is not None, rule=scoring.rule)
     return cands, facts, policy
+
+
+def home_key(keys: Sequence[int], matches: np.ndarray | None) -> int | None:
+    """The key a prompt's rendezvous home is drawn from: the first block past the longest prefix any worker
+    holds. Prompts that share only a system prompt then get homes of their own (their first block would send all
+    of them to one worker on every replica at once), while identical prompts still share one. The walk always
+    computes that key, so an early-stopped decision and a whole-prompt one draw the same home."""
+    if not keys:
+        return None
+    held = int(matches.max()) if matches is not None and len(matches) else 0
+    return keys[min(held, len(keys) - 1)]
 
 
 def _queue(state: State, decision: Decision, facts: Facts) -> None:
@@ -158,8 +169,9 @@ def _pd(snap: Snapshot, prep: Prepared, pools: pd.Pools, state: State, *, commit
     def skip(why: str) -> pd.PdPlan:
         return pd.PdPlan(None, why, pools.engine, prep.model, cfg, stream)
     single = pools.single
-    shape = pd.request_shape_skip(prep.body, pools.engine)
-    if shape is not None and single:
+    # The PD legs speak chat completions and completions only (extproc/pd_dispatch.py).
+    shape = pd.request_shape_skip(prep.body, pools.engine) if prep.api in ("chat", "completion") else pd.SKIP_API
+    if shape is not None and (single or shape == pd.SKIP_API):
         return skip(shape)
     prefill = choose(snap, prep, pools.prefill, state, commit=False, queue=commit)
     if single:
@@ -204,13 +216,16 @@ def plan(snap: Snapshot, prep: Prepared, state: State, *, commit: bool) -> Route
         if not workers:
             assert pools is not None  # prepare() refused a model without healthy workers
             raise ClientError(503, pd.no_pool_message(prep.model, pools), "model")
-        decision = choose(snap, prep, workers, state, commit=commit)
+        decision = response_ids.pin(choose(snap, prep, workers, state, commit=commit), prep.response_holder)
+    # The worker serves the model, not the public alias; a Responses answer is named after its worker.
+    changes: dict[str, object] = {"model": prep.model} if prep.alias is not None else {}
+    if prep.mint_response_id:
+        changes["request_id"] = response_ids.mint(decision.chosen.address, state.rng)
     return RoutePlan(decision=decision, prompt_tokens=prep.prompt_tokens,
                      token_ids=None if prep.walked else prep.ids, timings=prep.timings, truncated=prep.truncated,
                      model=prep.model, alias=prep.alias, lora=prep.lora, pd=pd_plan,
                      prompt_tokens_estimated=prep.estimated, fallback=fallback,
-                     # The worker serves the model, not the public alias.
-                     changes={"model": prep.model} if prep.alias is not None else {}, generation=snap.gen.number,
+                     changes=changes, generation=snap.gen.number,
                      head_ids=prep.head_ids, prompt_hash=prep.prompt_hash, withheld=prep.withheld)
 
 

@@ -14,12 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from cortex import observation
+from cortex import conversation, observation
 from cortex.blockkeys import chain_keys, root_key
+from cortex.conversation import ToolStyle
 from cortex.errors import ClientError
 from cortex.model_bundle import ModelBundle, TemplateError
 from cortex.piecewise_tokenize import EncoderSet, SegmentMismatch, TokenCursor
-from extproc import engine_hits, pd
+from extproc import engine_hits, inference_paths, pd, response_ids
 from extproc.cluster_view import TargetInfo
 from extproc.policies import session
 from extproc.predictions import Predictions
@@ -70,19 +71,30 @@ class Prepared:
     """observation.prompt_hash of the whole prompt, for the request log."""
     session: int | None = None
     """The request's session key hashed (policies/session.py), None without one."""
+    api: str = "chat"
+    """The inference API it came in on (only chat completions and completions are paired for PD)."""
+    response_holder: str | None = None
+    """The tag of the worker holding the response it continues (extproc/response_ids.py)."""
+    mint_response_id: bool = False
+    """A Responses request without its own request_id: Cortex names the response after the chosen worker."""
     lower: dict[int, engine_hits.LowerHit] = field(default_factory=dict)
     """Per slot, the blocks a lower tier holds right after its GPU hit (extproc/engine_hits.py)."""
     withheld: dict[int, int] = field(default_factory=dict)
     """Per hybrid slot: blocks its full-attention run held that its sliding windows did not (never claimed)."""
 
 
-def prompt_text(req: ParsedRequest, bundle: ModelBundle) -> tuple[str, bool]:
-    """The prompt as text, and whether the tokenizer adds its special tokens (completions) or not (chat)."""
+def prompt_text(req: ParsedRequest, bundle: ModelBundle, style: ToolStyle = "vllm") -> tuple[str, bool]:
+    """The prompt as text, and whether the tokenizer adds its special tokens (completions) or not (chat). `style`:
+    how the model's engine hands tools to the template (EngineAdapter.tool_style)."""
     try:
         if req.kind == "chat":
             assert req.messages is not None
-            text = bundle.render_chat(req.messages, tools=req.tools,
-                                      add_generation_prompt=req.add_generation_prompt,
+            template = bundle.chat_template or ""
+            messages = req.messages
+            if req.inline_system is not None and bundle.rejects_inline_system:
+                messages = req.inline_system
+            messages, tools = conversation.for_template(messages, req.tools, req.tool_choice, template, style)
+            text = bundle.render_chat(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
                                       continue_final_message=req.continue_final_message,
                                       chat_template_kwargs=req.chat_template_kwargs)
             special = False
@@ -94,7 +106,8 @@ def prompt_text(req: ParsedRequest, bundle: ModelBundle) -> tuple[str, bool]:
     return text, special
 
 
-def tokens(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, segments: EncoderSet) -> tuple[list[int], bool]:
+def tokens(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, segments: EncoderSet,
+           style: ToolStyle = "vllm") -> tuple[list[int], bool]:
     """The prompt's token ids, and whether they were cut short for routing.
 
     Routing needs the prefix a cache can hold, not a prompt longer than any context window: text past
@@ -102,17 +115,17 @@ def tokens(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, segments: En
     block more is dropped; a wrong token there could only turn a hit into a miss, never the reverse.
     Pieces between special tokens seen before (system prompt, earlier turns) come from a cache.
     """
-    ids, truncated, _ = _tokens(snap, req, bundle, segments)
+    ids, truncated, _ = _tokens(snap, req, bundle, segments, style)
     return ids, truncated
 
 
-def _tokens(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle,
-            segments: EncoderSet) -> tuple[list[int], bool, str]:
+def _tokens(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, segments: EncoderSet,
+            style: ToolStyle) -> tuple[list[int], bool, str]:
     """tokens(), and the prompt's observation.prompt_hash."""
     if req.prompt_ids is not None:
         return req.prompt_ids, False, observation.prompt_hash(None, req.prompt_ids)
     seg = segments.get(bundle)
-    text, special = prompt_text(req, bundle)
+    text, special = prompt_text(req, bundle, style)
     fingerprint = observation.prompt_hash(text, None)
     cap = snap.cfg.extproc.max_tokenize_chars
     if len(text) <= cap:
@@ -122,8 +135,8 @@ def _tokens(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle,
 
 
 def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list[TargetInfo], root: int,
-          timings: Timings, segments: EncoderSet, predictions: Predictions,
-          deferred: DeferredTail) -> tuple[WalkResult, bool, str, engine_hits.Detail | None]:
+          timings: Timings, segments: EncoderSet, predictions: Predictions, deferred: DeferredTail,
+          style: ToolStyle) -> tuple[WalkResult, bool, str, engine_hits.Detail | None]:
     """Tokenize, hash and look up only as far as some worker can hold the prompt (extproc/prompt_walk.py)."""
     t0 = time.perf_counter()
     bs = snap.block_size
@@ -136,7 +149,7 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
         def whole() -> list[int]:
             return ids
     else:
-        text, special = prompt_text(req, bundle)
+        text, special = prompt_text(req, bundle, style)
         fingerprint = observation.prompt_hash(text, None)
         cap = snap.cfg.extproc.max_tokenize_chars
         if len(text) > cap:
@@ -195,33 +208,44 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     # The chain starts where the engine's does: an adapter's blocks and a salted prompt's blocks are their own
     # namespaces, keyed by the ledger from the adapter name and salt the engine publishes with them.
     root = root_key(resolved.lora, req.cache_salt)
+    inference_paths.check_served(inference_paths.PATH_OF[req.api], resolved.model, registry)
     bundle = registry.bundles[resolved.model]
+    engine = registry.engines[resolved.model]
+    style = engine.tool_style
+    # A request the engine will not (fully) read from its cache, e.g. one asking for the prompt's logprobs: routed
+    # by load when it reads none, its match cut to what it reads otherwise, so nothing above it is ever claimed.
+    read_limit = engine.cache_read_limit(req.api, req.body or {})
+    unroutable = req.unroutable or ("engine_skips_cache" if read_limit == 0 else None)
     workers = snap.candidates(resolved.model)
     if not workers:
         raise NoWorker(resolved.model, f"no healthy worker serves model `{req.model}`")
     timings = Timings()
     transparent = snap.transparent(resolved.model)
+    # A Responses request is named after its worker unless the client named it (extproc/response_ids.py).
+    extra: dict[str, Any] = {"api": req.api, "response_holder": response_ids.tag_of(req.previous_response),
+                             "mint_response_id": req.api == "responses" and not (req.body or {}).get("request_id")}
     pools = None if transparent else pd.split_pools(workers)
     # A lower tier's run starts where the GPU hit ends, past what the walk follows: such models are looked up whole.
-    if not (full_tokens or pools is None or req.unroutable or not snap.alive or pools.pd_ready
+    if not (full_tokens or pools is None or unroutable or not snap.alive or pools.pd_ready
             or engine_hits.tiered(workers)):
         walked, truncated, fingerprint, detail = _walk(snap, req, bundle, workers, root, timings, segments,
-                                                       predictions, deferred)
+                                                       predictions, deferred, style)
         why = "no_cached_prefix"
         if not walked.keys:
             why = "prompt_shorter_than_a_block"
         elif walked.matches is None:
             why = "ledger_unavailable"
-        found = _hits(snap, workers, walked.matches, detail, len(walked.keys))
+        found = _hits(snap, workers, _capped(walked.matches, read_limit, snap.block_size), detail,
+                      len(walked.keys))
         why = _why(why, workers, found)
         return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=[], truncated=truncated,
                         keys=walked.keys, matches=found.matches if found else None, why=why, timings=timings,
                         body=req.body, prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
                         tail=walked.tail, pools=pools, lora=resolved.lora,
                         head_ids=walked.head, prompt_hash=fingerprint, session=sess,
-                        lower=found.lower if found else {}, withheld=found.withheld if found else {})
+                        lower=found.lower if found else {}, withheld=found.withheld if found else {}, **extra)
     t0 = time.perf_counter()
-    ids, truncated, fingerprint = _tokens(snap, req, bundle, segments)
+    ids, truncated, fingerprint = _tokens(snap, req, bundle, segments, style)
     t1 = time.perf_counter()
     timings.tokenize_s = t1 - t0
     bs = snap.block_size
@@ -233,8 +257,8 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     hits: engine_hits.Hits | None = None
     if transparent:
         why = "transparent_proxy"
-    elif req.unroutable:
-        why = req.unroutable
+    elif unroutable:
+        why = unroutable
     elif not snap.alive:
         why = "ledger_unavailable"
     elif usable_blocks == 0:
@@ -249,13 +273,21 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
         timings.lookup_s = time.perf_counter() - t2
         if matches is None:
             why = "ledger_unavailable"
-        hits = _hits(snap, workers, matches, detail, len(keys))
+        hits = _hits(snap, workers, _capped(matches, read_limit, bs), detail, len(keys))
         why = _why(why, workers, hits)
     return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=ids, truncated=truncated,
                     keys=keys, matches=hits.matches if hits else matches, why=why, timings=timings, body=req.body,
                     prompt_tokens=len(ids), pools=pools, lora=resolved.lora, transparent=transparent,
                     head_ids=ids[:observation.FIRST_IDS_LOGGED], prompt_hash=fingerprint, session=sess,
-                    lower=hits.lower if hits else {}, withheld=hits.withheld if hits else {})
+                    lower=hits.lower if hits else {}, withheld=hits.withheld if hits else {}, **extra)
+
+
+def _capped(matches: np.ndarray | None, read_limit: int | None, block_size: int) -> np.ndarray | None:
+    """The matches cut to the blocks an engine reading at most `read_limit` prompt tokens from cache uses."""
+    if matches is None or read_limit is None:
+        return matches
+    capped: np.ndarray = np.minimum(matches, read_limit // block_size)
+    return capped
 
 
 def _why(why: str, workers: list[TargetInfo], hits: engine_hits.Hits | None) -> str:

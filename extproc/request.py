@@ -14,18 +14,18 @@ what is wrong with it, never the value, so a bad body is never echoed back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cortex import conversation
 from cortex.errors import ClientError
 
 Kind = Literal["chat", "completion"]
-
-CHAT_PATH = "/v1/chat/completions"
-COMPLETION_PATH = "/v1/completions"
-ROUTED_PATHS: dict[str, Kind] = {CHAT_PATH: "chat", COMPLETION_PATH: "completion"}
+"""The prompt's form: chat messages rendered by the model's template, or a text / token-id prompt."""
+Api = Literal["chat", "completion", "responses", "messages", "generate", "embeddings", "rerank", "score"]
+"""The inference API a request came in on (extproc/inference_paths.py: the path table)."""
 
 # Values handed to the chat template (tools, chat_template_kwargs, message fields) may nest this deep. The
 # template's `tojson` recurses in Python and fails near 1000 levels (as the engines' own JSON parsing does);
@@ -40,6 +40,7 @@ _NULL_CONTENT_ROLES = frozenset({"system", "assistant", "tool", "function", "dev
 # vLLM's typeless content parts ({"image_url": "..."}) name their kind by their only key.
 _TYPELESS_PART_KEYS = ("image_url", "audio_url", "video_url")
 
+_M = TypeVar("_M", bound=BaseModel)
 NonNegInt = Annotated[int, Field(ge=0)]
 PosInt = Annotated[int, Field(ge=1)]
 
@@ -106,11 +107,20 @@ _EXPECTED = {**_EXPECTED_COMPLETION, **_expectations(_Chat)}
 
 @dataclass(slots=True)
 class ParsedRequest:
+    """Every inference API's request in one form (extproc/inference_paths.py): what routing, admission and the
+    observation read. The prompt to route on is `messages` (+ tools and template flags: a chat render), else
+    `prompt_ids`, else `prompt_text`."""
+
     kind: Kind
     model: str
     stream: bool
+    api: Api = "chat"
     messages: list[dict[str, Any]] | None = None
+    """The conversation as the template sees it (cortex/conversation.py: chat_messages)."""
     tools: list[Any] | None = None
+    """Chat-style tools as the client sent them (or converted from the Responses / Messages API); the engine's
+    own dump for the template is cortex/conversation.py: template_tools."""
+    tool_choice: Any = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -125,6 +135,17 @@ class ParsedRequest:
     """The parsed JSON body, as validated (rewrites splice the raw bytes instead of re-serialising this)."""
     session_key: str | None = None
     """The session key from the request headers (cfg.session.headers; set by the server, policies/session.key_of)."""
+    max_output: int | None = None
+    """The tokens its answer may generate, as reserved against token limits (None: unset, the admission default)."""
+    more_prompt_tokens: int = 0
+    """An estimate of the prompt tokens a batch holds beyond the routed prompt (reserved, settled by usage)."""
+    cache_salts: list[str | None] | None = None
+    """SGLang's per-prompt salts of a batch (`cache_salt` as a list): each is salted for an isolated tenant."""
+    inline_system: list[dict[str, Any]] | None = None
+    """An Anthropic conversation with inline system messages, merged into the first one: what a template that
+    demands system-first renders instead of `messages` (cortex/conversation.py: rejects_inline_system)."""
+    previous_response: str | None = None
+    """The Responses API's previous_response_id: the engine keeps that conversation on one worker."""
 
 
 def _cache_salt(value: Any) -> str | None:
@@ -169,15 +190,48 @@ def _check_nesting(value: Any, where: str, param: str) -> None:
         raise ClientError(400, f"{where} nests deeper than {MAX_TEMPLATE_NESTING} levels", param)
 
 
-def _fields(kind: Kind, body: dict[str, Any]) -> _Chat | _Completion:
-    model = _Chat if kind == "chat" else _Completion
+def validated(model: type[_M], body: dict[str, Any], expected: dict[str, str]) -> _M:
+    """The body's fields as `model` types them (lax, as the engines' pydantic models), or a 400 naming the first
+    failing field and what it takes (`expected`: read off the model's field descriptions)."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         # The first failing field, in declaration order; pydantic's own text would list every union member.
         field = str(exc.errors(include_url=False, include_input=False)[0]["loc"][0])
-        expected = (_EXPECTED if kind == "chat" else _EXPECTED_COMPLETION).get(field, "of another type")
-        raise ClientError(400, f"'{field}' must be {expected}", field) from None
+        raise ClientError(400, f"'{field}' must be {expected.get(field, 'of another type')}", field) from None
+
+
+def _fields(kind: Kind, body: dict[str, Any]) -> _Chat | _Completion:
+    if kind == "chat":
+        return validated(_Chat, body, _EXPECTED)
+    return validated(_Completion, body, _EXPECTED_COMPLETION)
+
+
+def load_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object: strict RFC 8259 (UTF-8 only, no NaN/Infinity, no lone surrogates, at most 1024
+    levels deep); orjson's message gives the position, never the document."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ClientError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ClientError(400, "request body must be a JSON object")
+    return body
+
+
+def model_of(body: dict[str, Any], required: bool = True) -> str | None:
+    """The body's `model`: a non-empty string (None when absent and not required)."""
+    model = body.get("model")
+    if model is None and "model" not in body and not required:
+        return None
+    if not isinstance(model, str) or not model:
+        raise ClientError(400, "'model' is required and must be a non-empty string", "model")
+    return model
+
+
+def times_n(limit: int | None, n: int | None) -> int | None:
+    """The completion tokens `n` answers of at most `limit` tokens may generate (None: no limit given)."""
+    return None if limit is None else limit * (n if n is not None else 1)
 
 
 def _tool_calls(i: int, calls: Any) -> None:
@@ -203,8 +257,8 @@ def _tool_calls(i: int, calls: Any) -> None:
             raise ClientError(400, f"{where}.function.arguments must be a string or an object", "messages")
 
 
-def _message(i: int, raw: Any) -> tuple[dict[str, Any], bool]:
-    """A message as the template sees it (vLLM's "string" content format); returns (message, has_non_text)."""
+def _message(i: int, raw: Any) -> None:
+    """Check one chat message the way both engines type it (its text for the template: conversation.chat_messages)."""
     if not isinstance(raw, dict):
         raise ClientError(400, f"messages[{i}] must be an object", "messages")
     role = raw.get("role")
@@ -212,35 +266,24 @@ def _message(i: int, raw: Any) -> tuple[dict[str, Any], bool]:
         # Any string: vLLM takes custom roles and the model's template decides what they mean.
         raise ClientError(400, f"messages[{i}].role must be a string", "messages")
     content = raw.get("content")
-    non_text = False
-    if isinstance(content, str):
-        text = content
-    elif isinstance(content, list):
-        texts = []
+    if isinstance(content, list):
         for j, part in enumerate(content):
             if isinstance(part, str):  # vLLM reads a bare string part as text
-                texts.append(part)
                 continue
             if not isinstance(part, dict):
                 raise ClientError(400, f"messages[{i}].content[{j}] must be an object or a string", "messages")
             kind = part.get("type")
             if kind is None and any(k in part for k in _TYPELESS_PART_KEYS):
-                non_text = True
-            elif not isinstance(kind, str):
+                continue
+            if not isinstance(kind, str):
                 raise ClientError(400, f"messages[{i}].content[{j}].type must be a string", "messages")
-            elif kind == "text":
-                if not isinstance(part.get("text"), str):
-                    raise ClientError(400, f"messages[{i}].content[{j}].text must be a string", "messages")
-                texts.append(part["text"])
-            else:
-                non_text = True
-        # Text parts are joined with newlines before templating, as the engines do for string-content templates.
-        text = "\n".join(texts)
+            key = conversation.TEXT_PARTS.get(kind)
+            if key is not None and not isinstance(part.get(key), str):
+                raise ClientError(400, f"messages[{i}].content[{j}].{key} must be a string", "messages")
     elif content is None:
         if "content" in raw and role.lower() not in _NULL_CONTENT_ROLES:
             raise ClientError(400, f"messages[{i}].content must not be null for role {role[:32]!r}", "messages")
-        text = ""  # missing or null content is rendered as empty text by both engines
-    else:
+    elif not isinstance(content, str):
         raise ClientError(400, f"messages[{i}].content must be a string, a list of parts, or null", "messages")
     if role == "assistant":
         _tool_calls(i, raw.get("tool_calls"))
@@ -249,7 +292,6 @@ def _message(i: int, raw: Any) -> tuple[dict[str, Any], bool]:
                 _nests_deeper(value, MAX_TEMPLATE_NESTING):
             raise ClientError(400, f"messages[{i}].{key[:32]} nests deeper than {MAX_TEMPLATE_NESTING} levels",
                               "messages")
-    return (raw if isinstance(content, str) else {**raw, "content": text}), non_text
 
 
 def _tools(tools: list[Any]) -> None:
@@ -270,28 +312,22 @@ def _tools(tools: list[Any]) -> None:
 
 
 def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
-    try:
-        # Strict RFC 8259: UTF-8 only, no NaN/Infinity, no lone surrogates, at most 1024 levels deep.
-        # orjson's message gives the position, never the document.
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ClientError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ClientError(400, "request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ClientError(400, "'model' is required and must be a non-empty string", "model")
+    """A chat completions (`kind` chat) or completions request."""
+    body = load_object(raw)
+    model = model_of(body)
+    assert model is not None
     fields = _fields(kind, body)
     # vLLM's (and OpenAI's) rule, on the raw values as vLLM checks it before coercion.
     if body.get("stream_options") and not body.get("stream"):
         raise ClientError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options")
-    req = ParsedRequest(kind=kind, model=model, stream=bool(fields.stream),
+    req = ParsedRequest(kind=kind, model=model, stream=bool(fields.stream), api=kind,
                         cache_salt=_cache_salt(body.get("cache_salt")), lora_path=_lora_path(body.get("lora_path")),
                         body=body)
     if isinstance(fields, _Chat):
         _chat(req, body, fields)
     else:
         _completion_prompt(req, body)
+        req.max_output = times_n(fields.max_tokens, fields.n)
     return req
 
 
@@ -299,14 +335,16 @@ def _chat(req: ParsedRequest, body: dict[str, Any], fields: _Chat) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ClientError(400, "'messages' is required and must be a non-empty list", "messages")
-    parsed = [_message(i, m) for i, m in enumerate(messages)]
-    req.messages = [m for m, _ in parsed]
-    if any(non_text for _, non_text in parsed):
+    for i, m in enumerate(messages):
+        _message(i, m)
+    req.messages, media = conversation.chat_messages(messages)
+    if media:
         req.unroutable = "non_text_content"
     tools = body.get("tools")
     if tools:
         _tools(tools)
     req.tools = tools or None
+    req.tool_choice = body.get("tool_choice")
     # Continuing the final message wins: SGLang continues it whatever add_generation_prompt says (it has no
     # such field), and vLLM refuses the two set together itself; the prompt is the same in both.
     req.continue_final_message = bool(fields.continue_final_message)
@@ -314,7 +352,9 @@ def _chat(req: ParsedRequest, body: dict[str, Any], fields: _Chat) -> None:
     kwargs = body.get("chat_template_kwargs")
     if kwargs:
         _check_nesting(kwargs, "chat_template_kwargs", "chat_template_kwargs")
-    req.chat_template_kwargs = kwargs
+    req.chat_template_kwargs = conversation.reasoning_kwargs(body.get("reasoning_effort"), kwargs) or None
+    req.max_output = times_n(fields.max_completion_tokens if fields.max_completion_tokens is not None
+                              else fields.max_tokens, fields.n)
 
 
 def _is_ids(value: Any) -> bool:
@@ -322,23 +362,42 @@ def _is_ids(value: Any) -> bool:
                                            for t in value)
 
 
+CHARS_PER_TOKEN = 4
+"""The rule of thumb a batch's other prompts are estimated by (their tokens are reserved, then settled by usage)."""
+
+
+def _estimate(items: list[Any]) -> int:
+    return sum(len(p) if isinstance(p, list) else -(-len(p) // CHARS_PER_TOKEN) for p in items)
+
+
+def prompt_of(req: ParsedRequest, value: Any, param: str) -> bool:
+    """Set the request's prompt from a text / token-id prompt or a batch of them (routed by its first one: one
+    request goes to one worker; the others are estimated for the token reservation). False when `value` is
+    None; a 400 when it is anything but these forms, or empty."""
+    if value is None:
+        return False
+    if isinstance(value, str):
+        req.prompt_text = value
+    elif _is_ids(value) and value:
+        req.prompt_ids = value
+    elif isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        req.prompt_text = value[0]
+        req.more_prompt_tokens = _estimate(value[1:])
+    elif isinstance(value, list) and value and all(_is_ids(p) and p for p in value):
+        req.prompt_ids = value[0]
+        req.more_prompt_tokens = _estimate(value[1:])
+    else:
+        raise ClientError(400, f"'{param}' must be a string, a list of strings, a list of token ids "
+                               f"(0 to {MAX_TOKEN_ID}), or a list of token-id lists, and not empty", param)
+    return True
+
+
 def _completion_prompt(req: ParsedRequest, body: dict[str, Any]) -> None:
-    prompt = body.get("prompt")
-    # A batch of prompts is routed by its first one: one request goes to one worker.
-    if isinstance(prompt, str):
-        req.prompt_text = prompt
-    elif _is_ids(prompt) and prompt:
-        req.prompt_ids = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        req.prompt_text = prompt[0]
-    elif isinstance(prompt, list) and prompt and all(_is_ids(p) and p for p in prompt):
-        req.prompt_ids = prompt[0]
-    elif prompt is None and body.get("prompt_embeds") is not None:
+    if prompt_of(req, body.get("prompt"), "prompt"):
+        return
+    if body.get("prompt_embeds") is not None:
         # vLLM's embeddings-only prompt: served by the engine, but there are no tokens to route by.
         req.prompt_text = ""
         req.unroutable = "prompt_embeds"
-    elif prompt is None:
-        raise ClientError(400, "'prompt' is required", "prompt")
-    else:
-        raise ClientError(400, "'prompt' must be a string, a list of strings, a list of token ids "
-                               f"(0 to {MAX_TOKEN_ID}), or a list of token-id lists, and not empty", "prompt")
+        return
+    raise ClientError(400, "'prompt' is required", "prompt")

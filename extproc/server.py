@@ -31,7 +31,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
-from cortex import engines, extproc_tls, grpc_health, observation
+from cortex import api_paths, engines, extproc_tls, grpc_health, observation
 from cortex import headers as H
 from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, MODELS_PATH, TENANT_VIEW_HEADER, explain_socket
 from cortex.config import CortexConfig
@@ -41,7 +41,7 @@ from cortex.errors import ClientError
 from cortex.piecewise_tokenize import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
 from cortex.upstream_tls import WorkerTls
-from extproc import epp, isolation, metrics, structured_output
+from extproc import epp, inference_paths, isolation, metrics, structured_output
 from extproc.admission import Admission, Ticket, refusal
 from extproc.cluster_view import ClusterView, derived_load
 from extproc.pd import PdPlan
@@ -52,7 +52,6 @@ from extproc.policies.base import EXACT, LOAD_AWARE, Decision, active_of
 from extproc.policies.transparent import REASON as TRANSPARENT
 from extproc.prepare import NoWorker
 from extproc.registry import ModelRegistry
-from extproc.request import ROUTED_PATHS, Kind, parse_body
 from extproc.router import Router
 from extproc.snapshot import Source
 from extproc.tenants import Tenant
@@ -402,13 +401,14 @@ class ExtProc:
             st.session = next((k for n in session_headers if (k := session.key_of(sessions.get(n)))), None)
         if st.method == "GET" and st.path == MODELS_PATH:
             return _immediate(200, gen.registry.models_body)
-        if st.method == "POST" and st.path in ROUTED_PATHS:
+        inference = st.method == "POST" and st.path in inference_paths.PATHS
+        if inference:  # every inference path, before Envoy has even buffered the body
             try:
                 st.ticket = self.admission.admit(st.tenant)
             except ClientError as exc:
                 return self._error(exc, st)
-        wants_body = st.method == "POST" and (st.path in ROUTED_PATHS or
-                                              (st.path == EXPLAIN_PATH and self.cfg.extproc.public_route_explain))
+        wants_body = inference or (st.method == "POST" and st.path == EXPLAIN_PATH and
+                                   self.cfg.extproc.public_route_explain)
         if wants_body and headers.end_of_stream:
             return self._error(ClientError(400, "request body is required"), st)
         if not wants_body:
@@ -421,8 +421,8 @@ class ExtProc:
                         released: bool = False) -> pb.ProcessingResponse | PendingPair | Waiting:
         """`released`: it comes out of the waiting room (routed anew, and never sent back in)."""
         explain = st.path == EXPLAIN_PATH and self.cfg.extproc.public_route_explain
-        kind = ROUTED_PATHS.get(st.path)
-        if kind is None and not explain:
+        spec = inference_paths.PATHS.get(st.path)
+        if spec is None and not explain:
             return self._unrouted_body(st, body)
         t0 = time.perf_counter()
         if st.test_pick is not None:
@@ -430,11 +430,13 @@ class ExtProc:
         try:
             if explain:
                 return self._explain(st, body)
-            parsed = parse_body(kind, body)  # type: ignore[arg-type]
+            assert spec is not None
+            registry = self.source.current.registry
+            parsed = inference_paths.parse(spec.path, body, registry)
             if st.llmd is not None and (target := st.llmd.get(epp.REWRITE)):
                 # llm-d's model rewrite: the body names the target from here on (what routing and the worker see).
                 body = splice(body, {"model": target})
-                parsed = parse_body(kind, body)  # type: ignore[arg-type]
+                parsed = inference_paths.parse(spec.path, body, registry)
                 st.llmd.pop(epp.REWRITE)  # once: a request released from the waiting room comes through again
                 st.rewritten = True
             parsed.session_key = st.session
@@ -470,8 +472,10 @@ class ExtProc:
         metrics.observe_decision(result, time.perf_counter() - t0, self.cluster.block_size)
         if st.ticket is not None:
             try:
-                self.admission.reserve(st.ticket, result.prompt_tokens, result.decision.hit_tokens,
-                                       completion_budget(parsed.body, self.cfg.admission.default_max_tokens))
+                output = parsed.max_output
+                self.admission.reserve(st.ticket, result.prompt_tokens + parsed.more_prompt_tokens,
+                                       result.decision.hit_tokens,
+                                       output if output is not None else self.cfg.admission.default_max_tokens)
             except ClientError as exc:
                 return self._error(exc, st)
         changes = {**result.changes, **salted}  # every worker gets the salt: single, both PD legs, the fallback
@@ -482,7 +486,7 @@ class ExtProc:
             st.pd_note = f"skipped:{plan.skip}"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
         injected = None
-        if self.cfg.observe.enabled and self.cfg.observe.stream_usage:
+        if spec is not None and spec.stream_options and self.cfg.observe.enabled and self.cfg.observe.stream_usage:
             injected = usage_options(parsed.stream, parsed.body)
         if injected is not None:
             changes = {**changes, "stream_options": injected}
@@ -918,8 +922,8 @@ class ExtProc:
         return self._routing_response(st, "request_body")
 
     def _unrouted_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
-        """A body on a path Cortex does not route (SGLang's /generate, ...): salted all the same for an isolated
-        tenant, so no endpoint shares or probes another tenant's cache (extproc/isolation.py)."""
+        """A body on a path that is no inference (/tokenize, ...): salted all the same for an isolated tenant, so no
+        endpoint shares or probes another tenant's cache (extproc/isolation.py)."""
         try:
             salted = isolation.salt_unrouted(body, st.tenant)
         except ClientError as exc:
@@ -946,17 +950,22 @@ class ExtProc:
     def _explain(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
         if not isolation.sees_routing(st.tenant):
             raise ClientError(403, "Route explain is open only to tenants marked trusted.")
-        return _immediate(200, self.explain(body, st.tenant, st.session, "tokens=1" in st.query.split("&")))
+        query = dict(p.partition("=")[::2] for p in st.query.split("&"))
+        return _immediate(200, self.explain(body, st.tenant, st.session, query.get("tokens") == "1", query.get("path")))
 
-    def explain(self, body: bytes, tenant: Tenant | None, session_key: str | None, with_tokens: bool) -> bytes:
+    def explain(self, body: bytes, tenant: Tenant | None, session_key: str | None, with_tokens: bool,
+                path: str | None = None) -> bytes:
         """The decision a request would get, as JSON, nothing forwarded: the same `route` real traffic takes, in
-        the tenant's own view (its salted blocks). Raises ClientError for a body that would be refused."""
+        the tenant's own view (its salted blocks). `path`: the inference path it would come on (`?path=`; default:
+        a chat completion when the body has messages, else a completion). Raises ClientError for a body that
+        would be refused."""
         try:
             raw = orjson.loads(body)
         except orjson.JSONDecodeError:
             raw = None
-        kind: Kind = "chat" if isinstance(raw, dict) and "messages" in raw else "completion"
-        parsed = parse_body(kind, body)
+        if path not in inference_paths.PATHS:  # a chat or a completion, by its body
+            path = api_paths.CHAT if isinstance(raw, dict) and "messages" in raw else api_paths.COMPLETIONS
+        parsed = inference_paths.parse(path, body, self.source.current.registry)
         parsed.session_key = session_key
         isolation.isolate(parsed, tenant)
         result = self.router.route(parsed, commit=False)
@@ -1004,7 +1013,8 @@ class ExtProc:
         headers = {k.lower(): v for k, v in request.headers.items()}
         key = next((k for n in gen.cfg.session.headers if (k := session.key_of(headers.get(n)))), None)
         try:
-            doc = self.explain(await request.read(), tenant, key, request.query.get("tokens") == "1")
+            doc = self.explain(await request.read(), tenant, key, request.query.get("tokens") == "1",
+                               request.query.get("path"))
         except ClientError as exc:
             return _json_error(exc)
         return web.Response(body=doc, content_type="application/json")
@@ -1012,21 +1022,6 @@ class ExtProc:
 
 def _json_error(exc: ClientError) -> web.Response:
     return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
-
-
-def completion_budget(body: dict[str, Any] | None, default: int) -> int:
-    """The completion tokens a request may generate, as reserved against its tenant's token limits: its
-    max_completion_tokens or max_tokens (default when unset), times n."""
-    body = body or {}
-    limit = body.get("max_completion_tokens")
-    if limit is None:
-        limit = body.get("max_tokens")
-    n = body.get("n")
-    # parse_body checked both are integers >= 0 (n >= 1) or null, in the engines' lax coercion ("5", 5.0).
-    try:
-        return int(float(limit if limit is not None else default)) * int(float(n if n is not None else 1))
-    except (TypeError, ValueError):
-        return default
 
 
 def usage_options(stream: bool, body: dict[str, Any] | None) -> dict[str, Any] | None:

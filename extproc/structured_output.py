@@ -13,6 +13,8 @@ Where the engines read a schema (their source: vLLM 0.33 `entrypoints/generate/b
   `json_schema` itself; vLLM refuses the request (json_schema missing), so checking it refuses nothing served.
 - `structured_outputs: {"json": <object or JSON text>}`: vLLM only (SGLang ignores the unknown field).
 - `json_schema: "<JSON text>"`: SGLang's completions only (its chat has no such field; vLLM ignores it).
+- The Responses API's `text.format` and the Messages API's `output_config.format` (`{"type": "json_schema",
+  "schema": {...}}`), which vLLM turns into the same constraint; their answers are not checked.
 - `guided_json`: read by neither. vLLM removed it (it logs "output will NOT be constrained" and serves the
   request), SGLang never had it: it is counted (`ignored`), never refused and never used to check answers.
 
@@ -132,8 +134,24 @@ def _engines_for(model: str, registry: Any) -> tuple[str, frozenset[str]]:
     return "", ALL_ENGINES
 
 
-def find_schema(body: dict[str, Any], chat: bool, served_by: frozenset[str]) -> Found | None:
+def _nested(body: dict[str, Any], outer: str) -> Any:
+    """body[outer]["format"] when both are objects (the Responses API's `text`, the Messages API's output_config)."""
+    value = body.get(outer)
+    return value.get("format") if isinstance(value, dict) else None
+
+
+def find_schema(body: dict[str, Any], chat: bool, served_by: frozenset[str], api: str = "chat") -> Found | None:
     """The schema the engine will constrain the answer with, in the engines' precedence (module docstring)."""
+    if api in ("responses", "messages"):
+        # Responses: text.format {"type": "json_schema", "schema"} (vLLM's to_sampling_params); Messages:
+        # output_config.format {"type": "json_schema", "schema"} (vLLM's _handle_output_config).
+        outer = "text" if api == "responses" else "output_config"
+        fmt = _nested(body, outer)
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and fmt.get("schema") is not None:
+            return Found(outer, f"{outer}.format.schema", fmt["schema"], False)
+        return None
+    if api not in ("chat", "completion"):
+        return None
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         spec = fmt.get("json_schema")
@@ -301,7 +319,7 @@ def check_request(cfg: StructuredOutputConfig, req: ParsedRequest, registry: Any
     if "guided_json" in body:
         SCHEMA_CHECKS.labels("guided_json", "ignored").inc()
     label, served_by = _engines_for(req.model, registry)
-    found = find_schema(body, chat, served_by)
+    found = find_schema(body, chat, served_by, req.api)
     if found is None:
         return None
     value = found.value
@@ -330,7 +348,8 @@ def check_request(cfg: StructuredOutputConfig, req: ParsedRequest, registry: Any
         SCHEMA_CHECKS.labels(found.param, "invalid").inc()
         raise ClientError(400, f"'{found.where}' {verdict.error}", found.param)
     SCHEMA_CHECKS.labels(found.param, "valid").inc()
-    if not cfg.validate_responses or req.stream or not label:
+    # Answers are checked in the chat / completions shapes only.
+    if not cfg.validate_responses or req.stream or not label or req.api not in ("chat", "completion"):
         return None
     return Expected(label, chat, verdict.validator)
 

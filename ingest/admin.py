@@ -91,6 +91,10 @@ class IngestCollector(Collector):
             ("tail_recoveries", "lost newest batches recovered by a tail check through replay"),
             ("events", "events applied to the ledger"),
         )}
+        evicted = CounterMetricFamily("cortex_target_evicted_tokens", "tokens the engine evicted from its KV pool "
+                                      "(its BlockRemoved, as the ledger applied them)", labels=labels)
+        regretted = CounterMetricFamily("cortex_target_regretted_tokens", "tokens the engine evicted that an engine "
+                                        "stored again within 5 min (computed again: ingest/regret.py)", labels=labels)
         dropped = CounterMetricFamily("cortex_ingest_dropped_events", "events not applied, by reason",
                                       labels=[*labels, "reason"])
         unknown = CounterMetricFamily("cortex_ingest_unknown_events", "events of a type Cortex does not know (a newer "
@@ -126,6 +130,8 @@ class IngestCollector(Collector):
                                     ("parity_failures", ev.parity.failures), ("events", ev.ledger.events_applied),
                                     ("tail_recoveries", ev.sync.tail_recoveries)):
                     counters[name].add_metric(key, value)
+                evicted.add_metric(key, t.evicted_tokens)
+                regretted.add_metric(key, self.ingest.regret.regretted(t.slot))
                 for reason, n in ev.ledger.dropped.items():
                     dropped.add_metric([*key, reason], n)
                 for kind, n in ev.unknown_events.items():
@@ -135,7 +141,7 @@ class IngestCollector(Collector):
                 for lane, n in ev.ledger.lanes().items():
                     lanes.add_metric([*key, lane], n)
         yield from (state, exact, silent, parity, healthy, tokens, blocks, running, waiting, kv_usage, event_age, lag,
-                    *counters.values(), dropped, unknown, media, lanes)
+                    *counters.values(), evicted, regretted, dropped, unknown, media, lanes)
         yield GaugeMetricFamily("cortex_ingest_start_time_seconds", "unix time this ingest process started",
                                 value=STARTED_AT)
         yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view",

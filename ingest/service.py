@@ -44,6 +44,7 @@ from ingest.loop_cpu import timed
 from ingest.membership import MembershipError
 from ingest.probes import check_tokens, probe_health, read_load
 from ingest.readiness import subscription
+from ingest.regret import Regret
 from ingest.source import EventSource, cancel_quietly, rank_endpoint
 from ingest.sync import SourceSync, SyncState
 from ingest.workers import Target, Worker, load_poll_interval
@@ -64,6 +65,8 @@ class Ingest:
         self._config = ConfigWatcher(config_path, lambda c: (c, self._load_probes(c)))
         self.view = ViewWriter(cfg.view_path(), max_workers=cfg.ingest.max_workers,
                                capacity=cfg.ingest.view_capacity)
+        self.regret = Regret(self.view, cfg.block_size)
+        """The ledgers' key sink: the view's writer, counting the evictions that had to be computed again."""
         self.zmq = zmq.asyncio.Context.instance()
         self.workers: dict[str, Worker] = {}
         self._sources: dict[str, asyncio.Task[None]] = {}
@@ -124,7 +127,8 @@ class Ingest:
     def _load_probes(cfg: CortexConfig) -> dict[str, list[Any]]:
         if cfg.ingest.token_parity == "off":
             return {}
-        return {m.name: tokenizer_parity.expected(ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template))
+        return {m.name: tokenizer_parity.expected(ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template),
+                                                  engines.adapter(m.engine).tool_style)
                 for m in cfg.models}
 
     async def _config_loop(self) -> None:
@@ -238,12 +242,13 @@ class Ingest:
             events = EventSource(
                 tid, Ledger(slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size, parity=parity,
                             alloc=self._spare_slot), parity,
-                SourceSync(has_replay=wcfg.kv_replay is not None), self.zmq, self.view,
+                SourceSync(has_replay=wcfg.kv_replay is not None), self.zmq, self.regret,
                 endpoint=rank_endpoint(wcfg.kv_events, rank), replay_endpoint=rank_endpoint(wcfg.kv_replay, rank),
                 topic=wcfg.kv_topic, on_change=self._changed, on_events=partial(self._events_arrived, worker))
-            target = Target(worker=worker, rank=rank, slot=slot, events=events)
-            # A slot may have been used by a removed target: start from a clean bitset.
+            target = Target(worker=worker, rank=rank, slot=slot, events=events, regret=self.regret)
+            # A slot may have been used by a removed target: start from a clean bitset and a clean count.
             self.view.clear_worker(slot)
+            self.regret.forget([slot])
             worker.targets.append(target)
             if worker.events_usable:
                 self._sources[tid] = asyncio.get_running_loop().create_task(timed("events", events.run()),

@@ -17,7 +17,8 @@ from typing import Any
 
 import aiohttp
 
-from cortex import engines
+from cortex import conversation, engines
+from cortex.conversation import ToolStyle
 from cortex.model_bundle import ModelBundle, TemplateError
 
 UNKNOWN, OK, FAILED = "unknown", "ok", "failed"
@@ -47,13 +48,16 @@ class TokenParity:
     checked_at: float = 0.0
 
 
-def expected(bundle: ModelBundle) -> list[tuple[dict[str, Any], list[int]]]:
-    """The probes this bundle can render, with Cortex's own ids for each."""
+def expected(bundle: ModelBundle, style: ToolStyle = "vllm") -> list[tuple[dict[str, Any], list[int]]]:
+    """The probes this bundle can render, with Cortex's own ids for each (tools handed to the template the way the
+    worker's engine hands them: `style`, cortex/conversation.py)."""
     out: list[tuple[dict[str, Any], list[int]]] = []
     if bundle.has_chat_template:
         for probe in PROBES:
+            messages, tools = conversation.for_template(conversation.chat_messages(probe["messages"])[0],
+                                                        probe.get("tools"), None, bundle.chat_template or "", style)
             try:
-                ids = bundle.encode_chat(probe["messages"], tools=probe.get("tools"), add_generation_prompt=True)
+                ids = bundle.encode_chat(messages, tools=tools, add_generation_prompt=True)
             except TemplateError:
                 continue  # a template without tool support: skip that probe, as a client could not use it
             out.append((probe, ids))

@@ -25,6 +25,7 @@ from cortex.contract import LoadReading, TargetMeta, target_id
 from cortex.engines import RankLoad
 from ingest import silence
 from ingest.probes import HealthReading, LoadByRank
+from ingest.regret import Regret
 from ingest.source import EventSource, rank_endpoint
 from ingest.sync import SyncState
 from ingest.tokenizer_parity import FAILED as TOKENS_FAILED
@@ -44,7 +45,7 @@ class Load:
 
     def to_meta(self, every_s: float, kv_usage: float | None = None, kv_capacity_tokens: float | None = None,
                 evicted_tokens: float | None = None, evicted_tokens_per_s: float | None = None,
-                inflight: float | None = None) -> LoadReading:
+                regretted_tokens_per_s: float | None = None, inflight: float | None = None) -> LoadReading:
         """For extproc: the reading's own time (the host's monotonic clock, which ingest and extproc share like
         the view's heartbeat) and the poll interval in force, so extproc ages it itself and ingest need not
         republish an unchanged reading just to move its age (docs/performance.md, "What an idle replica
@@ -52,7 +53,7 @@ class Load:
         return LoadReading(running=self.running, waiting=self.waiting, at=self.at or None, every_s=every_s,
                            kv_usage=kv_usage, kv_capacity_tokens=kv_capacity_tokens,
                            evicted_tokens=evicted_tokens, evicted_tokens_per_s=evicted_tokens_per_s,
-                           inflight=inflight)
+                           regretted_tokens_per_s=regretted_tokens_per_s, inflight=inflight)
 
 
 EVICTION_RISE_S = 1.0
@@ -105,6 +106,13 @@ class Target:
     pool's free part (extproc/policies/claims.py)."""
     evicted_tokens_per_s: float = 0.0
     """How fast it has been evicting lately (`eviction_rate`), for the evictions not counted yet."""
+    regret: Regret | None = None
+    """Ingest's count of the evicted tokens an engine had to compute again (ingest/regret.py); None in tests."""
+    regretted_tokens_per_s: float = 0.0
+    """How fast the tokens it evicts have been coming back (stored again soon after), averaged like the evictions:
+    over the eviction rate, the share of what it evicts that is missed."""
+    regretted_seen: float = 0.0
+    """The regret count at the last load reading."""
     inflight_at_read: float | None = None
     """This replica's requests in flight there when the last reading was taken (None: not known)."""
     evictions_seen: tuple[int, float] = (0, 0.0)
@@ -176,9 +184,13 @@ class Target:
         seen, seen_at = self.evictions_seen
         self.evictions_seen = (removed, now)
         self.evicted_tokens = float(removed * page)
+        regretted = self.regret.regretted(self.slot) if self.regret is not None else 0.0
         if seen_at and removed >= seen:  # fewer: a new ledger (a restart) counts from zero again
             self.evicted_tokens_per_s = eviction_rate(self.evicted_tokens_per_s, (removed - seen) * page,
                                                       now - seen_at)
+            self.regretted_tokens_per_s = eviction_rate(self.regretted_tokens_per_s,
+                                                        max(0.0, regretted - self.regretted_seen), now - seen_at)
+        self.regretted_seen = regretted
 
     def load_news(self, now: float, every_s: float) -> bool:
         """Publish a reading whose values changed, or whose published predecessor is getting old (extproc
@@ -237,7 +249,8 @@ class Target:
             exact_kv=self.exact_kv,
             state=self.events.sync.state.value, reason=self.why_not_exact(), why=self.why_code(),
             load=self.load.to_meta(w.poll_every, self.kv_usage, self.kv_capacity_tokens, self.evicted_tokens,
-                                   round(self.evicted_tokens_per_s, 1), self.inflight_at_read),
+                                   round(self.evicted_tokens_per_s, 1), round(self.regretted_tokens_per_s, 1),
+                                   self.inflight_at_read),
             added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port, tls_name=w.tls_name,
             groups=groups, tiers=tiers, lookahead_blocks=-(-ledger.lookahead // ledger.block_size),
         )
@@ -252,7 +265,8 @@ class Target:
             "load": {**self.load.to_json(now), "every_s": self.worker.poll_every, "kv_usage": self.kv_usage,
                      "kv_capacity_tokens": self.kv_capacity_tokens,
                      "evicted_tokens": self.evicted_tokens,
-                     "evicted_tokens_per_s": round(self.evicted_tokens_per_s, 1)},
+                     "evicted_tokens_per_s": round(self.evicted_tokens_per_s, 1),
+                     "regretted_tokens_per_s": round(self.regretted_tokens_per_s, 1)},
             "age_s": round(now - self.worker.added_at, 1),
             "kv_events": self.endpoint(self.worker.cfg.kv_events),
             "kv_replay": self.endpoint(self.worker.cfg.kv_replay),

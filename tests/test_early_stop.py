@@ -19,6 +19,7 @@ from cortex.blockkeys import chain_keys, root_key
 from cortex.config import CortexConfig, parse_config
 from cortex.ledger_view import ViewWriter
 from cortex.piecewise_tokenize import SegmentEncoder, SegmentMismatch, TokenCursor
+from extproc import prepare
 from extproc.cluster_view import ClusterView
 from extproc.plan import RoutePlan as RouteResult
 from extproc.policies import Policies
@@ -547,3 +548,29 @@ def test_the_tail_is_tokenized_only_when_a_prediction_can_use_it(fleet: Fleet, t
         assert decided <= 1 and (queued, after) == (0, 0)
     finally:
         untrusted.writer.close(unlink=True)
+
+
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 1}, {"echo": True}])
+def test_a_request_the_engine_computes_whole_is_routed_by_load_and_never_claimed(fleet: Fleet,
+                                                                                 extra: dict[str, Any]) -> None:
+    """vLLM reads no prefix cache for a request that asks for the prompt's logprobs (echo on a chat asks for them
+    too): the holder's blocks are worth nothing to it, so nothing is claimed (engines' cache_read_limit)."""
+    fleet.reset()
+    msgs = [{"role": "user", "content": " ".join(f"w{i}" for i in range(300))}]
+    fleet.writer.add(0, fleet.keys(msgs))
+    fleet.refresh()
+    plain = fleet.route(msgs, full=False)
+    assert (plain.decision.mode, plain.decision.chosen.id) == ("exact_kv_events", "w0")
+    fleet.router.rng.seed(7)
+    skip = fleet.router.route(parse_body("chat", orjson.dumps({"model": MODEL, "messages": msgs, **extra})),
+                              commit=False)
+    assert (skip.decision.mode, skip.decision.reason, skip.decision.hit_tokens) == \
+        ("load_aware", "engine_skips_cache", 0)
+
+
+def test_matches_are_cut_to_what_the_engine_reads() -> None:
+    m = np.array([0, 3, 40])
+    assert prepare._capped(m, None, 16) is m
+    assert prepare._capped(m, 0, 16).tolist() == [0, 0, 0]
+    assert prepare._capped(m, 300, 16).tolist() == [0, 3, 18]  # 300 tokens: 18 whole blocks
+    assert prepare._capped(None, 0, 16) is None

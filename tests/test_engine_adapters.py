@@ -293,3 +293,37 @@ def test_tokenize_request(eng: EngineAdapter) -> None:
     assert eng.tokenize_request("m", chat) == (path, {"model": "m", **chat, **chat_extra})
     assert eng.tokenize_request("m", {"prompt": "p"}) == (path, {"model": "m", "prompt": "p"})
     assert chat == {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
+
+
+# What each engine reads from its prefix cache, per request (sources in the adapters' comments): (api, body) -> limit.
+CACHE_READS: dict[str, list[tuple[str, dict[str, Any], int | None]]] = {
+    "vllm": [
+        ("chat", {}, None),
+        ("chat", {"prompt_logprobs": 0}, 0),  # any value, 0 included: the prompt is computed whole
+        ("chat", {"prompt_logprobs": None}, None),
+        ("chat", {"echo": True}, 0),  # top_logprobs defaults to 0, which becomes prompt_logprobs
+        ("chat", {"echo": True, "top_logprobs": None}, None),
+        ("chat", {"echo": False, "top_logprobs": 5}, None),
+        ("completion", {"echo": True}, None),  # logprobs defaults to None
+        ("completion", {"echo": True, "logprobs": 0}, 0),
+        ("completion", {"prompt_logprobs": 2}, 0),
+        ("responses", {"prompt_logprobs": 2}, None),  # not a field of that API
+    ],
+    "sglang": [
+        ("chat", {"echo": True, "logprobs": True}, None),  # its chat server always starts logprobs at -1
+        ("completion", {"echo": True, "logprobs": 1}, 0),
+        ("completion", {"echo": True, "logprobs": 0}, None),
+        ("completion", {"logprobs": 3}, None),
+        ("generate", {"return_logprob": True}, None),  # logprob_start_len -1: output only
+        ("generate", {"return_logprob": True, "logprob_start_len": 0}, 0),
+        ("generate", {"return_logprob": True, "logprob_start_len": 300}, 300),
+        ("generate", {"return_logprob": True, "logprob_start_len": [64, 8]}, 64),  # a batch: routed by the first
+        ("generate", {"return_logprob": False, "logprob_start_len": 0}, None),
+    ],
+}
+
+
+@ADAPTERS
+def test_cache_read_limit(eng: EngineAdapter) -> None:
+    for api, body, limit in golden(CACHE_READS, eng):
+        assert eng.cache_read_limit(api, body) == limit, (api, body)

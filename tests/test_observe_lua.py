@@ -1,7 +1,9 @@
 """cortex/observe.lua in a real Envoy, against responses cut at awkward places: byte by byte, a usage key split
 across two chunks, CRLF event ends, an error body that is not a stream, a content string that mentions
-`"usage":{`. The upstream is a raw socket server writing exactly the chunks each case asks for (with a pause
-between writes so Envoy reads them apart); Envoy's file access log prints what the filter recorded."""
+`"usage":{`, and the other APIs' usage shapes (the Responses API's input/output tokens, the Messages API's cache
+reads kept apart, SGLang's meta_info). The upstream is a raw socket server writing exactly the chunks each case
+asks for (with a pause between writes so Envoy reads them apart); Envoy's file access log prints what the filter
+recorded."""
 
 from __future__ import annotations
 
@@ -52,6 +54,33 @@ def split_in_usage_key(s: str) -> list[str]:
     return [s[:cut], s[cut:]]
 
 
+def named(kind: str, doc: str) -> str:
+    """An `event: <kind>` server-sent event (the Responses and Messages APIs' streams)."""
+    return f"event: {kind}\ndata: {doc}\n\n"
+
+
+# The other APIs' usage shapes, each the same 1042 prompt tokens (1024 cached) and 5 completion tokens.
+RESPONSES_USAGE = ('"usage":{"input_tokens":1042,"input_tokens_details":{"cached_tokens":1024,"cache_write_tokens":0,'
+                   '"input_tokens_per_turn":[],"cached_tokens_per_turn":[]},"output_tokens":5,"output_tokens_details":'
+                   '{"reasoning_tokens":0},"total_tokens":1047}')
+RESPONSES_STREAM = [
+    named("response.created", '{"response":{"id":"resp_1","status":"in_progress","usage":null},"type":"x"}'),
+    named("response.output_text.delta", '{"delta":"say \\"input_tokens\\":7","type":"x"}'),
+    named("response.completed", '{"response":{"id":"resp_1","status":"completed",' + RESPONSES_USAGE + '},"type":"x"}'),
+]
+MESSAGES_STREAM = [
+    named("message_start", '{"type":"message_start","message":{"id":"m","usage":{"input_tokens":1042,'
+                           '"output_tokens":0}}}'),
+    named("content_block_delta", '{"type":"content_block_delta","delta":{"type":"text_delta","text":"hi"}}'),
+    named("message_delta", '{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"input_tokens":18,'
+                           '"output_tokens":5,"cache_creation_input_tokens":0,"cache_read_input_tokens":1024}}'),
+    named("message_stop", '{"type":"message_stop"}'),
+]
+GENERATE_STREAM = [event('{"text":"' + "x" * k + '","meta_info":{"id":"r","finish_reason":' +
+                         ('{"type":"length","length":5}' if k == 5 else "null") +
+                         f',"prompt_tokens":1042,"completion_tokens":{k},"cached_tokens":1024}}}}')
+                   for k in range(1, 6)]
+
 CASES: dict[str, tuple[str, list[str], str, bool]] = {
     # name: (content type, chunks written, what the client must get, usage injected by Cortex)
     "whole events": ("text/event-stream", [ROLE, TOKEN, TRICK, USAGE, DONE], KEPT, True),
@@ -65,6 +94,16 @@ CASES: dict[str, tuple[str, list[str], str, bool]] = {
                                          ':{"cached_tokens":1024}},"kv_transfer_params":null}'],
                     None, True),
     "error body": ("application/json", ['{"error":{"message":"bad","code":400}}'], None, True),
+    "responses stream": ("text/event-stream", RESPONSES_STREAM, None, False),
+    "responses json": ("application/json", ['{"id":"resp_1","object":"response",', RESPONSES_USAGE + "}"], None, False),
+    "messages stream": ("text/event-stream", MESSAGES_STREAM, None, False),
+    "messages json": ("application/json", ['{"id":"m","type":"message","usage":{"input_tokens":18,"output_tokens":5,'
+                                           '"cache_creation_input_tokens":0,"cache_read_input_tokens":1024}}'],
+                      None, False),
+    "generate stream": ("text/event-stream", [*GENERATE_STREAM, DONE], None, False),
+    "generate json": ("application/json", ['{"text":"xxxxx","output_ids":[1,2,3,4,5],"meta_info":{"id":"r",',
+                                           '"finish_reason":{"type":"length","length":5},"prompt_tokens":1042,',
+                                           '"completion_tokens":5,"cached_tokens":1024}}'], None, False),
 }
 
 

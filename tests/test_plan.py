@@ -147,3 +147,16 @@ def test_reload_swaps_one_generation_and_a_taken_snapshot_keeps_its_own(tmp_path
     assert before.gen.number == 0 and before.cfg is cfg and before.cfg.scheduler.prompt_home
     assert after.gen.number == 1 and after.cfg is new_cfg and not after.cfg.scheduler.prompt_home
     assert router.cfg is new_cfg and router.route(parse_body("chat", _body(400))).generation == 1
+
+
+def test_a_prompts_home_is_drawn_past_the_longest_prefix_any_worker_holds() -> None:
+    """Prompts that share only a system prompt someone holds get homes of their own (else every replica would send
+    all of them to one worker at once); identical prompts share one; the walk's keys and the whole prompt's agree."""
+    system = [11, 12, 13]
+    a, b = [*system, 21, 22], [*system, 31, 32]
+    held = np.array([3, 0, 1])
+    assert plan.home_key(a, held) == 21 and plan.home_key(b, held) == 31
+    assert plan.home_key(a, np.zeros(3, dtype=np.int64)) == 11  # nobody holds anything: its first block
+    assert plan.home_key(a[:4], held) == plan.home_key(a, held)  # an early stop one block past the longest match
+    assert plan.home_key(system, held) == 13  # held whole: its last block
+    assert plan.home_key([], held) is None and plan.home_key(a, None) == 11

@@ -265,10 +265,13 @@ FULL_COMPLETION = {
 def test_a_full_openai_request_is_accepted() -> None:
     r = parse_body("chat", orjson.dumps(FULL_CHAT))
     assert r.stream and r.cache_salt == "tenant-1" and r.tools == FULL_CHAT["tools"] and r.unroutable is None
-    assert r.chat_template_kwargs == {"enable_thinking": False} and r.add_generation_prompt
+    # vLLM hands the template the reasoning effort too (the client's enable_thinking stands).
+    assert r.chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"} and r.add_generation_prompt
     assert [m["content"] for m in r.messages or []] == ["Be brief.", "sys", "What is the weather?", "", "sunny",
                                                         "Sunny.", "and\ntomorrow?"]
-    assert r.messages is not None and r.messages[3]["tool_calls"] == [call()] and r.messages[2]["name"] == "ann"
+    # Tool call arguments reach the template as an object, as both engines parse them.
+    assert r.messages is not None and r.messages[3]["tool_calls"] == [call(function={"name": "f", "arguments": {}})]
+    assert r.messages[2]["name"] == "ann" and "refusal" not in r.messages[3]
     c = parse_body("completion", orjson.dumps(FULL_COMPLETION))
     assert c.prompt_text == "Once upon" and not c.stream and c.body == FULL_COMPLETION
 

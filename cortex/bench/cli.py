@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cortex.bench import goodput, noisy, report, runner, saturation, trace, workloads
+from cortex.bench import goodput, noisy, report, runner, saturation, slo, trace, workloads
 from cortex.bench.contestants import BY_NAME, CONTESTANTS
 from cortex.bench.launch import ClusterSpec
 
@@ -73,8 +73,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the 'trace' workload's trace: Mooncake-format JSONL, or a WEKA kv-cache-tester conversation "
                         "(trace_*.json) or a directory of them; told apart by content. Alone (no --workload), it "
                         "runs the trace workload only")
-    g.add_argument("--trace-start", type=float, default=None, metavar="SECONDS",
-                   help="replay from this offset after the trace's first arrival (trace time; default 0)")
+    g.add_argument("--trace-start", default=None, metavar="SECONDS[,SECONDS...]",
+                   help="replay from this offset after the trace's first arrival (trace time; default 0); several "
+                        "(whole seconds, e.g. 0,600,1200): each window is one seed of the trace workload, and the "
+                        "tables show the mean and spread over them")
     g.add_argument("--trace-seconds", type=float, default=None, metavar="SECONDS",
                    help="replay the lines arriving within this many seconds from --trace-start (trace time; "
                         "default: to the end, or --quick's first 40 s of replay)")
@@ -130,11 +132,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="instead of the tables: per contestant (default " + ", ".join(goodput.CONTESTANTS) + ") and "
                         "workload, the highest arrival rate (the workload's times scaled) at which TTFT and ITL p90 "
                         "stay under the SLOs, by a doubling ladder from the workload's rate, then bisection")
-    g.add_argument("--slo-ttft-ms", type=float, default=goodput.SLO_TTFT_MS,
-                   help="TTFT SLO in ms (default %(default)s)")
-    g.add_argument("--slo-itl-ms", type=float, default=goodput.SLO_ITL_MS,
+    ttft = g.add_mutually_exclusive_group()
+    ttft.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                      help=f"a fixed TTFT SLO for every workload (default: {slo.SLO_TTFT_MS:g} ms for the synthetic "
+                           f"workloads, and the relative one for a trace)")
+    ttft.add_argument("--slo-ttft-slowdown", type=float, default=None, metavar="X",
+                      help=f"a relative TTFT SLO for every workload: TTFT <= X x the request's solo time, its "
+                           f"cold prefill alone on an idle simulated worker (default for a trace: "
+                           f"{slo.SLO_TTFT_SLOWDOWN:g})")
+    g.add_argument("--slo-itl-ms", type=float, default=slo.SLO_ITL_MS,
                    help="inter-token latency SLO in ms (default %(default)s)")
-    g.add_argument("--slo-percentile", type=float, default=goodput.PERCENTILE,
+    g.add_argument("--slo-percentile", type=float, default=slo.PERCENTILE,
                    help="the percentile of requests that must meet each SLO (default %(default)s)")
     g.add_argument("--goodput-runs", type=int, default=goodput.MAX_RUNS,
                    help="runs per contestant and workload at most (default %(default)s)")
@@ -242,9 +250,10 @@ def _trace_params(args: argparse.Namespace) -> dict[str, Any]:
     """The trace workload's own arguments given on the command line (its defaults stand for the rest). The fleet
     options go in too: the workload is built for the fleet it will run on (its workers' context length is that
     fleet's KV pool)."""
-    given = {"trace_start_s": args.trace_start, "trace_seconds": args.trace_seconds, "time_scale": args.time_scale,
-             "max_input": args.max_input, "max_idle_s": args.max_idle, "conversation_gap_s": args.conversation_gap,
-             "workers": args.workers, "kv_tokens": args.kv_tokens}
+    starts = _starts(args)
+    given = {"trace_start_s": starts[0] if len(starts) == 1 else None, "trace_seconds": args.trace_seconds,
+             "time_scale": args.time_scale, "max_input": args.max_input, "max_idle_s": args.max_idle,
+             "conversation_gap_s": args.conversation_gap, "workers": args.workers, "kv_tokens": args.kv_tokens}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -262,11 +271,43 @@ def _names(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def _build(args: argparse.Namespace, names: list[str], seeds: tuple[int, ...]) -> list[list[workloads.Workload]]:
-    tp = _trace_params(args)
+def _starts(args: argparse.Namespace) -> tuple[float, ...]:
+    """The --trace-start windows: none given, one offset, or several (each a whole number of seconds, all
+    different, as each names its seed)."""
+    if args.trace_start is None:
+        return ()
     try:
-        return [[workloads.build(n, quick=args.quick, seed=seed, requests=args.requests, rate=args.rate,
-                                 trace_path=args.trace, trace_params=tp) for seed in seeds] for n in names]
+        starts = tuple(float(x) for x in str(args.trace_start).split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"cortex bench: --trace-start takes seconds, or comma-separated seconds, not "
+                         f"{args.trace_start!r}") from None
+    if not starts or any(not 0 <= s < float("inf") for s in starts):
+        raise SystemExit("cortex bench: --trace-start is one or more offsets >= 0 seconds")
+    if len(starts) > 1 and (any(s != int(s) for s in starts) or len(set(starts)) < len(starts)):
+        raise SystemExit("cortex bench: several --trace-start windows are whole, different numbers of seconds "
+                         "(each names its seed)")
+    return starts
+
+
+def _build(args: argparse.Namespace, names: list[str], seeds: tuple[int, ...]) -> list[list[workloads.Workload]]:
+    """Each workload built once per seed; the trace workload, given several --trace-start windows, once per window
+    instead, each window its seed (named by its start in seconds), all on the fleet the largest needs."""
+    tp = _trace_params(args)
+    starts = _starts(args)
+
+    def one(n: str, seed: int, params: dict[str, Any]) -> workloads.Workload:
+        return workloads.build(n, quick=args.quick, seed=seed, requests=args.requests, rate=args.rate,
+                               trace_path=args.trace, trace_params=params)
+
+    try:
+        out = []
+        for n in names:
+            if n == "trace" and len(starts) > 1:
+                windows = [one(n, int(s), {**tp, "trace_start_s": s}) for s in starts]
+                out.append(trace.same_fleet(windows))
+            else:
+                out.append([one(n, seed, tp) for seed in seeds])
+        return out
     except trace.TraceError as exc:
         raise SystemExit(f"cortex bench: {exc}") from None
 
@@ -283,17 +324,22 @@ def _emit(args: argparse.Namespace, out: dict[str, Any], text: str) -> None:
 
 def _goodput(args: argparse.Namespace, argv: list[str]) -> int:
     if args.from_json:
-        out = json.loads(Path(args.from_json[-1]).read_text())
+        out = goodput.merge([json.loads(Path(p).read_text()) for p in args.from_json])
         command = out["command"]
     else:
         if args.concurrency:
             raise SystemExit("cortex bench: --goodput scales open-loop arrival times; --concurrency does not apply")
-        if args.bypass or args.restart_workers or args.seeds or "," in args.replicas:
-            raise SystemExit("cortex bench: --goodput takes one --replicas count, no --bypass, --restart-workers or "
-                             "--seeds")
-        if min(args.slo_ttft_ms, args.slo_itl_ms) <= 0 or not 0 < args.slo_percentile <= 100 \
-                or not 1 <= args.goodput_runs <= 12:
-            raise SystemExit("cortex bench: the SLOs are positive, --slo-percentile in (0, 100], --goodput-runs 1-12")
+        if args.bypass or args.restart_workers or args.seeds or "," in args.replicas or len(_starts(args)) > 1:
+            raise SystemExit("cortex bench: --goodput takes one --replicas count and one --trace-start window, no "
+                             "--bypass, --restart-workers or --seeds")
+        try:
+            ttft = (slo.TtftSlo(ms=args.slo_ttft_ms) if args.slo_ttft_ms is not None
+                    else slo.TtftSlo(slowdown=args.slo_ttft_slowdown) if args.slo_ttft_slowdown is not None else None)
+        except ValueError as exc:
+            raise SystemExit(f"cortex bench: {exc}") from None
+        if args.slo_itl_ms <= 0 or not 0 < args.slo_percentile <= 100 or not 1 <= args.goodput_runs <= 12:
+            raise SystemExit("cortex bench: --slo-itl-ms is positive, --slo-percentile in (0, 100], --goodput-runs "
+                             "1-12")
         replicas = _ints(args.replicas, "--replicas")
         names = args.contestant or list(goodput.CONTESTANTS)
         plan = runner.Plan(
@@ -303,7 +349,7 @@ def _goodput(args: argparse.Namespace, argv: list[str]) -> int:
             max_seconds=args.max_seconds or (40.0 if args.quick else 120.0), overhead_probes=0,
             work_dir=Path(args.work_dir) if args.work_dir else None, keep_records=True, replicas=replicas,
             sticky=args.sticky, grace_s=goodput.GRACE_S)
-        out = goodput.run(plan, ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms, percentile=args.slo_percentile,
+        out = goodput.run(plan, ttft=ttft, itl_ms=args.slo_itl_ms, percentile=args.slo_percentile,
                           max_runs=args.goodput_runs, keep_records=args.records)
         command = "cortex bench " + shlex.join(argv)
         out["command"] = command

@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 
 from cortex.bench.launch import MODEL, Worker
-from cortex.bench.workloads import Session, Workload
+from cortex.bench.workloads import LazyTurns, Session, Workload
 
 
 @dataclass(slots=True)
@@ -42,6 +42,9 @@ class Record:
     error: str | None = None
     bypass: bool = False
     """Sent straight to a worker, past the gateway (the --bypass share of sessions)."""
+    lag: float | None = None
+    """Open loop, a session's first request: how late it was sent, in seconds after its arrival time (a client
+    that cannot keep the workload's rate shows here, not as a slower contestant); None otherwise."""
 
 
 @dataclass(slots=True)
@@ -135,13 +138,15 @@ class Routing:
 
 
 async def _session(http: aiohttp.ClientSession, pick: Callable[[], str], s: Session, out: list[Record],
-                   t0: float, bypass: bool = False) -> None:
+                   t0: float, bypass: bool = False, open_loop: bool = False) -> None:
     history: list[dict[str, str]] = []
     for turn in range(len(s.turns)):
         rec = Record(s.id, turn, 0.0, bypass=bypass)
         out.append(rec)
-        content = s.turns[turn]  # built once (a trace's prompt is built here, from cached blocks)
+        content = s.turns[turn]  # built once (a trace's prompt is joined here, from block texts built before)
         answer = await one(http, pick(), s.messages(history, turn, content), s.max_tokens, rec, t0)
+        if open_loop and turn == 0:
+            rec.lag = max(rec.sent - s.start, 0.0)
         if rec.error is not None:
             return  # a conversation whose turn failed has no history to continue from
         if turn + 1 < len(s.turns):
@@ -178,6 +183,14 @@ async def _at(t0: float, when: float, action: Callable[[], object]) -> None:
     await asyncio.to_thread(action)
 
 
+def prepare(workload: Workload) -> None:
+    """Before the clock starts: what the sessions' lazily built prompts can share is built now (a trace's block
+    texts), so the client's event loop, which also times every stream, only joins them while the run lasts."""
+    for s in workload.sessions:
+        if isinstance(s.turns, LazyTurns):
+            s.turns.prepare()
+
+
 async def run(workload: Workload, routing: Routing | list[str], workers: list[Worker], *,
               concurrency: int | None = None, max_seconds: float = 120.0, grace_s: float = 60.0,
               sample_interval: float = 0.25,
@@ -190,6 +203,7 @@ async def run(workload: Workload, routing: Routing | list[str], workers: list[Wo
     action) pairs run in a thread at those times while traffic flows (a worker restarting mid-run)."""
     if isinstance(routing, list):
         routing = Routing(routing)
+    prepare(workload)
     records: list[Record] = []
     samples: list[dict[str, float]] = []
     per_session = routing.picker(workers)
@@ -218,7 +232,7 @@ async def run(workload: Workload, routing: Routing | list[str], workers: list[Wo
                 if time.monotonic() - t0 > max_seconds:
                     break
                 pick, bypass = per_session(s)
-                tasks.append(asyncio.create_task(_session(http, pick, s, records, t0, bypass)))
+                tasks.append(asyncio.create_task(_session(http, pick, s, records, t0, bypass, open_loop=True)))
         remaining = max(max_seconds - (time.monotonic() - t0), 0.0) + grace_s
         _, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
         for task in pending:

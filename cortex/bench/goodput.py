@@ -9,16 +9,18 @@ apart), starting from the workload's own rate, along a bounded search (`search`)
 while runs pass (or halving down while they fail) until one run passes and one fails, then bisection between the
 two, at most `max_runs` runs in all (default 6). Each run is an ordinary benchmark cell (`runner.run_one`: caches
 emptied, the contestant started fresh, the workload replayed open loop, bounded by --max-seconds of sends plus a
-grace period), so a rate is measured exactly as the main tables measure.
+grace period), so a rate is measured exactly as the main tables measure. The SLOs, fixed or relative to each
+request's solo time, and the verdict on a run are in `cortex.bench.slo`.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +29,17 @@ from cortex.bench.contestants import Contestant
 from cortex.bench.launch import ClusterSpec, Procs, start_workers
 from cortex.bench.report import cluster_line, run_line
 from cortex.bench.report import num as _f
+from cortex.bench.slo import PERCENTILE, SLO_ITL_MS, SoloCurve, TtftSlo, default_ttft, simulated_solo_ms, verdict
 from cortex.bench.workloads import Workload, at_rate
 
-SLO_TTFT_MS = 2000.0
-"""TTFT SLO: 2 s, the upper end of DistServe's chatbot SLOs; a cold 30 000-token prompt takes ~1.5 s to prefill
-in the simulator's timing model, a real trace's prompt is mostly cached."""
-SLO_ITL_MS = 100.0
-"""ITL SLO: 100 ms between tokens (10 tokens a second, faster than reading; DistServe's chatbot TPOT SLO, and
-Mooncake's tightest TBT); the simulator's decode step is 7 ms, a step carrying a long prefill chunk ~400 ms."""
-PERCENTILE = 90.0
 MAX_RUNS = 6
 FACTOR = 2.0
 TOLERANCE = 0.1
 """Bisection stops once the failing rate is within 10 % of the passing one."""
 GRACE_S = 30.0
-"""A run waits this long after its last send; what is still unanswered then missed its SLOs anyway (a request
-within both SLOs is done after TTFT + max_tokens x ITL, 8.4 s at the defaults and 64 tokens)."""
+"""A run waits at least this long after its last send; what is still unanswered then missed its SLOs anyway (a
+request within both SLOs is done after TTFT + max_tokens x ITL, 8.4 s at the defaults and 64 tokens). Under a
+relative TTFT SLO the wait is what the workload's longest prompt may take within it, if longer (`grace_s`)."""
 CONTESTANTS = ("cortex", "smg-cache-aware", "sglang-cache-aware", "round-robin")
 RATE_UNITS = {"multi-turn": "conversation starts/s", "burst": "groups/s", "agentic": "episodes/s"}
 """What a workload's rate counts (its `--rate`); requests/s for the others."""
@@ -52,38 +49,7 @@ def rate_unit(workload: str) -> str:
     return RATE_UNITS.get(workload, "requests/s")
 
 
-# ---- the pure part: whether a run met the SLOs, and the search over rates ----
-
-def nearest_rank(values: list[float], q: float) -> float | None:
-    """The smallest value with at least q % of `values` at or below it (of ten values, p90 is the ninth); None
-    for none. So `nearest_rank(v, q) <= slo` exactly when at least q % of v meet the SLO: DistServe's SLO
-    attainment."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[max(0, min(len(s) - 1, math.ceil(q * len(s) / 100.0) - 1))]
-
-
-def verdict(records: list[dict[str, Any]], ttft_ms: float, itl_ms: float, percentile: float = PERCENTILE
-            ) -> dict[str, Any]:
-    """Did a run meet both SLOs? `records` as `metrics.records_json` gives them. The TTFT percentile is over
-    every request sent, a failed one counted as infinitely late; the ITL percentile over the requests that
-    streamed two tokens or more, and the failed ones (infinitely slow). Both must be within their SLOs: at least
-    `percentile` % of the requests met each. A run with no request fails."""
-    inf = math.inf
-    ttft = [r["ttft_ms"] if r["error"] is None and r["ttft_ms"] is not None else inf for r in records]
-    itl = [inf if r["error"] is not None else r["itl_ms"] for r in records
-           if r["error"] is not None or r.get("itl_ms") is not None]
-    t, i = nearest_rank(ttft, percentile), nearest_rank(itl, percentile)
-    ok = bool(records) and t is not None and t <= ttft_ms and (i is None or i <= itl_ms)
-
-    def shown(v: float | None) -> float | None:
-        return None if v is None or math.isinf(v) else round(v, 1)
-
-    return {"ok": ok, "ttft_ms": shown(t), "itl_ms": shown(i), "requests": len(records),
-            "errors": sum(r["error"] is not None for r in records),
-            "ttft_within_slo": round(sum(x <= ttft_ms for x in ttft) / len(ttft), 3) if ttft else None}
-
+# ---- the pure part: the search over rates (whether a run met the SLOs: cortex.bench.slo) ----
 
 def _round(rate: float) -> float:
     return float(f"{rate:.4g}")
@@ -152,17 +118,21 @@ def _run_figures(summary: dict[str, Any]) -> dict[str, Any]:
             "error_examples": summary["error_examples"]}
 
 
-def run(plan: runner.Plan, *, ttft_ms: float = SLO_TTFT_MS, itl_ms: float = SLO_ITL_MS,
+def run(plan: runner.Plan, *, ttft: TtftSlo | None = None, itl_ms: float = SLO_ITL_MS,
         percentile: float = PERCENTILE, max_runs: int = MAX_RUNS, keep_records: bool = False,
         log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
     """The goodput of every contestant of `plan` on each of its workloads (the first seed's build), each search
-    on its workload's fleet. `plan` gives the runs' bounds (max_seconds, grace_s) and routing (replicas[0],
-    sticky); it must ask for records (keep_records), which each verdict reads; they are dropped from the result
-    unless `keep_records`."""
+    on its workload's fleet. `ttft`: the TTFT SLO of every workload; None gives each workload its default
+    (`slo.default_ttft`: relative for a trace, 2 s for the others). A relative SLO's solo curve is the fleet's own
+    timing model (`slo.simulated_solo_ms`). `plan` gives the runs' bounds (max_seconds, grace_s) and routing
+    (replicas[0], sticky); it must ask for records (keep_records), which each verdict reads; they are dropped
+    from the result unless `keep_records`."""
     started = time.monotonic()
     out: dict[str, Any] = {
         **runner.run_head(plan.cluster), "mode": {"goodput": True},
-        "slo": {"ttft_ms": ttft_ms, "itl_ms": itl_ms, "percentile": percentile, "max_runs": max_runs,
+        "slo": {**({"ttft": ttft.as_json()} if ttft else {"ttft": "per workload"}),
+                **({"ttft_ms": ttft.ms} if ttft and ttft.ms is not None else {}),
+                "itl_ms": itl_ms, "percentile": percentile, "max_runs": max_runs,
                 "max_seconds": plan.max_seconds, "grace_s": plan.grace_s},
         "contestants": {c.name: c.what for c in plan.contestants}, "goodput": {}}
     replicas = plan.replicas[0]
@@ -176,32 +146,77 @@ def run(plan: runner.Plan, *, ttft_ms: float = SLO_TTFT_MS, itl_ms: float = SLO_
             with Procs(root) as cluster_procs:
                 workers = start_workers(cluster_procs, spec)
                 for w in group:
-                    key = runner.label(w.name, replicas, plan)
-                    log(f"goodput {key}: {w.requests} requests from {w.params.get('rate')} {rate_unit(w.name)}")
+                    key = runner.label(runner.title(w), replicas, plan)
+                    w_slo = ttft or default_ttft(w.name)
+                    solo = simulated_solo_ms() if w_slo.relative else None
+                    log(f"goodput {key}: {w.requests} requests from {w.params.get('rate')} {rate_unit(w.name)}, "
+                        f"{w_slo.describe()}")
+                    judge = Judge(w_slo, itl_ms, percentile, solo)
+                    w_plan = dataclasses.replace(plan, grace_s=max(plan.grace_s, grace_s(w, judge)))
                     results: dict[str, Any] = {}
                     for c in plan.contestants:
-                        results[c.name] = _search_one(c, w, workers, cluster_procs, root, plan, replicas, ttft_ms,
-                                                      itl_ms, percentile, max_runs, keep_records, log)
+                        results[c.name] = _search_one(c, w, workers, cluster_procs, root, w_plan, replicas, judge,
+                                                      max_runs, keep_records, log)
                     ws = int(w.params.get("working_set_tokens") or 0)
                     out["goodput"][key] = {
-                        "workload": w.name, "params": w.params, "rate_unit": rate_unit(w.name),
-                        "replicas": replicas, "sticky": plan.sticky,
+                        "workload": runner.title(w), "params": w.params, "rate_unit": rate_unit(w.name),
+                        "replicas": replicas, "sticky": plan.sticky, "ttft_slo": w_slo.as_json(),
+                        "grace_s": w_plan.grace_s,
+                        **({"solo_ms": solo_points(solo)} if solo else {}),
                         "fleet": {"workers": spec.workers, "kv_tokens_per_worker": spec.kv_tokens,
                                   "working_set_tokens": ws, "kv_fill": round(ws / (spec.workers * spec.kv_tokens), 2),
                                   **({"max_model_len": spec.max_model_len} if spec.max_model_len else {})},
                         "results": results}
-    out["elapsed_s"] = round(time.monotonic() - started, 1)
+    runner.finish(out, started)
     return out
 
 
+def grace_s(w: Workload, judge: Judge) -> float:
+    """How long a run of `w` waits after its last send: GRACE_S, or under a relative TTFT SLO the time its longest
+    prompt may take within both SLOs (its allowed TTFT plus max_tokens gaps at the ITL SLO), if longer, so a long
+    request sent last is not cut while it can still meet them."""
+    if judge.solo_ms is None or judge.ttft.slowdown is None:
+        return GRACE_S
+    longest = int(w.params.get("longest_prompt_tokens") or 0)
+    max_tokens = int(w.params.get("max_tokens") or 0)
+    within = judge.ttft.slowdown * judge.solo_ms(longest) / 1000.0 + max_tokens * judge.itl_ms / 1000.0
+    return max(GRACE_S, round(within + 1.0, 1))
+
+
+SOLO_POINTS = (1000, 10000, 30000, 100000)
+"""Prompt lengths at which a report shows the solo curve, so a reader sees what a relative SLO asked."""
+
+
+def solo_points(solo: SoloCurve) -> dict[str, float]:
+    return {str(n): round(solo(n), 1) for n in SOLO_POINTS}
+
+
+@dataclass(frozen=True, slots=True)
+class Judge:
+    """The SLOs one workload's runs are judged by."""
+
+    ttft: TtftSlo
+    itl_ms: float
+    percentile: float
+    solo_ms: SoloCurve | None
+
+    def __call__(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        return verdict(records, self.ttft, self.itl_ms, self.percentile, self.solo_ms)
+
+
+def _ttft_shown(v: dict[str, Any]) -> str:
+    return f"{v['ttft_slowdown']}× solo" if "ttft_slowdown" in v else f"{v['ttft_ms']} ms"
+
+
 def _search_one(c: Contestant, w: Workload, workers: list[Any], cluster: Procs, root: Path, plan: runner.Plan,
-                replicas: int, ttft_ms: float, itl_ms: float, percentile: float, max_runs: int, keep_records: bool,
+                replicas: int, judge: Judge, max_runs: int, keep_records: bool,
                 log: Callable[[str], None]) -> dict[str, Any]:
     reason = c.unavailable()
     if reason is not None:
         log(f"  {c.name}: not available: {reason}")
         return {"unavailable": reason}
     done: list[dict[str, Any]] = []
+    q = judge.percentile
 
     def measure(rate: float) -> tuple[bool, dict[str, Any]]:
         log(f"  {c.name} at {rate:g} {rate_unit(w.name)} ...")
@@ -209,11 +224,11 @@ def _search_one(c: Contestant, w: Workload, workers: list[Any], cluster: Procs, 
         if "failed" in summary or "unavailable" in summary:
             raise _Failed(summary)
         records = summary.pop("records")
-        v = verdict(records, ttft_ms, itl_ms, percentile)
+        v = judge(records)
         detail = {**{k: x for k, x in v.items() if k != "ok"}, **_run_figures(summary)}
         if keep_records:
             detail["records"] = records
-        log(f"  {c.name} at {rate:g}: TTFT p{percentile:g} {v['ttft_ms']} ms, ITL p{percentile:g} {v['itl_ms']} ms, "
+        log(f"  {c.name} at {rate:g}: TTFT p{q:g} {_ttft_shown(v)}, ITL p{q:g} {v['itl_ms']} ms, "
             f"{v['errors']}/{v['requests']} errors: {'within' if v['ok'] else 'over'} the SLOs")
         done.append({"rate": rate, **detail, "ok": v["ok"]})
         return v["ok"], detail
@@ -227,10 +242,16 @@ def _search_one(c: Contestant, w: Workload, workers: list[Any], cluster: Procs, 
 
 # ---- the report ----
 
-def _run_cell(r: dict[str, Any] | None) -> str:
+def _block_ttft(block: dict[str, Any], slo: dict[str, Any]) -> TtftSlo:
+    """A block's TTFT SLO (a run saved before SLOs were per workload has one fixed SLO for the run)."""
+    return TtftSlo.from_json(block["ttft_slo"]) if "ttft_slo" in block else TtftSlo(ms=slo["ttft_ms"])
+
+
+def _run_cell(r: dict[str, Any] | None, relative: bool) -> str:
     if not r:
         return "–"
-    return (f"{r['rate']:g}/s: {_f(r['ttft_ms'])} / {_f(r['itl_ms'])} ms, hit {_f(r['hit_ratio'], 3)}, "
+    ttft = f"{_f(r.get('ttft_slowdown'), 2)}×" if relative else f"{_f(r['ttft_ms'])} ms"
+    return (f"{r['rate']:g}/s: {ttft} / {_f(r['itl_ms'])} ms, hit {_f(r['hit_ratio'], 3)}, "
             f"{r['errors']}/{r['requests']} errors")
 
 
@@ -242,8 +263,10 @@ def _goodput_cell(res: dict[str, Any]) -> str:
 
 def table(block: dict[str, Any], slo: dict[str, Any]) -> str:
     q = slo["percentile"]
-    lines = [f"| contestant | goodput ({block['rate_unit']}) | passes at: TTFT p{q:g} / ITL p{q:g} | "
-             f"fails at: TTFT p{q:g} / ITL p{q:g} | runs (rate, ✓ within / ✗ over) |", "|---|---|---|---|---|"]
+    ttft = _block_ttft(block, slo)
+    what = f"TTFT/solo p{q:g} / ITL p{q:g}" if ttft.relative else f"TTFT p{q:g} / ITL p{q:g}"
+    lines = [f"| contestant | goodput ({block['rate_unit']}) | passes at: {what} | fails at: {what} | "
+             f"runs (rate, ✓ within / ✗ over) |", "|---|---|---|---|---|"]
     for cname, res in block["results"].items():
         if "unavailable" in res:
             lines.append(f"| {cname} | not available: {res['unavailable']} | | | |")
@@ -252,25 +275,48 @@ def table(block: dict[str, Any], slo: dict[str, Any]) -> str:
         if "failed" in res:
             lines.append(f"| {cname} | failed: {res['failed'][:120]} | | | {runs} |")
             continue
-        lines.append(f"| {cname} | {_goodput_cell(res)} | {_run_cell(res['passed_run'])} | "
-                     f"{_run_cell(res['failed_run'])} | {runs} |")
+        lines.append(f"| {cname} | {_goodput_cell(res)} | {_run_cell(res['passed_run'], ttft.relative)} | "
+                     f"{_run_cell(res['failed_run'], ttft.relative)} | {runs} |")
     params = ", ".join(f"{k}={v}" for k, v in block["params"].items()
                        if k not in ("working_set_tokens", "prompt_tokens"))
     f = block["fleet"]
-    return (f"**{block['workload']}** ({params}); fleet {f['workers']} workers × {f['kv_tokens_per_worker']} KV "
+    slo_line = f"TTFT SLO: {ttft.describe()}"
+    if block.get("grace_s") and block["grace_s"] != slo.get("grace_s"):
+        slo_line = f"each run waits up to {block['grace_s']:g} s after its last send; " + slo_line
+    if ttft.relative and block.get("solo_ms"):
+        slo_line += (" (cold prefill alone in the simulated workers' timing model: " + ", ".join(
+            f"{int(n) // 1000}K tokens {_f(ms)} ms" for n, ms in block["solo_ms"].items()) + ")")
+    title = block["workload"] + (f", {block['replicas']} replicas" if block.get("replicas", 1) > 1 else "")
+    return (f"**{title}** ({params}); fleet {f['workers']} workers × {f['kv_tokens_per_worker']} KV "
             f"tokens ({_f(f['kv_fill'], 2)} × filled by the working set); rate = its --rate, in "
-            f"{block['rate_unit']}; times in ms\n\n" + "\n".join(lines) + "\n")
+            f"{block['rate_unit']}; {slo_line}; times in ms\n\n" + "\n".join(lines) + "\n")
+
+
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several saved goodput runs as one report (one replica count each, say): the first run's header, every
+    run's blocks (a later block of the same name wins), every command."""
+    out = dict(runs[0])
+    out["goodput"] = {k: b for r in runs for k, b in r["goodput"].items()}
+    out["contestants"] = {k: v for r in runs for k, v in r["contestants"].items()}
+    out["command"] = "\n".join(r["command"] for r in runs)
+    out["elapsed_s"] = round(sum(r.get("elapsed_s") or 0 for r in runs), 1)
+    return out
 
 
 def markdown(out: dict[str, Any], command: str) -> str:
     slo = out["slo"]
     q = slo["percentile"]
     head = run_line(out) + cluster_line(out, list(out["goodput"].values()))
-    parts = [f"Command: `{command}`\n",
-             head + f" SLOs: TTFT p{q:g} ≤ {slo['ttft_ms']:g} ms and ITL p{q:g} ≤ {slo['itl_ms']:g} ms, a failed "
+    commands = "\n".join(f"`{c}`" for c in command.splitlines())
+    given = slo.get("ttft")
+    ttft_text = (f"TTFT p{q:g} ≤ {slo['ttft_ms']:g} ms" if given is None  # a run saved before per-workload SLOs
+                 else f"{TtftSlo.from_json(given).describe()} for {q:g} % of the requests" if isinstance(given, dict)
+                 else f"each workload's TTFT SLO (below) for {q:g} % of the requests")
+    parts = [f"Command: {commands}\n",
+             head + f" SLOs: {ttft_text} and ITL p{q:g} ≤ {slo['itl_ms']:g} ms, a failed "
              f"request missing both; at most {slo['max_runs']} runs per contestant, each of at most "
-             f"{slo['max_seconds']:g} s of sends (+ {slo['grace_s']:g} s to finish). Goodput: the highest rate "
-             f"that passed below the lowest that failed; ≥ when nothing failed, < when nothing passed.\n"]
+             f"{slo['max_seconds']:g} s of sends (+ at least {slo['grace_s']:g} s to finish). Goodput: the highest "
+             f"rate that passed below the lowest that failed; ≥ when nothing failed, < when nothing passed.\n"]
     for block in out["goodput"].values():
         parts.append(table(block, slo))
     return "\n".join(parts)

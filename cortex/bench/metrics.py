@@ -14,6 +14,9 @@
 * gateway overhead: median and p90 of TTFT through the gateway minus TTFT straight to the worker it chose,
   at light load (one request at a time, cold prompts of equal length), for a short and a long prompt (a
   gateway that tokenizes and hashes the prompt pays per token);
+* send lag (open loop): how late each session's first request left the client after its arrival time, p50 / p99
+  / max in ms: a client that cannot keep the workload's rate (a trace replayed faster than this machine builds
+  and sends its prompts) shows here, and the report flags it;
 * gateway CPU: CPU time (user + system) of the contestant's processes during the run, per request sent (0 for
   round-robin, which has none). On this machine the gateway shares the cores with the simulated workers, so
   a gateway's CPU also slows the simulators' clocks.
@@ -67,6 +70,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
     for r in done:
         per_worker[r.worker or "?"] = per_worker.get(r.worker or "?", 0) + 1
     routed = [r for r in result.records if not r.bypass]
+    lag = [r.lag for r in result.records if r.lag is not None]
     extra: dict[str, Any] = {}
     if bypassed or len(routed) < len(result.records):
         extra = {"bypass_requests": len(result.records) - len(routed), "bypass_hit_ratio": _hit(bypassed)}
@@ -82,6 +86,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "wall_s": round(result.wall_s, 1),
         "imbalance": imbalance,
         "per_worker": dict(sorted(per_worker.items())),
+        **({"send_lag_ms": {"p50": _ms(percentile(lag, 50)), "p99": _ms(percentile(lag, 99)), "max": _ms(max(lag))}}
+           if lag else {}),
     }
 
 
@@ -140,5 +146,6 @@ def overhead(pairs: list[tuple[float, float]], words: int) -> dict[str, Any]:
 def records_json(records: list[Record]) -> list[dict[str, Any]]:
     return [{"session": r.session, "turn": r.turn, "sent_s": round(r.sent, 3), "ttft_ms": _ms(r.ttft),
              "e2e_ms": _ms(r.e2e), "itl_ms": None if r.itl is None else round(r.itl * 1000.0, 2),
+             **({} if r.lag is None else {"lag_ms": _ms(r.lag)}),
              "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
              "worker": r.worker, "status": r.status, "error": r.error} for r in records]

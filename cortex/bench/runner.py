@@ -96,6 +96,13 @@ def run_head(spec: ClusterSpec, **cluster: Any) -> dict[str, Any]:
                         **cluster}}
 
 
+def finish(out: dict[str, Any], started: float) -> None:
+    """What every mode's JSON closes with: how long it took, and the load average then (the machine is shared:
+    a figure is read beside the load it was measured under)."""
+    out["elapsed_s"] = round(time.monotonic() - started, 1)
+    out["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+
+
 def machine() -> dict[str, Any]:
     model = ""
     try:
@@ -178,6 +185,30 @@ def _measure(contestant: Contestant, workload: Workload, workers: list[Worker], 
     return summary, over
 
 
+PER_SEED_PARAMS = ("trace_start_s", "requests", "rate", "replay_s", "sessions", "longest_prompt_tokens",
+                   "working_set_tokens", "prompt_tokens")
+"""Parameters a cell's table lists per seed when its seeds differ in them (a trace's windows, which are its
+seeds); the rest are the first seed's."""
+
+
+def cell_params(built: list[Workload]) -> dict[str, Any]:
+    """The parameters a cell's table states: the first seed's, the seeds, and for `PER_SEED_PARAMS` that differ
+    between seeds (a trace replayed in several windows), the value of each, in seed order."""
+    params = {**built[0].params, "seeds": [w.params.get("seed") for w in built]}
+    for k in PER_SEED_PARAMS:
+        values = [w.params.get(k) for w in built]
+        if k in params and len(set(map(repr, values))) > 1:
+            params[k] = values
+    return params
+
+
+def title(w: Workload) -> str:
+    """The name a workload's tables go by: its own, and for a trace, the file (or WEKA directory) it replays, so
+    the tables of two traces in one report (the shipped one, Mooncake's, WEKA's) never share a key or a goal."""
+    trace = w.params.get("trace")
+    return f"{w.name} ({Path(str(trace)).stem})" if w.name == "trace" and trace else w.name
+
+
 def label(name: str, replicas: int, plan: Plan) -> str:
     """The key of one table: the workload and what was done to it."""
     parts = [name]
@@ -210,9 +241,10 @@ def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.std
                 for built in group:
                     first = built[0]
                     fleet_kv = spec.workers * spec.kv_tokens
-                    ws = int(first.params.get("working_set_tokens") or 0)
+                    # The fleet's fill by the largest seed's working set (a trace's windows differ widely).
+                    ws = max(int(w.params.get("working_set_tokens") or 0) for w in built)
                     for replicas in plan.replicas:
-                        key = label(first.name, replicas, plan)
+                        key = label(title(first), replicas, plan)
                         log(f"workload {key}: {first.requests} requests x {len(built)} seed(s), {first.params}")
                         results: dict[str, Any] = {}
                         for c in plan.contestants:
@@ -221,8 +253,7 @@ def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.std
                                         for w in built}
                             results[c.name] = metrics.combine(per_seed)
                         out["workloads"][key] = {
-                            "workload": first.name, "params": {**first.params, "seeds": [w.params.get("seed")
-                                                                                         for w in built]},
+                            "workload": title(first), "params": cell_params(built),
                             "replicas": replicas, "sticky": plan.sticky, "bypass": plan.bypass,
                             "disruptions": [d.label() for d in plan.disruptions],
                             "fleet": {"workers": spec.workers, "kv_tokens_per_worker": spec.kv_tokens,
@@ -231,7 +262,7 @@ def run(plan: Plan, log: Callable[[str], None] = lambda s: print(s, file=sys.std
                             "results": results}
                 if plan.sweep and spec == fleet_of(plan.sweep[0], plan):
                     out["sweep"] = _sweep(plan, workers, cluster_procs, root, out, log)
-    out["elapsed_s"] = round(time.monotonic() - started, 1)
+    finish(out, started)
     return out
 
 

@@ -45,12 +45,18 @@ WORDS = tuple(_VOCABULARY.split())
 class LazyTurns(Sequence[str]):
     """A session's turns whose text is built when each is sent, not when the workload is: a real trace's prompts
     (up to ~130 000 words each, thousands of them) would take gigabytes built at once. Equal when their keys
-    are equal (the key names what the text is built from)."""
+    are equal (the key names what the text is built from). `prepare`, if given, does ahead of a run what the
+    builds can share (a trace's block texts, cached), so a build while the run's clock runs is one join."""
 
-    __slots__ = ("_build", "_n", "key")
+    __slots__ = ("_build", "_n", "_prepare", "key")
 
-    def __init__(self, build: Callable[[int], str], n: int, key: Hashable) -> None:
-        self._build, self._n, self.key = build, n, key
+    def __init__(self, build: Callable[[int], str], n: int, key: Hashable,
+                 prepare: Callable[[], object] | None = None) -> None:
+        self._build, self._n, self.key, self._prepare = build, n, key, prepare
+
+    def prepare(self) -> None:
+        if self._prepare is not None:
+            self._prepare()
 
     def __len__(self) -> int:
         return self._n

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
+from cortex.conversation import ToolStyle
+
 if TYPE_CHECKING:
     from cortex.config import PdConfig
 
@@ -107,6 +109,19 @@ class EngineAdapter(ABC):
     """A client picks an adapter with `model: "<model>:<adapter>"`."""
     lora_path_field: ClassVar[bool]
     """A client picks an adapter with the body's `lora_path` (when `model` names the base model)."""
+
+    # -- Inference APIs -----------------------------------------------------------------------------------
+    inference_paths: ClassVar[frozenset[str]]
+    """The public inference paths its OpenAI server serves (extproc/inference_paths.py): a request on another
+    path is refused by Cortex (404) rather than sent to a worker that would not know it."""
+    tool_style: ClassVar[ToolStyle]
+    """How its server dumps a request's tools for the chat template (cortex/conversation.py: template_tools)."""
+
+    @abstractmethod
+    def cache_read_limit(self, api: str, body: Mapping[str, Any]) -> int | None:
+        """The most prompt tokens the engine will read from its prefix cache for this request (`api` as
+        extproc/request.py names it, `body` its parsed JSON): None for no limit beyond its own, 0 when it reads
+        none (a request that asks for the prompt's logprobs is computed whole). Cortex then claims no more."""
 
     # -- Data-parallel ranks -------------------------------------------------------------------------------
     @abstractmethod

@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, GENERATE, MESSAGES, RERANK, RESPONSES, SCORE
 from cortex.engine_hashes import sglang_page_hashes, sglang_wire_hash
 from cortex.engines.base import ChainStartHasher, EngineAdapter, RankLoad
 
@@ -88,6 +89,25 @@ class SglangAdapter(EngineAdapter):
     lora_as_model = False
     lora_as_suffix = True
     lora_path_field = True
+
+    # Its OpenAI server's inference routes (vLLM 0.32 has no /generate; SGLang 0.5.23 serves all eight).
+    inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE, EMBEDDINGS, RERANK, SCORE})
+    tool_style = "sglang"
+
+    def cache_read_limit(self, api: str, body: Mapping[str, Any]) -> int | None:
+        # SGLang 0.5.23: Req._compute_max_prefix_len caps the prefix match at logprob_start_len when the request
+        # returns logprobs from there (schedule_batch.py); /v1/completions sets it to 0 with echo + logprobs
+        # (serving_completions.py), /generate takes it from the body (io_struct.py: -1, the default, is none).
+        if api == "completion":
+            return 0 if body.get("echo") and body.get("logprobs") else None
+        if api != "generate" or not body.get("return_logprob"):
+            return None
+        start = body.get("logprob_start_len")
+        if isinstance(start, list):
+            start = start[0] if start else None
+        if isinstance(start, int) and not isinstance(start, bool) and start >= 0:
+            return start
+        return None
 
     def rank_headers(self, rank: int) -> Mapping[str, str]:
         return {}

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cortex import headers
+from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE
 from cortex.engine_hashes import VLLM_HASH_ALGOS, VllmBlockHasher, none_hash_reproducible, vllm_wire_hash
 from cortex.engines.base import ChainStartHasher, EngineAdapter, NotReproducible, RankLoad
 from cortex.kv_events import TIER_CPU, TIER_STORAGE
@@ -156,6 +157,24 @@ class VllmAdapter(EngineAdapter):
     lora_as_model = True
     lora_as_suffix = False
     lora_path_field = False
+
+    # Its OpenAI server's inference routes (vLLM 0.32 has no /generate; SGLang 0.5.23 serves all eight).
+    inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS, RERANK, SCORE})
+    tool_style = "vllm"
+
+    def cache_read_limit(self, api: str, body: Mapping[str, Any]) -> int | None:
+        # vLLM 0.32: SamplingParams.skip_reading_prefix_cache defaults to `prompt_logprobs is not None`, and the
+        # OpenAI layer sets prompt_logprobs from top_logprobs (chat) or logprobs (completions) when `echo` is on
+        # (chat_completion/protocol.py, completion/protocol.py: to_sampling_params).
+        if api not in ("chat", "completion"):
+            return None
+        if body.get("prompt_logprobs") is not None:
+            return 0
+        if body.get("echo"):
+            echoed = body.get("top_logprobs", 0) if api == "chat" else body.get("logprobs")
+            if echoed is not None:
+                return 0
+        return None
 
     def rank_headers(self, rank: int) -> Mapping[str, str]:
         return {DP_RANK_HEADER: str(rank)}

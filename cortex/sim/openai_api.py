@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import orjson
 from aiohttp import web
 
+from cortex import conversation
 from cortex.engine_hashes import LoraRef
 from cortex.model_bundle import ModelBundle, TemplateError
 from cortex.sim.engine import Delta, EngineCore, EngineDeadError, SimRequest
@@ -98,28 +99,17 @@ def int_field(body: Mapping[str, Any], name: str, default: int | None, minimum: 
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """The "string" content format: text parts are joined with newlines before templating."""
+    """Chat messages as a text-only model takes them (media parts refused); their text for the template is
+    cortex/conversation.py: chat_messages, as the engines build it."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")
-    out: list[dict[str, Any]] = []
     for msg in messages:
-        if not isinstance(msg, dict) or "role" not in msg:
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise ApiError(400, "each message must be an object with a role")
         content = msg.get("content")
-        if isinstance(content, list):
-            texts: list[str] = []
-            for part in content:
-                if isinstance(part, str):
-                    texts.append(part)
-                elif isinstance(part, dict) and part.get("type") == "text":
-                    texts.append(str(part.get("text", "")))
-                else:
-                    raise ApiError(400, "only text content parts are supported by this model")
-            msg = {**msg, "content": "\n".join(texts)}
-        elif content is None:
-            msg = {**msg, "content": ""}  # vLLM renders a missing/null content (assistant tool calls) as ""
-        out.append(msg)
-    return out
+        if isinstance(content, list) and any(conversation.part_text(p)[1] for p in content):
+            raise ApiError(400, "only text content parts are supported by this model")
+    return messages
 
 
 def requested_schema(body: Mapping[str, Any]) -> Any:
@@ -214,6 +204,10 @@ class OpenAIServing(ABC):
     def requested_rank(self, request: web.Request, body: Mapping[str, Any]) -> int | None:
         return None
 
+    def check_model(self, body: Mapping[str, Any]) -> None:
+        """Refuse a body naming a model this worker does not serve (vLLM checks; SGLang serves any name)."""
+        return None
+
     def resolve_lora(self, body: Mapping[str, Any]) -> LoraRef | None:
         return None
 
@@ -255,7 +249,7 @@ class OpenAIServing(ABC):
 
     def encode_chat(self, body: Mapping[str, Any], *, default_add_generation_prompt: bool = True,
                     default_add_special_tokens: bool = False) -> list[int]:
-        messages = normalize_messages(body.get("messages"))
+        messages, _ = conversation.chat_messages(normalize_messages(body.get("messages")))
         add_generation_prompt = bool(body.get("add_generation_prompt", default_add_generation_prompt))
         continue_final = bool(body.get("continue_final_message", False))
         if add_generation_prompt and continue_final:
@@ -264,9 +258,12 @@ class OpenAIServing(ABC):
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ApiError(400, "chat_template_kwargs must be an object")
+        messages, tools = conversation.for_template(messages, body.get("tools"), body.get("tool_choice"),
+                                                    self.bundle.chat_template or "",
+                                                    "sglang" if self.flavour == "sglang" else "vllm")
+        kwargs = conversation.reasoning_kwargs(body.get("reasoning_effort"), kwargs) or None
         try:
-            text = self.bundle.render_chat(messages, tools=body.get("tools"),
-                                           add_generation_prompt=add_generation_prompt,
+            text = self.bundle.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final, chat_template_kwargs=kwargs)
         except TemplateError as exc:
             raise ApiError(400, str(exc)) from None

@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 
 from cortex.engine_hashes import LoraRef
 from cortex.model_bundle import shipped_tokenizer_dir
+from cortex.sim.agent_api import AgentApis
 from cortex.sim.config import SimConfig
 from cortex.sim.engine import EngineCore, EngineDeadError, SimRequest
 from cortex.sim.openai_api import (
@@ -133,6 +134,7 @@ class SglangApi(OpenAIServing):
         self.kv_replay_port = kv_replay_port
         self.bootstrap_port = bootstrap_port if bootstrap_port is not None else config.bootstrap_port
         self.loras: dict[str, LoraRef] = {lora.name: lora for lora in config.lora_modules}
+        self.agent_apis = AgentApis(self)
         self.engine_type = {"both": "unified", "prefill": "prefill", "decode": "decode"}[config.role]
         self.pool_tokens = config.pool_tokens
         # The local directory, as SGLang reports its own: a router that loads the tokenizer from here never
@@ -179,6 +181,7 @@ class SglangApi(OpenAIServing):
             web.get("/flush_cache", self.flush_cache),
             web.post("/flush_cache", self.flush_cache),
             web.get("/metrics", self.metrics),
+            *self.agent_apis.routes(),
         ]
 
     # --- load figures shared by /metrics and /v1/loads ------------------------------------------

@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cortex.engine_hashes import LoraRef
+from cortex.sim.agent_api import AgentApis
 from cortex.sim.config import SimConfig
 from cortex.sim.engine import EngineCore, EngineDeadError, SimRequest
 from cortex.sim.openai_api import (
@@ -175,6 +176,7 @@ class VllmApi(OpenAIServing):
         self.http_port = http_port
         self.worker_id = worker_id
         self.loras: dict[str, LoraRef] = {lora.name: lora for lora in config.lora_modules}
+        self.agent_apis = AgentApis(self)
         # A fresh id per server start, suffixed per DP rank as vLLM does, so a decoder can name the rank.
         engine_uuid = str(uuid.uuid4())
         self._engine_ids = [engine_uuid + (f"_dp{r}" if len(self.engines) > 1 else "")
@@ -202,6 +204,7 @@ class VllmApi(OpenAIServing):
             web.post("/reset_prefix_cache", self.reset_prefix_cache),
             web.get("/metrics", self.metrics),
             web.post("/sim/kv_transfer/read", self.kv_transfer_read),
+            *self.agent_apis.routes(),
         ]
 
     # --- hooks ---------------------------------------------------------------------------------
@@ -219,7 +222,7 @@ class VllmApi(OpenAIServing):
         model = body.get("model")
         return self.loras.get(model) if isinstance(model, str) else None
 
-    def _check_model(self, body: Mapping[str, Any]) -> None:
+    def check_model(self, body: Mapping[str, Any]) -> None:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise ApiError(400, "model: Input should be a valid string")  # vLLM's pydantic validation
@@ -343,7 +346,7 @@ class VllmApi(OpenAIServing):
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await read_json(request)
-        self._check_model(body)
+        self.check_model(body)
         if "messages" in body:
             tokens = self.encode_chat(body)
         elif "prompt" in body:
@@ -360,7 +363,7 @@ class VllmApi(OpenAIServing):
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await read_json(request)
-        self._check_model(body)
+        self.check_model(body)
         tokens = body.get("tokens")
         vocab = self.bundle.tokenizer.get_vocab_size(with_added_tokens=True)
         if not isinstance(tokens, list) or not all(
@@ -372,13 +375,13 @@ class VllmApi(OpenAIServing):
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        self._check_model(body)
+        self.check_model(body)
         self.check_http_faults()
         return await self._generate(request, body, self.encode_chat(body), chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        self._check_model(body)
+        self.check_model(body)
         self.check_http_faults()
         return await self._generate(request, body, self.completion_prompt(body), chat=False)
 

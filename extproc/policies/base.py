@@ -72,6 +72,9 @@ class Candidate:
     how far that prefix has moved towards the front of the engine's LRU."""
     uncounted_s: float = 0.0
     """Seconds since the eviction count was read: evictions in them are not counted yet."""
+    regret_share: float = 0.0
+    """Of the tokens its engine evicts lately, the share that had to be computed again soon after (0: it evicts
+    nothing, or nothing it evicts comes back): the price per token of evicting there (ttft.py)."""
     tier_blocks: int = 0
     """Blocks right after its GPU hit that a lower tier (CPU, storage) holds: loaded, not computed."""
     tier_claimed: int = 0

@@ -10,7 +10,8 @@ For each candidate the model predicts, in milliseconds, from facts Cortex holds 
                 + alpha_ms_per_token x uncached                           the weight-bound part
                 + attention_ms_per_token2 x uncached x (cached + uncached / 2)   attention over the context
     ttft      = calibration x (queue + prefill)      calibration: the worker's observed / predicted TTFT ratio
-    score     = ttft + work_weight x calibration x prefill
+    eviction  = regret share x calibration x prefill  what its new blocks evict there and will be needed again
+    score     = ttft + work_weight x calibration x prefill + eviction_weight x eviction
 
 and picks the smallest score among the cool candidates. The work term is the price of fleet capacity: between
 two equal TTFTs (a copy of a burst queued behind its twin's prefill, or an idle worker that computes it all
@@ -51,11 +52,13 @@ class Estimate:
     calibration: float
     ttft_ms: float
     score: float
+    eviction_ms: float = 0.0
 
     def to_json(self) -> dict[str, float | int]:
         return {"uncached_tokens": self.uncached_tokens, "queue_ms": round(self.queue_ms, 2),
                 "prefill_ms": round(self.prefill_ms, 2), "calibration": round(self.calibration, 3),
-                "predicted_ttft_ms": round(self.ttft_ms, 2), "score": round(self.score, 2)}
+                "predicted_ttft_ms": round(self.ttft_ms, 2), "eviction_ms": round(self.eviction_ms, 2),
+                "score": round(self.score, 2)}
 
 
 def prefill_ms(uncached: int, cached: int, running: float, s: SchedulerConfig) -> float:
@@ -81,7 +84,10 @@ def estimate(c: Candidate, facts: Facts) -> Estimate:
     q = queue_ms(c, typical)
     p = prefill_ms(uncached, cached, running_of(c), s)
     ttft = c.calibration * (q + p)
-    return Estimate(uncached, q, p, c.calibration, ttft, ttft + s.work_weight * c.calibration * p)
+    # The uncached tokens evict as many there; the share of those that comes back is prefilled again later.
+    evict = c.regret_share * c.calibration * p if uncached > 0 else 0.0
+    return Estimate(uncached, q, p, c.calibration, ttft,
+                    ttft + s.work_weight * c.calibration * p + s.eviction_weight * evict, evict)
 
 
 def fastest(known: Sequence[Candidate], facts: Facts, turn: int, rng: random.Random,

@@ -29,8 +29,10 @@ from tests.real_engine.vllm_engine import (
     cached,
     chat,
     claimed,
+    decisions,
     engine_chat,
     gateway,
+    matched,
     new_engine,
     running,
     settle,
@@ -57,23 +59,6 @@ def pair(vllm_available: None, qwen2_tiny: Path, tmp_path_factory: pytest.TempPa
 def gw(pair: list[VllmEngine], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     with gateway(tmp_path_factory.mktemp("pair-gw"), pair) as g:
         yield g
-
-
-def matched(gw: Gateway, messages: list[dict[str, str]]) -> dict[str, int]:
-    """What Cortex would claim on each worker for these messages now (route explain, nothing forwarded)."""
-    r = httpx.post(gw.explain_url, json={"model": MODEL, "messages": messages}, timeout=30)
-    assert r.status_code == 200, r.text
-    return {w["id"]: w["matched_tokens"] or 0 for w in r.json()["workers"]}
-
-
-def decisions(gw: Gateway, ids: set[str]) -> dict[str, dict[str, Any]]:
-    """The observer's recent decisions for these request ids, once all of them are in (admin port)."""
-    def found() -> dict[str, dict[str, Any]] | None:
-        doc = httpx.get(f"{gw.observe_url}/cortex/decisions?limit=200", timeout=5).json()
-        out = {d["request_id"]: d for d in doc["decisions"] if d["request_id"] in ids}
-        return out if len(out) == len(ids) else None
-
-    return wait_for(found, timeout=30, what="the observer's decisions")
 
 
 def spread(gw: Gateway, chats: list[list[dict[str, str]]]) -> list[tuple[list[dict[str, str]], str]]:
@@ -109,6 +94,19 @@ def test_repeats_go_to_the_holder_and_claim_exactly_the_engines_cached_tokens(gw
         assert d["claimed_hit_tokens"] == d["engine_cached_tokens"] > 0, d
 
 
+def test_default_sha256_hashes_are_reproduced_by_the_parity_check(gw: Gateway) -> None:
+    """vLLM's default `--prefix-caching-hash-algo sha256` without PYTHONHASHSEED: NONE_HASH from the fixed seed
+    "vllm-none-hash", reproduced by ingest's parity check (ingest/hash_parity.py) on each engine's chain starts.
+    (The other algorithms: test_vllm_flags.py.)"""
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda i: chat(gw, long_chat(120, seed=130 + i), max_tokens=32), range(2)))
+    for worker in ("vllm-1", "vllm-2"):
+        parity = wait_for(lambda w=worker: (lambda p: p if p["status"] != "unknown" else None)(
+            gw.targets()[w]["parity"]), what=f"{worker}'s first chain start judged")
+        assert parity["status"] == "ok" and parity["checked"] >= 1, parity
+        assert "sha256 with seed 'vllm-none-hash'" in parity["reason"], parity
+
+
 def test_a_prompt_of_whole_blocks_claims_one_block_less(gw: Gateway, pair: list[VllmEngine]) -> None:
     """vLLM never serves a prompt's last token from cache: a prompt of exactly k blocks hits k-1 of them
     (`get_computed_blocks` looks up at most `num_tokens - 1`), and Cortex must not claim the k-th."""
@@ -129,6 +127,22 @@ def test_a_prompt_of_whole_blocks_claims_one_block_less(gw: Gateway, pair: list[
     assert claimed(h) == cached(usage) == usage["prompt_tokens"] - BLOCK, (dict(h), usage)
 
 
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 1}, {"echo": True}])
+def test_a_request_the_engine_computes_whole_is_never_claimed(gw: Gateway, extra: dict[str, Any]) -> None:
+    """vLLM reads no prefix cache for a request that asks for its prompt's logprobs (a chat with `echo` asks for
+    them too: its top_logprobs becomes prompt_logprobs): on a prompt the holder has cached, the engine reports 0
+    cached tokens and Cortex claims none (engines' cache_read_limit, reason engine_skips_cache)."""
+    messages = long_chat(160, seed=170 + len(extra) + ("echo" in extra))
+    h, _ = chat(gw, messages)
+    holder = h["x-cortex-assigned-worker"]
+    wait_for(lambda: matched(gw, messages)[holder] > 0, what="the chat in the ledger")
+    h, usage = chat(gw, messages)
+    assert claimed(h) == cached(usage) > 0  # the plain repeat is a hit
+    h, usage = chat(gw, messages, **extra)
+    assert cached(usage) == 0, usage
+    assert claimed(h) == 0 and h["x-cortex-route-reason"] == "engine_skips_cache", dict(h)
+
+
 def test_an_engine_restarted_at_the_same_url_is_claimed_only_for_what_it_holds_again(
         gw: Gateway, pair: list[VllmEngine]) -> None:
     messages = long_chat(220, seed=200)
@@ -137,7 +151,7 @@ def test_an_engine_restarted_at_the_same_url_is_claimed_only_for_what_it_holds_a
     wait_for(lambda: matched(gw, messages)[holder] > 0, what="the chat in the ledger")
 
     by_id(pair, holder).restart()  # a new engine process: its KV events start a new sequence, its cache is empty
-    wait_for(lambda: gw.targets()[holder]["healthy"], timeout=60, what="Cortex to see the engine healthy again")
+    wait_for(lambda: holder in matched(gw, messages), timeout=60, what="Cortex to route to the engine again")
     # Nothing was sent to it since: whatever Cortex still knew of the old process is no claim on the new one.
     assert matched(gw, messages)[holder] == 0
     h, usage = chat(gw, messages)
@@ -150,7 +164,6 @@ def test_an_engine_restarted_at_the_same_url_is_claimed_only_for_what_it_holds_a
     h, usage = chat(gw, again)
     assert h["x-cortex-assigned-worker"] == holder
     assert claimed(h) == cached(usage) > 0, (dict(h), usage)
-    assert gw.targets()[holder]["restarts"] >= 1
 
 
 def test_reset_prefix_cache_drops_the_claims_to_what_the_engine_holds(gw: Gateway, pair: list[VllmEngine]) -> None:

@@ -44,9 +44,9 @@ BLOCK = 32
 POOL_BLOCKS = 512
 """Default KV pool per engine (`--num-gpu-blocks-override`), 16,384 tokens: nothing is evicted unless a test
 asks for a smaller pool."""
-START_DEADLINE_S = 420.0
+START_DEADLINE_S = 600.0
 """How long a batch of engines started together may take to answer /health (~60 s each alone on an idle
-2-core machine; three at once on a loaded one take several times that)."""
+2-core machine; three at once, one with two ranks, took 388 s on one shared by three other sessions)."""
 TOPIC = "kv"
 
 
@@ -275,6 +275,23 @@ def claimed(headers: httpx.Headers) -> int:
 def cached(usage: dict[str, Any]) -> int:
     """The engine's own prefix-cache hit for the request (`--enable-prompt-tokens-details`)."""
     return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def matched(gw: Gateway, messages: list[dict[str, str]], model: str = MODEL, **extra: Any) -> dict[str, int]:
+    """What Cortex would claim on each target for these messages now (route explain, nothing forwarded)."""
+    r = httpx.post(gw.explain_url, json={"model": model, "messages": messages, **extra}, timeout=30)
+    assert r.status_code == 200, r.text
+    return {w["id"]: w["matched_tokens"] or 0 for w in r.json()["workers"]}
+
+
+def decisions(gw: Gateway, ids: set[str]) -> dict[str, dict[str, Any]]:
+    """The observer's recent decisions for these request ids, once all of them are in (admin port)."""
+    def found() -> dict[str, dict[str, Any]] | None:
+        doc = httpx.get(f"{gw.observe_url}/cortex/decisions?limit=200", timeout=5).json()
+        out = {d["request_id"]: d for d in doc["decisions"] if d["request_id"] in ids}
+        return out if len(out) == len(ids) else None
+
+    return wait_for(found, timeout=30, what="the observer's decisions")
 
 
 def engine_chat(e: VllmEngine, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:

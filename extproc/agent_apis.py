@@ -1,0 +1,145 @@
+"""The agent APIs' requests as Cortex's one parsed form: OpenAI's Responses API and Anthropic's Messages API.
+
+vLLM 0.32 serves both by turning them into a chat-template render (cortex/conversation.py has its rules), so a
+Responses or Messages request is parsed into the same `ParsedRequest` a chat completion is: its conversation,
+tools and template flags, routed by the blocks of the very prompt the engine will compute. What Cortex cannot
+render it routes without a claim: a Responses request continuing a stored response (`previous_response_id`: the
+engine prepends a conversation only it holds, so the request goes to the worker that holds it,
+extproc/response_ids.py) and media content.
+
+Fields are checked the way the engines type them (lax coercion, a 400 naming the field); fields Cortex does not
+read are the engine's to judge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from cortex import conversation
+from cortex.errors import ClientError
+from extproc.request import (
+    NonNegInt,
+    ParsedRequest,
+    _cache_salt,
+    _check_nesting,
+    _expectations,
+    _expects,
+    _message,
+    _tools,
+    load_object,
+    model_of,
+    validated,
+)
+
+
+class _Responses(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    stream: bool | None = _expects("a boolean")
+    max_output_tokens: NonNegInt | None = _expects("an integer >= 0 or null")
+    instructions: str | None = _expects("a string or null")
+    previous_response_id: str | None = _expects("a string or null")
+    tools: list[Any] | None = _expects("a list")
+    reasoning: dict[str, Any] | None = _expects("an object")
+    chat_template_kwargs: dict[str, Any] | None = _expects("an object")
+    temperature: float | None = _expects("a number")
+    top_p: float | None = _expects("a number")
+    store: bool | None = _expects("a boolean")
+    request_id: str | None = _expects("a string")
+
+
+class _Messages(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    max_tokens: NonNegInt = _expects("an integer >= 0")
+    stream: bool | None = _expects("a boolean")
+    temperature: float | None = _expects("a number")
+    top_p: float | None = _expects("a number")
+    top_k: int | None = _expects("an integer")
+    stop_sequences: list[str] | None = _expects("a list of strings")
+    chat_template_kwargs: dict[str, Any] | None = _expects("an object")
+    output_config: dict[str, Any] | None = _expects("an object")
+
+
+_EXPECTED_RESPONSES = _expectations(_Responses)
+_EXPECTED_MESSAGES = _expectations(_Messages)
+
+
+def _converted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except conversation.ConversationError as exc:
+        raise ClientError(400, str(exc), exc.param) from None
+
+
+def _as_chat(req: ParsedRequest, messages: list[dict[str, Any]], param: str) -> None:
+    """The converted messages checked as chat messages, then as the template sees them."""
+    for i, m in enumerate(messages):
+        try:
+            _message(i, m)
+        except ClientError as exc:
+            raise ClientError(400, f"{param}: {exc.message}", param) from None
+    req.messages, media = conversation.chat_messages(messages)
+    if media:
+        req.unroutable = "non_text_content"
+
+
+def parse_responses(raw: bytes) -> ParsedRequest:
+    """POST /v1/responses: `instructions` and `input` (a string or items: messages, function calls and their
+    outputs, reasoning) as chat messages, its function tools as chat tools."""
+    body = load_object(raw)
+    model = model_of(body)
+    assert model is not None
+    fields = validated(_Responses, body, _EXPECTED_RESPONSES)
+    items = body.get("input")
+    if not isinstance(items, str | list):
+        raise ClientError(400, "'input' is required and must be a string or a list of items", "input")
+    req = ParsedRequest(kind="chat", model=model, stream=bool(fields.stream), api="responses", body=body,
+                        cache_salt=_cache_salt(body.get("cache_salt")), max_output=fields.max_output_tokens)
+    _as_chat(req, _converted(conversation.responses_messages, fields.instructions, items), "input")
+    tools = conversation.responses_tools(fields.tools)
+    if tools:
+        _tools(tools)
+    req.tools = tools
+    req.tool_choice = body.get("tool_choice")
+    req.continue_final_message = conversation.responses_continues(items)
+    req.add_generation_prompt = not req.continue_final_message
+    kwargs = fields.chat_template_kwargs
+    if kwargs:
+        _check_nesting(kwargs, "chat_template_kwargs", "chat_template_kwargs")
+    effort = (fields.reasoning or {}).get("effort")
+    req.chat_template_kwargs = conversation.reasoning_kwargs(effort, kwargs) or None
+    if fields.previous_response_id:
+        # The engine renders the stored conversation before this input: Cortex cannot, so nothing is claimed.
+        req.previous_response = fields.previous_response_id
+        req.unroutable = "previous_response"
+    return req
+
+
+def parse_messages(raw: bytes) -> ParsedRequest:
+    """POST /v1/messages: Anthropic's `system`, `messages` (text, tool uses and results, thinking) and `tools` as
+    the chat request vLLM makes of them."""
+    body = load_object(raw)
+    model = model_of(body)
+    assert model is not None
+    if body.get("max_tokens") is None:
+        raise ClientError(400, "'max_tokens' is required", "max_tokens")
+    fields = validated(_Messages, body, _EXPECTED_MESSAGES)
+    system, messages = body.get("system"), body.get("messages")
+    req = ParsedRequest(kind="chat", model=model, stream=bool(fields.stream), api="messages", body=body,
+                        cache_salt=_cache_salt(body.get("cache_salt")), max_output=fields.max_tokens)
+    _as_chat(req, _converted(conversation.anthropic_messages, system, messages, merge_inline_system=False),
+             "messages")
+    if any(isinstance(m, dict) and m.get("role") == "system" for m in messages or ()):
+        merged = _converted(conversation.anthropic_messages, system, messages, merge_inline_system=True)
+        req.inline_system = conversation.chat_messages(merged)[0]
+    tools = _converted(conversation.anthropic_tools, body.get("tools"))
+    if tools:
+        _check_nesting(tools, "tools", "tools")
+    req.tools = tools or None
+    kwargs = fields.chat_template_kwargs
+    if kwargs:
+        _check_nesting(kwargs, "chat_template_kwargs", "chat_template_kwargs")
+    req.chat_template_kwargs = conversation.reasoning_kwargs((fields.output_config or {}).get("effort"),
+                                                             kwargs) or None
+    return req

@@ -1,0 +1,109 @@
+"""The agent APIs against real vLLM 0.32 engines behind `cortex run`: Cortex's token ids for chat completions,
+Responses and Anthropic Messages requests equal the engine's own (its /render endpoints) on a corpus of agent
+conversations with tools (tests/agent_corpus.py), a second identical Responses or Messages request is an exact
+hit (the claim equals the engine's cached tokens), and a Responses follow-up naming its previous response goes to
+the engine that stored it (the other answers 404 for a response it does not hold).
+
+The engines run as agent deployments do: `--enable-auto-tool-choice --tool-call-parser hermes` (Qwen2.5's tool
+format; without it vLLM refuses tools with tool_choice auto), `--enable-scale-out` (the /render endpoints) and
+VLLM_ENABLE_RESPONSES_API_STORE=1 (previous_response_id)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cortex.api_paths import CHAT, MESSAGES, RESPONSES
+from tests import agent_corpus
+from tests.harness import MODEL, Gateway
+from tests.real_engine.vllm_engine import VllmEngine, gateway, new_engine, running, settle
+
+pytestmark = pytest.mark.timeout(900)
+
+AGENT_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-scale-out")
+CORPUS = agent_corpus.cases(20) + agent_corpus.EDGES
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_available: None, qwen2_tiny: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, list[VllmEngine]]]:
+    logs = tmp_path_factory.mktemp("agents")
+    engines = [new_engine(f"vllm-{i}", qwen2_tiny, logs, flags=AGENT_FLAGS,
+                          env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}) for i in (1, 2)]
+    with running(engines), gateway(tmp_path_factory.mktemp("agents-gw"), engines) as gw:
+        yield gw, engines
+
+
+def cortex_ids(gw: Gateway, path: str, body: dict[str, Any]) -> list[int]:
+    """The token ids Cortex routes the request by: route explain with the whole prompt (`tokens=1`), the same
+    parse, conversion, template and tokenizer real traffic takes, nothing forwarded."""
+    r = httpx.post(gw.explain_url, params={"path": path, "tokens": "1"}, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return list(r.json()["token_ids"])
+
+
+def engine_ids(engine: VllmEngine, path: str, body: dict[str, Any]) -> list[int]:
+    r = httpx.post(f"{engine.url}{path}/render", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return list(r.json()["token_ids"])
+
+
+@pytest.mark.parametrize(("api", "path", "doc"), CORPUS, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(CORPUS)])
+def test_cortex_renders_every_api_as_the_engine(fleet: tuple[Gateway, list[VllmEngine]], api: str, path: str,
+                                                doc: dict[str, Any]) -> None:
+    gw, engines = fleet
+    body = {"model": MODEL, **doc}
+    ours, theirs = cortex_ids(gw, path, body), engine_ids(engines[0], path, body)
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
+    assert ours == theirs, f"first difference at token {at} of {len(theirs)}"
+
+
+def _post(gw: Gateway, path: str, body: dict[str, Any]) -> httpx.Response:
+    r = httpx.post(f"{gw.url}{path}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _cached(path: str, doc: dict[str, Any]) -> int:
+    if path == RESPONSES:
+        return int(doc["usage"]["input_tokens_details"]["cached_tokens"])
+    if path == MESSAGES:
+        return int(doc["usage"].get("cache_read_input_tokens") or 0)
+    return int(doc["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+@pytest.mark.parametrize("seed", [101, 102])
+@pytest.mark.parametrize("path", [RESPONSES, MESSAGES, CHAT])
+def test_a_second_identical_request_is_an_exact_hit(fleet: tuple[Gateway, list[VllmEngine]], path: str,
+                                                    seed: int) -> None:
+    gw, _ = fleet
+    make = {RESPONSES: agent_corpus.responses, MESSAGES: agent_corpus.messages, CHAT: agent_corpus.chat}[path]
+    body = {"model": MODEL, **make(seed)}
+    first = _post(gw, path, body)
+    settle(gw)  # the ledger holds what the engine stored before the second request is routed
+    second = _post(gw, path, body)
+    claimed = int(second.headers["x-cortex-cache-hit-tokens"])
+    assert second.headers["x-cortex-assigned-worker"] == first.headers["x-cortex-assigned-worker"]
+    assert claimed > 0 and claimed == _cached(path, second.json())
+
+
+def test_a_responses_follow_up_goes_to_the_engine_that_stored_its_response(
+        fleet: tuple[Gateway, list[VllmEngine]]) -> None:
+    gw, engines = fleet
+    first = _post(gw, RESPONSES, {"model": MODEL, "input": "Remember the number 42.", "max_output_tokens": 4})
+    rid = first.json()["id"]
+    holder = first.headers["x-cortex-assigned-worker"]
+    other = next(e for e in engines if e.id != holder)
+    follow = {"model": MODEL, "input": "Which number?", "max_output_tokens": 4, "previous_response_id": rid}
+    # Only the holder knows the response: the other engine answers 404 ...
+    assert httpx.post(f"{other.url}{RESPONSES}", json=follow, timeout=60).status_code == 404
+    for _ in range(3):  # ... and every follow-up through Cortex goes to the holder.
+        r = _post(gw, RESPONSES, follow)
+        assert r.headers["x-cortex-assigned-worker"] == holder
+        assert r.headers["x-cortex-route-reason"] == "previous_response"
+    chained = _post(gw, RESPONSES, {**follow, "previous_response_id": r.json()["id"]})
+    assert chained.headers["x-cortex-assigned-worker"] == holder
