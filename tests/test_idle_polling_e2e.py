@@ -189,9 +189,12 @@ def test_a_request_routed_by_this_replica_wakes_fast_polling_at_once(gw: Gateway
             if "sim-2" in assigned:
                 break
         assert "sim-2" in assigned, assigned
-        # Sent requests by this replica: read at the routed cadence (extproc fills in its own share between reads).
+        # Sent requests by this replica: read at the routed cadence (extproc fills in its own share between reads),
+        # each reading with this replica's requests in flight there when it was taken.
         wait_for(lambda: every_s(gw, "sim-2") == ROUTED_S, timeout=WAKE_DEADLINE_S,
                  what="routed cadence after routing")
+        wait_for(lambda: (gw.targets()["sim-2"]["load"]["inflight"] or 0) >= 1, timeout=WAKE_DEADLINE_S,
+                 what="the reading's own in-flight count")
         assert time.monotonic() - t0 < IDLE_S
 
 
