@@ -79,6 +79,20 @@ def test_idle_interval_is_validated_against_the_active_one(tmp_path: Path) -> No
         load_config(_config(tmp_path, {"idle_load_poll_interval_s": 0}))
 
 
+def test_routed_interval_lies_between_the_active_and_idle_ones(tmp_path: Path) -> None:
+    def routed(ingest: dict[str, float]) -> float:
+        return load_config(_config(tmp_path, ingest)).ingest.routed_load_poll_interval_s
+
+    assert routed({}) == 0.5
+    assert routed({"load_poll_interval_s": 0.8}) == 0.8           # not set: never faster than the active cadence
+    assert routed({"idle_load_poll_interval_s": 0.3}) == 0.3      # ... nor slower than the idle one
+    assert routed({"routed_load_poll_interval_s": 0.1}) == 0.1    # 0.1: as before this setting existed
+    with pytest.raises(ConfigError, match="routed_load_poll_interval_s"):
+        routed({"routed_load_poll_interval_s": 0.05})
+    with pytest.raises(ConfigError, match="routed_load_poll_interval_s"):
+        routed({"routed_load_poll_interval_s": 2.0})
+
+
 # -- end to end ------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

