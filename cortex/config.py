@@ -412,6 +412,19 @@ class LogConfig(_Strict):
         return v.lower() if isinstance(v, str) else v
 
 
+class MediaConfig(_Strict):
+    """How the model's vLLM workers identify media items: each image's identifier is folded into the hash of every
+    KV block its placeholders fill (docs/ledger.md, "Media"). Used only for models whose tokenizer directory holds a
+    processor Cortex has a rule for (cortex/media.py)."""
+
+    model_id: str | None = None
+    """The workers' `--model` value (a path or a Hugging Face id; `/v1/models` lists it as `root`): vLLM hashes it
+    into every image's identifier. Default: the model's `name`. Workers started with another value still serve
+    the text before the first image from cache; their image blocks are never claimed."""
+    hasher: Literal["blake3", "sha256", "sha512"] = "blake3"
+    """The workers' `--mm-hasher-algorithm` (vLLM's default: blake3)."""
+
+
 class ModelConfig(_Strict):
     """A served model: the name clients send, the engine family, and the files that tokenize like it."""
 
@@ -438,6 +451,8 @@ class ModelConfig(_Strict):
     PD decision and never claims a hit, but still observes (ledger, metrics, headers)."""
     pd: PdConfig = PdConfig()
     """Prefill/decode orchestration knobs (used when the model has prefill and decode workers)."""
+    media: MediaConfig = MediaConfig()
+    """Media parts of chat requests (images as base64 data URLs are keyed like the engine's blocks)."""
     loras: list[str] = Field(default_factory=list)
     """LoRA adapters its workers serve, by name (vLLM `--lora-modules NAME=PATH`, SGLang `--lora-paths NAME=PATH`;
     every worker of the model is expected to serve them). vLLM clients pick one with `model: NAME`, which only

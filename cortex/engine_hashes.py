@@ -117,12 +117,20 @@ class LoraRef:
     int_id: int = 1
 
 
-def vllm_extra_keys(start_token_idx: int, *, cache_salt: str | None = None,
-                    lora: LoraRef | None = None) -> tuple[Any, ...] | None:
-    """``generate_block_hash_extra_keys`` for text-only requests: LoRA on every block, salt on the first."""
-    keys: list[tuple[str, ...]] = []
+def vllm_mm_keys(items: Sequence[tuple[int, int, str]], start: int, end: int) -> list[tuple[str, int]]:
+    """``_gen_mm_extra_hash_keys`` for the block [start, end): (identifier, offset - start) of every media item
+    (offset, length, identifier; sorted by offset) whose placeholder run overlaps it."""
+    return [(ident, offset - start) for offset, length, ident in items if offset < end and offset + length > start]
+
+
+def vllm_extra_keys(start_token_idx: int, *, cache_salt: str | None = None, lora: LoraRef | None = None,
+                    media: Sequence[tuple[str, int]] = ()) -> tuple[Any, ...] | None:
+    """``generate_block_hash_extra_keys``: LoRA on every block, then the block's media items ((identifier,
+    offset) from vllm_mm_keys), then the salt on the first block."""
+    keys: list[tuple[Any, ...]] = []
     if lora is not None:
         keys.append(("lora", lora.name, lora.path))
+    keys += [("mm", ident, offset) for ident, offset in media]
     if cache_salt is not None and start_token_idx == 0:
         keys.append(("cache_salt", cache_salt))
     return tuple(keys) if keys else None
@@ -166,7 +174,7 @@ class VllmBlockHasher:
 
     def block_hashes(self, token_ids: Sequence[int], block_size: int, *, start_block: int = 0,
                      parent: bytes | None = None, cache_salt: str | None = None,
-                     lora: LoraRef | None = None) -> list[bytes]:
+                     lora: LoraRef | None = None, media: Sequence[tuple[int, int, str]] = ()) -> list[bytes]:
         """Hashes of the full blocks of `token_ids` from block index `start_block` on.
 
         `parent` must be the hash of block `start_block - 1` (None for a chain start), which lets a caller
@@ -177,7 +185,8 @@ class VllmBlockHasher:
         hashes: list[bytes] = []
         for idx in range(start_block, len(token_ids) // block_size):
             start = idx * block_size
-            extra = vllm_extra_keys(start, cache_salt=cache_salt, lora=lora)
+            extra = vllm_extra_keys(start, cache_salt=cache_salt, lora=lora,
+                                    media=vllm_mm_keys(media, start, start + block_size) if media else ())
             parent = self.hash_block(parent, token_ids[start:start + block_size], extra)
             hashes.append(parent)
         return hashes

@@ -21,7 +21,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
-from cortex import conversation
+from cortex import conversation, media, template_format
 
 
 class BundleError(ValueError):
@@ -72,6 +72,9 @@ class ModelBundle:
     chat_template: str | None
     special_tokens: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+    media_rule: media.ProcessorRule | None = None
+    """The model's processor rule for media parts (config.json + preprocessor_config.json beside the tokenizer),
+    None for a model Cortex keys no media for (cortex/media.py)."""
 
     def __post_init__(self) -> None:
         self._template = compile_template(self.chat_template) if self.chat_template else None
@@ -105,11 +108,20 @@ class ModelBundle:
             _token_text(t) for t in config.get("additional_special_tokens", []) or []
         ]
         try:
+            rule = media.load_rule(tok_file.parent, tokenizer.token_to_id)
+        except media.MediaRuleError as exc:
+            raise BundleError(f"model {name!r}: {exc}") from exc
+        try:
             return cls(name=name, tokenizer=tokenizer, chat_template=template, special_tokens=special,
-                       source=str(tok_file))
+                       source=str(tok_file), media_rule=rule)
         except jinja2.TemplateError as exc:  # a syntax error: the template cannot even be compiled
             where = chat_template_path or tok_file.parent
             raise BundleError(f"model {name!r}: the chat template of {where} does not compile: {exc}") from exc
+
+    @functools.cached_property
+    def content_format(self) -> template_format.ContentFormat:
+        """How vLLM hands its template message content: one string, or parts (cortex/template_format.py)."""
+        return template_format.content_format(self.chat_template)
 
     @property
     def has_chat_template(self) -> bool:

@@ -80,8 +80,9 @@ def _as_chat(req: ParsedRequest, messages: list[dict[str, Any]], param: str) -> 
         except ClientError as exc:
             raise ClientError(400, f"{param}: {exc.message}", param) from None
     req.messages, media = conversation.chat_messages(messages)
+    req.chat_source = messages
     if media:
-        req.unroutable = "non_text_content"
+        req.unroutable = "non_text_content"  # unless prepare keys the media (extproc/media_prompt.py)
 
 
 def parse_responses(raw: bytes) -> ParsedRequest:
@@ -133,6 +134,7 @@ def parse_messages(raw: bytes) -> ParsedRequest:
     if any(isinstance(m, dict) and m.get("role") == "system" for m in messages or ()):
         merged = _converted(conversation.anthropic_messages, system, messages, merge_inline_system=True)
         req.inline_system = conversation.chat_messages(merged)[0]
+        req.inline_source = merged
     tools = _converted(conversation.anthropic_tools, body.get("tools"))
     if tools:
         _check_nesting(tools, "tools", "tools")

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from cortex import conversation, observation
-from cortex.blockkeys import chain_keys, root_key
+from cortex.blockkeys import chain_keys, chain_keys_with, root_key
 from cortex.conversation import ToolStyle
 from cortex.errors import ClientError
 from cortex.model_bundle import ModelBundle, TemplateError
 from cortex.piecewise_tokenize import EncoderSet, SegmentMismatch, TokenCursor
-from extproc import engine_hits, inference_paths, pd, response_ids
+from extproc import engine_hits, inference_paths, media_prompt, pd, response_ids
 from extproc.cluster_view import TargetInfo
 from extproc.policies import session
 from extproc.predictions import Predictions
@@ -83,16 +83,22 @@ class Prepared:
     """Per hybrid slot: blocks its full-attention run held that its sliding windows did not (never claimed)."""
 
 
-def prompt_text(req: ParsedRequest, bundle: ModelBundle, style: ToolStyle = "vllm") -> tuple[str, bool]:
+def prompt_text(req: ParsedRequest, bundle: ModelBundle, style: ToolStyle = "vllm",
+                media: bool = False) -> tuple[str, bool]:
     """The prompt as text, and whether the tokenizer adds its special tokens (completions) or not (chat). `style`:
-    how the model's engine hands tools to the template (EngineAdapter.tool_style)."""
+    how the model's engine hands tools to the template (EngineAdapter.tool_style). `media`: render the media
+    parts as the engine does for the model's processor (extproc/media_prompt.py)."""
     try:
         if req.kind == "chat":
             assert req.messages is not None
             template = bundle.chat_template or ""
-            messages = req.messages
-            if req.inline_system is not None and bundle.rejects_inline_system:
-                messages = req.inline_system
+            inline = req.inline_system if bundle.rejects_inline_system else None
+            messages = req.messages if inline is None else inline
+            source = req.chat_source if inline is None else req.inline_source
+            # A template that takes content as parts gets them, as vLLM gives them (cortex/template_format.py).
+            if source is not None and (bundle.content_format == "openai" or (media and bundle.media_rule)):
+                placeholders = bundle.media_rule.placeholders if media and bundle.media_rule else None
+                messages = conversation.template_messages(source, bundle.content_format, placeholders)
             messages, tools = conversation.for_template(messages, req.tools, req.tool_choice, template, style)
             text = bundle.render_chat(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
                                       continue_final_message=req.continue_final_message,
@@ -103,6 +109,8 @@ def prompt_text(req: ParsedRequest, bundle: ModelBundle, style: ToolStyle = "vll
             text, special = req.prompt_text, True
     except TemplateError as exc:
         raise ClientError(400, str(exc), "messages") from None
+    except conversation.ConversationError as exc:
+        raise ClientError(400, str(exc), exc.param) from None
     return text, special
 
 
@@ -216,6 +224,11 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     # by load when it reads none, its match cut to what it reads otherwise, so nothing above it is ever claimed.
     read_limit = engine.cache_read_limit(req.api, req.body or {})
     unroutable = req.unroutable or ("engine_skips_cache" if read_limit == 0 else None)
+    # Media the engine keys like Cortex can (extproc/media_prompt.py): keyed up to the first item it cannot.
+    model_cfg = registry.configs[resolved.model]
+    with_media = media_prompt.keyable(req, bundle, engine, model_cfg, snap.block_size)
+    if with_media and read_limit != 0:
+        unroutable = None
     workers = snap.candidates(resolved.model)
     if not workers:
         raise NoWorker(resolved.model, f"no healthy worker serves model `{req.model}`")
@@ -226,7 +239,7 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
                              "mint_response_id": req.api == "responses" and not (req.body or {}).get("request_id")}
     pools = None if transparent else pd.split_pools(workers)
     # A lower tier's run starts where the GPU hit ends, past what the walk follows: such models are looked up whole.
-    if not (full_tokens or pools is None or unroutable or not snap.alive or pools.pd_ready
+    if not (full_tokens or pools is None or unroutable or not snap.alive or pools.pd_ready or with_media
             or engine_hits.tiered(workers)):
         walked, truncated, fingerprint, detail = _walk(snap, req, bundle, workers, root, timings, segments,
                                                        predictions, deferred, style)
@@ -245,12 +258,26 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
                         head_ids=walked.head, prompt_hash=fingerprint, session=sess,
                         lower=found.lower if found else {}, withheld=found.withheld if found else {}, **extra)
     t0 = time.perf_counter()
-    ids, truncated, fingerprint = _tokens(snap, req, bundle, segments, style)
+    bs = snap.block_size
+    shown: media_prompt.MediaPrompt | None = None
+    if with_media and not unroutable and not transparent:
+        text, _ = prompt_text(req, bundle, style, media=True)
+        fingerprint = observation.prompt_hash(text, None)
+        # Past the cap the markers left out make the items uncountable: keying stops at the first one, or earlier.
+        truncated = len(text) > snap.cfg.extproc.max_tokenize_chars
+        rendered = bundle.encode(text[:snap.cfg.extproc.max_tokenize_chars], add_special_tokens=False)
+        shown = media_prompt.build(req, bundle, engine, model_cfg, rendered, bs)
+        if truncated:
+            shown.keyed = min(shown.keyed, max(0, len(shown.ids) - 2 * bs))
+        ids = shown.ids
+    else:
+        ids, truncated, fingerprint = _tokens(snap, req, bundle, segments, style)
     t1 = time.perf_counter()
     timings.tokenize_s = t1 - t0
-    bs = snap.block_size
     # An engine always computes at least the last prompt token, so a hit never covers it.
     usable_blocks = max(0, (len(ids) - 1) // bs)
+    if shown is not None:
+        usable_blocks = min(usable_blocks, shown.keyed // bs)
     why = "no_cached_prefix"
     matches = None
     keys: list[int] = []
@@ -262,9 +289,10 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
     elif not snap.alive:
         why = "ledger_unavailable"
     elif usable_blocks == 0:
-        why = "prompt_shorter_than_a_block"
+        why = "non_text_content" if shown is not None and shown.keyed < len(ids) else "prompt_shorter_than_a_block"
     else:
-        keys = chain_keys(ids, bs, root, max_blocks=usable_blocks)
+        keys = chain_keys_with(ids, bs, root, shown.suffixes, max_blocks=usable_blocks) if shown else \
+            chain_keys(ids, bs, root, max_blocks=usable_blocks)
         t2 = time.perf_counter()
         timings.hash_s = t2 - t1
         slots = engine_hits.detail_slots(workers)

@@ -68,6 +68,7 @@ class ModelRegistry:
         self.aliases = {a.name: Alias([t.model for t in a.targets], [t.weight for t in a.targets], a.fallback,
                                       a.draw == "session") for a in cfg.aliases}
         self.engines = {m.name: engines.adapter(m.engine) for m in cfg.models}
+        self.configs = {m.name: m for m in cfg.models}
         # vLLM names an adapter by `model` itself; SGLang never does (its `model` is "<model>:<adapter>").
         self.loras_as_model = {a: m.name for m in cfg.models if self.engines[m.name].lora_as_model for a in m.loras}
         created = int(time.time())

@@ -117,6 +117,11 @@ class ParsedRequest:
     api: Api = "chat"
     messages: list[dict[str, Any]] | None = None
     """The conversation as the template sees it (cortex/conversation.py: chat_messages)."""
+    chat_source: list[dict[str, Any]] | None = None
+    """The chat messages `messages` was made from (as sent, or converted from the Responses / Messages API): what a
+    template that takes content as parts, or a prompt with media, is rendered from (cortex/conversation.py:
+    template_messages). `inline_source` likewise for `inline_system`."""
+    inline_source: list[dict[str, Any]] | None = None
     tools: list[Any] | None = None
     """Chat-style tools as the client sent them (or converted from the Responses / Messages API); the engine's
     own dump for the template is cortex/conversation.py: template_tools."""
@@ -338,7 +343,9 @@ def _chat(req: ParsedRequest, body: dict[str, Any], fields: _Chat) -> None:
     for i, m in enumerate(messages):
         _message(i, m)
     req.messages, media = conversation.chat_messages(messages)
+    req.chat_source = messages
     if media:
+        # Routed by load unless prepare can key the media as the model's engine does (extproc/media_prompt.py).
         req.unroutable = "non_text_content"
     tools = body.get("tools")
     if tools:

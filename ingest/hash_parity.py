@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cortex import engines
+from cortex.blockkeys import event_suffixes
 from cortex.engines import ChainStartHasher, NotReproducible
 from ingest.events import BlockStored
 
@@ -67,10 +68,17 @@ class ParityCheck:
         if (hasher is None or self.status in (FAILED, UNCHECKED) or event.parent_block_hash is not None
                 or event.lora_name):
             return
+        n = min(len(event.block_hashes), self.max_blocks)
+        with_content = event_suffixes(event.extra_keys)
+        if with_content:
+            # A block with media or prompt embeds is hashed with keys the event does not carry whole (vLLM hashes
+            # them tagged): only the blocks before the first such one are recomputed.
+            n = min(n, min(with_content))
+            if n == 0:
+                return
         self._seen += 1
         if self._seen > self.warmup and self._seen % self.sample_every:
             return
-        n = min(len(event.block_hashes), self.max_blocks)
         tokens = event.token_ids[: n * event.block_size]
         expected = hasher.wire_hashes(tokens, event.block_size, salt)
         how = hasher.how

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cortex import engines, hit_rule
-from cortex.blockkeys import block_key, chain_keys, root_key, token_bytes
+from cortex.blockkeys import block_key, chain_keys, chain_keys_with, event_suffixes, root_key, token_bytes
 from cortex.contract import GroupSlot, TierSlot
 from cortex.kv_events import MEDIUM_TIERS, TIER_GPU, TIERS
 from ingest.events import AllBlocksCleared, BlockInactive, BlockRemoved, BlockStored, Event
@@ -510,6 +510,13 @@ class Ledger:
         if self.block_size % page:
             self.dropped["page_size_not_a_divisor"] += 1
             return
+        # Media items and prompt embeds are in the engine's hash beside the tokens: their blocks' keys fold them in
+        # (cortex/blockkeys.py), so they never meet a text-only block of the same tokens. Folded per engine page,
+        # they are keyed only where a page is a Cortex block (extproc keys such prompts likewise).
+        suffixes = event_suffixes(event.extra_keys)
+        if suffixes and page != self.block_size:
+            self.dropped["media_page_not_block"] += 1
+            return
         parent = event.parent_block_hash
         if parent is None:
             key, pending = root_key(event.lora_name, salt), _EMPTY
@@ -526,7 +533,9 @@ class Ledger:
         # already is then no new block, and counting it would outlive the block's one BlockRemoved.
         restated = parent is None and not self.hybrid
         if page == self.block_size:
-            for engine_hash, k in zip(hashes, chain_keys(event.token_ids, page, key), strict=True):
+            keys = chain_keys_with(event.token_ids, page, key, suffixes) if suffixes else \
+                chain_keys(event.token_ids, page, key)
+            for engine_hash, k in zip(hashes, keys, strict=True):
                 r = refs.get(engine_hash)
                 if r is None:
                     refs[engine_hash] = 1

@@ -54,8 +54,10 @@ def expected(bundle: ModelBundle, style: ToolStyle = "vllm") -> list[tuple[dict[
     out: list[tuple[dict[str, Any], list[int]]] = []
     if bundle.has_chat_template:
         for probe in PROBES:
-            messages, tools = conversation.for_template(conversation.chat_messages(probe["messages"])[0],
-                                                        probe.get("tools"), None, bundle.chat_template or "", style)
+            # In the content format the engine gives this template (parts for one that loops over them).
+            view = conversation.template_messages(probe["messages"], bundle.content_format)
+            messages, tools = conversation.for_template(view, probe.get("tools"), None, bundle.chat_template or "",
+                                                        style)
             try:
                 ids = bundle.encode_chat(messages, tools=tools, add_generation_prompt=True)
             except TemplateError:

@@ -18,6 +18,7 @@ from cortex.config import ConfigError, ModelConfig, PdConfig, WorkerConfig, pars
 from cortex.engine_hashes import LoraRef, vllm_event_extra_keys, vllm_extra_keys
 from cortex.engines import ENGINE_NAMES, EngineAdapter, NotReproducible, adapter, all_adapters
 from cortex.kv_events import TIER_GPU, TIERS
+from cortex.media import MediaSpan
 from cortex.sim.config import ENGINES as SIM_ENGINES
 from cortex.sim.config import SimConfig
 from tests.sim import simkit
@@ -327,3 +328,21 @@ CACHE_READS: dict[str, list[tuple[str, dict[str, Any], int | None]]] = {
 def test_cache_read_limit(eng: EngineAdapter) -> None:
     for api, body, limit in golden(CACHE_READS, eng):
         assert eng.cache_read_limit(api, body) == limit, (api, body)
+
+
+# Per engine: (media items as (offset, length, identifier), pages, page size) -> each page's media keys as its events
+# publish them, or None where Cortex does not reproduce them (tests/test_media.py holds vLLM's own vectors).
+MEDIA_PAGES: dict[str, Any] = {
+    "vllm": [
+        (([(5, 6, "a")], 4, 4), [[], [["a", 1]], [["a", -3]], []]),
+        (([(2, 3, "a"), (5, 9, "b")], 4, 4), [[["a", 2]], [["a", -2], ["b", 1]], [["b", -3]], [["b", -7]]]),
+        (([], 2, 16), [[], []]),
+    ],
+    "sglang": [(([(5, 6, "a")], 4, 4), None)],
+}
+
+
+@ADAPTERS
+def test_media_page_extras(eng: EngineAdapter) -> None:
+    for (items, pages, size), want in golden(MEDIA_PAGES, eng):
+        assert eng.media_page_extras([MediaSpan(*i) for i in items], pages, size) == want, items

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 from cortex.conversation import ToolStyle
+from cortex.media import MediaSpan
 
 if TYPE_CHECKING:
     from cortex.config import PdConfig
@@ -91,6 +92,14 @@ class EngineAdapter(ABC):
     counted_media: ClassVar[frozenset[str]]
     """Lower tiers (cortex.kv_events TIERS other than the GPU) whose hits the engine reports in a response's
     `cached_tokens`: only those are claimed (extproc/engine_hits.py); hits on the others count in the score only."""
+
+    # -- Media ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def media_page_extras(self, items: Sequence[MediaSpan], n_pages: int, page_size: int) -> list[list[Any]] | None:
+        """For a prompt whose media items take `items` (sorted by offset), each of its first `n_pages` pages'
+        content extra keys as the engine's KV events publish them (cortex/blockkeys.py: content_extras; [] for a
+        page without media). None when Cortex does not reproduce the engine's media keys: its requests with media
+        are then routed by load, never claimed."""
 
     # -- Load ----------------------------------------------------------------------------------------------
     load_path: ClassVar[str]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, GENERATE, MESSAGES, RERANK, RESPONSES, SCORE
 from cortex.engine_hashes import sglang_page_hashes, sglang_wire_hash
 from cortex.engines.base import ChainStartHasher, EngineAdapter, RankLoad
+from cortex.media import MediaSpan
 
 if TYPE_CHECKING:
     from cortex.config import PdConfig
@@ -93,6 +94,11 @@ class SglangAdapter(EngineAdapter):
     # Its OpenAI server's inference routes (vLLM 0.32 has no /generate; SGLang 0.5.23 serves all eight).
     inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE, EMBEDDINGS, RERANK, SCORE})
     tool_style = "sglang"
+
+    def media_page_extras(self, items: Sequence[MediaSpan], n_pages: int, page_size: int) -> list[list[Any]] | None:
+        # SGLang keys a media item by writing pad values derived from its hash into the token ids themselves
+        # (mm_utils.pad_input_tokens); Cortex does not reproduce them, so media requests are routed by load.
+        return None
 
     def cache_read_limit(self, api: str, body: Mapping[str, Any]) -> int | None:
         # SGLang 0.5.23: Req._compute_max_prefix_len caps the prefix match at logprob_start_len when the request

@@ -14,9 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from cortex import headers
 from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE
-from cortex.engine_hashes import VLLM_HASH_ALGOS, VllmBlockHasher, none_hash_reproducible, vllm_wire_hash
+from cortex.engine_hashes import (
+    VLLM_HASH_ALGOS,
+    VllmBlockHasher,
+    none_hash_reproducible,
+    vllm_mm_keys,
+    vllm_wire_hash,
+)
 from cortex.engines.base import ChainStartHasher, EngineAdapter, NotReproducible, RankLoad
 from cortex.kv_events import TIER_CPU, TIER_STORAGE
+from cortex.media import MediaSpan
 
 if TYPE_CHECKING:
     from cortex.config import PdConfig
@@ -142,6 +149,12 @@ class VllmAdapter(EngineAdapter):
             rest = [k for k in first if isinstance(k, str) and k != lora_name]
             return rest[-1] if rest else None
         return None
+
+    def media_page_extras(self, items: Sequence[MediaSpan], n_pages: int, page_size: int) -> list[list[Any]] | None:
+        # vllm/v1/core/kv_cache_utils.py: _gen_mm_extra_hash_keys puts ("mm", identifier, offset - page start) on
+        # every page its placeholder run touches, in the items' order; to_event_extra_keys publishes
+        # (identifier, offset). tests/fixtures/media_vectors.json holds vLLM 0.32's own output.
+        return [[list(k) for k in vllm_mm_keys(items, p * page_size, (p + 1) * page_size)] for p in range(n_pages)]
 
     # A connector's hit (OffloadingConnector's CPU / storage tiers, LMCache) is the request's external hit, and
     # `cached_tokens` is `prefill_stats.num_cached_tokens` = local + external (vllm/v1/metrics/stats.py:

@@ -29,11 +29,12 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cortex.engine_hashes import LoraRef
+from cortex.media import MediaSpan
 from cortex.sim.kv_events import EventPublisher, now_batch
 from cortex.sim.prefix_cache import Admission, CapacityError
 from cortex.sim.timing import TimingModel
@@ -58,7 +59,7 @@ class KVCache(Protocol):
     def num_usable_blocks(self) -> int: ...
 
     def prompt_hashes(self, token_ids: list[int], *, cache_salt: str | None = None,
-                      lora: LoraRef | None = None) -> list[bytes]: ...
+                      lora: LoraRef | None = None, media: Sequence[MediaSpan] = ()) -> list[bytes]: ...
 
     def prefix_match(self, token_ids: list[int], *, cache_salt: str | None = None, lora: LoraRef | None = None,
                      extra_key: str | None = None) -> int: ...
@@ -68,7 +69,7 @@ class KVCache(Protocol):
     def admit(self, request_id: str, token_ids: list[int], *, max_new_tokens: int = 1,
               block_hashes: list[bytes] | None = None, cache_salt: str | None = None,
               lora: LoraRef | None = None, extra_key: str | None = None,
-              report_hits: bool = False) -> Admission | None: ...
+              report_hits: bool = False, media: Sequence[MediaSpan] = ()) -> Admission | None: ...
 
     def extend(self, request_id: str, new_token_ids: list[int]) -> None: ...
 
@@ -106,6 +107,8 @@ class SimRequest:
     cache_salt: str | None = None
     lora: LoraRef | None = None
     extra_key: str | None = None
+    media: tuple[MediaSpan, ...] = ()
+    """Its media items' placeholder runs (a vLLM chat with images), folded into its blocks' hashes."""
     block_hashes: list[bytes] = field(default_factory=list)
     num_external_tokens: int = 0
     """Prompt tokens whose KV is transferred in (PD decode); they cost no prefill here."""
@@ -330,7 +333,8 @@ class EngineCore:
             try:
                 admission = self.cache.admit(req.request_id, req.prompt_token_ids, max_new_tokens=req.max_tokens,
                                              block_hashes=req.block_hashes, cache_salt=req.cache_salt,
-                                             lora=req.lora, extra_key=req.extra_key, report_hits=req.report_hits)
+                                             lora=req.lora, extra_key=req.extra_key, report_hits=req.report_hits,
+                                             media=req.media)
             except CapacityError as exc:
                 self.waiting.popleft()
                 req.finish_reason = "error"

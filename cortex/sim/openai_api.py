@@ -21,8 +21,9 @@ from typing import Any, ClassVar
 import orjson
 from aiohttp import web
 
-from cortex import conversation
+from cortex import conversation, media
 from cortex.engine_hashes import LoraRef
+from cortex.media import MediaSpan
 from cortex.model_bundle import ModelBundle, TemplateError
 from cortex.sim.engine import Delta, EngineCore, EngineDeadError, SimRequest
 from cortex.sim.faults import Faults
@@ -98,16 +99,16 @@ def int_field(body: Mapping[str, Any], name: str, default: int | None, minimum: 
     return value
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Chat messages as a text-only model takes them (media parts refused); their text for the template is
-    cortex/conversation.py: chat_messages, as the engines build it."""
+def normalize_messages(messages: Any, media: bool = False) -> list[dict[str, Any]]:
+    """Chat messages as the model takes them: media parts refused unless `media` (a vLLM model with a processor
+    rule, cortex/media.py); their text for the template is cortex/conversation.py's, as the engines build it."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")
     for msg in messages:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise ApiError(400, "each message must be an object with a role")
         content = msg.get("content")
-        if isinstance(content, list) and any(conversation.part_text(p)[1] for p in content):
+        if not media and isinstance(content, list) and any(conversation.part_text(p)[1] for p in content):
             raise ApiError(400, "only text content parts are supported by this model")
     return messages
 
@@ -249,7 +250,26 @@ class OpenAIServing(ABC):
 
     def encode_chat(self, body: Mapping[str, Any], *, default_add_generation_prompt: bool = True,
                     default_add_special_tokens: bool = False) -> list[int]:
-        messages, _ = conversation.chat_messages(normalize_messages(body.get("messages")))
+        return self.encode_chat_media(body, default_add_generation_prompt=default_add_generation_prompt,
+                                      default_add_special_tokens=default_add_special_tokens)[0]
+
+    def encode_chat_media(self, body: Mapping[str, Any], *, default_add_generation_prompt: bool = True,
+                          default_add_special_tokens: bool = False) -> tuple[list[int], tuple[MediaSpan, ...]]:
+        """The chat's prompt ids and its media items' placeholder runs. A vLLM model with a processor rule takes
+        images as base64 data URLs, rendered, expanded and identified as vLLM 0.32 does (cortex/media.py; its
+        `--model` is the served name); anything else with media is refused (this simulator fetches nothing)."""
+        rule = self.bundle.media_rule if self.flavour == "vllm" else None
+        source = normalize_messages(body.get("messages"), media=rule is not None)
+        refs = conversation.media_refs(source) if rule is not None else []
+        fmt = self.bundle.content_format
+        if fmt == "openai" or refs:
+            placeholders = rule.placeholders if rule is not None and refs and fmt == "string" else None
+            try:
+                messages = conversation.template_messages(source, fmt, placeholders)
+            except conversation.ConversationError as exc:
+                raise ApiError(400, str(exc)) from None
+        else:
+            messages = conversation.chat_messages(source)[0]
         add_generation_prompt = bool(body.get("add_generation_prompt", default_add_generation_prompt))
         continue_final = bool(body.get("continue_final_message", False))
         if add_generation_prompt and continue_final:
@@ -267,8 +287,15 @@ class OpenAIServing(ABC):
                                            continue_final_message=continue_final, chat_template_kwargs=kwargs)
         except TemplateError as exc:
             raise ApiError(400, str(exc)) from None
-        return self.bundle.encode(text, add_special_tokens=bool(body.get("add_special_tokens",
-                                                                         default_add_special_tokens)))
+        ids = self.bundle.encode(text, add_special_tokens=bool(body.get("add_special_tokens",
+                                                                        default_add_special_tokens)))
+        if rule is None or not refs:
+            return ids, ()
+        found = media.expand(ids, refs, rule, self.model, "blake3",
+                             kwargs=bool(body.get("mm_processor_kwargs") or body.get("media_io_kwargs")))
+        if found.why_not:
+            raise ApiError(400, f"the simulator cannot take this media item: {found.why_not}")
+        return found.ids, tuple(found.spans)
 
     def completion_prompt(self, body: Mapping[str, Any]) -> list[int]:
         prompt = body.get("prompt")
@@ -301,14 +328,16 @@ class OpenAIServing(ABC):
                                 "input or output.")
 
     def new_request(self, rid: str, prompt: list[int], max_tokens: int, engine: EngineCore, prepared: Prepared,
-                    *, cache_salt: str | None, lora: LoraRef | None, extra_key: str | None = None) -> SimRequest:
+                    *, cache_salt: str | None, lora: LoraRef | None, extra_key: str | None = None,
+                    media: tuple[MediaSpan, ...] = ()) -> SimRequest:
         if engine.dead is not None:
             raise ApiError(503, f"The engine is not running: {engine.dead}")
         if self.max_queued_requests is not None and len(engine.waiting) >= self.max_queued_requests:
             raise self.overload_response()
         req = SimRequest(rid, prompt, prepared.max_tokens or max_tokens, cache_salt=cache_salt, lora=lora,
-                         extra_key=extra_key,
-                         block_hashes=engine.cache.prompt_hashes(prompt, cache_salt=cache_salt, lora=lora),
+                         extra_key=extra_key, media=media,
+                         block_hashes=engine.cache.prompt_hashes(prompt, cache_salt=cache_salt, lora=lora,
+                                                                 media=media),
                          num_external_tokens=prepared.num_external_tokens, hold_blocks=prepared.hold_blocks)
         return req
 

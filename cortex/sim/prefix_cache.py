@@ -33,6 +33,7 @@ would.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cortex.engine_hashes import (
@@ -40,9 +41,11 @@ from cortex.engine_hashes import (
     VllmBlockHasher,
     vllm_event_extra_keys,
     vllm_extra_keys,
+    vllm_mm_keys,
     vllm_wire_hash,
 )
 from cortex.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from cortex.media import MediaSpan
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
@@ -69,6 +72,7 @@ class _Seq:
     block_hashes: list[bytes]
     cache_salt: str | None
     lora: LoraRef | None
+    media: tuple[MediaSpan, ...] = ()
     blocks: list[_Block] = field(default_factory=list)
     num_cached_blocks: int = 0
     reserved: int = 0
@@ -141,9 +145,9 @@ class PrefixCache:
         return request_id in self._seqs
 
     def prompt_hashes(self, token_ids: list[int], *, cache_salt: str | None = None,
-                      lora: LoraRef | None = None) -> list[bytes]:
+                      lora: LoraRef | None = None, media: Sequence[MediaSpan] = ()) -> list[bytes]:
         """Hashes of the prompt's full blocks; compute once per request and pass to lookup/admit."""
-        return self.hasher.block_hashes(token_ids, self.block_size, cache_salt=cache_salt, lora=lora)
+        return self.hasher.block_hashes(token_ids, self.block_size, cache_salt=cache_salt, lora=lora, media=media)
 
     def lookup(self, num_tokens: int, block_hashes: list[bytes]) -> int:
         """Prefix-hit length in tokens, without side effects."""
@@ -170,7 +174,7 @@ class PrefixCache:
     def admit(self, request_id: str, token_ids: list[int], *, max_new_tokens: int = 1,
               block_hashes: list[bytes] | None = None, cache_salt: str | None = None,
               lora: LoraRef | None = None, extra_key: str | None = None,
-              report_hits: bool = False) -> Admission | None:
+              report_hits: bool = False, media: Sequence[MediaSpan] = ()) -> Admission | None:
         """Pin the prompt's cached prefix and allocate blocks for the rest of the prompt.
 
         Returns None when the blocks are not free now (the caller keeps the request waiting) and raises
@@ -183,10 +187,11 @@ class PrefixCache:
         num_tokens = len(token_ids)
         self.check_fits(num_tokens, max_new_tokens)
         if block_hashes is None:
-            block_hashes = self.prompt_hashes(token_ids, cache_salt=cache_salt, lora=lora)
+            block_hashes = self.prompt_hashes(token_ids, cache_salt=cache_salt, lora=lora, media=media)
         hits = self._hit_blocks(num_tokens, block_hashes)
         if report_hits and hits:
-            self._events.append(self._stored_event(token_ids, block_hashes, 0, len(hits), cache_salt, lora))
+            self._events.append(self._stored_event(token_ids, block_hashes, 0, len(hits), cache_salt, lora,
+                                                   tuple(media)))
         total = self._total_blocks(num_tokens, max_new_tokens)
         prompt_blocks = _cdiv(num_tokens, self.block_size)
         evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
@@ -197,7 +202,7 @@ class PrefixCache:
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
-        seq = _Seq(request_id, list(token_ids), list(block_hashes), cache_salt, lora, blocks=list(hits),
+        seq = _Seq(request_id, list(token_ids), list(block_hashes), cache_salt, lora, tuple(media), blocks=list(hits),
                    num_cached_blocks=len(hits))
         # Touch before popping: popping first could evict the very blocks this request just hit.
         for _ in range(prompt_blocks - len(hits)):
@@ -237,17 +242,18 @@ class PrefixCache:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.extend(self.hasher.block_hashes(
                 seq.token_ids[: num_full * self.block_size], self.block_size,
-                start_block=len(seq.block_hashes), parent=parent, cache_salt=seq.cache_salt, lora=seq.lora))
+                start_block=len(seq.block_hashes), parent=parent, cache_salt=seq.cache_salt, lora=seq.lora,
+                media=seq.media))
         for idx in range(first, num_full):
             block = seq.blocks[idx]
             block.block_hash = seq.block_hashes[idx]
             self._cached.setdefault(block.block_hash, {})[block.block_id] = block
         seq.num_cached_blocks = num_full
         self._events.append(self._stored_event(seq.token_ids, seq.block_hashes, first, num_full, seq.cache_salt,
-                                               seq.lora))
+                                               seq.lora, seq.media))
 
     def _stored_event(self, token_ids: list[int], block_hashes: list[bytes], first: int, end: int,
-                      cache_salt: str | None, lora: LoraRef | None) -> BlockStored:
+                      cache_salt: str | None, lora: LoraRef | None, media: tuple[MediaSpan, ...] = ()) -> BlockStored:
         """vLLM's ``_build_block_stored_event`` for blocks first..end-1 (new ones, or a reported hit)."""
         bs = self.block_size
         return BlockStored(
@@ -258,8 +264,9 @@ class PrefixCache:
             lora_id=lora.int_id if lora else None,
             medium=self.medium,
             lora_name=lora.name if lora else None,
-            extra_keys=[vllm_event_extra_keys(vllm_extra_keys(i * bs, cache_salt=cache_salt, lora=lora))
-                        for i in range(first, end)],
+            extra_keys=[vllm_event_extra_keys(vllm_extra_keys(
+                i * bs, cache_salt=cache_salt, lora=lora, media=vllm_mm_keys(media, i * bs, (i + 1) * bs)))
+                for i in range(first, end)],
             group_idx=self.group_idx,
             kv_cache_spec_kind=self.kv_cache_spec_kind,
         )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ from cortex.engine_hashes import (
     sglang_wire_hash,
 )
 from cortex.kv_events import MEDIUM_GPU, SglAllBlocksCleared, SglBlockRemoved, SglBlockStored
+from cortex.media import MediaSpan
 from cortex.sim.prefix_cache import Admission, CapacityError
 
 SglEvent = SglBlockStored | SglBlockRemoved | SglAllBlocksCleared
@@ -183,7 +185,7 @@ class RadixCache:
         return request_id in self._seqs
 
     def prompt_hashes(self, token_ids: list[int], *, cache_salt: str | None = None,
-                      lora: LoraRef | None = None) -> list[bytes]:
+                      lora: LoraRef | None = None, media: Sequence[MediaSpan] = ()) -> list[bytes]:
         # The tree hashes lazily, per new node; nothing to precompute.
         return []
 
@@ -233,8 +235,9 @@ class RadixCache:
     def admit(self, request_id: str, token_ids: list[int], *, max_new_tokens: int = 1,
               block_hashes: list[bytes] | None = None, cache_salt: str | None = None,
               lora: LoraRef | None = None, extra_key: str | None = None,
-              report_hits: bool = False) -> Admission | None:
-        # report_hits is vLLM's kv_cache_report_mode; SGLang has no such mode.
+              report_hits: bool = False, media: Sequence[MediaSpan] = ()) -> Admission | None:
+        # report_hits is vLLM's kv_cache_report_mode; SGLang has no such mode. Media is never admitted here (the
+        # SGLang flavour refuses media parts).
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already admitted")
         num_tokens = len(token_ids)

@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cortex.engine_hashes import LoraRef
+from cortex.media import MediaSpan
 from cortex.sim.agent_api import AgentApis
 from cortex.sim.config import SimConfig
 from cortex.sim.engine import EngineCore, EngineDeadError, SimRequest
@@ -377,7 +378,8 @@ class VllmApi(OpenAIServing):
         body = await read_json(request)
         self.check_model(body)
         self.check_http_faults()
-        return await self._generate(request, body, self.encode_chat(body), chat=True)
+        prompt, items = self.encode_chat_media(body)
+        return await self._generate(request, body, prompt, chat=True, media=items)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
@@ -386,7 +388,7 @@ class VllmApi(OpenAIServing):
         return await self._generate(request, body, self.completion_prompt(body), chat=False)
 
     async def _generate(self, request: web.Request, body: Mapping[str, Any], prompt: list[int], *,
-                        chat: bool) -> web.StreamResponse:
+                        chat: bool, media: tuple[MediaSpan, ...] = ()) -> web.StreamResponse:
         stream = bool(body.get("stream", False))
         stream_options = body.get("stream_options")
         if stream_options is not None and not stream:
@@ -404,7 +406,7 @@ class VllmApi(OpenAIServing):
         engine = self.pick_engine(request, body)
         prepared = await self.prepare(request, body, prompt, engine)
         req = self.new_request(self.request_id("chatcmpl" if chat else "cmpl"), prompt, max_tokens, engine,
-                               prepared, cache_salt=cache_salt, lora=self.resolve_lora(body))
+                               prepared, cache_salt=cache_salt, lora=self.resolve_lora(body), media=media)
         req.report_hits = report_hits
         return await self.run(request, body, req, engine, prepared, stream=stream, chat=chat)
 

