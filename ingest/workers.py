@@ -129,8 +129,9 @@ class Target:
     batch_at: float = 0.0
     """When ingest.silence last saw a batch arrive (live or replayed); 0: never."""
     received_base: int = 0
-    published_load: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-    """(running, waiting, evicted tokens, reading time) of the load last written to the view."""
+    published_load: tuple[float, float, float, float | None, float] = (0.0, 0.0, 0.0, None, 0.0)
+    """(running, waiting, evicted tokens, this replica's in flight, reading time) of the load last written to the
+    view."""
 
     @property
     def id(self) -> str:
@@ -197,12 +198,15 @@ class Target:
         ages readings itself, against max(2 s, 2 x the interval in force): republishing an unchanged one
         every max(1 s, interval) keeps it fresh there with margin, at a fraction of the polls). Evictions are news:
         the claim rule counts them since a prefix was last sent (they change only while the worker works)."""
-        running, waiting, evicted, at = self.published_load
-        return self.load.at > at and ((self.load.running, self.load.waiting, self.evicted_tokens)
-                                      != (running, waiting, evicted) or now - at >= max(1.0, every_s))
+        running, waiting, evicted, inflight, at = self.published_load
+        # This replica's share at the reading is news too: extproc takes the other replicas' share as the reading
+        # less it (cluster_view.derived_load).
+        return self.load.at > at and ((self.load.running, self.load.waiting, self.evicted_tokens, self.inflight_at_read)
+                                      != (running, waiting, evicted, inflight) or now - at >= max(1.0, every_s))
 
     def mark_published(self) -> None:
-        self.published_load = (self.load.running, self.load.waiting, self.evicted_tokens, self.load.at)
+        self.published_load = (self.load.running, self.load.waiting, self.evicted_tokens, self.inflight_at_read,
+                               self.load.at)
         # The target list was just built and written, in this same call chain: it describes the ledger's layout now.
         self.events.layout_published(self.events.ledger.layout_version)
 

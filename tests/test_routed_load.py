@@ -13,11 +13,13 @@ import pytest
 
 from cortex.config import IngestConfig, SchedulerConfig
 from cortex.contract import LoadReading
+from cortex.engines import RankLoad
 from cortex.inflight import BacklogBoard
 from extproc import candidates
 from extproc.cluster_view import TargetInfo, derived_load, engine_load_of, load_max_age_s
 from extproc.predictions import Predictions
 from ingest.workers import load_poll_interval
+from tests.test_contract import config, ingest_target
 
 
 @pytest.mark.parametrize(("reading", "at_read", "now", "expected"), [
@@ -87,3 +89,23 @@ def test_other_replicas_traffic_is_known_until_the_reading_ages_out() -> None:
                              predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=SchedulerConfig())
     assert fresh[0].engine_load == 33.0
     assert stale[0].engine_load is None and stale[0].load is None and stale[0].inflight == 3
+
+
+def test_a_reading_carries_this_replicas_share_to_extproc(tmp_path: Path) -> None:
+    """Ingest takes this replica's in-flight count with each reading and publishes it; a reading whose only change
+    is that share is news (the others' share moved); extproc's candidate adds its own change since."""
+    cfg = config(tmp_path)
+    target = ingest_target(cfg.workers[0], 0, cfg.block_size)
+    worker = target.worker
+    worker.apply_load({0: RankLoad(running=6.0, waiting=2.0, activity=0.0)}, 100.0, np.array([3, 0]))
+    assert target.inflight_at_read == 3.0 and target.load_news(100.0, 0.5)
+    target.mark_published()
+    worker.apply_load({0: RankLoad(running=6.0, waiting=2.0, activity=0.0)}, 100.5, np.array([3, 0]))
+    assert not target.load_news(100.5, 0.5)  # nothing moved
+    worker.apply_load({0: RankLoad(running=6.0, waiting=2.0, activity=0.0)}, 101.0, np.array([5, 0]))
+    assert target.load_news(101.0, 0.5)  # same total, but two more of it are ours: the others' share fell by two
+    reading = target.routable_meta().load
+    assert (reading.running, reading.waiting, reading.inflight) == (6.0, 2.0, 5.0)
+    cands = candidates.build([_target(reading, 101.2)], matches=None, keys=[], inflight=np.array([7]), alive=True,
+                             predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=SchedulerConfig())
+    assert cands[0].engine_load == 10.0  # the others' 3 as read, and our 7 now
