@@ -78,14 +78,22 @@ class IngestConfig(_Strict):
     so keep it well below that."""
     load_poll_interval_s: float = Field(0.1, gt=0, le=60)
     """How often an active worker's own load metrics are read (vLLM /metrics, SGLang /v1/loads): one that ran or
-    queued requests at its last reading, published KV events, or had requests routed to it by this replica in
-    the last 2 x `idle_load_poll_interval_s`."""
+    queued requests at its last reading or published KV events in the last 2 x `idle_load_poll_interval_s`, while
+    this replica sends it nothing (one it sends requests to is read every `routed_load_poll_interval_s`)."""
     idle_load_poll_interval_s: float = Field(1.0, gt=0, le=60)
     """How often an idle worker's load is read (docs/performance.md, "What an idle replica costs"). A KV event
     from it or a request routed to it switches it back to `load_poll_interval_s` at once; traffic that reaches
     it some other way without publishing events is seen within this interval. Extproc treats a reading as
     unknown once older than max(2 s, 2 x the interval in force). Must not be below `load_poll_interval_s`
     (when not set, a larger `load_poll_interval_s` is used for both)."""
+    routed_load_poll_interval_s: float = Field(0.5, gt=0, le=60)
+    """How often the load of an active worker that this replica itself sends requests to is read: one with requests
+    of this replica in flight, or sent some within the last 30 s. Between two readings
+    extproc adds the change in this replica's own in-flight count there to the reading, so its own traffic is seen
+    at once; other replicas' and clients' traffic there is seen at most this late (docs/performance.md, "Gateway
+    CPU against SMG at 4 replicas"). An active worker this replica does not send to is read every
+    `load_poll_interval_s`. Between `load_poll_interval_s` and `idle_load_poll_interval_s` (when not set, clamped
+    into that range)."""
     event_silence_s: float = Field(10.0, gt=0)
     """A worker busy with requests for this long without a single event batch is suspected of losing
     events: its ledger goes STALE and is re-checked through replay (idle workers publish nothing)."""
@@ -123,6 +131,13 @@ class IngestConfig(_Strict):
         elif self.idle_load_poll_interval_s < self.load_poll_interval_s:
             raise ValueError(f"idle_load_poll_interval_s ({self.idle_load_poll_interval_s}) must not be below "
                              f"load_poll_interval_s ({self.load_poll_interval_s})")
+        fast, idle = self.load_poll_interval_s, self.idle_load_poll_interval_s
+        if "routed_load_poll_interval_s" not in self.model_fields_set:
+            object.__setattr__(self, "routed_load_poll_interval_s",
+                               min(max(self.routed_load_poll_interval_s, fast), idle))
+        elif not fast <= self.routed_load_poll_interval_s <= idle:
+            raise ValueError(f"routed_load_poll_interval_s ({self.routed_load_poll_interval_s}) must lie between "
+                             f"load_poll_interval_s ({fast}) and idle_load_poll_interval_s ({idle})")
         return self
 
 

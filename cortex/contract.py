@@ -65,6 +65,10 @@ class LoadReading(msgspec.Struct, frozen=True):
     regretted_tokens_per_s: float | None = None
     """How many of the tokens it evicted per second lately had to be computed again soon after, by it or another
     engine (ingest/regret.py); None: not known."""
+    inflight: float | None = None
+    """This replica's requests in flight there at that reading (its extproc processes' in-flight board): between
+    readings extproc adds its own in-flight change since to the reading (extproc/cluster_view.py derived_load).
+    None: not known (a writer from before the field); the reading is then taken as it is."""
 
 
 class GroupSlot(msgspec.Struct, frozen=True):

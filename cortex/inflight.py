@@ -144,6 +144,17 @@ class BacklogBoard(SlotBoard):
                     total += np.maximum(row - t, 0.0)
         return total * 1000.0
 
+    def latest(self) -> np.ndarray:
+        """Per slot, when the last work any process sent there is predicted done (0: never sent): ingest reads
+        it to tell the workers this replica sends requests to (their load is read less often)."""
+        latest = self.own.copy()
+        for i in range(self.processes):
+            if i != self.index:
+                row = self._map(i)
+                if row is not None:
+                    np.maximum(latest, row, out=latest)
+        return latest
+
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1

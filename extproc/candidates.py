@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from cortex.config import SchedulerConfig
-from extproc.cluster_view import TargetInfo
+from extproc.cluster_view import TargetInfo, derived_load
 from extproc.engine_hits import LowerHit
 from extproc.policies.base import Candidate, queue_ms, still_hot
 from extproc.predictions import Predictions
@@ -66,8 +66,8 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
         matched = int(matches[w.slot]) if trusted and matches is not None else 0
         tier = lower.get(w.slot) if trusted and lower else None
         sent = predictions.last_sent(w.slot, keys[matched - 1]) if 0 < matched <= len(keys) else None
-        engine_load = w.engine_load if alive else None
         n_inflight = int(inflight[w.slot])
+        engine_load = derived_load(w.engine_load, w.load_inflight, n_inflight) if alive else None
         active = max(engine_load or 0.0, float(n_inflight))
         waiting = w.engine_waiting if engine_load is not None else 0.0
         c = Candidate(
@@ -105,8 +105,9 @@ def whole_workers(targets: Sequence[TargetInfo], *, inflight: np.ndarray, alive:
     """A request that is no inference (any worker will do): one candidate per worker, by its id and without a
     rank, so the worker's own DP balancing places it. No cache facts, and neither the hot nor the cold-start
     guard: they protect cache affinity and warm-up, which such a request has nothing to do with."""
-    return [Candidate(id=t.worker, slot=t.slot, address=t.address, engine_load=t.engine_load if alive else None,
-                      inflight=int(inflight[t.slot]), suspect=t.suspect)
+    return [Candidate(id=t.worker, slot=t.slot, address=t.address, inflight=int(inflight[t.slot]), suspect=t.suspect,
+                      engine_load=derived_load(t.engine_load, t.load_inflight, int(inflight[t.slot])) if alive
+                      else None)
             for t in targets if t.healthy and t.rank in (None, 0)]
 
 

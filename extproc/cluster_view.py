@@ -30,6 +30,8 @@ VIEW_REFUSED = Counter("cortex_ledger_view_refused", "meta documents of the ledg
                        "not read (a schema version it was not written for, or a malformed document)")
 # Here rather than in extproc/metrics.py, which imports the router (and so this module).
 
+FILES_EVERY_S = 1.0
+"""How often refresh() stats the files it follows (the view's path, the calibration, the peers' board rows)."""
 LOAD_MAX_AGE_S = 2.0
 """An engine load reading older than this (or than two poll intervals in force, if longer) is unknown."""
 
@@ -53,6 +55,17 @@ def engine_load_of(load: LoadReading, now: float) -> tuple[float | None, float]:
     if now > expires:
         return None, math.inf
     return load.running + load.waiting, expires
+
+
+def derived_load(reading: float | None, inflight_at_read: float | None, inflight_now: float) -> float | None:
+    """A worker's running + waiting now, from its last reading and this replica's own requests in flight there
+    then and now: the other replicas' and clients' share as read (the reading less this replica's share then, at
+    least 0: a request of ours still on its way to the engine was not in it) plus ours now. So this replica's own
+    traffic is seen at once, the others' as of the reading. None: the reading is unknown; a reading that does not
+    say this replica's share then (`inflight_at_read` None) is taken as it is."""
+    if reading is None or inflight_at_read is None:
+        return reading
+    return max(reading - inflight_at_read, 0.0) + inflight_now
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +94,8 @@ class TargetInfo:
     """How fast what it evicts has been coming back (None: not known)."""
     load_at: float | None = None
     """When its load and eviction count were read (monotonic; None: never)."""
+    load_inflight: float | None = None
+    """This replica's requests in flight there at that reading (None: not known; `derived_load`)."""
     added_at: float | None = None
     """When ingest added it (monotonic; None until ingest has spoken)."""
     why: str = ""
@@ -139,6 +154,8 @@ class ClusterView:
         self._inflight_failed = False
         self.refreshed_at = 0.0
         """When refresh() last ran (monotonic)."""
+        self._files_at = -math.inf
+        """When refresh() last looked at the files (FILES_EVERY_S)."""
         self.targets: dict[str, list[TargetInfo]] = {}
         self.by_address: dict[str, TargetInfo] = {}
         self._set_targets(self._config_targets())
@@ -176,6 +193,7 @@ class ClusterView:
                               kv_capacity_tokens=t.load.kv_capacity_tokens,
                               evicted_tokens_per_s=t.load.evicted_tokens_per_s,
                               regretted_tokens_per_s=t.load.regretted_tokens_per_s, load_at=t.load.at,
+                              load_inflight=t.load.inflight,
                               role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect,
                               tls_name=t.tls_name, groups=t.groups, tiers=t.tiers,
                               lookahead_blocks=t.lookahead_blocks)
@@ -190,16 +208,24 @@ class ClusterView:
 
     def refresh(self) -> None:
         """Background upkeep; cheap enough to run every 100-250 ms, and before a request when it has not."""
-        self.refreshed_at = time.monotonic()
+        now = self.refreshed_at = time.monotonic()
+        # What needs a stat() of a file (a replaced view file, the calibration, a restarted peer's board rows) is
+        # looked at once a second: each is a system call, and this runs ten times a second in every process. A
+        # view file replaced by growth or by a new ingest is followed at once anyway (the writer marks the old
+        # one retired, which every read checks); the stat is the fallback.
+        files = now - self._files_at >= FILES_EVERY_S
+        if files:
+            self._files_at = now
         if self.reader is None:
             self.reader = ViewReader.open(self.view_path)
-        elif self.reader.refresh():
+        elif (self.reader.refresh() if files else self.reader.followed()):
             self._meta_version = self._refused_version = -1  # a new file: its versions count afresh
-        self.calibration.refresh()
         try:
-            self.inflight.refresh()
-            self.backlog.refresh()
-            self.touches.refresh()
+            if files:
+                self.calibration.refresh()
+                self.inflight.refresh()
+                self.backlog.refresh()
+                self.touches.refresh()
         except Exception:
             # The peers' in-flight rows are an extra signal; a failure there must not freeze the worker list,
             # health and load this process routes by (issue 11: a dead worker stayed first after it was

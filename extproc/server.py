@@ -43,7 +43,7 @@ from cortex.tenancy.board import TenancyBoard
 from cortex.upstream_tls import WorkerTls
 from extproc import epp, inference_paths, isolation, metrics, structured_output
 from extproc.admission import Admission, Ticket, refusal
-from extproc.cluster_view import ClusterView
+from extproc.cluster_view import ClusterView, derived_load
 from extproc.pd import PdPlan
 from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
 from extproc.plan import RoutePlan
@@ -840,7 +840,7 @@ class ExtProc:
         alive = self.cluster.alive
         for t in self.cluster.targets.get(facts.model, ()):
             if t.healthy and (t.slot in facts.slots or t.slot not in facts.known):
-                load = t.engine_load if alive else None
+                load = derived_load(t.engine_load, t.load_inflight, float(totals[t.slot])) if alive else None
                 active = max(load or 0.0, float(totals[t.slot]))
                 if not self._full(active, t.engine_waiting if load is not None else 0.0):
                     return True

@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import zmq.asyncio
 
 from cortex import engines
 from cortex.config import UNRESOLVED, CortexConfig, WorkerConfig
 from cortex.config_watch import ConfigWatcher
 from cortex.contract import ClusterMeta, encode_meta, target_id
-from cortex.inflight import InflightBoard
+from cortex.inflight import BacklogBoard, InflightBoard
 from cortex.ledger_view import ViewWriter
 from cortex.model_bundle import ModelBundle
 from cortex.upstream_tls import WorkerTls, verify_name
@@ -46,12 +47,15 @@ from ingest.readiness import subscription
 from ingest.regret import Regret
 from ingest.source import EventSource, cancel_quietly, rank_endpoint
 from ingest.sync import SourceSync, SyncState
-from ingest.workers import Target, Worker
+from ingest.workers import Target, Worker, load_poll_interval
 
 log = logging.getLogger("cortex.ingest")
 
 PUBLISH_SPACING_S = 0.1
 """Least time between two writes of the target list (extproc re-reads it on each)."""
+ROUTED_HOLD_S = 30.0
+"""A worker this replica sent requests to within this long is read at the routed cadence while active (a replica
+behind an L4 balancer sends each worker a request every few seconds; its own share is known either way)."""
 
 
 class Ingest:
@@ -87,6 +91,10 @@ class Ingest:
         # routes to is polled at the active cadence from the first request on.
         self._board = InflightBoard(cfg.runtime_path() / "inflight", None, cfg.extproc.process_count(),
                                     cfg.ingest.max_workers)
+        # Read-only: when the work this replica last sent each worker is predicted done; a worker sent requests
+        # lately has its load read at the routed cadence (extproc fills in its own share between readings).
+        self._backlog = BacklogBoard(cfg.runtime_path() / "backlog", None, cfg.extproc.process_count(),
+                                     cfg.ingest.max_workers)
         self._membership = asyncio.Lock()
         """Held by the changes that await (discovery, re-resolution), so two never interleave."""
         self._pool_tasks: list[asyncio.Task[None]] = []
@@ -361,9 +369,10 @@ class Ingest:
         self._wake(worker, time.monotonic())
 
     def _wake(self, worker: Worker, now: float) -> None:
-        """Poll this worker at the active cadence from now on (for a while), starting with a reading now."""
+        """Poll this worker at an active cadence from now on (for a while), starting with a reading now if it was
+        on the idle one (an active cadence is not cut short: events arrive all the time from a busy worker)."""
         worker.active_until = max(worker.active_until, now + self._active_hold_s())
-        if worker.poll_every > self.cfg.ingest.load_poll_interval_s:
+        if worker.idle:
             worker.wake.set()
 
     def _active_hold_s(self) -> float:
@@ -412,6 +421,7 @@ class Ingest:
         try:
             if tick % 8 == 0:
                 self._board.refresh()  # an extproc process restarted: follow its new row
+                self._backlog.refresh()
             totals = self._board.totals()
         except Exception:  # an extra signal only: never let it stop the heartbeat
             log.debug("in-flight board unreadable", exc_info=True)
@@ -426,37 +436,65 @@ class Ingest:
     async def _poll_load(self, worker: Worker) -> None:
         """One worker's load readings. A read that hangs holds back this worker's next read only.
 
-        Adaptive: every `load_poll_interval_s` while the worker is active (requests running or waiting at the
-        last reading, KV events arriving, requests routed here in flight), every `idle_load_poll_interval_s`
-        otherwise; a sign of work wakes the slow wait at once (_wake)."""
+        Adaptive (workers.load_poll_interval): while the worker is active (requests running or waiting at the last
+        reading, KV events arriving, requests routed here in flight), every `routed_load_poll_interval_s` if this
+        replica sends it requests, else every `load_poll_interval_s`; every `idle_load_poll_interval_s` otherwise,
+        and a sign of work wakes that idle wait at once (_wake)."""
         assert self._session is not None
         icfg = self.cfg.ingest
         while True:
-            fast, slow = icfg.load_poll_interval_s, icfg.idle_load_poll_interval_s
             worker.wake.clear()
+            own = None
             if worker.healthy:
                 try:
-                    per_rank = await read_load(self._session, worker.cfg, timeout=max(fast * 5, 0.5),
+                    per_rank = await read_load(self._session, worker.cfg, timeout=max(icfg.load_poll_interval_s * 5,
+                                                                                      0.5),
                                                tls=self.tls.kwargs(worker.tls_name))
                 except Exception as exc:  # a worker's bad answer must not end its polling
                     log.debug("load read failed for %s: %s", worker.id, exc)
                 else:
-                    worker.apply_load(per_rank, time.monotonic())
+                    own = self._own_inflight()
+                    worker.apply_load(per_rank, time.monotonic(), own)
             now = time.monotonic()
             if any(t.load.at and (t.load.running > 0 or t.load.waiting > 0) for t in worker.targets):
                 worker.active_until = max(worker.active_until, now + self._active_hold_s())
-            every = fast if now < worker.active_until else slow
+            worker.idle = now >= worker.active_until
+            every = load_poll_interval(not worker.idle, self._routed_here(worker, now, own), icfg)
             if every != worker.poll_every:
                 worker.poll_every = every
                 self._meta_dirty = True
             self._check_worker(worker, now)
             if any(t.load_news(now, worker.poll_every) for t in worker.targets):
                 self._meta_dirty = True
-            if every <= fast:
+            if not worker.idle:
                 await asyncio.sleep(every)
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(worker.wake.wait(), every)
+
+    def _own_inflight(self) -> np.ndarray | None:
+        """This replica's requests in flight per slot, from its extproc processes' board (None: unreadable)."""
+        try:
+            return self._board.totals()
+        except Exception:  # an extra signal only
+            log.debug("in-flight board unreadable", exc_info=True)
+            return None
+
+    def _routed_here(self, worker: Worker, now: float, own: np.ndarray | None) -> bool:
+        """This replica sends the worker requests: some in flight now, or work sent there predicted done within
+        the last ROUTED_HOLD_S (the backlog board's latest end)."""
+        try:
+            latest = self._backlog.latest()
+        except Exception:
+            log.debug("backlog board unreadable", exc_info=True)
+            latest = None
+        since = now - ROUTED_HOLD_S
+        for t in worker.targets:
+            if own is not None and 0 <= t.slot < own.size and own[t.slot] > 0:
+                return True
+            if latest is not None and 0 <= t.slot < latest.size and latest[t.slot] > since:
+                return True
+        return False
 
     def _check_worker(self, w: Worker, now: float) -> None:
         """After each load reading: the checks that depend on it (silence, lost tails)."""

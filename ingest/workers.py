@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from cortex import engines
-from cortex.config import WorkerConfig
+from cortex.config import IngestConfig, WorkerConfig
 from cortex.contract import LoadReading, TargetMeta, target_id
 from cortex.engines import RankLoad
 from ingest import silence
@@ -44,7 +45,7 @@ class Load:
 
     def to_meta(self, every_s: float, kv_usage: float | None = None, kv_capacity_tokens: float | None = None,
                 evicted_tokens: float | None = None, evicted_tokens_per_s: float | None = None,
-                regretted_tokens_per_s: float | None = None) -> LoadReading:
+                regretted_tokens_per_s: float | None = None, inflight: float | None = None) -> LoadReading:
         """For extproc: the reading's own time (the host's monotonic clock, which ingest and extproc share like
         the view's heartbeat) and the poll interval in force, so extproc ages it itself and ingest need not
         republish an unchanged reading just to move its age (docs/performance.md, "What an idle replica
@@ -52,7 +53,7 @@ class Load:
         return LoadReading(running=self.running, waiting=self.waiting, at=self.at or None, every_s=every_s,
                            kv_usage=kv_usage, kv_capacity_tokens=kv_capacity_tokens,
                            evicted_tokens=evicted_tokens, evicted_tokens_per_s=evicted_tokens_per_s,
-                           regretted_tokens_per_s=regretted_tokens_per_s)
+                           regretted_tokens_per_s=regretted_tokens_per_s, inflight=inflight)
 
 
 EVICTION_RISE_S = 1.0
@@ -69,6 +70,16 @@ def eviction_rate(rate: float, evicted_tokens: float, dt: float) -> float:
     now = evicted_tokens / dt
     tau = EVICTION_RISE_S if now > rate else EVICTION_FALL_S
     return rate + (1.0 - math.exp(-dt / tau)) * (now - rate)
+
+
+def load_poll_interval(active: bool, routed: bool, icfg: IngestConfig) -> float:
+    """How often a worker's load is read. Idle: `idle_load_poll_interval_s`. Active and sent requests by this
+    replica: `routed_load_poll_interval_s`, since extproc adds this replica's own in-flight change to the reading
+    between two (cortex.contract LoadReading.inflight), so only the other replicas' and clients' share waits for
+    the next one. Active by others' traffic only: `load_poll_interval_s`."""
+    if not active:
+        return icfg.idle_load_poll_interval_s
+    return icfg.routed_load_poll_interval_s if routed else icfg.load_poll_interval_s
 
 
 @dataclass
@@ -102,6 +113,8 @@ class Target:
     over the eviction rate, the share of what it evicts that is missed."""
     regretted_seen: float = 0.0
     """The regret count at the last load reading."""
+    inflight_at_read: float | None = None
+    """This replica's requests in flight there when the last reading was taken (None: not known)."""
     evictions_seen: tuple[int, float] = (0, 0.0)
     """(the ledger's removed-block count, when) at the last load reading."""
     activity_checked: float = 0.0
@@ -116,8 +129,9 @@ class Target:
     batch_at: float = 0.0
     """When ingest.silence last saw a batch arrive (live or replayed); 0: never."""
     received_base: int = 0
-    published_load: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-    """(running, waiting, evicted tokens, reading time) of the load last written to the view."""
+    published_load: tuple[float, float, float, float | None, float] = (0.0, 0.0, 0.0, None, 0.0)
+    """(running, waiting, evicted tokens, this replica's in flight, reading time) of the load last written to the
+    view."""
 
     @property
     def id(self) -> str:
@@ -184,12 +198,15 @@ class Target:
         ages readings itself, against max(2 s, 2 x the interval in force): republishing an unchanged one
         every max(1 s, interval) keeps it fresh there with margin, at a fraction of the polls). Evictions are news:
         the claim rule counts them since a prefix was last sent (they change only while the worker works)."""
-        running, waiting, evicted, at = self.published_load
-        return self.load.at > at and ((self.load.running, self.load.waiting, self.evicted_tokens)
-                                      != (running, waiting, evicted) or now - at >= max(1.0, every_s))
+        running, waiting, evicted, inflight, at = self.published_load
+        # This replica's share at the reading is news too: extproc takes the other replicas' share as the reading
+        # less it (cluster_view.derived_load).
+        return self.load.at > at and ((self.load.running, self.load.waiting, self.evicted_tokens, self.inflight_at_read)
+                                      != (running, waiting, evicted, inflight) or now - at >= max(1.0, every_s))
 
     def mark_published(self) -> None:
-        self.published_load = (self.load.running, self.load.waiting, self.evicted_tokens, self.load.at)
+        self.published_load = (self.load.running, self.load.waiting, self.evicted_tokens, self.inflight_at_read,
+                               self.load.at)
         # The target list was just built and written, in this same call chain: it describes the ledger's layout now.
         self.events.layout_published(self.events.ledger.layout_version)
 
@@ -236,7 +253,8 @@ class Target:
             exact_kv=self.exact_kv,
             state=self.events.sync.state.value, reason=self.why_not_exact(), why=self.why_code(),
             load=self.load.to_meta(w.poll_every, self.kv_usage, self.kv_capacity_tokens, self.evicted_tokens,
-                                   round(self.evicted_tokens_per_s, 1), round(self.regretted_tokens_per_s, 1)),
+                                   round(self.evicted_tokens_per_s, 1), round(self.regretted_tokens_per_s, 1),
+                                   self.inflight_at_read),
             added_at=w.added_at, role=w.cfg.role, bootstrap_port=w.bootstrap_port, tls_name=w.tls_name,
             groups=groups, tiers=tiers, lookahead_blocks=-(-ledger.lookahead // ledger.block_size),
         )
@@ -252,7 +270,8 @@ class Target:
                      "kv_capacity_tokens": self.kv_capacity_tokens,
                      "evicted_tokens": self.evicted_tokens,
                      "evicted_tokens_per_s": round(self.evicted_tokens_per_s, 1),
-                     "regretted_tokens_per_s": round(self.regretted_tokens_per_s, 1)},
+                     "regretted_tokens_per_s": round(self.regretted_tokens_per_s, 1),
+                     "inflight": self.inflight_at_read},
             "age_s": round(now - self.worker.added_at, 1),
             "kv_events": self.endpoint(self.worker.cfg.kv_events),
             "kv_replay": self.endpoint(self.worker.cfg.kv_replay),
@@ -298,9 +317,11 @@ class Worker:
     bootstrap_port: int | None = None
     """SGLang prefill: the bootstrap port a decode must reach (config, else the worker's /server_info)."""
     poll_every: float = 0.0
-    """The load poll interval in force (ingest.load_poll_interval_s while active, else the idle one)."""
+    """The load poll interval in force (`load_poll_interval`)."""
     active_until: float = 0.0
     """Monotonic time until which its load is polled at the active cadence."""
+    idle: bool = True
+    """On the idle cadence: its next reading waits for `wake` (or the idle interval)."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set to cut an idle-cadence wait short (a KV event arrived, or this replica routed to it)."""
     tls_name: str | None = None
@@ -352,8 +373,9 @@ class Worker:
             if self.health_failures >= failures:
                 self.healthy = False
 
-    def apply_load(self, per_rank: LoadByRank, now: float) -> None:
-        """A load reading, per rank: each target takes its rank's (a worker without DP, the sum)."""
+    def apply_load(self, per_rank: LoadByRank, now: float, inflight: np.ndarray | None = None) -> None:
+        """A load reading, per rank: each target takes its rank's (a worker without DP, the sum). `inflight`: this
+        replica's requests in flight per slot at the reading (None: not known)."""
         for target in self.targets:
             if target.rank is None:
                 readings = per_rank.values()
@@ -369,6 +391,8 @@ class Worker:
                 running, waiting, activity, kv_usage, capacity = per_rank.get(target.rank,
                                                                               RankLoad(0.0, 0.0, 0.0))
             target.load = Load(running=running, waiting=waiting, at=now)
+            target.inflight_at_read = (float(inflight[target.slot])
+                                       if inflight is not None and 0 <= target.slot < inflight.size else None)
             target.activity = activity
             target.kv_usage = kv_usage
             target.kv_capacity_tokens = capacity

@@ -52,7 +52,8 @@ META = ClusterMeta(block_size=16, targets=[
                healthy=True, suspect=False, exact_kv=True, state="READY", reason="", why="",
                load=LoadReading(running=2.0, waiting=1.0, at=1234.5, every_s=0.1, kv_usage=0.25,
                                  kv_capacity_tokens=6400.0, evicted_tokens=48000.0,
-                                 evicted_tokens_per_s=320.0, regretted_tokens_per_s=80.0), added_at=1000.25,
+                                 evicted_tokens_per_s=320.0, regretted_tokens_per_s=80.0, inflight=3.0),
+               added_at=1000.25,
                role="prefill", bootstrap_port=8998),
 ])
 WIRE = (b'{"version":1,"block_size":16,"targets":[{"id":"w0@1","slot":3,"model":"m","address":"127.0.0.1:8001",'
@@ -60,7 +61,7 @@ WIRE = (b'{"version":1,"block_size":16,"targets":[{"id":"w0@1","slot":3,"model":
         b'"state":"READY","reason":"","why":"","load":{"running":2.0,"waiting":1.0,"at":1234.5,"every_s":0.1,'
         b'"age_s":null,"kv_usage":0.25,"kv_capacity_tokens":6400.0,'
         b'"evicted_tokens":48000.0,"evicted_tokens_per_s":320.0,'
-        b'"regretted_tokens_per_s":80.0},"added_at":1000.25,"age_s":null,"role":"prefill",'
+        b'"regretted_tokens_per_s":80.0,"inflight":3.0},"added_at":1000.25,"age_s":null,"role":"prefill",'
         b'"bootstrap_port":8998,"tls_name":null,"groups":[],"tiers":[],"lookahead_blocks":0}]}')
 
 

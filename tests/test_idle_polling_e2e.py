@@ -27,6 +27,7 @@ from extproc.cluster_view import LOAD_MAX_AGE_S, engine_load_of, load_max_age_s
 from tests.harness import MODEL, Gateway, Sim, long_chat, serving, wait_for
 
 FAST_S = 0.1
+ROUTED_S = 0.5
 IDLE_S = 8.0
 WAKE_DEADLINE_S = IDLE_S / 2
 """A switch to the active cadence seen this soon after a fresh idle read was not the next idle read."""
@@ -78,6 +79,20 @@ def test_idle_interval_is_validated_against_the_active_one(tmp_path: Path) -> No
         load_config(_config(tmp_path, {"idle_load_poll_interval_s": 0}))
 
 
+def test_routed_interval_lies_between_the_active_and_idle_ones(tmp_path: Path) -> None:
+    def routed(ingest: dict[str, float]) -> float:
+        return load_config(_config(tmp_path, ingest)).ingest.routed_load_poll_interval_s
+
+    assert routed({}) == 0.5
+    assert routed({"load_poll_interval_s": 0.8}) == 0.8           # not set: never faster than the active cadence
+    assert routed({"idle_load_poll_interval_s": 0.3}) == 0.3      # ... nor slower than the idle one
+    assert routed({"routed_load_poll_interval_s": 0.1}) == 0.1    # 0.1: as before this setting existed
+    with pytest.raises(ConfigError, match="routed_load_poll_interval_s"):
+        routed({"routed_load_poll_interval_s": 0.05})
+    with pytest.raises(ConfigError, match="routed_load_poll_interval_s"):
+        routed({"routed_load_poll_interval_s": 2.0})
+
+
 # -- end to end ------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -90,7 +105,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     gw = Gateway(root=root, sims=sims, port=ports[4], admin_port=ports[5], ingest_port=ports[6],
                  extproc_port=ports[7], extra_config={"ingest": {
                      "port": ports[6], "health_interval_s": 1.0, "load_poll_interval_s": FAST_S,
-                     "idle_load_poll_interval_s": IDLE_S}})
+                     "routed_load_poll_interval_s": ROUTED_S, "idle_load_poll_interval_s": IDLE_S}})
     with serving(gw):
         yield gw
 
@@ -188,8 +203,12 @@ def test_a_request_routed_by_this_replica_wakes_fast_polling_at_once(gw: Gateway
             if "sim-2" in assigned:
                 break
         assert "sim-2" in assigned, assigned
-        wait_for(lambda: every_s(gw, "sim-2") == FAST_S, timeout=WAKE_DEADLINE_S,
-                 what="active cadence after routing")
+        # Sent requests by this replica: read at the routed cadence (extproc fills in its own share between reads),
+        # each reading with this replica's requests in flight there when it was taken.
+        wait_for(lambda: every_s(gw, "sim-2") == ROUTED_S, timeout=WAKE_DEADLINE_S,
+                 what="routed cadence after routing")
+        wait_for(lambda: (gw.targets()["sim-2"]["load"]["inflight"] or 0) >= 1, timeout=WAKE_DEADLINE_S,
+                 what="the reading's own in-flight count")
         assert time.monotonic() - t0 < IDLE_S
 
 

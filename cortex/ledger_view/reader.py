@@ -164,6 +164,13 @@ class ViewReader:
         self._followed = False
         return remapped
 
+    def followed(self) -> bool:
+        """Without a stat(): True if a read since the previous refresh() or followed() followed a retired file onto
+        its successor (refresh() also notices a file replaced without being marked retired)."""
+        self._live()
+        followed, self._followed = self._followed, False
+        return followed
+
     def _remap(self) -> bool:
         m = self._m
         if m is None:

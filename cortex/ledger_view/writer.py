@@ -29,8 +29,15 @@ from cortex.ledger_view.layout import (
     _lookup,
     _Mapping,
     _place,
+    _probe,
     _write_header,
 )
+
+_SMALL = 8
+"""Up to this many keys, add and remove probe and write in plain Python over the memoryviews: every numpy call costs
+about a microsecond whatever its size and the vectorised path makes a dozen or more, so a write of one or two keys
+(one engine step's batch under live traffic: the common case) costs 5-9 µs of CPU this way against 21-30 µs that
+way; at 24 keys the two are even (`python perf/bench_view.py --small`, docs/performance.md)."""
 
 
 class ViewWriter:
@@ -118,6 +125,8 @@ class ViewWriter:
     # -- table operations
 
     def add(self, worker: int, keys: Iterable[int]) -> None:
+        if isinstance(keys, list) and len(keys) <= _SMALL and self._add_small(worker, keys):
+            return
         word, bit, _ = self._bit(worker)
         q = self._checked(keys)
         if q.size == 0:
@@ -141,6 +150,9 @@ class ViewWriter:
             m.bits[slots, word] |= bit
 
     def remove(self, worker: int, keys: Iterable[int]) -> None:
+        if isinstance(keys, list) and len(keys) <= _SMALL:
+            self._remove_small(worker, keys)
+            return
         word, _, clear = self._bit(worker)
         q = self._checked(keys)
         if q.size == 0:
@@ -224,6 +236,69 @@ class ViewWriter:
 
     # -- internals
 
+    def _add_small(self, worker: int, keys: list[int]) -> bool:
+        """`add` for a few keys, in Python. False (nothing written) when the table must grow first: the vectorised
+        path does that."""
+        word, bit, _ = self._bit(worker)
+        keys = _check_small(keys)
+        m = self._mapping()
+        kmv, words, mask = m.kmv, m.words, m.mask
+        slots: list[int] = []
+        new: dict[int, int] = {}  # absent key -> the empty slot it takes
+        for k in keys:
+            i = _probe(m, k)
+            if i < 0:
+                new[k] = -1
+            else:
+                slots.append(i)
+        if new:
+            if self._size + len(new) > self._max_load * m.capacity:
+                return False
+            taken: set[int] = set()
+            for k in new:
+                i = k & mask
+                while kmv[i] or i in taken:
+                    i = (i + 1) & mask
+                taken.add(i)
+                new[k] = i
+                slots.append(i)
+        b = int(bit)
+        bmv = m.bmv
+        with self.batch():
+            for k, i in new.items():
+                kmv[i] = k  # empty slots always have zero bits, so the rows need no clearing
+            if new:
+                self._set_size(m, self._size + len(new))
+            for i in slots:
+                j = i * words + word
+                bmv[j] |= b
+        return True
+
+    def _remove_small(self, worker: int, keys: list[int]) -> None:
+        """`remove` for a few keys, in Python."""
+        word, bit, _ = self._bit(worker)
+        keys = _check_small(keys)
+        m = self._mapping()
+        bmv, kmv, words = m.bmv, m.kmv, m.words
+        clear = ~int(bit)
+        slots = {i for i in (_probe(m, k) for k in keys) if i >= 0}
+        if not slots:
+            return
+        dead = []
+        for i in slots:
+            j = i * words
+            row = list(bmv[j:j + words])
+            row[word] &= clear
+            if not any(row):
+                dead.append(kmv[i])
+        plan = self._plan_deletes(m, dead) if dead else None
+        with self.batch():
+            for i in slots:
+                j = i * words + word
+                bmv[j] &= clear
+            if plan is not None:
+                self._apply(m, plan)
+
     def _mapping(self) -> _Mapping:
         if self._m is None:
             raise ValueError("view writer is closed")
@@ -261,9 +336,9 @@ class ViewWriter:
         return np.array(out, dtype=np.intp)
 
     @staticmethod
-    def _plan_deletes(m: _Mapping, keys: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _plan_deletes(m: _Mapping, keys: list[int]) -> dict[int, tuple[int, int]]:
         """Backward-shift deletion of present keys, simulated on an overlay of the table outside the write
-        section. Returns (slots, their new keys, the slot whose bits row each takes; -1 = zero the row)."""
+        section. Returns {slot: (its new key, the slot whose bits row it takes; -1 = zero the row)}."""
         kmv, mask = m.kmv, m.mask
         over: dict[int, tuple[int, int]] = {}  # slot -> (key now there, slot its bits row comes from)
         for k in keys:
@@ -287,13 +362,17 @@ class ViewWriter:
                     over[i] = v
                     i = j
             over[i] = (0, -1)
-        n = len(over)
-        return (np.fromiter(over, dtype=np.intp, count=n),
-                np.fromiter((v[0] for v in over.values()), dtype=np.uint64, count=n),
-                np.fromiter((v[1] for v in over.values()), dtype=np.intp, count=n))
+        return over
 
-    def _apply(self, m: _Mapping, plan: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        dst, keys, src = plan
+    def _apply(self, m: _Mapping, over: dict[int, tuple[int, int]]) -> None:
+        """Carry out a `_plan_deletes` plan: slot -> (its new key, the slot whose bits row it takes; -1 = zero)."""
+        if len(over) <= _SMALL:
+            self._apply_small(m, over)
+            return
+        n = len(over)
+        dst = np.fromiter(over, dtype=np.intp, count=n)
+        keys = np.fromiter((v[0] for v in over.values()), dtype=np.uint64, count=n)
+        src = np.fromiter((v[1] for v in over.values()), dtype=np.intp, count=n)
         moved = src >= 0
         rows = m.bits[src[moved]]  # gathered before any store, as sources may be overwritten below
         m.keys[dst] = keys
@@ -302,6 +381,20 @@ class ViewWriter:
         # Slots that end empty are exactly the deleted keys': a shift never refills an earlier hole, since
         # that hole ends the cluster walk.
         self._set_size(m, self._size - int(np.count_nonzero(keys == 0)))
+
+    def _apply_small(self, m: _Mapping, over: dict[int, tuple[int, int]]) -> None:
+        kmv, bmv, words = m.kmv, m.bmv, m.words
+        # Rows gathered before any store, as sources may be overwritten below.
+        rows = [(d, bmv[s * words:(s + 1) * words].tolist() if s >= 0 else None) for d, (_, s) in over.items()]
+        emptied = 0
+        for d, (k, _) in over.items():
+            kmv[d] = k
+            emptied += k == 0
+        for d, row in rows:
+            base = d * words
+            for w in range(words):
+                bmv[base + w] = row[w] if row is not None else 0
+        self._set_size(m, self._size - emptied)
 
     def _grow(self, need: int) -> None:
         m = self._mapping()
@@ -379,3 +472,16 @@ class ViewWriter:
             while j != i:
                 assert keys[j], f"key in slot {i} unreachable from its home {keys[i] & mask}"
                 j = (j + 1) & mask
+
+
+def _check_small(keys: list[int]) -> list[int]:
+    """What `_checked` enforces, for a short list of keys: the keys as Python ints."""
+    if not all(type(k) is int for k in keys):
+        if not all(isinstance(k, int | np.integer) for k in keys):
+            raise ValueError("block keys must be integers")
+        keys = [int(k) for k in keys]
+    for k in keys:
+        if not 0 < k <= _MAX_KEY:
+            raise ValueError("block key 0 is reserved for empty slots" if k == 0 else
+                             f"block keys must be in [1, 2**64), got {k}")
+    return keys

@@ -1,0 +1,111 @@
+"""Load readings taken less often from workers this replica sends requests to (issue 28): ingest reads such a worker
+every `ingest.routed_load_poll_interval_s`, and extproc fills in between readings with the change in this replica's
+own in-flight count there (cluster_view.derived_load). Pure rules with vectors, and the candidates built from them:
+a worker whose load is derived between readings still goes hot and cool on time, and other replicas' traffic stays
+as the reading said until the next one, within the reading's age bound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cortex.config import IngestConfig, SchedulerConfig
+from cortex.contract import LoadReading
+from cortex.engines import RankLoad
+from cortex.inflight import BacklogBoard
+from extproc import candidates
+from extproc.cluster_view import TargetInfo, derived_load, engine_load_of, load_max_age_s
+from extproc.predictions import Predictions
+from ingest.workers import load_poll_interval
+from tests.test_contract import config, ingest_target
+
+
+@pytest.mark.parametrize(("reading", "at_read", "now", "expected"), [
+    (None, 3.0, 5.0, None),     # no reading (unknown or too old): still unknown, whatever this replica has in flight
+    (10.0, None, 5.0, 10.0),    # a reading that does not say this replica's share then: taken as it is
+    (10.0, 4.0, 4.0, 10.0),     # nothing changed here since the reading
+    (10.0, 4.0, 9.0, 15.0),     # five more of ours since: seen at once
+    (10.0, 4.0, 0.0, 6.0),      # ours all ended: the others' six remain
+    (2.0, 4.0, 3.0, 3.0),       # two of ours were still on their way to the engine at the reading: others >= 0
+    (0.0, 0.0, 2.0, 2.0),
+])
+def test_derived_load(reading: float | None, at_read: float | None, now: float, expected: float | None) -> None:
+    assert derived_load(reading, at_read, now) == expected
+
+
+def test_poll_interval_by_who_keeps_the_worker_busy() -> None:
+    icfg = IngestConfig()
+    assert (icfg.load_poll_interval_s, icfg.routed_load_poll_interval_s, icfg.idle_load_poll_interval_s) == \
+        (0.1, 0.5, 1.0)
+    assert load_poll_interval(active=False, routed=False, icfg=icfg) == 1.0
+    assert load_poll_interval(active=True, routed=False, icfg=icfg) == 0.1   # busy with others' traffic only
+    assert load_poll_interval(active=True, routed=True, icfg=icfg) == 0.5    # this replica fills in its own share
+
+
+def test_backlog_latest_is_the_last_end_over_processes(tmp_path: Path) -> None:
+    """Ingest tells the workers this replica sends requests to by when their last queued work is done."""
+    a = BacklogBoard(tmp_path, 0, 2, 4)
+    b = BacklogBoard(tmp_path, 1, 2, 4)
+    reader = BacklogBoard(tmp_path, None, 2, 4)
+    a.push(1, 500.0, now=100.0)
+    b.push(1, 200.0, now=100.2)
+    b.push(3, 100.0, now=50.0)
+    assert reader.latest().tolist() == [0.0, pytest.approx(100.5), 0.0, pytest.approx(50.1)]
+
+
+def _target(reading: LoadReading, now: float) -> TargetInfo:
+    load, _ = engine_load_of(reading, now)
+    return TargetInfo(id="w0", worker="w0", rank=None, slot=0, model="m", engine="vllm", address="127.0.0.1:9000",
+                      exact_kv=True, healthy=True, engine_load=load, engine_waiting=reading.waiting,
+                      load_at=reading.at, load_inflight=reading.inflight)
+
+
+def test_a_worker_whose_load_is_derived_between_readings_goes_hot_and_cool_on_time() -> None:
+    """One reading (40 active, 10 of them this replica's), then only this replica's in-flight count moves: the
+    worker is hot as soon as ours push it over the high watermark (48) and cool again once they bring it down to the
+    low one (32), with no new reading; the other replicas' 30 count all along."""
+    s = SchedulerConfig(rule="cache_aware")
+    reading = LoadReading(running=36.0, waiting=4.0, at=100.0, every_s=0.5, inflight=10.0)
+    hysteresis = candidates.Hysteresis()
+    seen = []
+    for ours in (10, 17, 18, 12, 3, 2):
+        cands = candidates.build([_target(reading, 100.4)], matches=np.array([0]), keys=[1],
+                                 inflight=np.array([ours], dtype=np.int64), alive=True, predictions=Predictions(),
+                                 hysteresis=hysteresis, scoring=s)
+        seen.append((cands[0].load, cands[0].hot))
+    assert seen == [(40.0, False), (47.0, False), (48.0, True), (42.0, True), (33.0, True), (32.0, False)]
+
+
+def test_other_replicas_traffic_is_known_until_the_reading_ages_out() -> None:
+    """The staleness bound: a reading at the routed cadence (0.5 s) stays usable for max(2 s, 2 x 0.5 s) and is then
+    unknown, derived or not; only this replica's own share is known without it."""
+    reading = LoadReading(running=30.0, waiting=0.0, at=100.0, every_s=0.5, inflight=0.0)
+    assert load_max_age_s(0.5) == 2.0
+    fresh = candidates.build([_target(reading, 101.9)], matches=None, keys=[], inflight=np.array([3]), alive=True,
+                             predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=SchedulerConfig())
+    stale = candidates.build([_target(reading, 102.1)], matches=None, keys=[], inflight=np.array([3]), alive=True,
+                             predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=SchedulerConfig())
+    assert fresh[0].engine_load == 33.0
+    assert stale[0].engine_load is None and stale[0].load is None and stale[0].inflight == 3
+
+
+def test_a_reading_carries_this_replicas_share_to_extproc(tmp_path: Path) -> None:
+    """Ingest takes this replica's in-flight count with each reading and publishes it; a reading whose only change
+    is that share is news (the others' share moved); extproc's candidate adds its own change since."""
+    cfg = config(tmp_path)
+    target = ingest_target(cfg.workers[0], 0, cfg.block_size)
+    worker = target.worker
+    worker.apply_load({0: RankLoad(running=6.0, waiting=2.0, activity=0.0)}, 100.0, np.array([3, 0]))
+    assert target.inflight_at_read == 3.0 and target.load_news(100.0, 0.5)
+    target.mark_published()
+    worker.apply_load({0: RankLoad(running=6.0, waiting=2.0, activity=0.0)}, 100.5, np.array([3, 0]))
+    assert not target.load_news(100.5, 0.5)  # nothing moved
+    worker.apply_load({0: RankLoad(running=6.0, waiting=2.0, activity=0.0)}, 101.0, np.array([5, 0]))
+    assert target.load_news(101.0, 0.5)  # same total, but two more of it are ours: the others' share fell by two
+    reading = target.routable_meta().load
+    assert (reading.running, reading.waiting, reading.inflight) == (6.0, 2.0, 5.0)
+    cands = candidates.build([_target(reading, 101.2)], matches=None, keys=[], inflight=np.array([7]), alive=True,
+                             predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=SchedulerConfig())
+    assert cands[0].engine_load == 10.0  # the others' 3 as read, and our 7 now
