@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import Gauge
 
+from cortex.chain_cache import ChainCache
 from cortex.fast_bpe import LIBRARY, PROOF_CORPUS_SIZE, TIKTOKEN, FastBPE
 
 if TYPE_CHECKING:
@@ -154,6 +155,8 @@ class SegmentEncoder:
         self._max_entry_bytes = max_bytes // 8
         self._cache: OrderedDict[Any, list[int]] = OrderedDict()
         self._bytes = 0
+        self.chains = ChainCache()
+        """Prompt prefixes' key chains at boundary tokens (cortex/chain_cache.py): ids depend on this tokenizer."""
         self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
         self.miss_tokens = 0
         self._batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
@@ -348,6 +351,7 @@ class SegmentEncoder:
     def clear(self) -> None:
         self._cache.clear()
         self._bytes = 0
+        self.chains.clear()
 
     # -- load-time self-check -------------------------------------------------------------------------------
 
@@ -528,7 +532,7 @@ class TokenCursor:
     back to whole-text; the caller starts over with a whole-text cursor.
     """
 
-    __slots__ = ("_enc", "_partial", "_parts", "_pos", "_ready", "_suffix", "chars", "tokens", "total_chars")
+    __slots__ = ("_enc", "_partial", "_parts", "_pos", "_ready", "_suffix", "chars", "mark", "tokens", "total_chars")
 
     def __init__(self, enc: SegmentEncoder | None, parts: list[str], prefix: Sequence[int],
                  suffix: Sequence[int]) -> None:
@@ -544,6 +548,24 @@ class TokenCursor:
         self.tokens = 0
         """Ids returned so far."""
         self.total_chars = sum(map(len, parts))
+        self.mark: tuple[int, int, int] | None = None
+        """The deepest boundary token returned so far: (index of the part after it, ids and characters up to it
+        included), where a key chain can be cached (cortex/chain_cache.py)."""
+
+    @property
+    def parts(self) -> list[str]:
+        """The text as cut: text pieces at even indices, boundary tokens at odd ones (empty for known ids)."""
+        return self._parts
+
+    def skip(self, part: int, chars: int, tokens: int) -> None:
+        """Continue after the boundary ending before `parts[part]`, whose ids (`tokens` of them, covering `chars`
+        characters, any prefix included) the caller has from a cache; only a fresh cursor can skip."""
+        assert self._pos == 0 and self._partial is None and part & 1 == 0 and 0 < part <= len(self._parts)
+        self._pos = part
+        self._ready = []
+        self.chars = chars
+        self.tokens = tokens
+        self.mark = (part, tokens, chars)
 
     @classmethod
     def of_ids(cls, ids: list[int]) -> TokenCursor:
@@ -596,6 +618,7 @@ class TokenCursor:
                 if not i & 1:  # odd index in parts: a boundary token
                     out += boundary[part]
                     self.chars += len(part)
+                    self.mark = (i, self.tokens + len(out), self.chars)
                     continue
                 if not part:
                     continue
@@ -693,7 +716,8 @@ class TokenCursor:
             todo: dict[Any, list[int]] = {}
             chunks: list[list[int]] = []
             parts = self._parts
-            for i, key in ([(-1, partial[0])] if partial is not None else []) + list(self._keys()):
+            order = ([(-1, partial[0])] if partial is not None else []) + list(self._keys())
+            for i, key in order:
                 if key is None:
                     chunks.append(enc._boundary[parts[i]])
                     continue
@@ -711,8 +735,15 @@ class TokenCursor:
                 self._partial = None
                 self._verify(partial[2], chunks[0])
                 chunks[0] = chunks[0][len(partial[2]):]
-            for chunk in chunks:
+            last = -1  # the deepest boundary among them
+            for n, (i, _) in enumerate(order):
+                if i > 0 and i & 1:
+                    last = n
+            for n, chunk in enumerate(chunks):
                 out += chunk
+                if n == last:
+                    i = order[n][0]
+                    self.mark = (i + 1, self.tokens + len(out), sum(map(len, parts[:i + 1])))
             self.chars = self.total_chars
             self._pos = len(parts)
         out += self._suffix

@@ -11,7 +11,10 @@ earlier turns of the conversation held by one worker), in one process, no networ
 and each with four tokenizer set-ups, so the gain is measured, not assumed:
 
   early        segment-wise tokenization and early stop (the default): tokenize, hash and look up only up to
-               the first block no worker holds or is predicted to hold
+               the first block no worker holds or is predicted to hold; the walk starts at the deepest boundary
+               token whose key chain is cached (cortex/chain_cache.py: earlier turns are neither re-tokenized
+               nor re-hashed)
+  no chain     early, with the key chain cache off (each prompt walked from its beginning, as before issue 26)
   full         segment-wise, the whole prompt tokenized and hashed (as before early stop)
   whole early  whole-text tokenization (segmenting off), early stop of hashing and lookup
   whole full   whole-text, the whole prompt hashed
@@ -56,7 +59,7 @@ from extproc.router import Router
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 WORKERS = 4
 STAGES = ("parse", "template", "tokenize", "hash", "lookup", "score", "total", "tail")
-MODES = ("early", "full", "whole early", "whole full")
+MODES = ("early", "no chain", "full", "whole early", "whole full")
 
 
 class Text:
@@ -229,10 +232,14 @@ def main() -> int:
                 seen = [body(next_turn(text, base, size)) for _ in range(n_seen + 10)]
                 fresh = [body(next_turn(text, conversation(text, size), size)) for _ in range(n_new + 3)]
                 router.segments = whole if label.startswith("whole") else segmented
+                segmented.get(bundle).chains.enabled = label != "no chain"
+                segmented.get(bundle).chains.clear()
                 full = label.endswith("full")
                 writer.heartbeat()
                 cluster.refresh()
-                router.route(parse_body("chat", body(base)), commit=False)  # the turn before
+                # The turn before, routed as real traffic is (its tail finished after the answer).
+                router.route(parse_body("chat", body(base)), full_tokens=full)
+                router.deferred.run_pending()
                 run(router, writer, timer, seen[:10], full)  # warm-up: allocator, caches, branch predictors
                 samples, toks, hits = run(router, writer, timer, seen[10:], full)
                 rows.append((size, "seen", label, samples, toks, hits))
@@ -253,6 +260,9 @@ def main() -> int:
         for stage in STAGES:
             line += f" {pct(samples[stage], .5):>6.3f}/{pct(samples[stage], .99):<7.3f}"
         print(line)
+    chains = segmented.get(bundle).chains
+    print(f"key chain cache after the run: {len(chains)} entries, {chains.bytes / 2**20:.1f} MiB, {chains.hits} "
+          f"hits / {chains.misses} misses, {chains.evictions} evictions")
     print(f"segment cache after the run: {stats.entries} entries, {stats.bytes / 2**20:.1f} MiB, "
           f"{stats.hits} piece hits / {stats.misses} misses ({stats.hit_chars / 2**20:.1f} / "
           f"{stats.miss_chars / 2**20:.1f} MiB of text), mode {segmented.get(bundle).mode}")
