@@ -216,6 +216,10 @@ def main() -> int:
         cluster.refresh()
         assert cluster.alive, "the view must be alive for the lookup stage to run"
         router = Router(cfg, cluster, registry)
+        # Each request is the next turn of a conversation whose previous turn has finished: no prefill queued by
+        # one timed request waits ahead of the next. (Back to back, 128K prefills queued on the worker holding
+        # the chat would send every later turn elsewhere, and the rows would time a cold 128K prompt's scoring.)
+        router.backlog.commit = lambda slot, prefill_ms: None  # type: ignore[method-assign]
         segmented = router.segments
         whole = EncoderSet([bundle], enabled=False)
         text = Text(bundle, seed=7)
