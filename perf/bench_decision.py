@@ -213,6 +213,7 @@ def main() -> int:
         timer = Timer(bundle.render_chat)
         bundle.render_chat = timer  # type: ignore[method-assign]
         cluster = ClusterView(cfg, cfg.view_path(), 0)
+        writer.heartbeat()  # loading the tokenizer can take longer than the view's staleness limit
         cluster.refresh()
         assert cluster.alive, "the view must be alive for the lookup stage to run"
         router = Router(cfg, cluster, registry)
