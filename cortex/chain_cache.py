@@ -9,9 +9,11 @@ the prompt's first ids. The next turn, whose rendered text starts with that pref
 tokenizes and hashes only what was appended, and looks up the cached keys in one vectorised call.
 
 Why the keys equal a from-scratch computation:
-  * the entry is found by a digest of the exact text pieces up to the boundary (their contents and lengths), so
-    the text before the boundary is the same, cut into the same pieces; ids after a boundary never depend on
-    the text before it (the segment-wise encoding's invariant, checked at load and on every piece begun alone);
+  * the entry is found by a digest of the pieces up to the boundary, each given as the serial number of its
+    entry in the piece cache (numbered when stored, never reused: equal numbers mean text the cache's dictionary
+    found equal), so the text before the boundary is the same, cut into the same pieces; ids after a boundary
+    never depend on the text before it (the segment-wise encoding's invariant, checked at load and on every
+    piece begun alone);
   * everything else that changes ids or keys is in the digest's namespace: the chain's root (LoRA adapter, cache
     salt: tenant isolation), the block size, the holdback (a cut prompt keys fewer blocks), whether the
     tokenizer's special tokens are added; and the cache belongs to one SegmentEncoder, i.e. one tokenizer
@@ -20,8 +22,8 @@ Why the keys equal a from-scratch computation:
 tests/test_chain_cache.py compares cached against uncached keys on random conversations rendered with the real
 Qwen2.5 tokenizer and template.
 
-The digest is XXH3-128 with a per-process random seed: not a cryptographic hash, but a client cannot search for a
-collision with a seed it never sees, and an entry is found only in the namespace (salt) of its own requests.
+The digest is XXH3-128 (per-process random seed) over those numbers: the text is not encoded or hashed again
+(it was hashed once by the piece cache's dictionary, whose hash the later lookup of the same string reuses).
 The ledger is looked up afresh every time (blocks are evicted): only tokenizing and hashing are skipped.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,19 +83,11 @@ class ChainCache:
     def bytes(self) -> int:
         return self._bytes
 
-    def run(self, parts: list[str], namespace: tuple[int, ...]) -> ChainRun:
-        """Digests of every boundary of a prompt's pieces (text at even indices, boundary tokens at odd ones)."""
-        if not self.enabled:
-            return ChainRun(self, {})
-        h = xxhash.xxh3_128(seed=_SEED)
-        h.update(repr(namespace).encode())
-        digests: dict[int, int] = {}
-        for i, part in enumerate(parts):
-            h.update(len(part).to_bytes(8, "little"))
-            h.update(part.encode("utf-8", "surrogatepass"))
-            if i & 1:
-                digests[i + 1] = h.intdigest()
-        return ChainRun(self, digests)
+    def run(self, parts: list[str], namespace: tuple[int, ...],
+            serial: Callable[[int, str], int | None]) -> ChainRun:
+        """A prompt's pieces (text at even indices, boundary tokens at odd ones) against the cache. `serial`
+        gives the number standing for a piece exactly (SegmentEncoder.serial: its piece cache entry's)."""
+        return ChainRun(self, parts if self.enabled else [], namespace, serial)
 
     def get(self, digest: int) -> ChainState | None:
         state = self._cache.get(digest)
@@ -121,17 +116,48 @@ class ChainCache:
 
 
 class ChainRun:
-    """One prompt against the cache: find the deepest cached boundary, store a deeper one once it is hashed."""
+    """One prompt against the cache: find the deepest cached boundary, store a deeper one once it is hashed.
 
-    __slots__ = ("cache", "deepest", "digests")
+    The digest of a boundary chains the namespace and the pieces' serial numbers (cortex/piecewise_tokenize.py:
+    one per cached piece, never reused), so the text is never encoded or hashed again here: the piece cache's
+    dictionary already hashed and compared it. Pieces are numbered only once cached, so boundaries past the first
+    uncached piece get their digests later, as the walk (or its tail) caches the pieces before them."""
 
-    def __init__(self, cache: ChainCache, digests: dict[int, int]) -> None:
+    __slots__ = ("_hash", "_pos", "cache", "deepest", "digests", "parts", "serial")
+
+    def __init__(self, cache: ChainCache, parts: list[str], namespace: tuple[int, ...],
+                 serial: Callable[[int, str], int | None]) -> None:
         self.cache = cache
-        self.digests = digests
+        self.parts = parts
+        self.serial = serial
+        self._hash = xxhash.xxh3_128(seed=_SEED)
+        self._hash.update(repr(namespace).encode())
+        self._pos = 0
+        self.digests: dict[int, int] = {}
+        """Part index after a boundary -> the digest of everything before it."""
         self.deepest = 0
         """Part index of the deepest boundary cached or stored for this prompt."""
 
+    def _digest(self, part: int) -> int | None:
+        """The digest of the boundary before parts[part], None when a piece before it is not cached."""
+        got = self.digests.get(part)
+        if got is not None or part > len(self.parts):
+            return got
+        h, parts, serial = self._hash, self.parts, self.serial
+        i = self._pos
+        while i < part:
+            n = serial(i, parts[i])
+            if n is None:
+                break
+            h.update(n.to_bytes(8, "little", signed=True))
+            i += 1
+            if not i & 1:
+                self.digests[i] = h.intdigest()
+        self._pos = i
+        return self.digests.get(part)
+
     def restore(self) -> ChainState | None:
+        self._digest(len(self.parts))
         for part in sorted(self.digests, reverse=True):
             state = self.cache.get(self.digests[part])
             if state is not None:
@@ -142,13 +168,14 @@ class ChainRun:
         return None
 
     def wants(self, part: int) -> bool:
-        return part > self.deepest and part in self.digests
+        return part > self.deepest and self._digest(part) is not None
 
     def save(self, state: ChainState) -> None:
-        if not self.wants(state.part):
+        digest = self._digest(state.part) if state.part > self.deepest else None
+        if digest is None:
             return
         self.deepest = state.part
-        self.cache.put(self.digests[state.part], state)
+        self.cache.put(digest, state)
 
 
 def keys_array(prior: np.ndarray | None, keys: list[int], n: int) -> np.ndarray:

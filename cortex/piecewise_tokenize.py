@@ -156,6 +156,9 @@ class SegmentEncoder:
         self._cache: OrderedDict[Any, list[int]] = OrderedDict()
         self._bytes = 0
         self.chains = ChainCache()
+        # A number per cached piece, never reused: equal numbers mean equal text (the dictionary compared it).
+        self._serials: dict[Any, int] = {}
+        self._serial = 0
         """Prompt prefixes' key chains at boundary tokens (cortex/chain_cache.py): ids depend on this tokenizer."""
         self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
         self.miss_tokens = 0
@@ -336,9 +339,12 @@ class SegmentEncoder:
             return
         cache = self._cache
         cache[key] = ids
+        self._serial += 1
+        self._serials[key] = self._serial
         self._bytes += cost
         while len(cache) > self.max_entries or self._bytes > self.max_bytes:
             old_key, old_ids = cache.popitem(last=False)
+            del self._serials[old_key]
             old_text = old_key[0] if isinstance(old_key, tuple) else old_key
             self._bytes -= len(old_text) + _BYTES_PER_ID * len(old_ids) + _BYTES_PER_ENTRY
             self.evictions += 1
@@ -350,8 +356,23 @@ class SegmentEncoder:
 
     def clear(self) -> None:
         self._cache.clear()
+        self._serials.clear()
         self._bytes = 0
         self.chains.clear()
+
+    def serial(self, index: int, part: str) -> int | None:
+        """A number that stands for `parts[index]` exactly (the key chain cache's digest input): for a text piece
+        its cache entry's (None when not cached), for a boundary token its id."""
+        if index & 1:
+            return -1 - self._boundary[part][0]
+        if not part:
+            return 0
+        key = (part,) if index == 0 and self._anchor is not None else part
+        got = self._serials.get(key)
+        if got is not None:
+            # Kept warm as if encoded: a chain skips its pieces, and their eviction would break the chain.
+            self._cache.move_to_end(key)
+        return got
 
     # -- load-time self-check -------------------------------------------------------------------------------
 

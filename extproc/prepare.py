@@ -168,7 +168,7 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
         cursor = seg.cursor(text, add_special_tokens=special)
         if len(cursor.parts) > 1:
             # Everything besides the text that changes ids or keys is the namespace (cortex/chain_cache.py).
-            chain = seg.chains.run(cursor.parts, (root, bs, 1 + 2 * bs * truncated, int(special)))
+            chain = seg.chains.run(cursor.parts, (root, bs, 1 + 2 * bs * truncated, int(special)), seg.serial)
 
         def whole() -> list[int]:
             return bundle.tokenizer.encode(text, add_special_tokens=special).ids

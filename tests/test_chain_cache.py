@@ -61,7 +61,7 @@ def run(enc: SegmentEncoder, text: str, *, stop_at: int | None, root: int,
     """Walk `text` with the cache; the ledger holds its first `stop_at` blocks on slot 0 (None: all of them).
     Returns the walk and every key (the tail's included)."""
     cursor = enc.cursor(text)
-    chain = enc.chains.run(cursor.parts, (root, BS, holdback, 0))
+    chain = enc.chains.run(cursor.parts, (root, BS, holdback, 0), enc.serial)
     pos = 0
 
     def lookup(new: list[int] | np.ndarray) -> np.ndarray:
