@@ -32,7 +32,8 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -59,6 +60,9 @@ class ChainState:
     """uint32 ids after those blocks, up to `tokens`."""
     head: tuple[int, ...]
     """The prompt's first ids (observation.FIRST_IDS_LOGGED at most)."""
+    fingerprint: Any = None
+    """XXH3-64 state over the UTF-8 text before the boundary: observation.prompt_hash of the whole prompt is this
+    state fed the rest (streamed XXH3 equals one-shot), so the earlier turns' text is not encoded again."""
 
     def cost(self) -> int:
         return _BYTES_PER_ENTRY + _BYTES_PER_KEY * len(self.keys) + 4 * int(self.carry.size) + 8 * len(self.head)
@@ -123,7 +127,7 @@ class ChainRun:
     dictionary already hashed and compared it. Pieces are numbered only once cached, so boundaries past the first
     uncached piece get their digests later, as the walk (or its tail) caches the pieces before them."""
 
-    __slots__ = ("_hash", "_pos", "cache", "deepest", "digests", "parts", "serial")
+    __slots__ = ("_hash", "_pos", "cache", "deepest", "digests", "parts", "restored", "serial")
 
     def __init__(self, cache: ChainCache, parts: list[str], namespace: tuple[int, ...],
                  serial: Callable[[int, str], int | None]) -> None:
@@ -137,6 +141,17 @@ class ChainRun:
         """Part index after a boundary -> the digest of everything before it."""
         self.deepest = 0
         """Part index of the deepest boundary cached or stored for this prompt."""
+        self.restored: ChainState | None = None
+
+    def fingerprint(self, text: str) -> str:
+        """observation.prompt_hash(text) for the text these pieces were cut from (or a longer text it begins),
+        encoding only what follows the restored boundary."""
+        state = self.restored
+        if state is None or state.fingerprint is None:
+            return xxhash.xxh3_64_hexdigest(text.encode("utf-8", "surrogatepass"))
+        h = state.fingerprint.copy()
+        h.update(text[state.chars:].encode("utf-8", "surrogatepass"))
+        return str(h.hexdigest())
 
     def _digest(self, part: int) -> int | None:
         """The digest of the boundary before parts[part], None when a piece before it is not cached."""
@@ -163,6 +178,7 @@ class ChainRun:
             if state is not None:
                 self.cache.hits += 1
                 self.deepest = part
+                self.restored = state
                 return state
         self.cache.misses += 1
         return None
@@ -174,8 +190,14 @@ class ChainRun:
         digest = self._digest(state.part) if state.part > self.deepest else None
         if digest is None:
             return
+        base = self.restored
+        if base is not None and base.fingerprint is not None and base.part <= state.part:
+            h, start = base.fingerprint.copy(), base.part
+        else:
+            h, start = xxhash.xxh3_64(), 0
+        h.update("".join(self.parts[start:state.part]).encode("utf-8", "surrogatepass"))
         self.deepest = state.part
-        self.cache.put(digest, state)
+        self.cache.put(digest, replace(state, fingerprint=h))
 
 
 def keys_array(prior: np.ndarray | None, keys: list[int], n: int) -> np.ndarray:

@@ -151,6 +151,7 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
     bs = snap.block_size
     truncated = False
     chain: ChainRun | None = None
+    full_text = ""
     if req.prompt_ids is not None:
         ids = req.prompt_ids
         cursor = TokenCursor.of_ids(ids)
@@ -160,7 +161,7 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
             return ids
     else:
         text, special = prompt_text(req, bundle, style)
-        fingerprint = observation.prompt_hash(text, None)
+        full_text = text
         cap = snap.cfg.extproc.max_tokenize_chars
         if len(text) > cap:
             text, truncated = text[:cap], True
@@ -188,10 +189,17 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
                     catch_up=deferred.catch_up, whole=whole, chain=chain)
     try:
         result = go(cursor, chain)
+        if req.prompt_ids is None:
+            t1 = time.perf_counter()
+            # From the restored boundary on: the earlier turns' text was hashed when they were (chain_cache.py).
+            fingerprint = chain.fingerprint(full_text) if chain else observation.prompt_hash(full_text, None)
+            timings.tokenize_s += time.perf_counter() - t1
     except SegmentMismatch:
         # Where encode() falls back to whole-text ids for this prompt, the walk starts over with them.
         t1 = time.perf_counter()
         cursor = TokenCursor.of_ids(whole())
+        if req.prompt_ids is None:
+            fingerprint = observation.prompt_hash(full_text, None)
         timings.tokenize_s += time.perf_counter() - t1
         result = go(cursor, None)
     if truncated:

@@ -1,6 +1,6 @@
 """The key chain cache (cortex/chain_cache.py, issue 26): a walk that starts from a cached boundary gives the keys,
-token count and first ids of a from-scratch computation, on random conversations rendered with the real Qwen2.5
-tokenizer and chat template, turn after turn, with siblings, early stops and finished tails."""
+token count, first ids and prompt fingerprint of a from-scratch computation, on random conversations rendered
+with the real Qwen2.5 tokenizer and chat template, turn after turn, with siblings, early stops and finished tails."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from cortex.blockkeys import chain_keys, root_key
 from cortex.config import parse_config
 from cortex.model_bundle import ModelBundle
-from cortex.observation import FIRST_IDS_LOGGED
+from cortex.observation import FIRST_IDS_LOGGED, prompt_hash
 from cortex.piecewise_tokenize import SegmentEncoder
 from extproc.predictions import Predictions
 from extproc.prepare import Timings
@@ -72,6 +72,7 @@ def run(enc: SegmentEncoder, text: str, *, stop_at: int | None, root: int,
 
     result = walk(cursor, block_size=BS, root=root, holdback=holdback, lookup=lookup, predictions=Predictions(0),
                   watched=[0, 1], trusted=[0, 1], timings=Timings(), chain=chain)
+    assert chain.fingerprint(text) == prompt_hash(text, None)
     keys = list(result.keys)
     if result.tail is not None:
         keys += result.tail.keys()
