@@ -70,6 +70,8 @@ class Prepared:
     """The prompt's first ids (observation.FIRST_IDS_LOGGED), for the request log."""
     prompt_hash: str = ""
     """observation.prompt_hash of the whole prompt, for the request log."""
+    key_array: np.ndarray | None = None
+    """`keys` as uint64 when the walk had them so (a cached chain): spares the touch board a conversion."""
     session: int | None = None
     """The request's session key hashed (policies/session.py), None without one."""
     api: str = "chat"
@@ -266,7 +268,8 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
                       len(walked.keys))
         why = _why(why, workers, found)
         return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=[], truncated=truncated,
-                        keys=walked.keys, matches=found.matches if found else None, why=why, timings=timings,
+                        keys=walked.keys, key_array=walked.array,
+                        matches=found.matches if found else None, why=why, timings=timings,
                         body=req.body, prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
                         tail=walked.tail, pools=pools, lora=resolved.lora,
                         head_ids=walked.head, prompt_hash=fingerprint, session=sess,

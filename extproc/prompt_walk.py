@@ -142,6 +142,8 @@ class WalkResult:
     """Per trusted slot, its confirmed-then-predicted run (Predictions.extend from its match)."""
     head: list[int] = field(default_factory=list)
     """The prompt's first HEAD_IDS token ids (fewer when it is shorter): the request log's."""
+    array: np.ndarray | None = None
+    """`keys` as uint64, when the walk started from a cached chain (most of them were an array already)."""
 
 
 def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
@@ -198,7 +200,11 @@ def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
         save()
         tail = Tail(cursor, carry, seen, parent, len(keys), holdback, bs, root, whole or _no_whole,
                     chain=chain, prior=keys, prior_array=prior, head=head)
-        return WalkResult(keys, counts, _estimate(seen, cursor), not cursor.done, tail, reach, head)
+        return WalkResult(keys, counts, _estimate(seen, cursor), not cursor.done, tail, reach, head,
+                          as_array())
+
+    def as_array() -> np.ndarray | None:
+        return keys_array(prior, keys, len(keys)) if prior is not None else None
 
     def save() -> None:
         if chain is None or pending is None or pending[3] > len(keys):
@@ -260,7 +266,7 @@ def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
             if found is not None:
                 return found
     save()
-    return WalkResult(keys, counts if keys else None, seen, False, None, reach, head)
+    return WalkResult(keys, counts if keys else None, seen, False, None, reach, head, as_array())
 
 
 def _advance(counts: np.ndarray | None, held: np.ndarray, start: int) -> np.ndarray:

@@ -73,6 +73,7 @@ def run(enc: SegmentEncoder, text: str, *, stop_at: int | None, root: int,
     result = walk(cursor, block_size=BS, root=root, holdback=holdback, lookup=lookup, predictions=Predictions(0),
                   watched=[0, 1], trusted=[0, 1], timings=Timings(), chain=chain)
     assert chain.fingerprint(text) == prompt_hash(text, None)
+    assert result.array is None or result.array.tolist() == result.keys
     keys = list(result.keys)
     if result.tail is not None:
         keys += result.tail.keys()
