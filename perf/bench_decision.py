@@ -24,7 +24,7 @@ it. Parse is timed around extproc.request.parse_body. `tail` is the work early s
 (the rest of the prompt tokenized, hashed and recorded as predicted): run here synchronously after each
 decision, outside `total`; in extproc it runs on a thread and the event loop once the answer is sent.
 
-    python perf/bench_decision.py [--sizes 1000,8000,32000] [--scale 1.0] [--modes early,full,whole early]
+    python perf/bench_decision.py [--sizes 1000,8000,32000] [--scale 1.0] [--modes early,full,whole early] [--ascii]
 
 Bounded: a few hundred decisions per row (fewer for 32K all-new), well under a minute on 2 vCPUs.
 """
@@ -67,9 +67,10 @@ class Text:
     rank (BPE vocabularies are ordered roughly by frequency), so the tokenizer's word cache behaves as on
     real prose. A uniform draw over 60K words would make every word a cache miss and tokenizing ~4x slower."""
 
-    def __init__(self, bundle: ModelBundle, seed: int) -> None:
+    def __init__(self, bundle: ModelBundle, seed: int, ascii_only: bool = False) -> None:
         vocab = bundle.tokenizer.get_vocab()
-        ranked = sorted((i, t[1:]) for t, i in vocab.items() if t.startswith("Ġ") and t[1:].isalpha())
+        ranked = sorted((i, t[1:]) for t, i in vocab.items() if t.startswith("Ġ") and t[1:].isalpha()
+                        and (t[1:].isascii() or not ascii_only))
         self.words = [w for _, w in ranked]
         weights = 1.0 / np.arange(1, len(self.words) + 1)
         self.cum = list(np.cumsum(weights / weights.sum()))
@@ -192,6 +193,10 @@ def main() -> int:
     ap.add_argument("--sizes", default="1000,8000,32000", help="chat sizes in tokens")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the number of requests per row")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    ap.add_argument("--ascii", action="store_true",
+                    help="ASCII words only (English and code, as most agent traffic): by default ~1 word in 5 has a "
+                         "non-ASCII letter, which makes Python's strings wider and JSON decoding and UTF-8 encoding "
+                         "slower")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
@@ -223,7 +228,7 @@ def main() -> int:
         router.backlog.commit = lambda slot, prefill_ms: None  # type: ignore[method-assign]
         segmented = router.segments
         whole = EncoderSet([bundle], enabled=False)
-        text = Text(bundle, seed=7)
+        text = Text(bundle, seed=7, ascii_only=args.ascii)
         root = root_key(None, None)
         for size in sizes:
             n_seen = max(20, int(args.scale * (400 if size <= 2000 else 200 if size <= 10000 else 80)))
