@@ -207,6 +207,8 @@ class ExtProc:
         # Acting on a plan reports what was sent where, as the in-flight board does: a fallback that serves
         # records the prompt's blocks as predicted on its worker.
         self.predictions = router.predictions
+        # The answers it sees feed the workers' breakers, which the router's decisions read.
+        self.breakers = router.breakers
         self.pd = PdDispatcher(cluster.inflight, WorkerTls(self.cfg.upstream_tls))
         self.last_stream_at = 0.0
         """When the latest ext_proc stream (one per request) began (monotonic)."""
@@ -357,7 +359,7 @@ class ExtProc:
                 st.pd.legs.release_abort()  # the client left while the decode's headers were held
                 st.pd.legs.event("stream_end")
             self.admission.release(st.ticket)
-            self.router.breakers.release(st.trial)
+            self.breakers.release(st.trial)
             if st.counted_slot is not None and self.room:
                 try:
                     self.wake()  # a worker may have room for a waiting request now
@@ -506,8 +508,8 @@ class ExtProc:
                 changes: dict[str, object]) -> pb.ProcessingResponse:
         st.decision = decision
         self._count(st, decision.chosen.slot)
-        self.router.breakers.release(st.trial)
-        st.trial = self.router.breakers.dispatched(decision.chosen.address, time.monotonic())
+        self.breakers.release(st.trial)
+        st.trial = self.breakers.dispatched(decision.chosen.address, time.monotonic())
         response = self._routing_response(st, "request_body", pool_cluster(model))
         chosen = decision.chosen
         if chosen.rank is not None and (placed := engines.adapter(chosen.engine).rank_body(chosen.rank)):
@@ -623,7 +625,7 @@ class ExtProc:
         """Feed the workers' breakers with this answer: the worker that served failed with a 5xx (its own, or Envoy's
         after a reset there); a first choice Envoy retried past failed too (a reset, a refused stream or a 5xx are
         the only causes of a retry). A PD pair's legs are judged by the pair's own handling (docs/pd.md)."""
-        breakers = self.router.breakers
+        breakers = self.breakers
         now = time.monotonic()
         d = st.decision
         if d is not None and served and served != d.chosen.address:
@@ -1018,7 +1020,7 @@ class ExtProc:
                          "predicted_tokens": c.predicted_blocks * self.cluster.block_size,
                          "ledger_trusted": c.ledger_trusted, "engine_load": c.engine_load,
                          "inflight": c.inflight, "suspect": c.suspect, "hot": c.hot, "kv_usage": c.kv_usage,
-                         "breaker": self.router.breakers.state(c.address, now).value,
+                         "breaker": self.breakers.state(c.address, now).value,
                          "kv_capacity_tokens": c.kv_capacity_tokens, "evicted_tokens_per_s": c.evicted_tokens_per_s,
                          "last_sent": None if c.last_sent is None else
                          {"age_s": round(c.last_sent.age_s, 3), "evicted_tokens_since": c.last_sent.evicted_tokens},
