@@ -62,9 +62,9 @@ START_TIME = Gauge("cortex_extproc_start_time_seconds", "unix time the extproc p
 
 # Per-worker circuit breakers (extproc/breaker.py): each extproc process keeps its own, and the gauge shows the worst
 # over the live processes. Workers are bounded by ingest.max_workers.
-BREAKER_STATE = Gauge("cortex_worker_breaker_state", "circuit breaker per worker: 0 closed, 1 half-open, 2 open "
+BREAKER_STATE = Gauge("cortex_breaker_state", "circuit breaker per worker: 0 closed, 1 half-open, 2 open "
                       "(the worst over extproc processes)", ["worker"], multiprocess_mode="livemax")
-BREAKER_TRANSITIONS = Counter("cortex_worker_breaker_transitions", "circuit breaker transitions per worker",
+BREAKER_TRANSITIONS = Counter("cortex_breaker_transitions", "circuit breaker transitions per worker",
                               ["worker", "from_state", "to_state"])
 
 

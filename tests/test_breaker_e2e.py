@@ -65,8 +65,8 @@ def test_a_worker_answering_500_is_demoted_then_brought_back_by_trials(gw: Gatew
             assert h["x-cortex-assigned-worker"] == healthy.id
             assert h["x-cortex-route-reason"].startswith("retried:")
         assert gw.workers()[sick.id]["healthy"] and breaker_of(gw, sick) == "open"
-        assert metric(gw, "cortex_worker_breaker_state", {"worker": sick.id}) == 2
-        assert metric(gw, "cortex_worker_breaker_transitions_total",
+        assert metric(gw, "cortex_breaker_state", {"worker": sick.id}) == 2
+        assert metric(gw, "cortex_breaker_transitions_total",
                       {"worker": sick.id, "from_state": "closed", "to_state": "open"}) == 1
 
         # Open: the prompt cached on the sick worker goes to the other one first, and says why.
@@ -89,8 +89,8 @@ def test_a_worker_answering_500_is_demoted_then_brought_back_by_trials(gw: Gatew
         h, _ = chat(gw, again)
         assert h["x-cortex-assigned-worker"] == sick.id and not h["x-cortex-route-reason"].startswith("retried:")
     assert breaker_of(gw, sick) == "closed"
-    assert metric(gw, "cortex_worker_breaker_state", {"worker": sick.id}) == 0
-    assert metric(gw, "cortex_worker_breaker_transitions_total",
+    assert metric(gw, "cortex_breaker_state", {"worker": sick.id}) == 0
+    assert metric(gw, "cortex_breaker_transitions_total",
                   {"worker": sick.id, "from_state": "half_open", "to_state": "closed"}) == 1
     h, _ = chat(gw, long_chat(300, seed=5100))  # cached on both now: no breaker reason any more
     assert h["x-cortex-route-reason"] != "breaker_open"
