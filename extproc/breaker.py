@@ -141,6 +141,13 @@ class Breakers:
         # trials, once half-open, decide whether it is back.
         return b.state
 
+    def tick(self, now: float) -> None:
+        """Move every OPEN breaker whose time is up to HALF_OPEN now (else that waits for a decision to ask), so the
+        metrics and the status file say half-open on time."""
+        for address, b in list(self._by.items()):
+            if b.state is State.OPEN:
+                self.state(address, now)
+
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the breakers of workers no longer in the fleet (a closed one carries only a failure count)."""
         kept = set(keep)

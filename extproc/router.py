@@ -11,6 +11,7 @@ the gateway does.
 from __future__ import annotations
 
 import random
+import time
 
 from cortex.config import CortexConfig
 from cortex.model_bundle import ModelBundle
@@ -100,5 +101,6 @@ class Router:
     def upkeep(self) -> None:
         """Background upkeep, off the request path."""
         self.predictions.expire()
+        self.breakers.tick(time.monotonic())
         if self.cluster.synced:
             self.breakers.forget(self.cluster.by_address)  # workers that left the fleet
