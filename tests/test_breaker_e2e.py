@@ -94,3 +94,24 @@ def test_a_worker_answering_500_is_demoted_then_brought_back_by_trials(gw: Gatew
                   {"worker": sick.id, "from_state": "half_open", "to_state": "closed"}) == 1
     h, _ = chat(gw, long_chat(300, seed=5100))  # cached on both now: no breaker reason any more
     assert h["x-cortex-route-reason"] != "breaker_open"
+
+
+def test_a_worker_resetting_every_request_is_demoted_too(gw: Gateway) -> None:
+    healthy, sick = gw.sims  # the other worker this time: its breaker has never moved
+    assert breaker_of(gw, sick) == "closed"
+    prompts = [long_chat(300, seed=5300 + i) for i in range(THRESHOLD + 1)]
+    for p in prompts:
+        cached_on(gw, sick, p)
+    faults(sick, reset_requests=True)
+    try:
+        # Envoy sees the reset and retries on the other worker: extproc learns of it only as a retry past the
+        # first choice (it never sees the failed attempt's answer).
+        for p in prompts[:THRESHOLD]:
+            h, _ = chat(gw, p)
+            assert h["x-cortex-assigned-worker"] == healthy.id
+            assert h["x-cortex-route-reason"].startswith("retried:")
+        assert gw.workers()[sick.id]["healthy"] and breaker_of(gw, sick) == "open"
+        h, _ = chat(gw, prompts[THRESHOLD])
+        assert h["x-cortex-assigned-worker"] == healthy.id and h["x-cortex-route-reason"] == "breaker_open"
+    finally:
+        faults(sick, reset_requests=False)
