@@ -1172,6 +1172,10 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
             log.exception("writing the breaker status file failed")
 
     router = Router(cfg, cluster, registry, source, on_breaker=on_breaker)
+    try:
+        breaker_status.write(status_file, {})  # a restarted process starts with every breaker closed: say so
+    except OSError:
+        log.exception("writing the breaker status file failed")
     board = TenancyBoard(cfg.runtime_path() / "tenancy", f"x{index}", cfg.extproc.process_count())
     app = ExtProc(source, cluster, router, Admission(cfg, board), picker=picker)
     # A bad edit is logged and ignored; listener, port and process-count changes need a restart.
