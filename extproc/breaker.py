@@ -64,11 +64,17 @@ class Breakers:
         self.cfg = cfg
         self.listener = listener
         self._by: dict[str, Breaker] = {}
+        self._tripped: set[str] = set()
+        """Addresses whose breaker is OPEN or HALF_OPEN: while it is empty (nearly always) no decision looks further."""
 
     def _move(self, address: str, b: Breaker, to: State, now: float) -> None:
         old = b.state
         b.state, b.failures, b.successes, b.trials = to, 0, 0, 0
         b.epoch += 1
+        if to is State.CLOSED:
+            self._tripped.discard(address)
+        else:
+            self._tripped.add(address)
         if to is State.OPEN:
             b.opened_at = now
         if self.listener is not None:
@@ -94,7 +100,9 @@ class Breakers:
 
     def skipped(self, addresses: Iterable[str], now: float) -> frozenset[str]:
         """Of `addresses`, those that may not be a first choice now."""
-        return frozenset(a for a in addresses if not self.admits(a, now))
+        if not self._tripped or not self.cfg.enabled:
+            return frozenset()
+        return frozenset(a for a in self._tripped.intersection(addresses) if not self.admits(a, now))
 
     def dispatched(self, address: str, now: float) -> Trial | None:
         """A first attempt goes to `address`: a HALF_OPEN worker's trial slot is taken (the Trial to give back)."""
@@ -144,15 +152,15 @@ class Breakers:
     def tick(self, now: float) -> None:
         """Move every OPEN breaker whose time is up to HALF_OPEN now (else that waits for a decision to ask), so the
         metrics and the status file say half-open on time."""
-        for address, b in list(self._by.items()):
-            if b.state is State.OPEN:
-                self.state(address, now)
+        for address in list(self._tripped):
+            self.state(address, now)
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the breakers of workers no longer in the fleet (a closed one carries only a failure count)."""
         kept = set(keep)
         for address in [a for a in self._by if a not in kept]:
             del self._by[address]
+            self._tripped.discard(address)
 
     def snapshot(self, now: float) -> dict[str, dict[str, object]]:
         """Every breaker that is not plain CLOSED-without-failures: for the status file and route explain."""

@@ -174,7 +174,7 @@ def choose(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo], state:
     queues its prefill (`queue`, default `commit`: a PD prefill leg queues work without being the answer)."""
     t0 = time.perf_counter()
     cands, facts, policy = _inputs(snap, prep, workers, state)
-    skip = state.breakers.skipped({c.address for c in cands}, time.monotonic())
+    skip = state.breakers.skipped((c.address for c in cands), time.monotonic())
     decision = decide(policy, cands, facts, state.rng, skip)
     prep.timings.score_s += time.perf_counter() - t0
     if commit if queue is None else queue:
