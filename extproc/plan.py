@@ -257,11 +257,12 @@ def plan(snap: Snapshot, prep: Prepared, state: State, *, commit: bool) -> Route
                      head_ids=prep.head_ids, prompt_hash=prep.prompt_hash, withheld=prep.withheld)
 
 
-def route_any(snap: Snapshot, state: State) -> Decision | None:
-    """A request that is no inference: the least loaded worker of the whole fleet (None: there is none)."""
+def route_any(snap: Snapshot, state: State, worker_tag: str | None = None) -> Decision | None:
+    """A request that is no inference: the least loaded worker of the whole fleet (None: there is none), or
+    first the worker `worker_tag` names (a stored response's, extproc/response_ids.py)."""
     cands = candidates.whole_workers(snap.all_candidates(), inflight=snap.inflight, alive=snap.alive)
     if not cands:
         return None
     facts = Facts(block_size=snap.block_size, ledger_usable=False, why_not_exact="not_an_inference_request",
                   scoring=snap.cfg.scheduler)
-    return state.policies.load_aware.decide(cands, facts, state.rng)
+    return response_ids.pin(state.policies.load_aware.decide(cands, facts, state.rng), worker_tag)

@@ -94,9 +94,10 @@ class Router:
                                segments=self.segments, predictions=self.predictions, deferred=self.deferred)
         return plan.plan(snap, prep, self, commit=commit)
 
-    def route_any(self) -> Decision | None:
-        """A request that is no inference: the least loaded worker of the whole fleet (None: there is none)."""
-        return plan.route_any(self.snapshot(), self)
+    def route_any(self, worker_tag: str | None = None) -> Decision | None:
+        """A request that is no inference: the least loaded worker of the whole fleet (None: there is none), or
+        first the worker a stored response's id names."""
+        return plan.route_any(self.snapshot(), self, worker_tag)
 
     def upkeep(self) -> None:
         """Background upkeep, off the request path."""

@@ -41,7 +41,7 @@ from cortex.errors import ClientError
 from cortex.piecewise_tokenize import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
 from cortex.upstream_tls import WorkerTls
-from extproc import epp, inference_paths, isolation, metrics, structured_output
+from extproc import epp, inference_paths, isolation, metrics, response_ids, structured_output
 from extproc.admission import Admission, Ticket, refusal
 from extproc.breaker import State as BreakerState
 from extproc.breaker import Trial
@@ -410,11 +410,13 @@ class ExtProc:
         if st.method == "GET" and st.path == MODELS_PATH:
             return _immediate(200, gen.registry.models_body)
         inference = st.method == "POST" and st.path in inference_paths.PATHS
-        if inference:  # every inference path, before Envoy has even buffered the body
-            try:
-                st.ticket = self.admission.admit(st.tenant)
-            except ClientError as exc:
-                return self._error(exc, st)
+        # Every request a worker will see is admitted, before Envoy has even buffered a body: the rate and
+        # concurrency limits hold on /tokenize, stored responses and the rest as on the inference paths (a limit
+        # that held only there would be one a client walks around). Token limits settle on inference usage.
+        try:
+            st.ticket = self.admission.admit(st.tenant)
+        except ClientError as exc:
+            return self._error(exc, st)
         wants_body = inference or (st.method == "POST" and st.path == EXPLAIN_PATH and
                                    self.cfg.extproc.public_route_explain)
         if wants_body and headers.end_of_stream:
@@ -896,7 +898,7 @@ class ExtProc:
         st.counted_slot = slot
 
     def _route_any(self, st: StreamState) -> None:
-        st.decision = self.router.route_any()
+        st.decision = self.router.route_any(response_ids.tag_of(response_ids.in_path(st.path)))
         if st.decision is not None:
             self._count(st, st.decision.chosen.slot)
 
