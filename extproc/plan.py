@@ -181,10 +181,12 @@ def choose(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo], state:
         _queue(state, decision, facts)
     keys = prep.keys
     if commit and keys and decision.chosen.ledger_trusted:
-        state.predictions.record(decision.chosen.slot, keys)
+        slot = decision.chosen.slot
+        state.predictions.record(slot, keys, int(prep.matches[slot]) if prep.matches is not None else 0,
+                                 prep.key_array)
         if prep.tail is not None and not prep.tail.done:
             # The rest of the prompt becomes this target's predictions after the answer.
-            prep.tail.slot = decision.chosen.slot
+            prep.tail.slot = slot
             state.deferred.submit(prep.tail)
     return decision
 
