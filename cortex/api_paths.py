@@ -32,6 +32,10 @@ GENERATE = "/generate"
 EMBEDDINGS = "/v1/embeddings"
 RERANK = "/v1/rerank"
 SCORE = "/v1/score"
+STORED_RESPONSE = r"/v1/responses/[A-Za-z0-9_-]+(?:/cancel)?"
+"""A stored response: `GET /v1/responses/{id}` (retrieve) and `POST /v1/responses/{id}/cancel` (vLLM's two; SGLang
+serves the same), forwarded wherever /v1/responses is. Only the worker that answered holds it: extproc sends the
+request there when Cortex named the id (extproc/response_ids.py), else to the least loaded worker."""
 INFERENCE_PATHS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE, EMBEDDINGS, RERANK, SCORE)
 """The inference paths: every one goes through extproc's one pipeline (extproc/inference_paths.py)."""
 

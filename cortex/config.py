@@ -201,6 +201,22 @@ class ExtprocConfig(_Strict):
     are removed. A proven hit tells a caller that someone sent that prefix before (docs/security.md)."""
 
 
+class BreakerConfig(_Strict):
+    """The circuit breaker each extproc process keeps per worker (docs/reliability.md, "A worker that answers
+    5xx"): a worker whose answers fail while its health probe passes is taken out of first choice. SMG's defaults:
+    10 failures, 60 s open, 3 successes to close."""
+
+    enabled: bool = True
+    failure_threshold: int = Field(10, ge=1, le=1000)
+    """Consecutive failed answers (a 5xx, or Envoy retrying past the worker: reset, refused, 5xx) that open it."""
+    open_s: float = Field(60.0, gt=0, le=3600)
+    """How long an open worker gets no first attempt before trial requests may go to it (half-open)."""
+    half_open_trials: int = Field(3, ge=1, le=100)
+    """Trial requests a half-open worker may have in flight at once as first choice; the rest go elsewhere."""
+    success_threshold: int = Field(3, ge=1, le=100)
+    """Successful answers in a row, while half-open, that close it again (any failure opens it again)."""
+
+
 class ObserveConfig(_Strict):
     """`cortex observe`: Envoy's access log of every request becomes per-request metrics (TTFT, inter-token time,
     tokens, the engine's own cached_tokens against Cortex's claim), the request log and the status page's recent
@@ -859,6 +875,8 @@ class CortexConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     session: SessionConfig = SessionConfig()
     structured_output: StructuredOutputConfig = StructuredOutputConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    """Per-worker circuit breakers on the answers workers give (docs/reliability.md)."""
     runtime_dir: str | None = None
     """Where generated Envoy files, the shared ledger view, logs and workers.json live (default
     /tmp/cortex-<listen port>). workers.json keeps fleet changes made through the admin API across restarts;

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from cortex import headers
-from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH
+from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, RESPONSES, STORED_RESPONSE
 from cortex.config import UNRESOLVED, CortexConfig, WorkerConfig
 from cortex.errors import error_body
 from cortex.observation import NAMESPACE as OBSERVE_NAMESPACE
@@ -290,7 +290,10 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     # connection manager's once the request is routed: a prefill sends nothing, and that silence is normal.
     routed = {"timeout": "0s", "idle_timeout": _seconds(t.routed_idle_s)}
     # Only the listed paths (and Cortex's own) reach extproc and the workers; Envoy matches them without the query.
-    public = {"safe_regex": {"regex": "^(?:" + "|".join(re.escape(p) for p in public_paths(cfg)) + ")$"}}
+    patterns = [re.escape(p) for p in public_paths(cfg)]
+    if RESPONSES in cfg.listen.paths:
+        patterns.append(STORED_RESPONSE)
+    public = {"safe_regex": {"regex": "^(?:" + "|".join(patterns) + ")$"}}
     routes = [
         {"match": {**public, "headers": [{"name": headers.POOL, "present_match": True},
                                          {"name": headers.PD_ROUTE, "present_match": True}]},

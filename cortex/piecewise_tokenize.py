@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import Gauge
 
+from cortex.chain_cache import ChainCache
 from cortex.fast_bpe import LIBRARY, PROOF_CORPUS_SIZE, TIKTOKEN, FastBPE
 
 if TYPE_CHECKING:
@@ -154,6 +155,11 @@ class SegmentEncoder:
         self._max_entry_bytes = max_bytes // 8
         self._cache: OrderedDict[Any, list[int]] = OrderedDict()
         self._bytes = 0
+        self.chains = ChainCache()
+        # A number per cached piece, never reused: equal numbers mean equal text (the dictionary compared it).
+        self._serials: dict[Any, int] = {}
+        self._serial = 0
+        """Prompt prefixes' key chains at boundary tokens (cortex/chain_cache.py): ids depend on this tokenizer."""
         self.hits = self.misses = self.hit_chars = self.miss_chars = self.evictions = self.uncached = 0
         self.miss_tokens = 0
         self._batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
@@ -333,9 +339,12 @@ class SegmentEncoder:
             return
         cache = self._cache
         cache[key] = ids
+        self._serial += 1
+        self._serials[key] = self._serial
         self._bytes += cost
         while len(cache) > self.max_entries or self._bytes > self.max_bytes:
             old_key, old_ids = cache.popitem(last=False)
+            del self._serials[old_key]
             old_text = old_key[0] if isinstance(old_key, tuple) else old_key
             self._bytes -= len(old_text) + _BYTES_PER_ID * len(old_ids) + _BYTES_PER_ENTRY
             self.evictions += 1
@@ -347,7 +356,23 @@ class SegmentEncoder:
 
     def clear(self) -> None:
         self._cache.clear()
+        self._serials.clear()
         self._bytes = 0
+        self.chains.clear()
+
+    def serial(self, index: int, part: str) -> int | None:
+        """A number that stands for `parts[index]` exactly (the key chain cache's digest input): for a text piece
+        its cache entry's (None when not cached), for a boundary token its id."""
+        if index & 1:
+            return -1 - self._boundary[part][0]
+        if not part:
+            return 0
+        key = (part,) if index == 0 and self._anchor is not None else part
+        got = self._serials.get(key)
+        if got is not None:
+            # Kept warm as if encoded: a chain skips its pieces, and their eviction would break the chain.
+            self._cache.move_to_end(key)
+        return got
 
     # -- load-time self-check -------------------------------------------------------------------------------
 
@@ -528,7 +553,7 @@ class TokenCursor:
     back to whole-text; the caller starts over with a whole-text cursor.
     """
 
-    __slots__ = ("_enc", "_partial", "_parts", "_pos", "_ready", "_suffix", "chars", "tokens", "total_chars")
+    __slots__ = ("_enc", "_partial", "_parts", "_pos", "_ready", "_suffix", "chars", "mark", "tokens", "total_chars")
 
     def __init__(self, enc: SegmentEncoder | None, parts: list[str], prefix: Sequence[int],
                  suffix: Sequence[int]) -> None:
@@ -544,6 +569,24 @@ class TokenCursor:
         self.tokens = 0
         """Ids returned so far."""
         self.total_chars = sum(map(len, parts))
+        self.mark: tuple[int, int, int] | None = None
+        """The deepest boundary token returned so far: (index of the part after it, ids and characters up to it
+        included), where a key chain can be cached (cortex/chain_cache.py)."""
+
+    @property
+    def parts(self) -> list[str]:
+        """The text as cut: text pieces at even indices, boundary tokens at odd ones (empty for known ids)."""
+        return self._parts
+
+    def skip(self, part: int, chars: int, tokens: int) -> None:
+        """Continue after the boundary ending before `parts[part]`, whose ids (`tokens` of them, covering `chars`
+        characters, any prefix included) the caller has from a cache; only a fresh cursor can skip."""
+        assert self._pos == 0 and self._partial is None and part & 1 == 0 and 0 < part <= len(self._parts)
+        self._pos = part
+        self._ready = []
+        self.chars = chars
+        self.tokens = tokens
+        self.mark = (part, tokens, chars)
 
     @classmethod
     def of_ids(cls, ids: list[int]) -> TokenCursor:
@@ -596,6 +639,7 @@ class TokenCursor:
                 if not i & 1:  # odd index in parts: a boundary token
                     out += boundary[part]
                     self.chars += len(part)
+                    self.mark = (i, self.tokens + len(out), self.chars)
                     continue
                 if not part:
                     continue
@@ -693,7 +737,8 @@ class TokenCursor:
             todo: dict[Any, list[int]] = {}
             chunks: list[list[int]] = []
             parts = self._parts
-            for i, key in ([(-1, partial[0])] if partial is not None else []) + list(self._keys()):
+            order = ([(-1, partial[0])] if partial is not None else []) + list(self._keys())
+            for i, key in order:
                 if key is None:
                     chunks.append(enc._boundary[parts[i]])
                     continue
@@ -711,8 +756,15 @@ class TokenCursor:
                 self._partial = None
                 self._verify(partial[2], chunks[0])
                 chunks[0] = chunks[0][len(partial[2]):]
-            for chunk in chunks:
+            last = -1  # the deepest boundary among them
+            for n, (i, _) in enumerate(order):
+                if i > 0 and i & 1:
+                    last = n
+            for n, chunk in enumerate(chunks):
                 out += chunk
+                if n == last:
+                    i = order[n][0]
+                    self.mark = (i + 1, self.tokens + len(out), sum(map(len, parts[:i + 1])))
             self.chars = self.total_chars
             self._pos = len(parts)
         out += self._suffix

@@ -55,9 +55,12 @@ class AgentApis:
         self.api = api
         self.stored: collections.OrderedDict[str, list[dict[str, Any]]] = collections.OrderedDict()
         """Response id -> the conversation it ended (without system messages, its answer last)."""
+        self.objects: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        """Response id -> the Responses object answered, for GET /v1/responses/{id}."""
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post("/v1/responses", self.responses), web.post("/v1/messages", self.messages),
+        return [web.post("/v1/responses", self.responses), web.get("/v1/responses/{id}", self.retrieve),
+                web.post("/v1/responses/{id}/cancel", self.cancel), web.post("/v1/messages", self.messages),
                 web.post("/v1/embeddings", self.embeddings), web.post("/v1/rerank", self.rerank),
                 web.post("/v1/score", self.score)]
 
@@ -136,17 +139,37 @@ class AgentApis:
                 return await self._stream_response(request, body, req, engine, msg_id, kept)
             finish = await api.collect(req, engine, Prepared())
             doc = self._response(body, req, msg_id, finish, "completed", self._text(req))
-            self._store(body, rid, kept, self._text(req))
+            self._store(body, rid, kept, self._text(req), doc)
             return json_response(doc)
         finally:
             engine.abort(req)
 
-    def _store(self, body: Mapping[str, Any], rid: str, kept: list[dict[str, Any]], text: str) -> None:
+    def _store(self, body: Mapping[str, Any], rid: str, kept: list[dict[str, Any]], text: str,
+               doc: dict[str, Any]) -> None:
         if body.get("store") is False:
             return
         self.stored[rid] = [m for m in kept if m.get("role") != "system"] + [{"role": "assistant", "content": text}]
+        self.objects[rid] = doc
         while len(self.stored) > STORED_RESPONSES:
             self.stored.popitem(last=False)
+            self.objects.popitem(last=False)
+
+    def _stored_object(self, request: web.Request) -> dict[str, Any]:
+        rid = request.match_info["id"]
+        doc = self.objects.get(rid)
+        if doc is None:  # vLLM's _make_not_found_error
+            raise ApiError(404, f"Response with id '{rid}' not found.")
+        return doc
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        """vLLM's GET /v1/responses/{id}: a stored response, from this API server's memory only."""
+        return json_response(self._stored_object(request))
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/responses/{id}/cancel: the simulator answers synchronously only, so a stored response is
+        finished and vLLM refuses it so."""
+        self._stored_object(request)
+        raise ApiError(400, "Cannot cancel a synchronous response.")
 
     @staticmethod
     def _usage(req: SimRequest) -> dict[str, Any]:
@@ -221,9 +244,9 @@ class AgentApis:
             await send("response.output_item.done", {"item": {
                 "id": msg_id, "content": [part], "role": "assistant", "status": "completed", "type": "message",
                 "phase": None}, "output_index": 0})
-            self._store(body, req.request_id, kept, text)
-            await send("response.completed", {"response": self._response(body, req, msg_id, finish, "completed",
-                                                                         text)})
+            done = self._response(body, req, msg_id, finish, "completed", text)
+            self._store(body, req.request_id, kept, text, done)
+            await send("response.completed", {"response": done})
             await resp.write_eof()
         except EngineDeadError as exc:
             await resp.write(event("error", {"type": "error", "message": str(exc)}))

@@ -124,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "restart_publisher":
             continue
         flag = "--fault-" + name.replace("_", "-")
-        if name in ("crash_mid_stream", "overload_503"):
+        if name in ("crash_mid_stream", "overload_503", "reset_requests"):
             g.add_argument(flag, dest=f"fault_{name}", action="store_true", default=None)
         elif name == "seq_gap":
             g.add_argument(flag, dest=f"fault_{name}", type=int, default=None)

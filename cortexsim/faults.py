@@ -10,8 +10,8 @@ are handed out exactly once. The wire contract, which other components' tests re
 * ``seq_gap``: skip that many sequence numbers once, at each publisher's next publish (reads back as the
   amount still pending).
 * ``restart_publisher``: an action, performed when posted as true; always reads back false.
-* ``stall_stream_ms``, ``crash_mid_stream``, ``http_5xx_rate``, ``overload_503``, ``slow_health_ms``,
-  ``slow_first_token_ms``: the HTTP faults, applied by the API layer.
+* ``stall_stream_ms``, ``crash_mid_stream``, ``http_5xx_rate``, ``overload_503``, ``reset_requests``,
+  ``slow_health_ms``, ``slow_first_token_ms``: the HTTP faults, applied by the API layer.
 * ``load_endpoint_down``: the engine's load endpoint (vLLM ``/metrics``, SGLang ``/v1/loads`` and ``/metrics``)
   answers 503, as a worker whose metrics exporter broke.
 * ``pd_stall_bootstrap``: an SGLang PD decode never reaches its prefill's bootstrap server and waits out its
@@ -30,7 +30,8 @@ from typing import Any
 
 _PROBABILITIES = ("drop_events", "duplicate_events", "reorder_events", "http_5xx_rate")
 _MILLIS = ("stall_stream_ms", "slow_health_ms", "slow_first_token_ms")
-_FLAGS = ("crash_mid_stream", "overload_503", "load_endpoint_down", "pd_stall_bootstrap", "pd_transfer_fail")
+_FLAGS = ("crash_mid_stream", "overload_503", "reset_requests", "load_endpoint_down", "pd_stall_bootstrap",
+          "pd_transfer_fail")
 
 
 class FaultError(ValueError):
@@ -48,6 +49,7 @@ class FaultState:
     crash_mid_stream: bool = False
     http_5xx_rate: float = 0.0
     overload_503: bool = False
+    reset_requests: bool = False
     slow_health_ms: float = 0.0
     slow_first_token_ms: float = 0.0
     load_endpoint_down: bool = False

@@ -65,6 +65,10 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
 
+class ResetRequest(Exception):
+    """The reset_requests fault: the middleware cuts the connection instead of answering."""
+
+
 def error_middleware(flavour: str) -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -72,6 +76,12 @@ def error_middleware(flavour: str) -> Any:
             return await handler(request)
         except ApiError as exc:
             return exc.response(flavour)
+        except ResetRequest:
+            # The reset_requests fault: the connection is cut before any answer, as by a worker that crashes on
+            # requests while its /health still answers.
+            if request.transport is not None:
+                request.transport.abort()
+            return web.Response(status=500)  # never reaches the client: its connection is gone
         except EngineDeadError as exc:
             return ApiError(500, f"EngineCore encountered an issue: {exc}").response(flavour)
     return middleware
@@ -308,6 +318,8 @@ class OpenAIServing(ABC):
         raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)")
 
     def check_http_faults(self) -> None:
+        if self.faults.get("reset_requests"):
+            raise ResetRequest()
         if self.faults.get("overload_503"):
             raise self.overload_response()
         if self.faults.roll("http_5xx_rate"):

@@ -292,7 +292,7 @@ class ClusterView:
 
     def match(self, keys: list[int]) -> np.ndarray | None:
         """Leading blocks held per slot, or None when the view cannot be trusted right now."""
-        if not self.alive or self.reader is None or not keys:
+        if not self.alive or self.reader is None or not len(keys):
             return None
         try:
             return self.reader.match(keys)
@@ -301,7 +301,7 @@ class ClusterView:
 
     def match_detail(self, keys: list[int], slots: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """`match`, plus per key which of `slots` hold it (ViewReader.match_detail); None as for `match`."""
-        if not self.alive or self.reader is None or not keys:
+        if not self.alive or self.reader is None or not len(keys):
             return None
         try:
             return self.reader.match_detail(keys, slots)

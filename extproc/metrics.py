@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from extproc.breaker import LEVEL, State
 from extproc.plan import RoutePlan
 
 # `model` is the configured model that serves the request (an alias's target): bounded by the config, and what the
@@ -58,6 +59,18 @@ QUEUE_WAIT_SECONDS = Histogram("cortex_queue_wait_seconds", "time a request spen
 # newest start of each index across the per-process files, whose dead predecessors' files stay behind.
 START_TIME = Gauge("cortex_extproc_start_time_seconds", "unix time the extproc process of this index started",
                    ["process"], multiprocess_mode="max")
+
+# Per-worker circuit breakers (extproc/breaker.py): each extproc process keeps its own, and the gauge shows the worst
+# over the live processes. Workers are bounded by ingest.max_workers.
+BREAKER_STATE = Gauge("cortex_breaker_state", "circuit breaker per worker: 0 closed, 1 half-open, 2 open "
+                      "(the worst over extproc processes)", ["worker"], multiprocess_mode="livemax")
+BREAKER_TRANSITIONS = Counter("cortex_breaker_transitions", "circuit breaker transitions per worker",
+                              ["worker", "from_state", "to_state"])
+
+
+def breaker_transition(worker: str, old: State, new: State) -> None:
+    BREAKER_STATE.labels(worker).set(LEVEL[new])
+    BREAKER_TRANSITIONS.labels(worker, old.value, new.value).inc()
 
 
 def observe_decision(result: RoutePlan, total_s: float, block_size: int) -> None:

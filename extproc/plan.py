@@ -20,10 +20,11 @@ import numpy as np
 from cortex.errors import ClientError
 from extproc import candidates, pd, response_ids
 from extproc.backlog import Backlog
+from extproc.breaker import Breakers
 from extproc.candidates import Hysteresis
 from extproc.cluster_view import TargetInfo
 from extproc.policies import Policies, ttft
-from extproc.policies.base import Candidate, Decision, Facts, Policy
+from extproc.policies.base import Candidate, Decision, Facts, Policy, by_activity
 from extproc.predictions import Predictions
 from extproc.prepare import Prepared, Timings
 from extproc.prompt_walk import DeferredTail
@@ -39,6 +40,32 @@ class State(Protocol):
     hysteresis: Hysteresis
     policies: Policies
     rng: random.Random
+    breakers: Breakers
+
+
+BREAKER_OPEN = "breaker_open"
+"""The reason of a decision whose first choice would have been a worker its circuit breaker skips."""
+
+
+def decide(policy: Policy, cands: Sequence[Candidate], facts: Facts, rng: random.Random,
+           skip: frozenset[str]) -> Decision:
+    """The policy's decision with the workers whose breaker is open (addresses in `skip`) out of first choice: they
+    follow every other candidate, as last-resort retry targets. The policy decides over them all first: when its
+    first choice is not skipped, that decision stands (the reason is the policy's, the skipped go last); when it is,
+    the policy decides again without them and the reason is `breaker_open`. With every candidate skipped they all
+    compete alike. Only while some breaker is open does a decision cost two policy runs."""
+    if not skip:
+        return policy.decide(cands, facts, rng)
+    usable = [c for c in cands if c.address not in skip]
+    natural = policy.decide(cands, facts, rng)
+    if not usable:
+        return natural
+    if natural.chosen.address not in skip:
+        return replace(natural, order=(*(c for c in natural.order if c.address not in skip),
+                                       *(c for c in natural.order if c.address in skip)))
+    first = policy.decide(usable, facts, rng)
+    return replace(first, order=(*first.order, *by_activity(c for c in cands if c.address in skip)),
+                   reason=BREAKER_OPEN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,16 +174,19 @@ def choose(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo], state:
     queues its prefill (`queue`, default `commit`: a PD prefill leg queues work without being the answer)."""
     t0 = time.perf_counter()
     cands, facts, policy = _inputs(snap, prep, workers, state)
-    decision = policy.decide(cands, facts, state.rng)
+    skip = state.breakers.skipped((c.address for c in cands), time.monotonic())
+    decision = decide(policy, cands, facts, state.rng, skip)
     prep.timings.score_s += time.perf_counter() - t0
     if commit if queue is None else queue:
         _queue(state, decision, facts)
     keys = prep.keys
     if commit and keys and decision.chosen.ledger_trusted:
-        state.predictions.record(decision.chosen.slot, keys)
+        slot = decision.chosen.slot
+        state.predictions.record(slot, keys, int(prep.matches[slot]) if prep.matches is not None else 0,
+                                 prep.key_array)
         if prep.tail is not None and not prep.tail.done:
             # The rest of the prompt becomes this target's predictions after the answer.
-            prep.tail.slot = decision.chosen.slot
+            prep.tail.slot = slot
             state.deferred.submit(prep.tail)
     return decision
 
@@ -229,11 +259,12 @@ def plan(snap: Snapshot, prep: Prepared, state: State, *, commit: bool) -> Route
                      head_ids=prep.head_ids, prompt_hash=prep.prompt_hash, withheld=prep.withheld)
 
 
-def route_any(snap: Snapshot, state: State) -> Decision | None:
-    """A request that is no inference: the least loaded worker of the whole fleet (None: there is none)."""
+def route_any(snap: Snapshot, state: State, worker_tag: str | None = None) -> Decision | None:
+    """A request that is no inference: the least loaded worker of the whole fleet (None: there is none), or
+    first the worker `worker_tag` names (a stored response's, extproc/response_ids.py)."""
     cands = candidates.whole_workers(snap.all_candidates(), inflight=snap.inflight, alive=snap.alive)
     if not cands:
         return None
     facts = Facts(block_size=snap.block_size, ledger_usable=False, why_not_exact="not_an_inference_request",
                   scoring=snap.cfg.scheduler)
-    return state.policies.load_aware.decide(cands, facts, state.rng)
+    return response_ids.pin(state.policies.load_aware.decide(cands, facts, state.rng), worker_tag)

@@ -16,6 +16,7 @@ import numpy as np
 
 from cortex import conversation, observation
 from cortex.blockkeys import chain_keys, chain_keys_with, root_key
+from cortex.chain_cache import ChainRun
 from cortex.conversation import ToolStyle
 from cortex.errors import ClientError
 from cortex.model_bundle import ModelBundle, TemplateError
@@ -69,6 +70,8 @@ class Prepared:
     """The prompt's first ids (observation.FIRST_IDS_LOGGED), for the request log."""
     prompt_hash: str = ""
     """observation.prompt_hash of the whole prompt, for the request log."""
+    key_array: np.ndarray | None = None
+    """`keys` as uint64 when the walk had them so (a cached chain): spares the touch board a conversion."""
     session: int | None = None
     """The request's session key hashed (policies/session.py), None without one."""
     api: str = "chat"
@@ -149,6 +152,8 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
     t0 = time.perf_counter()
     bs = snap.block_size
     truncated = False
+    chain: ChainRun | None = None
+    full_text = ""
     if req.prompt_ids is not None:
         ids = req.prompt_ids
         cursor = TokenCursor.of_ids(ids)
@@ -158,11 +163,15 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
             return ids
     else:
         text, special = prompt_text(req, bundle, style)
-        fingerprint = observation.prompt_hash(text, None)
+        full_text = text
         cap = snap.cfg.extproc.max_tokenize_chars
         if len(text) > cap:
             text, truncated = text[:cap], True
-        cursor = segments.get(bundle).cursor(text, add_special_tokens=special)
+        seg = segments.get(bundle)
+        cursor = seg.cursor(text, add_special_tokens=special)
+        if len(cursor.parts) > 1:
+            # Everything besides the text that changes ids or keys is the namespace (cortex/chain_cache.py).
+            chain = seg.chains.run(cursor.parts, (root, bs, 1 + 2 * bs * truncated, int(special)), seg.serial)
 
         def whole() -> list[int]:
             return bundle.tokenizer.encode(text, add_special_tokens=special).ids
@@ -172,22 +181,29 @@ def _walk(snap: Snapshot, req: ParsedRequest, bundle: ModelBundle, workers: list
     detail: engine_hits.Detail | None = None
     slots = engine_hits.detail_slots(workers)
 
-    def go(cursor: TokenCursor) -> WalkResult:
+    def go(cursor: TokenCursor, chain: ChainRun | None) -> WalkResult:
         nonlocal detail
         detail = engine_hits.Detail(snap.match_detail, slots) if slots is not None else None
         # Past a cut the last tokens may differ from the engine's: two more blocks are left out, as in tokens().
         return walk(cursor, block_size=bs, root=root, holdback=1 + 2 * bs * truncated,
                     lookup=snap.match if detail is None else detail.lookup,
                     predictions=predictions, watched=watched, trusted=trusted, timings=timings,
-                    catch_up=deferred.catch_up, whole=whole)
+                    catch_up=deferred.catch_up, whole=whole, chain=chain)
     try:
-        result = go(cursor)
+        result = go(cursor, chain)
+        if req.prompt_ids is None:
+            t1 = time.perf_counter()
+            # From the restored boundary on: the earlier turns' text was hashed when they were (chain_cache.py).
+            fingerprint = chain.fingerprint(full_text) if chain else observation.prompt_hash(full_text, None)
+            timings.tokenize_s += time.perf_counter() - t1
     except SegmentMismatch:
         # Where encode() falls back to whole-text ids for this prompt, the walk starts over with them.
         t1 = time.perf_counter()
         cursor = TokenCursor.of_ids(whole())
+        if req.prompt_ids is None:
+            fingerprint = observation.prompt_hash(full_text, None)
         timings.tokenize_s += time.perf_counter() - t1
-        result = go(cursor)
+        result = go(cursor, None)
     if truncated:
         result.prompt_tokens = max(0, result.prompt_tokens - 2 * bs)
     return result, truncated, fingerprint, detail
@@ -252,7 +268,8 @@ def prepare(snap: Snapshot, req: ParsedRequest, *, full_tokens: bool, segments: 
                       len(walked.keys))
         why = _why(why, workers, found)
         return Prepared(model=resolved.model, alias=resolved.alias, workers=workers, ids=[], truncated=truncated,
-                        keys=walked.keys, matches=found.matches if found else None, why=why, timings=timings,
+                        keys=walked.keys, key_array=walked.array,
+                        matches=found.matches if found else None, why=why, timings=timings,
                         body=req.body, prompt_tokens=walked.prompt_tokens, walked=True, estimated=walked.estimated,
                         tail=walked.tail, pools=pools, lora=resolved.lora,
                         head_ids=walked.head, prompt_hash=fingerprint, session=sess,

@@ -31,6 +31,7 @@ import numpy as np
 from prometheus_client import Counter
 
 from cortex.blockkeys import chain_keys
+from cortex.chain_cache import ChainRun, ChainState, keys_array
 from cortex.observation import FIRST_IDS_LOGGED as HEAD_IDS
 from cortex.piecewise_tokenize import SegmentMismatch, TokenCursor
 from extproc.predictions import Predictions
@@ -76,6 +77,13 @@ class Tail:
     done: bool = False
     cost: int = 0
     """Its share of DeferredTail's bound, fixed when submitted."""
+    chain: ChainRun | None = None
+    """Where the deepest boundary's key chain is cached once the rest is hashed (cortex/chain_cache.py)."""
+    prior: list[int] = field(default_factory=list)
+    """The keys the walk hashed (n_keys of them)."""
+    prior_array: np.ndarray | None = None
+    """Their leading part as an array, when the walk started from a cached chain."""
+    head: list[int] = field(default_factory=list)
 
     @property
     def frontier(self) -> int:
@@ -96,7 +104,27 @@ class Tail:
         if n <= 0:
             return []
         tokens = np.concatenate((self.carry, np.asarray(rest, dtype=np.uint32)))
-        return chain_keys(tokens, bs, self.parent, max_blocks=n)
+        keys = chain_keys(tokens, bs, self.parent, max_blocks=n)
+        mark = self.cursor.mark
+        if self.chain is not None and mark is not None and mark[1] > self.seen and self.chain.wants(mark[0]):
+            self._save(mark, tokens, keys)
+        return keys
+
+    def _save(self, mark: tuple[int, int, int], tokens: np.ndarray, keys: list[int]) -> None:
+        """Cache the chain at the prompt's deepest boundary (`tokens` start at block n_keys; `keys` follow)."""
+        assert self.chain is not None
+        part, upto, chars = mark
+        bs = self.block_size
+        n = max(0, (upto - self.holdback) // bs)
+        if n < self.n_keys or n > self.n_keys + len(keys):
+            return
+        base = self.n_keys * bs
+        head = self.head
+        if len(head) < HEAD_IDS:
+            head = head + tokens[len(head) - base: HEAD_IDS - base].tolist()
+        chained = self.prior[:self.n_keys] + keys[:n - self.n_keys]
+        self.chain.save(ChainState(part, chars, upto, chained, keys_array(self.prior_array, chained, n),
+                                   tokens[n * bs - base: upto - base].copy(), tuple(head[:upto])))
 
 
 @dataclass(slots=True)
@@ -114,17 +142,20 @@ class WalkResult:
     """Per trusted slot, its confirmed-then-predicted run (Predictions.extend from its match)."""
     head: list[int] = field(default_factory=list)
     """The prompt's first HEAD_IDS token ids (fewer when it is shorter): the request log's."""
+    array: np.ndarray | None = None
+    """`keys` as uint64, when the walk started from a cached chain (most of them were an array already)."""
 
 
 def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
-         lookup: Callable[[list[int]], np.ndarray | None], predictions: Predictions, watched: Sequence[int],
+         lookup: Callable[[Any], np.ndarray | None], predictions: Predictions, watched: Sequence[int],
          trusted: Collection[int], timings: Timed,
          catch_up: Callable[[list[int], dict[int, int]], bool] | None = None,
-         whole: Callable[[], list[int]] | None = None) -> WalkResult:
+         whole: Callable[[], list[int]] | None = None, chain: ChainRun | None = None) -> WalkResult:
     """Keys and per-slot matches of the prompt's leading blocks, computed only up to the first block that no
     watched slot holds (confirmed, or predicted for a trusted slot); other slots' matches may stop short.
     Blocks count up to (tokens - holdback) // size: holdback is 1 because an engine always computes the
-    last prompt token, more when the prompt was cut.
+    last prompt token, more when the prompt was cut. `chain`: the prompt's boundaries against the key chain
+    cache (cortex/chain_cache.py): the walk starts at the deepest one cached, and caches the deepest it passes.
 
     Raises SegmentMismatch (from the cursor) when the text must be encoded whole: start over then.
     """
@@ -139,6 +170,69 @@ def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
     perf = time.perf_counter
     catch_ups = 0
     head: list[int] = []
+    prior: np.ndarray | None = None
+    pending: tuple[int, int, int, int, np.ndarray] | None = None
+    """The deepest boundary passed, to cache once its blocks are hashed: (part, tokens, chars, blocks, carry)."""
+
+    def check(new: list[int] | np.ndarray, start: int) -> WalkResult | None:
+        """Look up keys[start:] (`new`); a result when no watched slot can hold more, None to walk on."""
+        nonlocal counts, catch_ups
+        t3 = perf()
+        held = lookup(new)
+        timings.lookup_s += perf() - t3
+        if held is None:  # the view cannot be read now: the decision will not use it at all
+            return WalkResult(keys, None, _estimate(seen, cursor), not cursor.done, head=head)
+        counts = _advance(counts, held, start)
+        alive = bool((counts[watch] == len(keys)).any())
+        for s, r in reach.items():
+            if r == start:
+                c = int(counts[s])
+                reach[s] = r = c if c == len(keys) else predictions.extend(keys, s, max(c, start))
+            alive = alive or r == len(keys)
+        if not alive and catch_up is not None and catch_ups < MAX_CATCH_UP and catch_up(keys, reach):
+            # A sibling's tail was finished just now: its predictions may carry runs further.
+            catch_ups += 1
+            for s, r in reach.items():
+                reach[s] = r = predictions.extend(keys, s, r)
+                alive = alive or r == len(keys)
+        if alive:
+            return None
+        save()
+        tail = Tail(cursor, carry, seen, parent, len(keys), holdback, bs, root, whole or _no_whole,
+                    chain=chain, prior=keys, prior_array=prior, head=head)
+        return WalkResult(keys, counts, _estimate(seen, cursor), not cursor.done, tail, reach, head,
+                          as_array())
+
+    def as_array() -> np.ndarray | None:
+        return keys_array(prior, keys, len(keys)) if prior is not None else None
+
+    def save() -> None:
+        if chain is None or pending is None or pending[3] > len(keys):
+            return
+        part, tokens, chars, n, ids = pending
+        t = perf()
+        chain.save(ChainState(part, chars, tokens, keys[:n], keys_array(prior, keys, n), ids,
+                              tuple(head[:tokens])))
+        timings.hash_s += perf() - t
+
+    if chain is not None:
+        t0 = perf()
+        state = chain.restore()
+        if state is not None:
+            cursor.skip(state.part, state.chars, state.tokens)
+            keys = list(state.keys)
+            prior = state.array
+            carry = state.carry
+            seen = state.tokens
+            parent = keys[-1] if keys else root
+            head = list(state.head)
+            timings.hash_s += perf() - t0
+            if keys:
+                found = check(state.array, 0)
+                if found is not None:
+                    return found
+        else:
+            timings.hash_s += perf() - t0
     while True:
         t0 = perf()
         chunk = cursor.next()
@@ -148,9 +242,16 @@ def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
             break
         if len(head) < HEAD_IDS:
             head += chunk[:HEAD_IDS - len(head)]
+        before = seen
         seen += len(chunk)
         ids = np.asarray(chunk, dtype=np.uint32)
         carry = np.concatenate((carry, ids)) if carry.size else ids
+        mark = cursor.mark
+        if chain is not None and mark is not None and before < mark[1] and chain.wants(mark[0]):
+            # carry starts at block len(keys): the ids after the mark's last full block are cut out now.
+            n = max(0, (mark[1] - holdback) // bs)
+            lo = n * bs - len(keys) * bs
+            pending = (mark[0], mark[1], mark[2], n, carry[lo: mark[1] - len(keys) * bs].copy())
         timings.hash_s += perf() - t1
         while (avail := max(0, (seen - holdback) // bs) - len(keys)) > 0:
             n = min(avail, PROBE_BLOCKS) if not keys else avail
@@ -160,29 +261,12 @@ def walk(cursor: TokenCursor, *, block_size: int, root: int, holdback: int,
             parent = new[-1]
             start = len(keys)
             keys += new
-            t3 = perf()
-            timings.hash_s += t3 - t2
-            held = lookup(new)
-            timings.lookup_s += perf() - t3
-            if held is None:  # the view cannot be read now: the decision will not use it at all
-                return WalkResult(keys, None, _estimate(seen, cursor), not cursor.done, head=head)
-            counts = _advance(counts, held, start)
-            alive = bool((counts[watch] == len(keys)).any())
-            for s, r in reach.items():
-                if r == start:
-                    c = int(counts[s])
-                    reach[s] = r = c if c == len(keys) else predictions.extend(keys, s, max(c, start))
-                alive = alive or r == len(keys)
-            if not alive and catch_up is not None and catch_ups < MAX_CATCH_UP and catch_up(keys, reach):
-                # A sibling's tail was finished just now: its predictions may carry runs further.
-                catch_ups += 1
-                for s, r in reach.items():
-                    reach[s] = r = predictions.extend(keys, s, r)
-                    alive = alive or r == len(keys)
-            if not alive:
-                tail = Tail(cursor, carry, seen, parent, len(keys), holdback, bs, root, whole or _no_whole)
-                return WalkResult(keys, counts, _estimate(seen, cursor), not cursor.done, tail, reach, head)
-    return WalkResult(keys, counts if keys else None, seen, False, None, reach, head)
+            timings.hash_s += perf() - t2
+            found = check(new, start)
+            if found is not None:
+                return found
+    save()
+    return WalkResult(keys, counts if keys else None, seen, False, None, reach, head, as_array())
 
 
 def _advance(counts: np.ndarray | None, held: np.ndarray, start: int) -> np.ndarray:

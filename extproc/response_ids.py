@@ -25,6 +25,7 @@ import xxhash
 from extproc.policies.base import LOAD_AWARE, Decision
 
 PREFIX = "resp_cx"
+RESPONSES_PREFIX = "/v1/responses/"
 TAG_CHARS = 16
 REASON = "previous_response"
 
@@ -45,6 +46,15 @@ def tag_of(response_id: str | None) -> str | None:
         return None
     found = response_id[len(PREFIX):len(PREFIX) + TAG_CHARS]
     return found if all(c in "0123456789abcdef" for c in found) else None
+
+
+def in_path(path: str) -> str | None:
+    """The response id a stored-response path names (`GET`/`DELETE /v1/responses/{id}`, `POST .../cancel`,
+    `GET .../input_items`): those reach only the worker that stores it, like a follow-up."""
+    rest = path.removeprefix(RESPONSES_PREFIX)
+    if rest == path or not rest:
+        return None
+    return rest.split("/", 1)[0] or None
 
 
 def pin(decision: Decision, worker_tag: str | None) -> Decision:

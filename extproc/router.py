@@ -11,12 +11,14 @@ the gateway does.
 from __future__ import annotations
 
 import random
+import time
 
 from cortex.config import CortexConfig
 from cortex.model_bundle import ModelBundle
 from cortex.piecewise_tokenize import EncoderSet, SegmentEncoder
 from extproc import plan, prepare, snapshot
 from extproc.backlog import Backlog
+from extproc.breaker import Breakers, Listener
 from extproc.candidates import Hysteresis
 from extproc.cluster_view import ClusterView
 from extproc.plan import RoutePlan
@@ -31,7 +33,7 @@ from extproc.snapshot import Source
 
 class Router:
     def __init__(self, cfg: CortexConfig, cluster: ClusterView, registry: ModelRegistry,
-                 source: Source | None = None) -> None:
+                 source: Source | None = None, on_breaker: Listener | None = None) -> None:
         self.cluster = cluster
         self.source = source or Source(cfg, registry)
         """The config generation in force: the one reference a reload swaps (shared with the server)."""
@@ -46,6 +48,8 @@ class Router:
         self.policies = Policies()
         self.rng = random.Random()
         """Every random draw of a decision (ties, p2c, cold-start share): deterministic given its seed."""
+        self.breakers = Breakers(cfg.breaker, on_breaker)
+        """Each worker's circuit breaker, fed by the answers this process saw (extproc/breaker.py)."""
 
     @property
     def cfg(self) -> CortexConfig:
@@ -68,6 +72,7 @@ class Router:
         # were checked off the loop; predictions made from now on live for the new TTL.
         self.segments.install(encoders if encoders is not None else self.segments.build(registry.bundles.values()))
         self.predictions.ttl_s = cfg.extproc.prediction_ttl_s
+        self.breakers.cfg = cfg.breaker
 
     def snapshot(self) -> snapshot.Snapshot:
         return snapshot.take(self.source.current, self.cluster)
@@ -89,10 +94,14 @@ class Router:
                                segments=self.segments, predictions=self.predictions, deferred=self.deferred)
         return plan.plan(snap, prep, self, commit=commit)
 
-    def route_any(self) -> Decision | None:
-        """A request that is no inference: the least loaded worker of the whole fleet (None: there is none)."""
-        return plan.route_any(self.snapshot(), self)
+    def route_any(self, worker_tag: str | None = None) -> Decision | None:
+        """A request that is no inference: the least loaded worker of the whole fleet (None: there is none), or
+        first the worker a stored response's id names."""
+        return plan.route_any(self.snapshot(), self, worker_tag)
 
     def upkeep(self) -> None:
         """Background upkeep, off the request path."""
         self.predictions.expire()
+        self.breakers.tick(time.monotonic())
+        if self.cluster.synced:
+            self.breakers.forget(self.cluster.by_address)  # workers that left the fleet

@@ -31,7 +31,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
 
-from cortex import api_paths, engines, extproc_tls, grpc_health, observation
+from cortex import api_paths, breaker_status, engines, extproc_tls, grpc_health, observation
 from cortex import headers as H
 from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, MODELS_PATH, TENANT_VIEW_HEADER, explain_socket
 from cortex.config import CortexConfig
@@ -41,8 +41,10 @@ from cortex.errors import ClientError
 from cortex.piecewise_tokenize import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
 from cortex.upstream_tls import WorkerTls
-from extproc import epp, inference_paths, isolation, metrics, structured_output
+from extproc import epp, inference_paths, isolation, metrics, response_ids, structured_output
 from extproc.admission import Admission, Ticket, refusal
+from extproc.breaker import State as BreakerState
+from extproc.breaker import Trial
 from extproc.cluster_view import ClusterView, derived_load
 from extproc.pd import PdPlan
 from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
@@ -189,6 +191,8 @@ class StreamState:
     sent: int = 0
     """Endpoints named in x-gateway-destination-endpoint: with one, the one that served is known without Envoy
     saying it (no retry can go elsewhere)."""
+    trial: Trial | None = None
+    """The slot it took of its first choice's half-open breaker (extproc/breaker.py), given back when it ends."""
 
 
 class ExtProc:
@@ -203,6 +207,8 @@ class ExtProc:
         # Acting on a plan reports what was sent where, as the in-flight board does: a fallback that serves
         # records the prompt's blocks as predicted on its worker.
         self.predictions = router.predictions
+        # The answers it sees feed the workers' breakers, which the router's decisions read.
+        self.breakers = router.breakers
         self.pd = PdDispatcher(cluster.inflight, WorkerTls(self.cfg.upstream_tls))
         self.last_stream_at = 0.0
         """When the latest ext_proc stream (one per request) began (monotonic)."""
@@ -353,6 +359,7 @@ class ExtProc:
                 st.pd.legs.release_abort()  # the client left while the decode's headers were held
                 st.pd.legs.event("stream_end")
             self.admission.release(st.ticket)
+            self.breakers.release(st.trial)
             if st.counted_slot is not None and self.room:
                 try:
                     self.wake()  # a worker may have room for a waiting request now
@@ -403,11 +410,13 @@ class ExtProc:
         if st.method == "GET" and st.path == MODELS_PATH:
             return _immediate(200, gen.registry.models_body)
         inference = st.method == "POST" and st.path in inference_paths.PATHS
-        if inference:  # every inference path, before Envoy has even buffered the body
-            try:
-                st.ticket = self.admission.admit(st.tenant)
-            except ClientError as exc:
-                return self._error(exc, st)
+        # Every request a worker will see is admitted, before Envoy has even buffered a body: the rate and
+        # concurrency limits hold on /tokenize, stored responses and the rest as on the inference paths (a limit
+        # that held only there would be one a client walks around). Token limits settle on inference usage.
+        try:
+            st.ticket = self.admission.admit(st.tenant)
+        except ClientError as exc:
+            return self._error(exc, st)
         wants_body = inference or (st.method == "POST" and st.path == EXPLAIN_PATH and
                                    self.cfg.extproc.public_route_explain)
         if wants_body and headers.end_of_stream:
@@ -501,6 +510,8 @@ class ExtProc:
                 changes: dict[str, object]) -> pb.ProcessingResponse:
         st.decision = decision
         self._count(st, decision.chosen.slot)
+        self.breakers.release(st.trial)
+        st.trial = self.breakers.dispatched(decision.chosen.address, time.monotonic())
         response = self._routing_response(st, "request_body", pool_cluster(model))
         chosen = decision.chosen
         if chosen.rank is not None and (placed := engines.adapter(chosen.engine).rank_body(chosen.rank)):
@@ -576,6 +587,8 @@ class ExtProc:
         d = st.decision
         if not served and d is not None and st.sent == 1:
             served = d.chosen.address  # the only endpoint named: a retry can go nowhere else
+        if st.pd is None:
+            self._answered(st, req, served)
         if d is None:
             info = self.cluster.by_address.get(served)
             mode = "fallback_p2c"
@@ -609,6 +622,19 @@ class ExtProc:
         if st.pd_note:
             headers.append(_set(H.PD, st.pd_note))
         return self._answer_headers(st, req, headers, served)
+
+    def _answered(self, st: StreamState, req: Any, served: str) -> None:
+        """Feed the workers' breakers with this answer: the worker that served failed with a 5xx (its own, or Envoy's
+        after a reset there); a first choice Envoy retried past failed too (a reset, a refused stream or a 5xx are
+        the only causes of a retry). A PD pair's legs are judged by the pair's own handling (docs/pd.md)."""
+        breakers = self.breakers
+        now = time.monotonic()
+        d = st.decision
+        if d is not None and served and served != d.chosen.address:
+            breakers.record(d.chosen.address, False, now)
+        if served:
+            breakers.record(served, not _status(req).startswith(b"5"), now)
+        breakers.release(st.trial)
 
     def _answer_headers(self, st: StreamState, req: Any, headers: list[HeaderValueOption],
                         served: str) -> pb.ProcessingResponse:
@@ -872,7 +898,7 @@ class ExtProc:
         st.counted_slot = slot
 
     def _route_any(self, st: StreamState) -> None:
-        st.decision = self.router.route_any()
+        st.decision = self.router.route_any(response_ids.tag_of(response_ids.in_path(st.path)))
         if st.decision is not None:
             self._count(st, st.decision.chosen.slot)
 
@@ -975,6 +1001,7 @@ class ExtProc:
         result = self.router.route(parsed, commit=False)
         d = result.decision
         why = explain_parts(d, self.cfg.scheduler.rule, self.cfg.scheduler, self.cluster.block_size)
+        now = time.monotonic()
         doc: dict[str, Any] = {
             "prompt_tokens": result.prompt_tokens,
             "prompt_truncated_for_routing": result.truncated,
@@ -995,6 +1022,7 @@ class ExtProc:
                          "predicted_tokens": c.predicted_blocks * self.cluster.block_size,
                          "ledger_trusted": c.ledger_trusted, "engine_load": c.engine_load,
                          "inflight": c.inflight, "suspect": c.suspect, "hot": c.hot, "kv_usage": c.kv_usage,
+                         "breaker": self.breakers.state(c.address, now).value,
                          "kv_capacity_tokens": c.kv_capacity_tokens, "evicted_tokens_per_s": c.evicted_tokens_per_s,
                          "last_sent": None if c.last_sent is None else
                          {"age_s": round(c.last_sent.age_s, 3), "evicted_tokens_since": c.last_sent.evicted_tokens},
@@ -1132,7 +1160,24 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
     cluster.refresh()
     registry = ModelRegistry(cfg)
     source = Source(cfg, registry)
-    router = Router(cfg, cluster, registry, source)
+    status_file = breaker_status.path(cfg.runtime_path(), index)
+
+    def on_breaker(address: str, old: BreakerState, new: BreakerState) -> None:
+        info = cluster.by_address.get(address)
+        worker = info.worker if info is not None else address
+        (log.warning if new is BreakerState.OPEN else log.info)(
+            "worker %s (%s): circuit breaker %s -> %s", worker, address, old.value, new.value)
+        metrics.breaker_transition(worker, old, new)
+        try:
+            breaker_status.write(status_file, router.breakers.snapshot(time.monotonic()))
+        except OSError:
+            log.exception("writing the breaker status file failed")
+
+    router = Router(cfg, cluster, registry, source, on_breaker=on_breaker)
+    try:
+        breaker_status.write(status_file, {})  # a restarted process starts with every breaker closed: say so
+    except OSError:
+        log.exception("writing the breaker status file failed")
     board = TenancyBoard(cfg.runtime_path() / "tenancy", f"x{index}", cfg.extproc.process_count())
     app = ExtProc(source, cluster, router, Admission(cfg, board), picker=picker)
     # A bad edit is logged and ignored; listener, port and process-count changes need a restart.

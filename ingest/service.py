@@ -29,7 +29,7 @@ import aiohttp
 import numpy as np
 import zmq.asyncio
 
-from cortex import engines
+from cortex import breaker_status, engines
 from cortex.config import UNRESOLVED, CortexConfig, WorkerConfig
 from cortex.config_watch import ConfigWatcher
 from cortex.contract import ClusterMeta, encode_meta, target_id
@@ -600,9 +600,13 @@ class Ingest:
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
+        # extproc's circuit breakers, judged by the answers each process saw (cortex/breaker_status.py).
+        breakers = breaker_status.read(self.cfg.runtime_path(), self.cfg.extproc.process_count())
+        closed = {"state": "closed", "processes": {}}
         return {"workers": [{
             "id": w.id, "url": w.cfg.url, "model": w.cfg.model, "engine": w.cfg.engine, "source": w.source,
             "healthy": w.healthy, "health_failures": w.health_failures, "suspect": w.suspect,
+            "breaker": breakers.get(w.address, closed),
             "dp_size": w.cfg.dp_size,
             "token_parity": {"status": w.token_parity.status, "reason": w.token_parity.reason,
                              "checks": w.token_parity.checks},

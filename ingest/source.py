@@ -397,6 +397,12 @@ class EventSource:
         if changed:
             self.on_change()
 
+    @property
+    def shown(self) -> bool:
+        """Whether the view offers this target's blocks to readers now: not while its stream is out of sync, nor
+        for LAYOUT_GRACE_S after a new KV-cache layout while extproc learns how to read its slots."""
+        return self._shown
+
     def _log_sync(self, was: SyncState) -> None:
         """A person sees each stream come into sync once, and each time it falls out and back (a resync)."""
         now, why = self.sync.state, self.sync.reason

@@ -60,6 +60,7 @@ def fleet(status: dict[str, Any]) -> list[dict[str, Any]]:
                 "health": "down" if not t.get("healthy", w.get("healthy")) else
                           "suspect" if t.get("suspect") else "healthy",
                 "health_failures": w.get("health_failures", 0),
+                "breaker": (w.get("breaker") or {}).get("state", "closed"),
                 "state": t.get("state", ""),
                 "subscription": (t.get("subscription") or {}).get("state", ""),
                 "events": t.get("events", ""),
@@ -170,6 +171,7 @@ def _pct(r: float | None) -> str:
 
 # CSS classes come from these fixed tables, never from the data.
 _HEALTH = {"healthy": "ok", "suspect": "warn", "down": "bad"}
+_BREAKER = {"closed": "ok", "half_open": "warn", "open": "bad"}
 _STATE = {"READY": "ok", "SYNCING": "warn", "CONNECTING": "warn", "STALE": "bad"}
 _CHECK = {"exact": "ok", "under": "warn", "over": "bad", "unreported": "dim"}
 
@@ -202,6 +204,7 @@ def _fleet_html(rows: list[dict[str, Any]]) -> str:
             ("target", _e(r["target"]), ""), ("worker", _e(r["worker"]), ""), ("model", _e(r["model"]), ""),
             ("engine", _e(r["engine"]), ""), ("role", _e(r["role"]), ""),
             ("health", _e(r["health"]), _HEALTH.get(r["health"], "")),
+            ("breaker", _e(r["breaker"]), _BREAKER.get(r["breaker"], "")),
             ("state", _e(r["state"]), _STATE.get(r["state"], "")),
             ("subscription", _e(r["subscription"]), ""),
             ("running", _num(r["running"]), "num"), ("waiting", _num(r["waiting"]), "num"),

@@ -280,6 +280,7 @@ class Target:
             "events_connected": ev.link_up,
             "events_diagnosis": ev.diagnosis[0] if ev.diagnosis is not None else None,
             "last_seq": s.last_applied,
+            "view": "shown" if ev.shown else "hidden",
             "last_event_age_s": round(now - ev.last_event_at, 3) if ev.last_event_at else None,
             "batches": ev.batches, "gaps": s.gaps, "replays": s.replays, "resyncs": s.resyncs,
             "restarts": s.restarts, "duplicates": s.duplicates, "decode_errors": ev.decode_errors,

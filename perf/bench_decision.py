@@ -11,7 +11,10 @@ earlier turns of the conversation held by one worker), in one process, no networ
 and each with four tokenizer set-ups, so the gain is measured, not assumed:
 
   early        segment-wise tokenization and early stop (the default): tokenize, hash and look up only up to
-               the first block no worker holds or is predicted to hold
+               the first block no worker holds or is predicted to hold; the walk starts at the deepest boundary
+               token whose key chain is cached (cortex/chain_cache.py: earlier turns are neither re-tokenized
+               nor re-hashed)
+  no chain     early, with the key chain cache off (each prompt walked from its beginning, as before issue 26)
   full         segment-wise, the whole prompt tokenized and hashed (as before early stop)
   whole early  whole-text tokenization (segmenting off), early stop of hashing and lookup
   whole full   whole-text, the whole prompt hashed
@@ -21,7 +24,7 @@ it. Parse is timed around extproc.request.parse_body. `tail` is the work early s
 (the rest of the prompt tokenized, hashed and recorded as predicted): run here synchronously after each
 decision, outside `total`; in extproc it runs on a thread and the event loop once the answer is sent.
 
-    python perf/bench_decision.py [--sizes 1000,8000,32000] [--scale 1.0] [--modes early,full,whole early]
+    python perf/bench_decision.py [--sizes 1000,8000,32000] [--scale 1.0] [--modes early,full,whole early] [--ascii]
 
 Bounded: a few hundred decisions per row (fewer for 32K all-new), well under a minute on 2 vCPUs.
 """
@@ -56,7 +59,7 @@ from extproc.router import Router
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 WORKERS = 4
 STAGES = ("parse", "template", "tokenize", "hash", "lookup", "score", "total", "tail")
-MODES = ("early", "full", "whole early", "whole full")
+MODES = ("early", "no chain", "full", "whole early", "whole full")
 
 
 class Text:
@@ -64,9 +67,10 @@ class Text:
     rank (BPE vocabularies are ordered roughly by frequency), so the tokenizer's word cache behaves as on
     real prose. A uniform draw over 60K words would make every word a cache miss and tokenizing ~4x slower."""
 
-    def __init__(self, bundle: ModelBundle, seed: int) -> None:
+    def __init__(self, bundle: ModelBundle, seed: int, ascii_only: bool = False) -> None:
         vocab = bundle.tokenizer.get_vocab()
-        ranked = sorted((i, t[1:]) for t, i in vocab.items() if t.startswith("Ġ") and t[1:].isalpha())
+        ranked = sorted((i, t[1:]) for t, i in vocab.items() if t.startswith("Ġ") and t[1:].isalpha()
+                        and (t[1:].isascii() or not ascii_only))
         self.words = [w for _, w in ranked]
         weights = 1.0 / np.arange(1, len(self.words) + 1)
         self.cum = list(np.cumsum(weights / weights.sum()))
@@ -189,6 +193,10 @@ def main() -> int:
     ap.add_argument("--sizes", default="1000,8000,32000", help="chat sizes in tokens")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the number of requests per row")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    ap.add_argument("--ascii", action="store_true",
+                    help="ASCII words only (English and code, as most agent traffic): by default ~1 word in 5 has a "
+                         "non-ASCII letter, which makes Python's strings wider and JSON decoding and UTF-8 encoding "
+                         "slower")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
@@ -210,12 +218,17 @@ def main() -> int:
         timer = Timer(bundle.render_chat)
         bundle.render_chat = timer  # type: ignore[method-assign]
         cluster = ClusterView(cfg, cfg.view_path(), 0)
+        writer.heartbeat()  # loading the tokenizer can take longer than the view's staleness limit
         cluster.refresh()
         assert cluster.alive, "the view must be alive for the lookup stage to run"
         router = Router(cfg, cluster, registry)
+        # Each request is the next turn of a conversation whose previous turn has finished: no prefill queued by
+        # one timed request waits ahead of the next. (Back to back, 128K prefills queued on the worker holding
+        # the chat would send every later turn elsewhere, and the rows would time a cold 128K prompt's scoring.)
+        router.backlog.commit = lambda slot, prefill_ms: None  # type: ignore[method-assign]
         segmented = router.segments
         whole = EncoderSet([bundle], enabled=False)
-        text = Text(bundle, seed=7)
+        text = Text(bundle, seed=7, ascii_only=args.ascii)
         root = root_key(None, None)
         for size in sizes:
             n_seen = max(20, int(args.scale * (400 if size <= 2000 else 200 if size <= 10000 else 80)))
@@ -229,10 +242,14 @@ def main() -> int:
                 seen = [body(next_turn(text, base, size)) for _ in range(n_seen + 10)]
                 fresh = [body(next_turn(text, conversation(text, size), size)) for _ in range(n_new + 3)]
                 router.segments = whole if label.startswith("whole") else segmented
+                segmented.get(bundle).chains.enabled = label != "no chain"
+                segmented.get(bundle).chains.clear()
                 full = label.endswith("full")
                 writer.heartbeat()
                 cluster.refresh()
-                router.route(parse_body("chat", body(base)), commit=False)  # the turn before
+                # The turn before, routed as real traffic is (its tail finished after the answer).
+                router.route(parse_body("chat", body(base)), full_tokens=full)
+                router.deferred.run_pending()
                 run(router, writer, timer, seen[:10], full)  # warm-up: allocator, caches, branch predictors
                 samples, toks, hits = run(router, writer, timer, seen[10:], full)
                 rows.append((size, "seen", label, samples, toks, hits))
@@ -253,6 +270,9 @@ def main() -> int:
         for stage in STAGES:
             line += f" {pct(samples[stage], .5):>6.3f}/{pct(samples[stage], .99):<7.3f}"
         print(line)
+    chains = segmented.get(bundle).chains
+    print(f"key chain cache after the run: {len(chains)} entries, {chains.bytes / 2**20:.1f} MiB, {chains.hits} "
+          f"hits / {chains.misses} misses, {chains.evictions} evictions")
     print(f"segment cache after the run: {stats.entries} entries, {stats.bytes / 2**20:.1f} MiB, "
           f"{stats.hits} piece hits / {stats.misses} misses ({stats.hit_chars / 2**20:.1f} / "
           f"{stats.miss_chars / 2**20:.1f} MiB of text), mode {segmented.get(bundle).mode}")

@@ -54,7 +54,7 @@ def tenant(tid: str, **limits_: Any) -> dict[str, Any]:
 TENANTS = [
     {"id": "free", "api_keys": [digest(key("free"))], "trusted": True},
     tenant("conc", max_concurrent=1),
-    *(tenant(f"rate-{n}", requests_per_s=0.1, burst=2) for n in NAMES.values()),
+    *(tenant(f"rate-{n}", requests_per_s=0.1, burst=2) for n in (*NAMES.values(), "tokenize", "stored")),
     *(tenant(f"tpm-{n}", tokens_per_minute=300) for n in NAMES.values()),
     *(tenant(f"quota-{n}", token_quota=100_000, quota_period_s=CENTURY_S) for n in NAMES.values()),
 ]
@@ -163,6 +163,42 @@ def test_the_rate_limit_holds_on_every_path(gw: Gateway, path: str) -> None:
     assert refused.json()["error"]["type"] == "rate_limit_error"
     assert refused.headers["x-cortex-dropped-reason"] == "rate_limited"
     assert "x-sim-worker" not in refused.headers
+
+
+@pytest.mark.parametrize("name", ["tokenize", "stored"])
+def test_the_rate_limit_holds_beyond_the_inference_paths(gw: Gateway, name: str) -> None:
+    """/tokenize and a stored response's retrieval reach a worker too: the tenant's rate limit holds there."""
+    who = f"rate-{name}"
+    auth = {"authorization": f"Bearer {key(who)}"}
+    if name == "tokenize":
+        codes = [httpx.post(f"{gw.url}/tokenize", json={"model": MODEL, "prompt": "hello"}, headers=auth, timeout=30)
+                 for _ in range(3)]
+    else:
+        rid = post(gw, RESPONSES, body(RESPONSES, "Store this.")).json()["id"]
+        codes = [httpx.get(f"{gw.url}{RESPONSES}/{rid}", headers=auth, timeout=30) for _ in range(3)]
+    assert [r.status_code for r in codes] == [200, 200, 429], [r.text for r in codes]
+    assert codes[2].headers["x-cortex-dropped-reason"] == "rate_limited"
+    assert "x-sim-worker" not in codes[2].headers
+
+
+def test_a_stored_response_is_retrieved_from_the_worker_that_stored_it(gw: Gateway) -> None:
+    """vLLM keeps stored responses in its API server's memory: GET /v1/responses/{id} and its cancel answer only
+    there (another worker says 404), so they go to the worker Cortex named the id after."""
+    first = post(gw, RESPONSES, body(RESPONSES, "Remember the colour blue."))
+    rid, worker = first.json()["id"], first.headers["x-sim-worker"]
+    auth = {"authorization": f"Bearer {key('free')}"}
+    for _ in range(4):  # whatever the load
+        got = httpx.get(f"{gw.url}{RESPONSES}/{rid}", headers=auth, timeout=30)
+        assert got.status_code == 200, got.text
+        assert got.headers["x-sim-worker"] == worker and got.json()["id"] == rid
+    cancel = httpx.post(f"{gw.url}{RESPONSES}/{rid}/cancel", headers=auth, timeout=30)
+    assert cancel.headers["x-sim-worker"] == worker
+    assert cancel.status_code == 400 and cancel.json()["error"]["message"] == "Cannot cancel a synchronous response."
+    # An id Cortex did not name goes to some worker, which answers as the engine does.
+    unknown = httpx.get(f"{gw.url}{RESPONSES}/resp_unknown_1", headers=auth, timeout=30)
+    assert unknown.status_code == 404 and "x-sim-worker" in unknown.headers
+    # Other paths under /v1/responses stay closed at Envoy.
+    assert httpx.get(f"{gw.url}{RESPONSES}/{rid}/input_items/x", headers=auth, timeout=30).status_code == 404
 
 
 @pytest.mark.parametrize("held", STREAMED)

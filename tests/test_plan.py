@@ -160,3 +160,23 @@ def test_a_prompts_home_is_drawn_past_the_longest_prefix_any_worker_holds() -> N
     assert plan.home_key(a[:4], held) == plan.home_key(a, held)  # an early stop one block past the longest match
     assert plan.home_key(system, held) == 13  # held whole: its last block
     assert plan.home_key([], held) is None and plan.home_key(a, None) == 11
+
+
+def test_a_worker_whose_breaker_is_open_loses_first_choice_and_stays_last() -> None:
+    # d0 (both ranks, one address) holds the prompt: the natural first choice.
+    pool = [_target(i, f"d{i // 2}") for i in range(6)]
+    fb = _fallback(pool, {0: 40, 1: 40})
+    cands, facts, policy = list(fb.cands), fb.facts, fb.policy
+    d0, d1 = cands[0].address, cands[2].address
+    assert plan.decide(policy, cands, facts, random.Random(3), frozenset()) == fb.decision
+    skipped = plan.decide(policy, cands, facts, random.Random(3), frozenset({d0}))
+    assert skipped.reason == plan.BREAKER_OPEN and skipped.hit_tokens == 0 and skipped.mode != EXACT
+    assert skipped.chosen.address != d0
+    assert [c.address for c in skipped.order[-2:]] == [d0, d0]  # a last resort, after every other worker
+    # A skipped worker that was not the first choice anyway: the policy's decision and reason stand.
+    kept = plan.decide(policy, cands, facts, random.Random(3), frozenset({d1}))
+    assert kept.chosen == fb.decision.chosen and kept.reason == fb.decision.reason
+    assert kept.hit_tokens == fb.decision.hit_tokens and [c.address for c in kept.order[-2:]] == [d1, d1]
+    # Every worker open: they compete alike, as without breakers.
+    every = frozenset(c.address for c in cands)
+    assert plan.decide(policy, cands, facts, random.Random(3), every) == fb.decision

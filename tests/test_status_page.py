@@ -282,6 +282,16 @@ def test_fleet_rows_from_the_workers_document() -> None:
     assert down["health"] == "down" and down["why_not_exact"] == "worker down"
     (suspect,) = sp.fleet(status_doc(suspect=True))
     assert suspect["health"] == "suspect"
+    assert row["breaker"] == "closed"  # a document without breakers (an older ingest): closed
+
+
+def test_the_fleet_table_marks_a_worker_whose_breaker_is_open() -> None:
+    doc = status_doc()
+    doc["workers"][0]["breaker"] = {"state": "open", "processes": {"0": "open"}}
+    rows = sp.fleet(doc)
+    assert rows[0]["breaker"] == "open"
+    html = sp.render(page_data(rows, sp.unavailable("down")))
+    assert 'data-field="breaker" class="bad">open<' in html
 
 
 def test_everything_rendered_is_escaped() -> None:

@@ -246,7 +246,12 @@ def caught_up(gw: Gateway) -> bool:
         return bool(batches) or not complete
 
     engines = {e.id: e for e in gw.sims if isinstance(e, VllmEngine)}
-    for t in gw.targets().values():
+    targets = gw.targets().values()
+    # A hybrid engine's first batch teaches ingest its layout: the view hides the target until extproc has read
+    # the target list describing it (ingest/source.py, LAYOUT_GRACE_S).
+    if any(t["exact_kv"] and t["view"] == "hidden" for t in targets):
+        return False
+    for t in targets:
         e = engines[t["worker"]]
         endpoint = f"tcp://127.0.0.1:{(e.replay_port or 0) + (t.get('rank') or 0)}"
         if asyncio.run(newer(endpoint, t["last_seq"])):

@@ -183,7 +183,8 @@ def test_fault_endpoint_contract() -> None:
             state = await resp.json()
         assert state == {"drop_events": 0.0, "duplicate_events": 0.0, "reorder_events": 0.0, "seq_gap": 0,
                          "restart_publisher": False, "stall_stream_ms": 0.0, "crash_mid_stream": False,
-                         "http_5xx_rate": 0.0, "overload_503": False, "slow_health_ms": 0.0,
+                         "http_5xx_rate": 0.0, "overload_503": False, "reset_requests": False,
+                         "slow_health_ms": 0.0,
                          "slow_first_token_ms": 0.0, "load_endpoint_down": False, "pd_stall_bootstrap": False,
                          "pd_transfer_fail": False}
         state = await post_faults(http, drop_events=0.25, stall_stream_ms=10)
@@ -209,7 +210,13 @@ def test_http_error_faults(engine: str) -> None:
             body = await resp.json()
         message = body["error"]["message"] if engine == "vllm" else body["message"]
         assert "queue is full" in message or "waiting queue" in message
-        await post_faults(http, overload_503=False)
+        await post_faults(http, overload_503=False, reset_requests=True)
+        with pytest.raises(aiohttp.ClientError):
+            async with http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as resp:
+                await resp.read()
+        async with http.get("/health") as resp:
+            assert resp.status == 200  # the probe still passes
+        await post_faults(http, reset_requests=False)
         async with http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as resp:
             assert resp.status == 200
 
