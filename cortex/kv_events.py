@@ -1,6 +1,6 @@
 """The engines' KV-event wire facts, written once: vLLM 0.33's and SGLang 0.5.23's schemas and framing.
 
-The simulator's publisher (cortex/sim/kv_events.py) encodes with these Structs, so its bytes are the
+The simulator's publisher (cortexsim/kv_events.py) encodes with these Structs, so its bytes are the
 engines'; ingest (ingest/events.py, ingest/source.py) decodes what they describe, leniently, into
 engine-neutral events. Tests check them against the engines' own publisher classes from the wheels
 (tests/sim/test_real_engine_decode.py, tests/test_real_publishers_e2e.py).

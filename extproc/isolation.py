@@ -26,8 +26,8 @@ What the engines take (checked in their sources):
   length rule for the field, so vLLM's is the one both are held to.
 
 The field is the same for both engines, so no engine adapter member is needed. The simulator honours it for
-both (cortex/sim/vllm_api.py: validate_cache_salt, prefix_cache.py: the salt in block 0's extra keys;
-cortex/sim/sglang_api.py: _salt, radix_cache.py: the (extra_key, cache_salt) namespace).
+both (cortexsim/vllm_api.py: validate_cache_salt, prefix_cache.py: the salt in block 0's extra keys;
+cortexsim/sglang_api.py: _salt, radix_cache.py: the (extra_key, cache_salt) namespace).
 
 The effective salt (`effective_salt`): the tenant's salt alone, or, when the client sent its own cache_salt
 (it salts its own users apart inside the tenant), `<tenant salt>:<client salt>`; when that would pass 128

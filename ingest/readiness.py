@@ -21,28 +21,12 @@ import grpc
 
 from cortex import extproc_tls, grpc_health
 from cortex.config import reachable_host
-from ingest.sync import SyncState
+from ingest.subscription import subscription
 
 if TYPE_CHECKING:
     from ingest.service import Ingest
-    from ingest.workers import Target
 
 TIMEOUT_S = 0.5
-
-_SUBSCRIPTION = {SyncState.CONNECTING: "connecting", SyncState.SYNCING: "replaying", SyncState.READY: "live",
-                 SyncState.STALE: "stale"}
-
-
-def subscription(t: Target) -> dict[str, Any]:
-    """A target's KV-event subscription: off (no endpoint), connecting, replaying, live or stale."""
-    if not t.worker.events_usable:
-        return {"state": "off", "reason": t.worker.events_reason}
-    sync = t.events.sync
-    diagnosis = t.events.diagnosis
-    return {"state": _SUBSCRIPTION[sync.state], "reason": diagnosis[1] if diagnosis is not None else sync.reason,
-            **({"diagnosis": diagnosis[0]} if diagnosis is not None else {}),
-            "endpoint": t.endpoint(t.worker.cfg.kv_events), "replay": t.endpoint(t.worker.cfg.kv_replay)}
-
 
 async def _not_ours() -> dict[str, Any]:
     return {"ok": True, "detail": "endpoint picker: the gateway's Envoy is not Cortex's"}

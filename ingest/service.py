@@ -43,9 +43,9 @@ from ingest.ledger import Ledger
 from ingest.loop_cpu import timed
 from ingest.membership import MembershipError
 from ingest.probes import check_tokens, probe_health, read_load
-from ingest.readiness import subscription
 from ingest.regret import Regret
 from ingest.source import EventSource, cancel_quietly, rank_endpoint
+from ingest.subscription import subscription
 from ingest.sync import SourceSync, SyncState
 from ingest.workers import Target, Worker, load_poll_interval
 

@@ -47,7 +47,7 @@ from procstat import cpu_seconds
 from cortex import headers as H
 from cortex.envoy_config import envoy_binary
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
-from cortex.sim.timing import ZERO_COST_ARGS
+from cortexsim.timing import ZERO_COST_ARGS
 from tests.harness import MODEL, Gateway, cluster, free_ports, stop, wait_for
 
 SIM_ARGS = ZERO_COST_ARGS

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from procstat import cpu_seconds
 
-from cortex.sim.timing import ZERO_COST_ARGS
+from cortexsim.timing import ZERO_COST_ARGS
 from tests.harness import MODEL, Gateway, cluster, long_chat
 
 SIM_ARGS = ZERO_COST_ARGS

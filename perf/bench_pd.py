@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cortex import headers as H
-from cortex.sim.timing import ZERO_COST_ARGS
+from cortexsim.timing import ZERO_COST_ARGS
 from tests.harness import MODEL, long_chat, pd_cluster
 
 FREE = ZERO_COST_ARGS

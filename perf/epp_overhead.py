@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cortex.bench.launch import free_ports
+from cortexbench.launch import free_ports
 from perf.added_latency import measure, pct
 from perf.procstat import cpu_seconds
 from tests.harness import MODEL, Gateway, child_pids, long_chat, start_gateway, start_sim, stop
@@ -57,8 +57,8 @@ def main() -> int:
             gie = fleet.start_envoy(GIE_REFERENCE, fleet.listen, fleet.admin)
             start_gateway(own)
             assert fleet.picker is not None and own.proc is not None
-            picker_pids = child_pids(fleet.picker.pid, "cortex.cli extproc")
-            own_pids = own.child_pids("cortex.cli extproc")
+            picker_pids = child_pids(fleet.picker.pid, "cortexctl.cli extproc")
+            own_pids = own.child_pids("cortexctl.cli extproc")
             for words in (int(w) for w in args.words.split(",")):
                 body = {"model": MODEL, "messages": long_chat(words, seed=words), "max_tokens": 1}
                 r = client.post(f"{gie}/v1/chat/completions", json=body)

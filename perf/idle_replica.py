@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from cortex.bench import launch
+from cortexbench import launch
 
 MODEL = launch.MODEL
 

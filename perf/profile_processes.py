@@ -111,10 +111,10 @@ def find_gateway(work_dir: Path, root: int) -> dict[str, int] | None:
         conf = argv[argv.index("-c") + 1] if argv.index("-c") + 1 < len(argv) else ""
         if not conf.startswith(prefix):
             continue
-        if "cortex.cli" in argv and "extproc" in argv:
+        if "cortexctl.cli" in argv and "extproc" in argv:
             idx = argv[argv.index("--index") + 1] if "--index" in argv else "0"
             found[f"extproc-{idx}"] = pid
-        elif "cortex.cli" in argv and "ingest" in argv:
+        elif "cortexctl.cli" in argv and "ingest" in argv:
             found["ingest"] = pid
         elif Path(argv[0]).name == "envoy":
             found["envoy"] = pid
@@ -667,7 +667,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # (more on a busy machine).
     requests = args.requests or math.ceil(args.rate * (args.warmup + args.cpu_window + args.duration + 30))
     bench_json = work / "bench.json"
-    argv = [sys.executable, "-m", "cortex.cli", "bench", "--workload", "unique", "--contestant", "cortex",
+    argv = [sys.executable, "-m", "cortexctl.cli", "bench", "--workload", "unique", "--contestant", "cortex",
             "--overhead-probes", "0", "--sweep-rates", "off", "--rate", str(args.rate), "--requests", str(requests),
             "--work-dir", str(work / "bench"), "--json", str(bench_json)]
     env = {**os.environ, "PYTHONPATH": str(tree)}

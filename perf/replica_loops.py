@@ -63,7 +63,7 @@ def _replica_configs(root: int) -> list[dict[str, Any]]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"cortex.cli" in b" ".join(argv) and b"run" in argv and b"-c" in argv:
+        if b"cortexctl.cli" in b" ".join(argv) and b"run" in argv and b"-c" in argv:
             with open(argv[argv.index(b"-c") + 1].decode()) as f:
                 configs.append(yaml.safe_load(f))
     return configs
@@ -106,7 +106,7 @@ def main() -> None:
     args = ap.parse_args()
     bench_args = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
     out = Path(tempfile.mkdtemp(prefix="replica-loops-")) / "bench.json"
-    bench = subprocess.Popen([sys.executable, "-m", "cortex.cli", "bench", *bench_args, "--json", str(out)],
+    bench = subprocess.Popen([sys.executable, "-m", "cortexctl.cli", "bench", *bench_args, "--json", str(out)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300

@@ -45,7 +45,7 @@ def start_workers(n: int, engine: str, extra: list[str]) -> tuple[list[subproces
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for i in range(n):
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "cortex.sim", "--engine", engine, "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "cortexsim", "--engine", engine, "--port", str(port),
                                  "--worker-id", f"load-{i}", "--kv-events-port", str(free_port()), *extra],
                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         procs.append(proc)

@@ -103,7 +103,7 @@ class Soak:
             self.drop_until = (sim.url, time.monotonic() + 20.0)
             log(f"fault: {sim.id} drops 30% of its event batches for 20 s")
         else:
-            pids = self.gw.child_pids("cortex.cli extproc")
+            pids = self.gw.child_pids("cortexctl.cli extproc")
             pid = self.rng.choice(pids)
             os.kill(pid, signal.SIGKILL)
             log(f"fault: extproc pid {pid} SIGKILLed")

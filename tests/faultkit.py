@@ -284,10 +284,10 @@ def rss_kib(pid: int) -> int:
 def gateway_rss(gw: Gateway) -> dict[str, int]:
     """RSS in KiB of each Cortex process (envoy, ingest, extproc-N), by name."""
     out: dict[str, int] = {}
-    for needle, name in (("envoy", "envoy"), ("cortex.cli ingest", "ingest")):
+    for needle, name in (("envoy", "envoy"), ("cortexctl.cli ingest", "ingest")):
         for pid in gw.child_pids(needle):
             out[name] = out.get(name, 0) + rss_kib(pid)
-    for pid in gw.child_pids("cortex.cli extproc"):
+    for pid in gw.child_pids("cortexctl.cli extproc"):
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         idx = cmd[cmd.index(b"--index") + 1].decode() if b"--index" in cmd else "?"
         out[f"extproc-{idx}"] = rss_kib(pid)

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import yaml
 
-from cortex.bench.launch import free_ports, stop_groups
+from cortexbench.launch import free_ports, stop_groups
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
-PY = [sys.executable, "-m", "cortex.cli"]
+PY = [sys.executable, "-m", "cortexctl.cli"]
 
 
 def free_consecutive(n: int) -> int:

@@ -16,8 +16,9 @@ import httpx
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from cortex import admin_auth, gateway
+from cortex import admin_auth
 from cortex.config import CortexConfig, parse_config
+from cortexctl import gateway
 from observe.service import Observer
 from tests.harness import MODEL, Gateway, cluster
 

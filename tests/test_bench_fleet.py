@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from cortex.bench.client import Routing
-from cortex.bench.launch import Worker
-from cortex.bench.metrics import combine
-from cortex.bench.report import verdict
-from cortex.bench.runner import Disruption, parse_disruptions
-from cortex.bench.workloads import Session
+from cortexbench.client import Routing
+from cortexbench.launch import Worker
+from cortexbench.metrics import combine
+from cortexbench.report import verdict
+from cortexbench.runner import Disruption, parse_disruptions
+from cortexbench.workloads import Session
 
 WORKERS = [Worker(f"sim-{i}", f"http://w{i}", f"tcp://e{i}", "vllm") for i in range(4)]
 

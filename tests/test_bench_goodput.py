@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from cortex.bench import goodput, slo
-from cortex.bench.workloads import Workload
-from cortex.sim.timing import TimingModel
+from cortexbench import goodput, slo
+from cortexbench.workloads import Workload
+from cortexsim.timing import TimingModel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -247,7 +247,7 @@ def test_goodput_runs_merge_into_one_report() -> None:
 def _goodput_run(tmp_path: Path, name: str, *slo: str) -> dict[str, Any]:
     out = tmp_path / f"{name}.json"
     r = subprocess.run(
-        [sys.executable, "-m", "cortex.cli", "bench", "--goodput", "--workload", "shared-prefix", "--requests", "6",
+        [sys.executable, "-m", "cortexctl.cli", "bench", "--goodput", "--workload", "shared-prefix", "--requests", "6",
          "--contestant", "round-robin", "--workers", "2", "--max-seconds", "10", "--json", str(out),
          "--report", str(tmp_path / f"{name}.md"), "--work-dir", str(tmp_path / name), *slo],
         cwd=REPO, capture_output=True, text=True, timeout=170)
@@ -288,13 +288,13 @@ def test_goodput_end_to_end(tmp_path: Path) -> None:
     (["--seeds", "1,2"], "no --bypass, --restart-workers or --seeds"),
 ])
 def test_goodput_refuses_what_it_cannot_judge(argv: list[str], says: str) -> None:
-    from cortex.bench import cli
+    from cortexbench import cli
 
     with pytest.raises(SystemExit, match=says):
         cli.main(["--goodput", *argv])
 
 
 def test_goodput_takes_one_ttft_slo_form() -> None:
-    r = subprocess.run([sys.executable, "-m", "cortex.cli", "bench", "--goodput", "--slo-ttft-ms", "1",
+    r = subprocess.run([sys.executable, "-m", "cortexctl.cli", "bench", "--goodput", "--slo-ttft-ms", "1",
                         "--slo-ttft-slowdown", "2"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "not allowed with argument" in r.stderr

@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from cortex.bench import client, metrics, report
-from cortex.bench.client import Record, RunResult
+from cortexbench import client, metrics, report
+from cortexbench.client import Record, RunResult
 
 
 async def _stream(request: web.Request) -> web.StreamResponse:

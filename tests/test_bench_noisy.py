@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from cortex.bench import noisy
-from cortex.bench.client import Record
 from cortex.config import parse_config
+from cortexbench import noisy
+from cortexbench.client import Record
 from extproc.tenants import digest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -133,7 +133,7 @@ def test_markdown_prints_solo_and_with_flood_side_by_side() -> None:
 
 
 def test_noisy_only_contestants_are_refused_elsewhere() -> None:
-    r = subprocess.run([sys.executable, "-m", "cortex.cli", "bench", "--contestant", "cortex-no-limits"],
+    r = subprocess.run([sys.executable, "-m", "cortexctl.cli", "bench", "--contestant", "cortex-no-limits"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "only with --noisy-neighbor" in r.stderr
 
@@ -144,7 +144,7 @@ def test_noisy_neighbor_tiny_run_refuses_the_flood_under_the_limit(tmp_path: Pat
     engine for 16 steps of 25 ms (the simulator sleeps them), so at 40 requests/s most find the slot taken."""
     out = tmp_path / "out.json"
     r = subprocess.run(
-        [sys.executable, "-m", "cortex.cli", "bench", "--noisy-neighbor", "--contestant", "cortex", "--seeds", "1",
+        [sys.executable, "-m", "cortexctl.cli", "bench", "--noisy-neighbor", "--contestant", "cortex", "--seeds", "1",
          "--warmup-seconds", "0.5", "--flood-seconds", "2", "--noisy-max-concurrent", "1", "--max-seconds", "150",
          "--json", str(out), "--work-dir", str(tmp_path / "run")],
         cwd=REPO, capture_output=True, text=True, timeout=170)

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from cortex.bench import saturation
-from cortex.bench.client import Record
-from cortex.bench.contestants import BY_NAME, CONTESTANTS
-from cortex.bench.launch import Worker, envoy_alone_config
+from cortexbench import saturation
+from cortexbench.client import Record
+from cortexbench.contestants import BY_NAME, CONTESTANTS
+from cortexbench.launch import Worker, envoy_alone_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -158,7 +158,7 @@ def test_envoy_alone_is_a_static_least_request_pool_without_ext_proc() -> None:
 
 
 def test_a_bad_ladder_is_refused() -> None:
-    r = subprocess.run([sys.executable, "-m", "cortex.cli", "bench", "--saturation", "--saturation-rates", "50,25"],
+    r = subprocess.run([sys.executable, "-m", "cortexctl.cli", "bench", "--saturation", "--saturation-rates", "50,25"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "rising list" in r.stderr
 
@@ -168,7 +168,7 @@ def test_saturation_quick_runs_cortex_and_envoy_alone(tmp_path: Path) -> None:
     """Two rungs each; a limit no rung can break on this machine, so both rungs always run."""
     out = tmp_path / "out.json"
     r = subprocess.run(
-        [sys.executable, "-m", "cortex.cli", "bench", "--saturation", "--quick", "--saturation-rates", "20,40",
+        [sys.executable, "-m", "cortexctl.cli", "bench", "--saturation", "--quick", "--saturation-rates", "20,40",
          "--rung-seconds", "1", "--limit-ms", "5000", "--workers", "2", "--contestant", "cortex",
          "--contestant", "envoy-alone", "--json", str(out), "--work-dir", str(tmp_path / "run")],
         cwd=REPO, capture_output=True, text=True, timeout=140)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cortex.bench.contestants import BY_NAME
-from cortex.bench.launch import MODEL, ClusterSpec, Procs, http, start_smg, start_workers
+from cortexbench.contestants import BY_NAME
+from cortexbench.launch import MODEL, ClusterSpec, Procs, http, start_smg, start_workers
 from tests.harness import wait_for
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("smg") is None, reason="smg is not installed (bench extra)")

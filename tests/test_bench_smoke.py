@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cortex.bench.contestants import CONTESTANTS
-from cortex.bench.launch import ClusterSpec, Procs, start_oracle, start_workers
-from cortex.bench.report import END, START
-from cortex.bench.workloads import WORDS, build
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
+from cortexbench.contestants import CONTESTANTS
+from cortexbench.launch import ClusterSpec, Procs, start_oracle, start_workers
+from cortexbench.report import END, START
+from cortexbench.workloads import WORDS, build
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
@@ -31,7 +31,7 @@ def test_bench_runs_and_every_contestant_reports(tmp_path: Path) -> None:
     out, doc, img = tmp_path / "out.json", tmp_path / "bench.md", tmp_path / "img"
     doc.write_text(f"# Results\n\nintro stays\n\n{START}\nstale numbers\n{END}\n\nreading stays\n")
     r = subprocess.run(
-        [sys.executable, "-m", "cortex.cli", "bench", "--workload", "shared-prefix", "--workload", "multi-turn",
+        [sys.executable, "-m", "cortexctl.cli", "bench", "--workload", "shared-prefix", "--workload", "multi-turn",
          "--quick", "--workers", "2", "--requests", "6", "--rate", "6", "--overhead-probes", "2",
          "--max-seconds", "30", "--json", str(out), "--report", str(doc), "--img-dir", str(img),
          "--work-dir", str(tmp_path / "run")],
@@ -77,7 +77,7 @@ def test_bench_runs_and_every_contestant_reports(tmp_path: Path) -> None:
 def test_closed_loop_runs_every_session(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     r = subprocess.run(
-        [sys.executable, "-m", "cortex.cli", "bench", "--workload", "multi-turn", "--contestant", "round-robin",
+        [sys.executable, "-m", "cortexctl.cli", "bench", "--workload", "multi-turn", "--contestant", "round-robin",
          "--quick", "--workers", "2", "--requests", "10", "--concurrency", "2", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=170)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -125,7 +125,7 @@ def test_replicas_with_a_restart_and_bypass_traffic(tmp_path: Path) -> None:
     a worker crashing and coming back mid-run, two seeds, on one of the fleet scenarios."""
     out = tmp_path / "out.json"
     r = subprocess.run(
-        [sys.executable, "-m", "cortex.cli", "bench", "--workload", "zipf-prefix", "--quick", "--workers", "2",
+        [sys.executable, "-m", "cortexctl.cli", "bench", "--workload", "zipf-prefix", "--quick", "--workers", "2",
          "--kv-tokens", "8192", "--requests", "16", "--rate", "4", "--replicas", "2", "--bypass", "0.25",
          "--restart-workers", "restart@1", "--seeds", "1,2", "--overhead-probes", "0", "--max-seconds", "20",
          "--contestant", "cortex", "--contestant", "smg-cache-aware", "--contestant", "oracle",

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from cortex.bench import cli, runner, trace, workloads
-from cortex.bench.launch import ClusterSpec
-from cortex.bench.workloads import LazyTurns, Session, Workload, at_rate, build
+from cortexbench import cli, runner, trace, workloads
+from cortexbench.launch import ClusterSpec
+from cortexbench.workloads import LazyTurns, Session, Workload, at_rate, build
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO / "../shared/traces"
@@ -341,7 +341,7 @@ def test_windows_share_the_largest_fleet() -> None:
 # ---- prompts built before the clock starts, and a client that cannot keep up ----
 
 def test_prepare_builds_every_block_before_the_run(tmp_path: Path) -> None:
-    from cortex.bench import client
+    from cortexbench import client
 
     rows = [{"timestamp": 0, "input_length": 3 * B - 10, "output_length": 5, "hash_ids": [9001, 9002, 9003]}]
     w = build("trace", quick=False, seed=1, trace_path=str(_jsonl(tmp_path / "t.jsonl", rows)))
@@ -359,8 +359,8 @@ def test_prepare_builds_every_block_before_the_run(tmp_path: Path) -> None:
 
 
 def test_send_lag_is_summarized_and_flagged() -> None:
-    from cortex.bench import metrics, report
-    from cortex.bench.client import Record, RunResult
+    from cortexbench import metrics, report
+    from cortexbench.client import Record, RunResult
 
     def rec(i: int, lag: float | None) -> Record:
         return Record(i, 0, float(i), ttft=0.1, e2e=0.2, prompt_tokens=100, cached_tokens=0, worker="w", status=200,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cortex.bench import trace, workloads
-from cortex.bench.workloads import Session, build
+from cortexbench import trace, workloads
+from cortexbench.workloads import Session, build
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_TRACE = REPO / "perf" / "traces" / "mooncake-small.jsonl"

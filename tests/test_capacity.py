@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from cortex.capacity.budget import GIB, blocks_per_request, capacity, usable_kv_bytes
-from cortex.capacity.cli import main as capacity_main
-from cortex.capacity.knee import Knee, KneeRule, Step, find_knee, recommend
-from cortex.capacity.kv_size import CapacityError, LayerKV, kv_layout, read_config, stage_layers
-from cortex.capacity.probe import ProbeSettings, Prompts, base_url, ladder, load_prompts, percentile
-from cortex.cli import main as cortex_main
+from cortexbench.capacity.budget import GIB, blocks_per_request, capacity, usable_kv_bytes
+from cortexbench.capacity.cli import main as capacity_main
+from cortexbench.capacity.knee import Knee, KneeRule, Step, find_knee, recommend
+from cortexbench.capacity.kv_size import CapacityError, LayerKV, kv_layout, read_config, stage_layers
+from cortexbench.capacity.probe import ProbeSettings, Prompts, base_url, ladder, load_prompts, percentile
+from cortexctl.cli import main as cortex_main
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 
@@ -339,8 +339,8 @@ def test_cli_argument_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_probe_report_text() -> None:
-    from cortex.capacity.cli import probe_text
-    from cortex.capacity.probe import ProbeResult, StepResult
+    from cortexbench.capacity.cli import probe_text
+    from cortexbench.capacity.probe import ProbeResult, StepResult
 
     steps = [step(1, 100, p90=0.03), step(2, 200, p90=0.035), step(4, 210, p90=0.4, errors=1)]
     results = tuple(StepResult(s, sent=s.completed + s.errors, cut=0, wall_s=1.0, e2e_p50_s=0.3,

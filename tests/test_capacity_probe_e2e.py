@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cortex.capacity.cli import main as capacity_main
+from cortexbench.capacity.cli import main as capacity_main
 from tests.harness import PY, stop
 
 
@@ -54,7 +54,7 @@ def test_probe_finds_the_simulated_knee(worker: str, capsys: pytest.CaptureFixtu
 
 
 def test_probe_of_an_unreachable_worker_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from cortex.bench.launch import free_ports
+    from cortexbench.launch import free_ports
 
     port = free_ports(1)[0]
     code = capacity_main(["--probe", f"http://127.0.0.1:{port}", "--duration-s", "5"])

@@ -20,10 +20,10 @@ import yaml
 from cortex.api_paths import PUBLIC_PATHS
 from cortex.config import ConfigError, load_config, parse_config
 from cortex.model_bundle import shipped_tokenizer_dir
-from cortex.supervisor import ChildSpec, Supervisor
+from cortexctl.supervisor import ChildSpec, Supervisor
 from tests.harness import MODEL, long_chat, start_demo, wait_for
 
-PY = [sys.executable, "-m", "cortex.cli"]
+PY = [sys.executable, "-m", "cortexctl.cli"]
 
 
 def test_check_names_field_value_and_reason(tmp_path: Path) -> None:
@@ -128,7 +128,7 @@ def test_run_refuses_a_broken_bundle_before_starting_anything(tmp_path: Path) ->
 def test_run_restores_api_workers_until_reset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`cortex run` keeps the fleet changes made through the admin API (a restarted gateway comes back with
     the same fleet); `cortex run --reset-workers` forgets them."""
-    from cortex.gateway import reset_workers
+    from cortexctl.gateway import reset_workers
     from ingest.membership import restore, state_file
 
     rt = tmp_path / "rt"

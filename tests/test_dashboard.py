@@ -544,7 +544,7 @@ def test_a_restart_shows_as_a_new_start_time(gw: Gateway, exposed: dict[str, str
     before = _value(gw, watched[0], **watched[1])
     other_before = _value(gw, other[0], **other[1])
     assert before is not None and other_before is not None
-    (pid,) = gw.child_pids(f"cortex.cli {child}")
+    (pid,) = gw.child_pids(f"cortexctl.cli {child}")
     os.kill(pid, signal.SIGKILL)
     after = wait_for(lambda: (v := _value(gw, watched[0], **watched[1])) is not None and v > before and v,
                      timeout=60, what=f"{child}'s new start time")

@@ -1,7 +1,7 @@
 """Duplicated and replayed KV-event batches, and blocks an engine announces twice, never make the ledger list a
 block the worker has evicted.
 
-The worker is the simulator's vLLM cache (cortex/sim/prefix_cache.py: vLLM 0.33's allocation, hit cap, no-dedupe
+The worker is the simulator's vLLM cache (cortexsim/prefix_cache.py: vLLM 0.33's allocation, hit cap, no-dedupe
 and tail-first eviction), driven like tests/test_faults_e2e.py: one request at a time (or two scheduled together)
 over a few long prompts and a 300-block pool, so blocks are evicted all the time. Its batches, in vLLM's own
 msgpack layout, reach the sync state machine and the ledger as ingest's event path delivers them, with the faults
@@ -20,7 +20,7 @@ import pytest
 
 from cortex.blockkeys import chain_keys, root_key
 from cortex.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
-from cortex.sim.prefix_cache import PrefixCache
+from cortexsim.prefix_cache import PrefixCache
 from ingest.events import decode_batch
 from ingest.ledger import Ledger
 from ingest.sync import REORDER_WINDOW, Apply, Clear, RequestReplay, SourceSync, SyncState

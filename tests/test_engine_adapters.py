@@ -19,8 +19,8 @@ from cortex.engine_hashes import LoraRef, vllm_event_extra_keys, vllm_extra_keys
 from cortex.engines import ENGINE_NAMES, EngineAdapter, NotReproducible, adapter, all_adapters
 from cortex.kv_events import TIER_GPU, TIERS
 from cortex.media import MediaSpan
-from cortex.sim.config import ENGINES as SIM_ENGINES
-from cortex.sim.config import SimConfig
+from cortexsim.config import ENGINES as SIM_ENGINES
+from cortexsim.config import SimConfig
 from tests.sim import simkit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engines"

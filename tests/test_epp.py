@@ -14,7 +14,7 @@ from google.protobuf.struct_pb2 import Struct
 from cortex import extproc_tls
 from cortex import headers as H
 from cortex.config import CortexConfig
-from cortex.gateway import run_gateway
+from cortexctl.gateway import run_gateway
 from extproc import epp
 from extproc.policies.base import EXACT, LOAD_AWARE, Candidate, Decision
 

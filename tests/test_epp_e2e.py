@@ -21,8 +21,8 @@ import httpx
 import pytest
 import yaml
 
-from cortex.bench.launch import free_ports
 from cortex.envoy_config import envoy_binary
+from cortexbench.launch import free_ports
 from tests.harness import MODEL, PY, Sim, free_consecutive, start_sim, stop, wait_for
 
 GIE_REFERENCE = """

@@ -114,7 +114,7 @@ def test_frozen_ingest_is_noticed_within_a_second(gw: Gateway) -> None:
     messages = long_chat(300, seed=801)
     chat(gw, messages)
     wait_for(lambda: explain(gw, messages)["mode"] == "exact_kv_events", what="cached")
-    (pid,) = gw.child_pids("cortex.cli ingest")
+    (pid,) = gw.child_pids("cortexctl.cli ingest")
     os.kill(pid, signal.SIGSTOP)  # alive but silent: no heartbeat, no restart by the supervisor
     try:
         doc = wait_for(lambda: (lambda d: d if d["reason"] == "ledger_unavailable" else None)(explain(gw, messages)),

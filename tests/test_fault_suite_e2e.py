@@ -229,7 +229,7 @@ def test_silent_publisher_is_flagged_and_never_claimed(gw: SuiteGateway, variant
 
 @pytest.mark.parametrize("child", ["extproc", "ingest", "envoy"])
 def test_gateway_process_killed_under_load(gw: SuiteGateway, child: str) -> None:
-    needle = "envoy" if child == "envoy" else f"cortex.cli {child}"
+    needle = "envoy" if child == "envoy" else f"cortexctl.cli {child}"
     traffic = Traffic(gw.url, total=60, threads=4, seed=5 + len(child)).start()
     traffic.wait_done(8)
     pid = gw.child_pids(needle)[0]

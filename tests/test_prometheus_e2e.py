@@ -37,7 +37,7 @@ import orjson
 import pytest
 import yaml
 
-from cortex.bench.launch import free_ports
+from cortexbench.launch import free_ports
 from extproc.tenants import digest
 from tests.harness import MODEL, Gateway, Sim, long_chat, serving, start_sim, stop, wait_for
 from tests.test_dashboard import RULES, dashboard, panels, prometheus_tool
@@ -446,7 +446,7 @@ def restarts(s: Stack) -> None:
             ("ingest", "ingest_restart", "changes(cortex_ingest_start_time_seconds[15m]) > 0"),
             ("extproc", "extproc_restart", "changes(cortex_extproc_start_time_seconds[15m]) > 0")):
         start = time.time()
-        (pid,) = s.gw.child_pids(f"cortex.cli {child}")
+        (pid,) = s.gw.child_pids(f"cortexctl.cli {child}")
         os.kill(pid, signal.SIGKILL)
         settle(s, name, start, probe, timeout=60)
 

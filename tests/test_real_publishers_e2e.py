@@ -51,7 +51,7 @@ else:
         sys.modules["psutil"] = types.ModuleType("psutil")
     from sglang.srt.disaggregation.kv_events import ZmqEventPublisher as Real
     extra = {"bind": True}
-import cortex.sim.server as server
+import cortexsim.server as server
 
 
 class EnginePublisher:
@@ -81,7 +81,7 @@ class EnginePublisher:
 
 
 server.ZmqEventPublisher = EnginePublisher
-from cortex.sim.cli import main
+from cortexsim.cli import main
 sys.exit(main(sys.argv[2:]))
 '''
 

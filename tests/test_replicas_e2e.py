@@ -25,8 +25,8 @@ import httpx
 import pytest
 import yaml
 
-from cortex.demo import ReplicaPorts, port_problem, replica_ports
 from cortex.envoy_config import envoy_binary
+from cortexctl.demo import ReplicaPorts, port_problem, replica_ports
 from tests.faultkit import Traffic, check
 from tests.harness import (
     MODEL,

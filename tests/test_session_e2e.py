@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cortex.bench.launch import free_ports
+from cortexbench.launch import free_ports
 from extproc.policies import session
 from extproc.registry import session_draw
 from tests.harness import MODEL, Gateway, Sim, cluster, long_chat, serving, wait_for

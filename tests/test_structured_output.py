@@ -380,7 +380,7 @@ def test_a_check_over_its_budget_lets_the_engine_judge_and_is_remembered(monkeyp
 
 
 def test_the_simulator_answers_an_instance_of_the_schema_it_was_given() -> None:
-    from cortex.sim.openai_api import requested_schema, schema_instance
+    from cortexsim.openai_api import requested_schema, schema_instance
     e = expected()
     assert so.answer_outcomes(e, chat_answer(orjson.dumps(schema_instance(VALID)).decode())) == ["valid"]
     assert requested_schema(rf(VALID)) == VALID

@@ -2,7 +2,7 @@
 an invalid schema is refused by Cortex before any worker sees it, a valid one is served, and with
 `validate_responses` Envoy hands extproc the whole answer (ext_proc mode override) while the client gets it
 unchanged. The simulator answers a schema request with a small instance of the schema that ignores `pattern`
-(cortex/sim/openai_api.py schema_instance), so a pattern makes its answer `invalid`."""
+(cortexsim/openai_api.py schema_instance), so a pattern makes its answer `invalid`."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ adapter (`cortex.engines.adapter(name)`) instead of comparing engine names. Memb
 attributes) where the difference is a fact, and small pure functions where it is a rule; no member does I/O,
 so each is tested with vectors (tests/test_engine_adapters.py).
 
-This module imports nothing from `ingest` or `extproc` (both import it), and `cortex.config` only for typing:
+This module imports nothing from `ingest` or `extproc` (both import it), nor `cortex.config` (which imports it):
 a member that needs a config section or an event takes the values it reads.
 """
 
@@ -14,13 +14,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
 from cortex.conversation import ToolStyle
 from cortex.media import MediaSpan
 
-if TYPE_CHECKING:
-    from cortex.config import PdConfig
+
+class PdTimeouts(Protocol):
+    """The two timeouts of cortex.yaml's `pd` section an adapter chooses between (`PdConfig` is one): a fact
+    instead of the config class, so that engines/ stays a leaf that config.py imports."""
+
+    @property
+    def prefill_timeout_s(self) -> float: ...
+
+    @property
+    def dispatch_timeout_s(self) -> float: ...
+
 
 class RankLoad(NamedTuple):
     """One DP rank's load reading."""
@@ -157,7 +166,7 @@ class EngineAdapter(ABC):
     """A KV handoff has one consumer, so a request asking for n > 1 samples is not paired."""
 
     @abstractmethod
-    def pd_prefill_wait_s(self, pd: PdConfig) -> float:
+    def pd_prefill_wait_s(self, pd: PdTimeouts) -> float:
         """How long one attempt at the prefill leg may hold the request's start: its whole answer for
         `sequential` legs, its dispatch for `concurrent` ones (the start budget is two attempts)."""
 

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, GENERATE, MESSAGES, RERANK, RESPONSES, SCORE
 from cortex.engine_hashes import sglang_page_hashes, sglang_wire_hash
-from cortex.engines.base import ChainStartHasher, EngineAdapter, RankLoad
+from cortex.engines.base import ChainStartHasher, EngineAdapter, PdTimeouts, RankLoad
 from cortex.media import MediaSpan
-
-if TYPE_CHECKING:
-    from cortex.config import PdConfig
 
 DP_RANK_FIELD = "routed_dp_rank"
 """SGLang pins a DP rank from the body only (engines.md §1.8)."""
@@ -128,7 +125,7 @@ class SglangAdapter(EngineAdapter):
     bootstrap_port_info = ("/server_info", "disaggregation_bootstrap_port")  # engines.md §1.3
     pd_single_consumer = False
 
-    def pd_prefill_wait_s(self, pd: PdConfig) -> float:
+    def pd_prefill_wait_s(self, pd: PdTimeouts) -> float:
         return pd.dispatch_timeout_s
 
     def tokenize_request(self, model: str, probe: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cortex import headers
 from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE
@@ -21,12 +21,9 @@ from cortex.engine_hashes import (
     vllm_mm_keys,
     vllm_wire_hash,
 )
-from cortex.engines.base import ChainStartHasher, EngineAdapter, NotReproducible, RankLoad
+from cortex.engines.base import ChainStartHasher, EngineAdapter, NotReproducible, PdTimeouts, RankLoad
 from cortex.kv_events import TIER_CPU, TIER_STORAGE
 from cortex.media import MediaSpan
-
-if TYPE_CHECKING:
-    from cortex.config import PdConfig
 
 DP_RANK_HEADER = headers.DP_RANK
 """vLLM's selector of the engine inside a DP deployment (one API server, `--data-parallel-size` engines)."""
@@ -202,7 +199,7 @@ class VllmAdapter(EngineAdapter):
     bootstrap_port_info = None
     pd_single_consumer = True  # engines.md §2.2: one transfer, one decode
 
-    def pd_prefill_wait_s(self, pd: PdConfig) -> float:
+    def pd_prefill_wait_s(self, pd: PdTimeouts) -> float:
         return pd.prefill_timeout_s
 
     def tokenize_request(self, model: str, probe: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:

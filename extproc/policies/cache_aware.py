@@ -22,8 +22,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import extproc.policies.load_aware as load_aware
 from cortex.config import SchedulerConfig
-from extproc.policies import load_aware
 from extproc.policies.base import DEFAULT_SCORING, EXACT, LOAD_AWARE, Candidate, Decision, Facts, by_load
 from extproc.policies.tiers import tiered
 

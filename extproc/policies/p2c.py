@@ -10,7 +10,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from extproc.policies import claims, session
+import extproc.policies.claims as claims
+import extproc.policies.session as session
 from extproc.policies.base import P2C, Candidate, Decision, Facts, by_activity, matched_of
 
 

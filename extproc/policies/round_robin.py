@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from extproc.policies import session
+import extproc.policies.session as session
 from extproc.policies.base import ROUND_ROBIN, Candidate, Decision, Facts
 
 

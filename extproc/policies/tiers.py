@@ -19,7 +19,9 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from extproc.policies import claims, p2c, session
+import extproc.policies.claims as claims
+import extproc.policies.p2c as p2c
+import extproc.policies.session as session
 from extproc.policies.base import Candidate, Decision, Facts, by_activity, matched_of
 
 Lead = Callable[[Sequence[Candidate], Facts, int, random.Random, dict[str, int]], Decision]

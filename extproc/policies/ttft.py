@@ -33,8 +33,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import extproc.policies.load_aware as load_aware
 from cortex.config import SchedulerConfig
-from extproc.policies import load_aware
 from extproc.policies.base import EXACT, LOAD_AWARE, Candidate, Decision, Facts, by_load, queue_ms
 from extproc.policies.tiers import tiered
 

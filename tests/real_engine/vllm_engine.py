@@ -32,7 +32,7 @@ import httpx
 import orjson
 import zmq.asyncio
 
-from cortex.bench.launch import free_ports, stop_groups
+from cortexbench.launch import free_ports, stop_groups
 from ingest.source import replay
 from tests.harness import MODEL, Gateway, Sim, free_consecutive, start_gateway, stop, wait_for
 

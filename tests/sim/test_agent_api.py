@@ -1,4 +1,4 @@
-"""The simulator's agent and pooling APIs (cortex/sim/agent_api.py): vLLM 0.32's answer shapes, the prompt the
+"""The simulator's agent and pooling APIs (cortexsim/agent_api.py): vLLM 0.32's answer shapes, the prompt the
 real engine renders (so a repeat is a cache hit of the same size), stored responses continued by
 previous_response_id (404 for one not held), and the pooling APIs' usage."""
 
@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 
 from cortex import conversation
-from cortex.sim.server import SimServer
+from cortexsim.server import SimServer
 from tests.sim.simkit import BUNDLE, MODEL, config, serve
 
 

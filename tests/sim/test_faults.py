@@ -11,9 +11,9 @@ import pytest
 import zmq
 
 from cortex.kv_events import BlockRemoved, KVEventBatch, decode_batch, decode_sglang_batch
-from cortex.sim.faults import FaultError, Faults
-from cortex.sim.kv_events import ZmqEventPublisher
-from cortex.sim.server import SimServer
+from cortexsim.faults import FaultError, Faults
+from cortexsim.kv_events import ZmqEventPublisher
+from cortexsim.server import SimServer
 from tests.sim.simkit import chat_body, config, first_token, metric, replay, serve, until
 
 

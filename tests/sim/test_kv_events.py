@@ -17,7 +17,7 @@ from cortex.kv_events import (
     decode_batch,
     encode_batch,
 )
-from cortex.sim.kv_events import NullEventPublisher, ZmqEventPublisher
+from cortexsim.kv_events import NullEventPublisher, ZmqEventPublisher
 
 H0, H1 = 9561501211280363793, 15292913576410714033
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from cortex.sim.server import SimServer
+from cortexsim.server import SimServer
 from tests.sim.simkit import config, metric_samples, serve
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from cortex.engine_hashes import LoraRef, VllmBlockHasher, vllm_wire_hash
 from cortex.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from cortex.sim.prefix_cache import CapacityError, PrefixCache
+from cortexsim.prefix_cache import CapacityError, PrefixCache
 
 BS = 16
 HASHER = VllmBlockHasher("sha256")

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from cortex.sim.server import SimServer
+from cortexsim.server import SimServer
 from tests.sim.simkit import LONG, chat_body, config, first_token, serve
 
 

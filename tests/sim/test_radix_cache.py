@@ -16,8 +16,8 @@ from cortex.engine_hashes import (
     sglang_wire_hash,
 )
 from cortex.kv_events import SglAllBlocksCleared, SglBlockRemoved, SglBlockStored, SglKVEventBatch, encode_batch
-from cortex.sim.prefix_cache import CapacityError
-from cortex.sim.radix_cache import RadixCache, sglang_extra_key, sglang_lora_id
+from cortexsim.prefix_cache import CapacityError
+from cortexsim.radix_cache import RadixCache, sglang_extra_key, sglang_lora_id
 
 P0, P1 = -3488128144981237669, 5674439469042975057  # kv-events.md §9.3, page 4, tokens 1..8
 BRANCH = -1085141225147335203

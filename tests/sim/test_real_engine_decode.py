@@ -24,9 +24,9 @@ import pytest
 
 from cortex.engine_hashes import LoraRef
 from cortex.kv_events import decode_batch, decode_sglang_batch, encode_batch
-from cortex.sim.kv_events import now_batch
-from cortex.sim.prefix_cache import PrefixCache
-from cortex.sim.radix_cache import RadixCache
+from cortexsim.kv_events import now_batch
+from cortexsim.prefix_cache import PrefixCache
+from cortexsim.radix_cache import RadixCache
 from tests.engine_wheels import PUBLISHER_FILES as FILES
 from tests.engine_wheels import PUBLISHER_STUBS as STUBS
 from tests.engine_wheels import SGLANG, VLLM, extract

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cortex.engine_hashes import VllmBlockHasher, vllm_wire_hash
 from cortex.kv_events import END_SEQ, AllBlocksCleared, BlockStored, decode_batch
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
-from cortex.sim.server import SimConfig, SimServer
+from cortexsim.server import SimConfig, SimServer
 from tests.sim import simkit
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
@@ -470,7 +470,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_cli_ready_line_serves_and_stops_gracefully(sig: signal.Signals) -> None:
     kv_port = _free_port()
-    cmd = [sys.executable, "-m", "cortex.sim", "--port", "0", "--worker-id", "cli-w", "--kv-events-port",
+    cmd = [sys.executable, "-m", "cortexsim", "--port", "0", "--worker-id", "cli-w", "--kv-events-port",
            str(kv_port), "--kv-replay-port", "0", "--hash-algo", "sha256_cbor", "--block-size", "16"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PYTHONHASHSEED", None)

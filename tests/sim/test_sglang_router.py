@@ -76,7 +76,7 @@ def start(procs: list[subprocess.Popen[bytes]], tmp: Path, name: str, args: list
 
 
 def sim(procs: list[subprocess.Popen[bytes]], tmp: Path, name: str, port: int, *extra: str) -> str:
-    start(procs, tmp, name, ["-m", "cortex.sim", "--engine", "sglang", "--port", str(port), "--worker-id", name,
+    start(procs, tmp, name, ["-m", "cortexsim", "--engine", "sglang", "--port", str(port), "--worker-id", name,
                              "--kv-events-port", str(free_port()), *extra])
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, f"{name} health")

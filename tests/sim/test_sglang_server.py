@@ -11,7 +11,7 @@ import pytest
 
 from cortex.engine_hashes import LoraRef, sglang_page_hashes, sglang_wire_hash
 from cortex.kv_events import SglAllBlocksCleared, SglBlockStored, decode_sglang_batch
-from cortex.sim.server import SimConfig, SimServer
+from cortexsim.server import SimConfig, SimServer
 from tests.sim.simkit import BUNDLE, LONG, MODEL, chat_body, config, first_token, metric, replay, serve, sse, until
 
 CYCLE = BUNDLE.encode(" The quick brown fox jumps over the lazy dog.", add_special_tokens=False)

@@ -1,4 +1,4 @@
-"""The step cost model (cortex/sim/timing.py): the formula on fixed vectors, the defaults' derivation, the engine's
+"""The step cost model (cortexsim/timing.py): the formula on fixed vectors, the defaults' derivation, the engine's
 use of it (prefill chunks at their position, decodes over their context, the interference a long prefill does to
 a decoding request's step gap), and its plumbing through SimConfig and the CLI.
 
@@ -12,13 +12,13 @@ import math
 
 import pytest
 
-from cortex.sim import timing
-from cortex.sim.cli import _parser, config_from_args
-from cortex.sim.config import SimConfig
-from cortex.sim.engine import EngineCore, SimRequest
-from cortex.sim.kv_events import NullEventPublisher
-from cortex.sim.prefix_cache import PrefixCache
-from cortex.sim.timing import TimingModel
+from cortexsim import timing
+from cortexsim.cli import _parser, config_from_args
+from cortexsim.config import SimConfig
+from cortexsim.engine import EngineCore, SimRequest
+from cortexsim.kv_events import NullEventPublisher
+from cortexsim.prefix_cache import PrefixCache
+from cortexsim.timing import TimingModel
 
 # Round numbers, so every expected value below is arithmetic one can check by hand.
 UNIT = TimingModel(prefill_ms_per_token=0.1, decode_ms_per_token=5.0, decode_ms_per_seq=0.5,

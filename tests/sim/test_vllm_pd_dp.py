@@ -10,7 +10,7 @@ import pytest
 
 from cortex.engine_hashes import LoraRef, VllmBlockHasher, vllm_wire_hash
 from cortex.kv_events import BlockStored, decode_batch
-from cortex.sim.server import SimServer
+from cortexsim.server import SimServer
 from tests.sim.simkit import LONG, MODEL, chat_body, config, metric, replay, serve
 
 
