@@ -25,10 +25,10 @@ WINDOW_S = 10.0
 class ViewLag:
     """Histogram + recent maximum of batch lag; observe() is on ingest's hot path, so it only bisects and adds."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: float | None = None) -> None:
         self.counts = [0] * (len(BUCKETS) + 1)
         self.sum = 0.0
-        self._window_start = time.monotonic()
+        self._window_start = time.monotonic() if start is None else start
         self._max = 0.0
         self._prev_max = 0.0
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import socket
 import statistics
 import sys
@@ -165,7 +166,8 @@ def lookup(view_path: Path, n: int, seconds: float) -> tuple[float, float, int, 
     """(p50 us, p99 us, workers holding the whole chain, CPU p50 us, CPU p99 us) of ViewReader.match on the lookup
     prompt's keys. Wall time is what a request waits; the thread's CPU time leaves out the preemptions a shared
     machine adds (both printed)."""
-    keys = chain_keys(fleet_prefix(LOOKUP_BLOCKS * BLOCK), BLOCK, root_key())
+    # A uint64 array, as extproc passes (a list of Python ints adds ~9 us at 512 blocks: docs/performance.md).
+    keys = np.asarray(chain_keys(fleet_prefix(LOOKUP_BLOCKS * BLOCK), BLOCK, root_key()), dtype=np.uint64)
     reader = ViewReader(view_path)
     try:
         holders = int((reader.match(keys) == LOOKUP_BLOCKS).sum())
@@ -298,6 +300,8 @@ def main() -> None:
     if not (1 <= args.window <= 120 and all(1 <= n <= 512 for n in args.workers)
             and all(1 <= r <= 8 for r in args.replicas) and all(0 < x <= 5000 for x in args.rates)):
         ap.error("window 1..120 s, workers 1..512, replicas 1..8, rates 0..5000 req/s")
+    # SIGTERM unwinds like Ctrl-C, so the fleet and the replicas (each in a session of its own) are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
     print(f"fleet_scale: load average at start {loadavg()}, {len(__import__('os').sched_getaffinity(0))} cores")
     for r in args.replicas:

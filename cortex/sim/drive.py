@@ -8,7 +8,8 @@ request would publish; only the prompt is made up: a shared prefix (``fleet_pref
 
 ``POST /sim/drive`` with ``{"rate": <requests/s>, "prompt_tokens": n, "prefix_tokens": m, "seed": s}`` starts
 (or replaces) the drive; ``rate`` 0 stops it; ``"once": true`` submits a single request instead (to warm every
-worker with the same prefix). The answer says how many requests the drive has submitted so far.
+worker with the same prefix). The answer (and ``GET /sim/drive``) says how many requests the drive has submitted
+so far.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ class SimServer:
             app.add_routes([web.get("/sim/faults", self._get_faults), web.post("/sim/faults", self._post_faults),
                             web.post("/sim/prefix_match", self._prefix_match),
                             web.get("/sim/requests", self._get_requests), web.get("/sim/events", self._get_events),
-                            web.post("/sim/drive", self._post_drive)])
+                            web.get("/sim/drive", self._get_drive), web.post("/sim/drive", self._post_drive)])
             app.on_response_prepare.append(self._tag_response)
             self.driver = Driver(self.engines, self.worker_id)
             for engine in self.engines:
@@ -236,6 +236,10 @@ class SimServer:
         published is sent: a test can wait for a gateway to have received them before its next request."""
         await asyncio.to_thread(lambda: [p.flush(10.0) for p in self.publishers])
         return json_response({"last_seq": [getattr(p, "last_seq", None) for p in self.publishers]})
+
+    async def _get_drive(self, request: web.Request) -> web.Response:
+        assert self.driver is not None
+        return json_response({"submitted": self.driver.submitted})
 
     async def _post_drive(self, request: web.Request) -> web.Response:
         """Synthetic load submitted to this worker's engines, without HTTP (cortex/sim/drive.py)."""
