@@ -48,6 +48,7 @@ from cortex.bench import launch
 from cortex.blockkeys import chain_keys, root_key
 from cortex.ledger_view import ViewReader
 from cortex.sim.drive import fleet_prefix
+from cortex.sim.timing import ZERO_COST_ARGS
 
 HOST = launch.HOST
 MODEL = launch.MODEL
@@ -79,9 +80,10 @@ def free_block(n: int) -> int:
 
 def start_fleet(procs: launch.Procs, n: int) -> list[dict[str, str]]:
     base = free_block(3 * n)
-    # Pool of 2048 blocks per worker (the simulator's default): the 512-block lookup prompt fits with room.
+    # Pool of 2048 blocks per worker (the simulator's default): the 512-block lookup prompt fits with room. No
+    # modelled compute: the engines' step time must not cap the event rate (the simulator's CPU still does).
     procs.start("fleet", [sys.executable, "-m", "cortex.cli", "sim", "--workers", str(n), "--base-port", str(base),
-                          "--model", MODEL])
+                          "--model", MODEL, *ZERO_COST_ARGS])
     log = procs.root / "fleet.log"
     procs.wait("fleet", lambda: f"sim fleet workers={n}" in log.read_text(errors="replace"),
                timeout=60 + n * 0.5)
@@ -130,10 +132,16 @@ def scrape(ingest_url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     if status != 200 or not isinstance(text, str):
         return out
+    events = 0.0
     for line in text.splitlines():
         if line.startswith("cortex_ingest_view_lag"):
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
+        elif line.startswith("cortex_ingest_events_total{"):
+            events += float(line.rpartition(" ")[2])
+        elif m := re.match(r'cortex_ingest_loop_cpu_seconds_total\{loop="(\w+)"\} (\S+)', line):
+            out[f"loop:{m[1]}"] = float(m[2])
+    out["events"] = events
     return out
 
 
@@ -257,17 +265,22 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
                 after = [scrape(s[1]) for s in started]
                 # Requests the engines took in the window (drive restarts keep the count: it is per worker).
                 offered = (sub2 - sub1) / wall
-                applied, p99s, maxes = [], [], []
+                applied, events, p99s, maxes = [], [], [], []
                 for b, a in zip(before, after, strict=True):
                     q99, batches = lag_quantile(b, a, 0.99)
                     applied.append(batches / wall)
+                    events.append((a.get("events", 0.0) - b.get("events", 0.0)) / wall)
                     p99s.append(q99)
                     maxes.append(a.get("cortex_ingest_view_lag_max_seconds", 0.0))
                 totals = [row["total"] for row in rows]
                 ingest = [row.get("ingest", 0.0) for row in rows]
+                # Where ingest's CPU went, replica 0: decoding and applying events vs polling busy workers' load.
+                split = " ".join(f"{k[5:]} {(after[0].get(k, 0.0) - before[0].get(k, 0.0)) / wall:.3f}"
+                                 for k in ("loop:events", "loop:load", "loop:health", "loop:other"))
                 print(f"events {rate:>5} req/s offered ({offered:6.0f} submitted/s): applied "
-                      f"{statistics.mean(applied):6.0f} batches/s per replica | replica CPU mean "
-                      f"{statistics.mean(totals):.3f} cores (ingest {statistics.mean(ingest):.3f}), worst "
+                      f"{statistics.mean(applied):6.0f} batches/s ({statistics.mean(events):6.0f} events/s) per "
+                      f"replica | replica CPU mean "
+                      f"{statistics.mean(totals):.3f} cores (ingest {statistics.mean(ingest):.3f}: {split}), worst "
                       f"{max(totals):.3f} | lag p99 <= {max(p99s):g} s, max {max(maxes):.3f} s | fleet process "
                       f"{fleet_cores:.2f} cores | load {loadavg()}", flush=True)
                 del sub0
