@@ -304,7 +304,8 @@ def _prefix_counts_wide(b: np.ndarray, max_workers: int) -> np.ndarray:
     gone = sets.copy()
     gone[:-1] &= ~sets[1:]
     bits = np.unpackbits(np.ascontiguousarray(gone).view(np.uint8), axis=1, bitorder="little")[:, :max_workers]
-    return (bits * (ends + 1).astype(np.int32)[:, None]).max(axis=0).astype(np.int32)
+    counts: np.ndarray = (bits * (ends + 1).astype(np.int32)[:, None]).max(axis=0).astype(np.int32)
+    return counts
 
 
 def _place(keys: np.ndarray, capacity: int) -> np.ndarray:
