@@ -283,6 +283,11 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
                       f"{statistics.mean(totals):.3f} cores (ingest {statistics.mean(ingest):.3f}: {split}), worst "
                       f"{max(totals):.3f} | lag p99 <= {max(p99s):g} s, max {max(maxes):.3f} s | fleet process "
                       f"{fleet_cores:.2f} cores | load {loadavg()}", flush=True)
+                # CPU time is CPU time on a loaded machine too (wall-clock lag is not): what one ingest process
+                # spends per applied batch, and the rate that makes a whole core at this fleet size.
+                per_batch = statistics.mean(ingest) / max(statistics.mean(applied), 1e-9)
+                print(f"  ingest CPU {per_batch * 1e3:.2f} ms per applied batch -> one dedicated core would apply "
+                      f"~{1 / per_batch:,.0f} batches/s here (load polls of busy workers included)", flush=True)
                 del sub0
                 time.sleep(2.0)
                 # Batches are not requests (one engine step's batch holds every request of the step), so the
