@@ -119,6 +119,8 @@ def wait_replica(procs: launch.Procs, name: str, url: str, ingest_url: str, n: i
         if not (isinstance(health, dict) and health.get("ledger_view")):
             return False
         _, doc = launch.http("GET", f"{ingest_url}/cortex/workers", timeout=20)
+        if not isinstance(doc, dict):
+            return False  # a busy ingest answered late or with an error: ask again
         targets = [t for w in doc["workers"] for t in w["targets"]]
         return len(targets) == n and all(t["exact_kv"] for t in targets)
 
