@@ -94,12 +94,14 @@ def start_fleet(procs: launch.Procs, n: int) -> list[dict[str, str]]:
     return workers
 
 
-def start_replica(procs: launch.Procs, workers: list[dict[str, str]], name: str) -> tuple[str, str, Path]:
+def start_replica(procs: launch.Procs, workers: list[dict[str, str]], name: str,
+                  load_poll_interval_s: float | None = None) -> tuple[str, str, Path]:
     port, admin, ingest, extproc, observe, observe_http = launch.free_ports(6)
     max_workers = max(64, -(-len(workers) // 64) * 64)
     cfg: dict[str, Any] = {
         "listen": {"host": HOST, "port": port}, "admin": {"host": HOST, "port": admin},
-        "ingest": {"host": HOST, "port": ingest, "max_workers": max_workers},
+        "ingest": {"host": HOST, "port": ingest, "max_workers": max_workers,
+                   **({"load_poll_interval_s": load_poll_interval_s} if load_poll_interval_s else {})},
         "extproc": {"host": HOST, "base_port": extproc, "processes": 1},
         "observe": {"host": HOST, "port": observe, "http_port": observe_http},
         "runtime_dir": str(procs.root / f"{name}-rt"),
@@ -222,7 +224,8 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
         replicas = [launch.Procs(root) for _ in range(r)]
         try:
             workers = start_fleet(fleet, n)
-            started = [start_replica(p, workers, f"cortex-{i}") for i, p in enumerate(replicas)]
+            started = [start_replica(p, workers, f"cortex-{i}", args.load_poll_interval_s)
+                       for i, p in enumerate(replicas)]
             for i, (p, (url, ingest_url, _)) in enumerate(zip(replicas, started, strict=True)):
                 wait_replica(p, f"cortex-{i}", url, ingest_url, n, timeout=120 + n)
             print(f"\n== N={n} workers, R={r} replicas (up in {time.monotonic() - t_start:.0f} s; "
@@ -312,6 +315,9 @@ def main() -> None:
     ap.add_argument("--lookup-s", type=float, default=2.0, help="seconds of lookups timed (default 2)")
     ap.add_argument("--rates", type=float, nargs="+", default=[100, 400, 1600],
                     help="fleet-wide requests/s driven, stepped up (each stores 16 blocks) (default 100 400 1600)")
+    ap.add_argument("--load-poll-interval-s", type=float, default=None,
+                    help="ingest.load_poll_interval_s of the replicas (default: Cortex's, 0.1 s): how often a busy "
+                         "worker's load is read, the largest cost of a busy fleet")
     ap.add_argument("--lag-limit", type=float, default=0.25, help="lag p99 (s) above which the view lags")
     ap.add_argument("--config-budget-s", type=float, default=240.0, help="per configuration, after which its "
                     "remaining rates are skipped (default 240)")
