@@ -167,7 +167,10 @@ def lag_quantile(before: dict[str, float], after: dict[str, float], q: float) ->
 def drive_all(workers: list[dict[str, str]], body: dict[str, Any]) -> int:
     submitted = 0
     for w in workers:
-        status, doc = launch.http("POST", f"{w['url']}/sim/drive", body, timeout=30)
+        try:
+            status, doc = launch.http("POST", f"{w['url']}/sim/drive", body, timeout=30)
+        except OSError as exc:  # the fleet process starved on a loaded machine: this configuration stops here
+            raise launch.LaunchError(f"{w['id']}: /sim/drive: {exc}") from None
         if status != 200:
             raise launch.LaunchError(f"{w['id']}: /sim/drive answered {status}: {doc}")
         submitted += int(doc["submitted"])
