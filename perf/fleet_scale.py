@@ -230,7 +230,12 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
             started = [start_replica(p, workers, f"cortex-{i}", args.load_poll_interval_s)
                        for i, p in enumerate(replicas)]
             for i, (p, (url, ingest_url, _)) in enumerate(zip(replicas, started, strict=True)):
-                wait_replica(p, f"cortex-{i}", url, ingest_url, n, timeout=120 + n)
+                try:
+                    wait_replica(p, f"cortex-{i}", url, ingest_url, n, timeout=args.ready_timeout_s or 120 + n)
+                except launch.LaunchError:
+                    tail = (root / f"cortex-{i}.log").read_text(errors="replace")[-1200:]
+                    print(f"cortex-{i} log tail:\n{tail}", flush=True)
+                    raise
             print(f"\n== N={n} workers, R={r} replicas (up in {time.monotonic() - t_start:.0f} s; "
                   f"load average {loadavg()})", flush=True)
 
@@ -321,6 +326,8 @@ def main() -> None:
     ap.add_argument("--load-poll-interval-s", type=float, default=None,
                     help="ingest.load_poll_interval_s of the replicas (default: Cortex's, 0.1 s): how often a busy "
                          "worker's load is read, the largest cost of a busy fleet")
+    ap.add_argument("--ready-timeout-s", type=float, default=None,
+                    help="seconds each replica may take to be ready (default 120 + workers)")
     ap.add_argument("--lag-limit", type=float, default=0.25, help="lag p99 (s) above which the view lags")
     ap.add_argument("--config-budget-s", type=float, default=240.0, help="per configuration, after which its "
                     "remaining rates are skipped (default 240)")
