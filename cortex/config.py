@@ -114,7 +114,11 @@ class IngestConfig(_Strict):
     view_capacity: int = Field(1 << 16, ge=1024)
     """Initial slot count of the shared ledger table; it doubles on its own when half full."""
     max_workers: int = Field(64, ge=1, le=4096)
-    """Most routing targets (workers x data-parallel ranks) the ledger view can hold (one bit each per block)."""
+    """Most routing targets (workers x data-parallel ranks) the ledger view can hold (one bit each per block).
+    A fleet of more targets is refused at start with this setting named: set it to the next multiple of 64 at or
+    above the fleet (256 for 256 single-rank workers; each 64 adds 8 bytes per view slot and one word to every
+    lookup's bitset rows; docs/performance.md, "Fleet scale"). The default stays 64 so small fleets do not pay
+    for width they do not use."""
     admin_token_file: str | None = None
     """File holding the admin token (at least 16 characters): every admin route (worker changes, the status page,
     the observer's recent decisions) then needs `Authorization: Bearer <token>` (or Basic auth with the token as

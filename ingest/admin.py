@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
@@ -28,6 +28,7 @@ from cortex.config import WorkerConfig
 from cortex.errors import error_body
 from cortex.shared_metrics import shared_registry
 from ingest import loop_cpu
+from ingest.lag import VIEW_LAG, WINDOW_S
 from ingest.membership import MembershipError
 from ingest.readiness import Readiness
 from ingest.service import Ingest
@@ -146,6 +147,13 @@ class IngestCollector(Collector):
                                 value=STARTED_AT)
         yield GaugeMetricFamily("cortex_ledger_view_keys", "keys in the shared ledger view",
                                 value=self.ingest.view.size)
+        # Per process (one ingest per replica), not per target: bounded series at any fleet size.
+        yield HistogramMetricFamily("cortex_ingest_view_lag_seconds",
+                                    "engine timestamp of each applied event batch to its application to the view",
+                                    buckets=VIEW_LAG.buckets(), sum_value=VIEW_LAG.sum)
+        yield GaugeMetricFamily("cortex_ingest_view_lag_max_seconds",
+                                f"largest lag of the batches applied in the last {WINDOW_S:g}-{2 * WINDOW_S:g} s "
+                                "(0 when none)", value=VIEW_LAG.recent_max())
         cpu = CounterMetricFamily("cortex_ingest_loop_cpu_seconds",
                                   "CPU seconds spent in each ingest loop's tasks (other: the rest of the process)",
                                   labels=["loop"])

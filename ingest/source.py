@@ -25,6 +25,7 @@ from cortex.kv_events import END_SEQ
 from ingest import silence
 from ingest.events import DecodeError, decode_batch
 from ingest.hash_parity import ParityCheck
+from ingest.lag import VIEW_LAG
 from ingest.ledger import KeySink, Ledger
 from ingest.loop_cpu import timed
 from ingest.sync import Action, Apply, Clear, RequestReplay, SourceSync, SyncState
@@ -427,6 +428,7 @@ class EventSource:
         if batch.ts > 0:
             # Engine clock to ingest clock: includes publish queueing, the network and any replay delay.
             self.lag_s = max(0.0, time.time() - batch.ts)
+            VIEW_LAG.observe(self.lag_s)
         was_failed = self.parity.failed
         self.ledger.apply(batch.events, self.sink)
         self.batches += 1

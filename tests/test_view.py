@@ -98,6 +98,42 @@ def test_match_spans_multiple_bitset_words(path: Path) -> None:
         w._check()
 
 
+def _prefix_counts_by_definition(b: np.ndarray, max_workers: int) -> list[int]:
+    out = []
+    for worker in range(max_workers):
+        word, bit = divmod(worker, 64)
+        n = 0
+        while n < b.shape[0] and (int(b[n, word]) >> bit) & 1:
+            n += 1
+        out.append(n)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_prefix_counts_wide_path_matches_the_definition(data: st.DataObject) -> None:
+    """More than 64 workers take the vectorised path (a 256-worker fleet's lookup): each worker's count is how
+    many leading rows hold its bit, whatever the rows, including workers dropping out at the same or different
+    rows and bits beyond max_workers left clear."""
+    max_workers = data.draw(st.sampled_from([65, 100, 128, 130, 256]))
+    words = -(-max_workers // 64)
+    n = data.draw(st.integers(0, 24))
+    start = data.draw(st.lists(st.integers(0, 2**64 - 1), min_size=words, max_size=words))
+    rows, cur = [], list(start)
+    for _ in range(n):
+        if data.draw(st.booleans()):
+            cur = [c & data.draw(st.integers(0, 2**64 - 1)) for c in cur]
+        rows.append(list(cur) if data.draw(st.integers(0, 9)) else data.draw(
+            st.lists(st.integers(0, 2**64 - 1), min_size=words, max_size=words)))
+    b = np.array(rows, dtype=np.uint64).reshape(n, words)
+    if max_workers % 64:
+        b[:, -1] &= np.uint64((1 << (max_workers % 64)) - 1)
+    expect = _prefix_counts_by_definition(b, max_workers)
+    assert view_mod._prefix_counts(b, max_workers).tolist() == expect
+    if n:
+        assert view_mod._prefix_counts_wide(b, max_workers).tolist() == expect
+
+
 def test_validation(path: Path) -> None:
     with ViewWriter(path, max_workers=4, capacity=16) as w, ViewReader(path) as r:
         for bad_worker in (-1, 4):
