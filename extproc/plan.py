@@ -99,7 +99,7 @@ class Fallback:
         return self.policy.decide(kept, facts, random.Random(self.seed))
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RoutePlan:
     decision: Decision
     """The first attempt and its retry order (a pair's decode leg when there is a pair)."""

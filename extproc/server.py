@@ -9,6 +9,9 @@ body without waiting), the buffered request body (parse, route, answer with the 
 endpoint list, or an immediate OpenAI-style error), then the response headers (stamp the x-cortex-*
 headers for the worker that really served, which differs from the first choice after a retry). The
 stream stays open until the HTTP request ends, so the in-flight count is released in `finally`.
+
+The stream's framing and phase order are a sans-IO machine (extproc/stream.py): `process` is its transport,
+turning each ProcessingRequest into an event and performing the actions the machine returns.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import contextlib
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,7 @@ from cortex.errors import ClientError
 from cortex.piecewise_tokenize import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
 from cortex.upstream_tls import WorkerTls
-from extproc import epp, inference_paths, isolation, metrics, response_ids, structured_output
+from extproc import epp, inference_paths, isolation, metrics, response_ids, stream, structured_output
 from extproc.admission import Admission, Ticket, refusal
 from extproc.breaker import State as BreakerState
 from extproc.breaker import Trial
@@ -56,7 +60,7 @@ from extproc.policies.transparent import REASON as TRANSPARENT
 from extproc.prepare import NoWorker
 from extproc.registry import ModelRegistry
 from extproc.router import Router
-from extproc.snapshot import Source
+from extproc.snapshot import Generation, Source
 from extproc.tenants import Tenant
 from extproc.waiting_room import Entry, WaitingRoom, full
 
@@ -193,6 +197,27 @@ class StreamState:
     saying it (no retry can go elsewhere)."""
     trial: Trial | None = None
     """The slot it took of its first choice's half-open breaker (extproc/breaker.py), given back when it ends."""
+    gen: Generation | None = None
+    """The config generation in force when its stream began: its request phases read this one, so a reload
+    between its headers and its body cannot identify it under one generation and route it under the next."""
+    released: bool = False
+    """What it held was let go (once)."""
+
+
+@dataclass(slots=True)
+class _StreamIO:
+    """What the transport keeps between an action and the event it feeds back (protobuf and futures: never the
+    machine's)."""
+
+    seat: Seat | None = None
+    pending: PendingPair | None = None
+    fallback: DecodeFallback | None = None
+    response: Any = None
+    """The response-headers message being answered."""
+
+
+def _answer(response: pb.ProcessingResponse) -> stream.Answer[pb.ProcessingResponse]:
+    return stream.Answer(response, response.HasField("immediate_response"))
 
 
 class ExtProc:
@@ -233,7 +258,9 @@ class ExtProc:
     # -- the gRPC method ----------------------------------------------------------------------------------
 
     async def process(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
-        st = StreamState()
+        """The transport of one stream: each ProcessingRequest becomes an event for its machine
+        (extproc/stream.py), each action it returns is performed here; what came of an action goes back in."""
+        st = StreamState(gen=self.source.current)
         now = time.monotonic()
         self.last_stream_at = now
         if now - self.cluster.refreshed_at > UPKEEP_S:
@@ -242,134 +269,161 @@ class ExtProc:
                 self.cluster.refresh()
             except Exception:
                 log.exception("view refresh before a request failed; the upkeep retries")
-        duplex = duplex_out = False
-        held: pb.ProcessingResponse | None = None
-        """Full duplex: the headers answer, held until the body is whole (its pick or its body may change)."""
-        held_body: list[bytes] = []
-        held_size = 0
+        cfg = self.source.current.cfg if st.gen is None else st.gen.cfg
+        machine: stream.Stream[pb.ProcessingResponse] = stream.Stream(stream.Limits(
+            cfg.extproc.max_body_bytes, cfg.extproc.message_timeout_ms / 1000, self.max_hold_s))
+        io = _StreamIO()
         try:
             async for req in requests:
-                which = req.WhichOneof("request")
-                if which == "request_headers":
-                    duplex, duplex_out = epp.duplex_modes(req)
-                    if self.picker:
-                        st.subset = epp.subset_of(req.metadata_context)
-                    answer = self.on_request_headers(st, req.request_headers)
-                    if duplex and not req.request_headers.end_of_stream and not answer.HasField("immediate_response"):
-                        # Full duplex: Envoy keeps no chunk and routes on the headers answer, so the pick (and any
-                        # body change) waits for the body's last chunk.
-                        held = answer
-                        continue
-                    yield answer
-                elif which == "request_body" or (which == "request_trailers" and held is not None):
-                    chunk = req.request_body
-                    if duplex:
-                        if held_size < 0:
-                            continue  # refused as too large: Envoy ends the request
-                        held_body.append(chunk.body)
-                        held_size += len(chunk.body)
-                        if held_size > self.cfg.extproc.max_body_bytes:
-                            # Envoy's buffer limit does not bound a streamed body: this does.
-                            held_body.clear()
-                            held_size = -1
-                            yield self._error(ClientError(413, "The request body is larger than "
-                                                          f"{self.cfg.extproc.max_body_bytes} bytes."), st)
-                            continue
-                        if which == "request_body" and not chunk.end_of_stream:
-                            continue
-                        body = b"".join(held_body)
-                        held_body.clear()
-                    else:
-                        body = chunk.body
-                    answer = self.on_request_body(st, body)
-                    extended = False
-                    if isinstance(answer, Waiting):
-                        seat = answer.entry.payload
-                        if not seat.answer.done():
-                            # Envoy takes one deadline extension per message: this one covers the wait and whatever
-                            # the released request then takes (a PD pair's start).
-                            yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=self.max_hold_s))
-                            extended = True
-                        answer = await seat.answer
-                    if isinstance(answer, PendingPair):
-                        if not extended and answer.wait_s > self.cfg.extproc.message_timeout_ms / 1000:
-                            # A vLLM prefill leg can outlast Envoy's per-message deadline: extend it first.
-                            yield pb.ProcessingResponse(override_message_timeout=Duration(
-                                seconds=int(answer.wait_s) + 5))
-                        answer = await self._pd_pair(st, answer)
-                    if not duplex or answer.HasField("immediate_response"):
-                        yield answer
-                        continue
-                    # Trailers ended the body: its last chunk does not end the stream, the trailers answer does.
-                    for part in epp.split_body_answer(held or _EMPTY_HEADERS, answer, body, which == "request_body"):
-                        yield part
-                    held = None
-                    if which == "request_trailers":
-                        yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-                elif which == "response_headers":
-                    if st.pd is not None:
-                        st.pd.legs.headers_arrived()  # aborts of the decode wait until extproc answered
-                    answer = self.on_response_headers(st, req)
-                    if isinstance(answer, HoldHeaders):
-                        # SGLang streams answer 200 before the KV arrives; a failed bootstrap would then reach the
-                        # client inside the stream. Holding the headers until the prefill leg is over costs nothing
-                        # (the first token needs that KV) and keeps a failure before the first byte.
-                        assert st.pd is not None
-                        legs = st.pd.legs
-                        wait = max(0.0, answer.until - time.monotonic())
-                        if wait > self.cfg.extproc.message_timeout_ms / 1000:
-                            yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=int(wait) + 5))
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(legs.settled.wait(), wait)
-                        answer = self._pd_settled(st, req)
-                    if isinstance(answer, DecodeFallback):
-                        # The pair failed and nothing reached the client yet: extproc serves the request on one
-                        # worker and answers with it. Envoy's deadline for this message is extended first.
-                        pending = st.pd_pending
-                        assert pending is not None
-                        timeout = pending.plan.cfg.fallback_timeout_s
-                        if timeout > self.cfg.extproc.message_timeout_ms / 1000:
-                            yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=int(timeout) + 5))
-                        answer = await self._decode_fallback(st, req, answer)
-                    if st.pd is not None:
-                        # After an immediate response, Envoy resets the decode itself; the abort follows once Envoy
-                        # took that answer. Otherwise a failed pair's decode must not wait for a KV that never comes.
-                        st.pd.legs.release_abort(delay_s=1.0 if answer.HasField("immediate_response") else 0.0)
-                    structured_output.ask_for_body(answer, st.answer_schema, req.response_headers,
-                                                   self.cfg.extproc.max_body_bytes)
-                    yield answer
-                elif which == "response_body":
-                    if duplex_out:  # Envoy forwards only what comes back
-                        yield epp.echo_response_chunk(req.response_body.body, req.response_body.end_of_stream)
-                        continue
-                    if st.answer_schema is not None:  # sent only when ask_for_body asked for it
-                        structured_output.check_answer(st.answer_schema, req.response_body.body)
-                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
-                elif which == "request_trailers":
-                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-                elif which == "response_trailers":
-                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                event = self._event(st, io, req)
+                if event is None:
+                    continue
+                async with contextlib.aclosing(self._perform(st, io, machine, machine.feed(event))) as outs:
+                    async for out in outs:
+                        yield out
         finally:
             # Runs on a clean end, on cancellation and on GeneratorExit: the request is over either way.
-            if st.waiting is not None and self.room.cancel(st.waiting):
-                self._room_changed()  # the client left while it waited
-            if st.counted_slot is not None:
-                self.cluster.inflight.dec(st.counted_slot)
+            for action in machine.feed(stream.Closed()):
+                if isinstance(action, stream.Release):
+                    self._release(st)
+
+    def _event(self, st: StreamState, io: _StreamIO,
+               req: Any) -> stream.Event[pb.ProcessingResponse] | None:
+        """Decode one ProcessingRequest into the machine's event (the headers phases ask the decision core here:
+        nothing precedes their decision)."""
+        which = req.WhichOneof("request")
+        if which == "request_headers":
+            duplex, duplex_out = epp.duplex_modes(req)
+            if self.picker:
+                st.subset = epp.subset_of(req.metadata_context)
+            answer = self.on_request_headers(st, req.request_headers)
+            return stream.RequestHeaders(_answer(answer), req.request_headers.end_of_stream, duplex, duplex_out)
+        if which == "request_body":
+            return stream.RequestBody(req.request_body.body, req.request_body.end_of_stream)
+        if which == "request_trailers":
+            return stream.RequestTrailers()
+        if which == "response_headers":
+            io.response = req
             if st.pd is not None:
-                st.pd.legs.release_abort()  # the client left while the decode's headers were held
-                st.pd.legs.event("stream_end")
-            self.admission.release(st.ticket)
-            self.breakers.release(st.trial)
-            if st.counted_slot is not None and self.room:
-                try:
-                    self.wake()  # a worker may have room for a waiting request now
-                except Exception:
-                    log.exception("waiting room wake-up failed; the upkeep retries")
+                st.pd.legs.headers_arrived()  # aborts of the decode wait until extproc answered
+            return stream.ResponseHeaders(self._response_outcome(st, io, self.on_response_headers(st, req)),
+                                          time.monotonic())
+        if which == "response_body":
+            return stream.ResponseBody(req.response_body.body, req.response_body.end_of_stream)
+        if which == "response_trailers":
+            return stream.ResponseTrailers()
+        return None
+
+    def _body_outcome(self, io: _StreamIO, answer: pb.ProcessingResponse | PendingPair | Waiting
+                      ) -> stream.Answer[pb.ProcessingResponse] | stream.Wait | stream.Pair:
+        if isinstance(answer, Waiting):
+            io.seat = answer.entry.payload
+            return stream.Wait(ready=io.seat.answer.done())
+        if isinstance(answer, PendingPair):
+            io.pending = answer
+            return stream.Pair(answer.wait_s)
+        return _answer(answer)
+
+    def _response_outcome(self, st: StreamState, io: _StreamIO,
+                          answer: pb.ProcessingResponse | DecodeFallback | HoldHeaders
+                          ) -> stream.Answer[pb.ProcessingResponse] | stream.Hold | stream.Fallback:
+        if isinstance(answer, HoldHeaders):
+            return stream.Hold(answer.until)
+        if isinstance(answer, DecodeFallback):
+            io.fallback = answer
+            assert st.pd_pending is not None
+            return stream.Fallback(st.pd_pending.plan.cfg.fallback_timeout_s)
+        return _answer(answer)
+
+    async def _perform(self, st: StreamState, io: _StreamIO, machine: stream.Stream[pb.ProcessingResponse],
+                       actions: list[stream.Action[pb.ProcessingResponse]]) -> Any:
+        """Perform the machine's actions in order, feeding back what the awaited ones came to."""
+        todo = deque(actions)
+        while todo:
+            action = todo.popleft()
+            more: list[stream.Action[pb.ProcessingResponse]] = []
+            match action:
+                case stream.Send():
+                    yield action.answer
+                case stream.SendSplit():
+                    for part in epp.split_body_answer(action.headers or _EMPTY_HEADERS, action.answer, action.body,
+                                                      action.end_of_stream):
+                        yield part
+                case stream.Refuse():
+                    yield self._error(ClientError(action.status, action.message), st)
+                case stream.Extend():
+                    yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=action.seconds))
+                case stream.Decide():
+                    more = machine.feed(stream.Decided(self._body_outcome(io, self.on_request_body(st, action.body))))
+                case stream.AwaitRoom():
+                    assert io.seat is not None
+                    released = await io.seat.answer
+                    outcome = self._body_outcome(io, released)
+                    assert not isinstance(outcome, stream.Wait)  # a released request is never sent back in
+                    more = machine.feed(stream.Released(outcome))
+                case stream.StartPair():
+                    assert io.pending is not None
+                    more = machine.feed(stream.PairStarted(_answer(await self._pd_pair(st, io.pending))))
+                case stream.HoldHeaders():
+                    assert st.pd is not None and io.response is not None
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(st.pd.legs.settled.wait(), action.wait_s)
+                    settled = self._response_outcome(st, io, self._pd_settled(st, io.response))
+                    assert not isinstance(settled, stream.Hold)
+                    more = machine.feed(stream.Settled(settled))
+                case stream.StartFallback():
+                    assert io.fallback is not None and io.response is not None
+                    done = await self._decode_fallback(st, io.response, io.fallback)
+                    more = machine.feed(stream.FallbackDone(_answer(done)))
+                case stream.Stamp():
+                    if st.pd is not None:
+                        # After an immediate response, Envoy resets the decode itself; the abort follows once
+                        # Envoy took that answer. Otherwise a failed pair's decode must not wait for a KV that
+                        # never comes.
+                        st.pd.legs.release_abort(delay_s=action.abort_delay_s)
+                    assert io.response is not None
+                    structured_output.ask_for_body(action.answer, st.answer_schema, io.response.response_headers,
+                                                   (st.gen or self.source.current).cfg.extproc.max_body_bytes)
+                    yield action.answer
+                case stream.Echo():
+                    yield epp.echo_response_chunk(action.data, action.end_of_stream)
+                case stream.AckResponseBody():
+                    if st.answer_schema is not None:  # sent only when ask_for_body asked for it
+                        structured_output.check_answer(st.answer_schema, action.data)
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                case stream.AckTrailers():
+                    if action.which == "request":
+                        yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                    else:
+                        yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                case stream.Release():
+                    self._release(st)
+            todo.extendleft(reversed(more))
+
+    def _release(self, st: StreamState) -> None:
+        """What the request held, let go once (a clean end, the client gone, or a cancelled stream)."""
+        if st.released:
+            return
+        st.released = True
+        if st.waiting is not None and self.room.cancel(st.waiting):
+            self._room_changed()  # the client left while it waited
+        if st.counted_slot is not None:
+            self.cluster.inflight.dec(st.counted_slot)
+        if st.pd is not None:
+            st.pd.legs.release_abort()  # the client left while the decode's headers were held
+            st.pd.legs.event("stream_end")
+        self.admission.release(st.ticket)
+        self.breakers.release(st.trial)
+        if st.counted_slot is not None and self.room:
+            try:
+                self.wake()  # a worker may have room for a waiting request now
+            except Exception:
+                log.exception("waiting room wake-up failed; the upkeep retries")
 
     # -- phases ---------------------------------------------------------------------------------------------
 
     def on_request_headers(self, st: StreamState, headers: Any) -> pb.ProcessingResponse:
-        gen = self.source.current
+        gen = st.gen or self.source.current  # pinned when the stream began
         tenant_header = gen.tenants.header
         authorization = tenant_value = None
         session_headers = gen.cfg.session.headers
@@ -418,7 +472,7 @@ class ExtProc:
         except ClientError as exc:
             return self._error(exc, st)
         wants_body = inference or (st.method == "POST" and st.path == EXPLAIN_PATH and
-                                   self.cfg.extproc.public_route_explain)
+                                   gen.cfg.extproc.public_route_explain)
         if wants_body and headers.end_of_stream:
             return self._error(ClientError(400, "request body is required"), st)
         if not wants_body:
@@ -430,7 +484,8 @@ class ExtProc:
     def on_request_body(self, st: StreamState, body: bytes,
                         released: bool = False) -> pb.ProcessingResponse | PendingPair | Waiting:
         """`released`: it comes out of the waiting room (routed anew, and never sent back in)."""
-        explain = st.path == EXPLAIN_PATH and self.cfg.extproc.public_route_explain
+        gen = st.gen or self.source.current  # pinned when the stream began
+        explain = st.path == EXPLAIN_PATH and gen.cfg.extproc.public_route_explain
         spec = inference_paths.PATHS.get(st.path)
         if spec is None and not explain:
             return self._unrouted_body(st, body)
@@ -441,7 +496,7 @@ class ExtProc:
             if explain:
                 return self._explain(st, body)
             assert spec is not None
-            registry = self.source.current.registry
+            registry = gen.registry
             parsed = inference_paths.parse(spec.path, body, registry)
             if st.llmd is not None and (target := st.llmd.get(epp.REWRITE)):
                 # llm-d's model rewrite: the body names the target from here on (what routing and the worker see).
@@ -451,13 +506,13 @@ class ExtProc:
                 st.rewritten = True
             parsed.session_key = st.session
             salted = isolation.isolate(parsed, st.tenant)  # before routing: Cortex's keys follow the salt
-            st.answer_schema = structured_output.check_request(self.cfg.structured_output, parsed,
-                                                               self.source.current.registry)
-            if not released and self.room.waiting(parsed.model) and self.cfg.admission.waiting_room.enabled:
+            st.answer_schema = structured_output.check_request(gen.cfg.structured_output, parsed,
+                                                               gen.registry)
+            if not released and self.room.waiting(parsed.model) and gen.cfg.admission.waiting_room.enabled:
                 return self._enter_room(st, parsed.model, body)  # behind the requests already waiting for it
             result = self.router.route(parsed)
         except NoWorker as exc:
-            if released or not self.cfg.admission.waiting_room.enabled:
+            if released or not gen.cfg.admission.waiting_room.enabled:
                 return self._error(exc, st)
             # Scale from zero: it waits for a worker to appear.
             self.room_facts[parsed.model] = PoolFacts(exc.model, frozenset(), frozenset())
@@ -476,7 +531,7 @@ class ExtProc:
             if narrowed is None:
                 return self._error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
                                            "None of the endpoints the gateway allows serves this model.", 1), st)
-            result.decision = narrowed
+            result = replace(result, decision=narrowed)  # a new plan: a plan is never changed
         if not released and self._must_wait(parsed.model, result):
             return self._enter_room(st, parsed.model, body)
         metrics.observe_decision(result, time.perf_counter() - t0, self.cluster.block_size)
@@ -485,7 +540,7 @@ class ExtProc:
                 output = parsed.max_output
                 self.admission.reserve(st.ticket, result.prompt_tokens + parsed.more_prompt_tokens,
                                        result.decision.hit_tokens,
-                                       output if output is not None else self.cfg.admission.default_max_tokens)
+                                       output if output is not None else gen.cfg.admission.default_max_tokens)
             except ClientError as exc:
                 return self._error(exc, st)
         changes = {**result.changes, **salted}  # every worker gets the salt: single, both PD legs, the fallback
@@ -496,7 +551,8 @@ class ExtProc:
             st.pd_note = f"skipped:{plan.skip}"
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
         injected = None
-        if spec is not None and spec.stream_options and self.cfg.observe.enabled and self.cfg.observe.stream_usage:
+        observe = gen.cfg.observe
+        if spec is not None and spec.stream_options and observe.enabled and observe.stream_usage:
             injected = usage_options(parsed.stream, parsed.body)
         if injected is not None:
             changes = {**changes, "stream_options": injected}
