@@ -310,3 +310,14 @@ def _cmdline(p: Path) -> bytes:
         return (p / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_a_reader_that_leaves_ends_the_command_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cortex envoy-config ... | head`: the pipe closes under a print; the command ends with status 1, quietly."""
+    from cortexctl import cli
+
+    def closed(_argv: list[str] | None) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_main", closed)
+    assert cli.main(["--help"]) == 1
