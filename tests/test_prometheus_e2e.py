@@ -70,6 +70,15 @@ NEEDS_FAULT: dict[str, str] = {
 # Rules that compare with the past (`offset`): evaluated once, at the instant whose windows put the baseline in
 # the offset window and the collapse in the current one (the split plus the current window's length).
 LOOKBACK_S = {"alert:CortexTTFTP90Up": 600.0, "alert:CortexHitRatioCollapsed": 900.0}
+# What each of them compares, shown when it comes out empty.
+DIAGNOSE = {"alert:CortexHitRatioCollapsed": {
+    "now": "sum(rate(cortex_engine_cached_tokens_total[15m])) / sum(rate(cortex_prompt_tokens_total[15m]))",
+    "before": "sum(rate(cortex_engine_cached_tokens_total[6h] offset 15m))"
+              " / sum(rate(cortex_prompt_tokens_total[6h] offset 15m))",
+    "requests/s": "sum(rate(cortex_requests_total[15m]))",
+    "cached tokens first seen before": "sum(min_over_time(cortex_engine_cached_tokens_total[6h] offset 15m))",
+    "cached tokens last seen before": "sum(max_over_time(cortex_engine_cached_tokens_total[6h] offset 15m))",
+    "prompt tokens before": "sum(max_over_time(cortex_prompt_tokens_total[6h] offset 15m))"}}
 
 
 # --- Grafana's variables -------------------------------------------------------------------------------------
@@ -299,6 +308,14 @@ def run_timeline(s: Stack) -> None:
 def baseline(s: Stack) -> None:
     gw, start = s.gw, time.time()
     sent = 0
+    # A counter's first scraped value is never part of a rate(): the engines' cached-token series is born with the
+    # first hit, and on an idle machine the whole baseline's hits reached the first scrape of it (the collapse alert
+    # then saw a baseline ratio of 0). So one hit makes the series, and the baseline's hits come after its scrape.
+    for _ in range(2):
+        assert chat(gw, long_chat(100, seed=0)).status_code == 200
+        sent += 1
+    wait_for(lambda: s.prom.has("cortex_engine_cached_tokens_total"), timeout=30, interval=0.5,
+             what="the first cached tokens scraped")
     for seed in (1, 2):  # each prompt twice per kind: a miss, then a hit on the worker that cached it
         for stream in (False, True, False, True):
             assert chat(gw, long_chat(300, seed=seed), stream=stream).status_code == 200
@@ -514,7 +531,9 @@ def test_each_fault_fills_its_queries(stack: Stack) -> None:
             # The collapse in the current window, the baseline in the offset one.
             at = stack.split + LOOKBACK_S[q.id]
             if not has_data(stack.prom.instant(q.expr, at)):
-                empty.append(f"{q.id} at split + {LOOKBACK_S[q.id]:.0f}s")
+                parts = {name: stack.prom.instant(expr, at) for name, expr in DIAGNOSE.get(q.id, {}).items()}
+                empty.append(f"{q.id} at split + {LOOKBACK_S[q.id]:.0f}s: "
+                             + "; ".join(f"{n} = {[r['value'][1] for r in v]}" for n, v in parts.items()))
             continue
         for what, choices in variants(q):
             if not any(evaluate(stack.prom, q, stack.windows[fault], m, w) for m, w in choices):

@@ -58,7 +58,7 @@ class EnginePublisher:
     """The simulator's publisher interface over the engine's class (publish, flush, close)."""
 
     def __init__(self, port, *, host, replay_port=None, topic="", buffer_steps=10_000, data_parallel_rank=0,
-                 faults=None):
+                 faults=None, context=None):  # the engine's class makes its own ZMQ context
         self.endpoint = f"tcp://{host}:{port}"
         self.replay_endpoint = None if replay_port is None else f"tcp://{host}:{replay_port}"
         self._pub = Real(data_parallel_rank, endpoint=self.endpoint, replay_endpoint=self.replay_endpoint,
