@@ -106,6 +106,10 @@ def test_workers_gone(gw: Gateway) -> None:
     # Routed before any probe noticed (3 failed probes a second apart): both connects fail, Envoy answers.
     refused(chat(gw), 503, "upstream_connect_failure")
     wait_for(lambda: not any(w["healthy"] for w in gw.workers().values()), timeout=30, what="ingest to mark both down")
+    # Ingest's list says so before extproc has read the view that says so (published at most every 0.1 s, read by
+    # extproc on its next request): a request in between is still routed, and Envoy's connect fails.
+    wait_for(lambda: chat(gw).headers.get("x-cortex-dropped-reason") == "no_worker", timeout=30,
+             what="extproc to read the view that marks both down")
     err = refused(chat(gw), 503, "no_worker")
     assert err["param"] == "model"
     for s in gw.sims:
