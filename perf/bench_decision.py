@@ -106,7 +106,7 @@ def _conversation(text: Text, size: int) -> list[dict[str, Any]]:
     turn = max(40, size // 12)
     used = max(100, size // 8)
     role = "user"
-    while used + turn <= budget or role == "assistant":
+    while used + turn <= budget or role == "user":
         n = min(turn, max(20, budget - used))
         msgs.append({"role": role, "content": text.tokens(n)})
         used += n

