@@ -88,7 +88,8 @@ class SglangAdapter(EngineAdapter):
     lora_as_suffix = True
     lora_path_field = True
 
-    # Its OpenAI server's inference routes (vLLM 0.32 has no /generate; SGLang 0.5.23 serves all eight).
+    # Its OpenAI server's inference routes (vLLM 0.32 has no /generate). /v1/messages/count_tokens is not
+    # listed: not found in SGLang 0.5.23's router, so Cortex answers 404 rather than forward it to a worker that would.
     inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE, EMBEDDINGS, RERANK, SCORE})
     tool_style = "sglang"
 
