@@ -59,12 +59,10 @@ class AgentApis:
         """Response id -> the Responses object answered, for GET /v1/responses/{id}."""
 
     def routes(self) -> list[web.RouteDef]:
-        # vLLM 0.32 counts a Messages prompt; SGLang 0.5.23 has no such route (cortex/engines/sglang.py).
-        counting = [] if self.api.flavour == "sglang" else [web.post("/v1/messages/count_tokens", self.count_tokens)]
         return [web.post("/v1/responses", self.responses), web.get("/v1/responses/{id}", self.retrieve),
                 web.post("/v1/responses/{id}/cancel", self.cancel), web.post("/v1/messages", self.messages),
-                *counting, web.post("/v1/embeddings", self.embeddings), web.post("/v1/rerank", self.rerank),
-                web.post("/v1/score", self.score)]
+                web.post("/v1/messages/count_tokens", self.count_tokens), web.post("/v1/embeddings", self.embeddings),
+                web.post("/v1/rerank", self.rerank), web.post("/v1/score", self.score)]
 
     # --- shared --------------------------------------------------------------------------------------
 
@@ -273,8 +271,9 @@ class AgentApis:
                                                                                   body.get("chat_template_kwargs"))))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        """vLLM's POST /v1/messages/count_tokens: the same render as /v1/messages, counted, nothing run (the
-        answer dumped without its None fields, as vLLM's router does)."""
+        """POST /v1/messages/count_tokens: the same render as /v1/messages, counted, nothing run. vLLM 0.32 answers
+        with context_management too (anthropic/serving.py: count_tokens), SGLang 0.5.23 with input_tokens alone
+        (anthropic/serving.py: handle_count_tokens)."""
         api = self.api
         body = await read_json(request)
         api.check_model(body)
@@ -282,6 +281,8 @@ class AgentApis:
         if body.get("messages") is None:
             raise ApiError(400, "messages: Field required")
         n = len(self._anthropic_prompt(body))
+        if api.flavour == "sglang":
+            return json_response({"input_tokens": n})
         return json_response({"input_tokens": n, "context_management": {"original_input_tokens": n}})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:

@@ -3,8 +3,8 @@ MODEL, one SGLang worker of OTHER): each path is governed by the tenant's limits
 settled with the engine's own usage in that API's shape), refuses a model that is not served, never reaches a
 worker of another model, and, where the engine caches the prompt, is routed by it with a claim equal to the
 engine's cached tokens. A Responses follow-up naming its previous response goes to the worker that stored it.
-Anthropic's count_tokens (vLLM only) is governed like the rest, goes only to a vLLM worker of its model (SOLO has one,
-also named through an alias), claims nothing and spends no tokens."""
+Anthropic's count_tokens is governed like the rest, goes only to a worker of its model (SOLO has one, also named
+through an alias), claims nothing and spends no tokens."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def test_each_path_reaches_only_a_worker_of_its_model(gw: Gateway, path: str) ->
         assert r.headers["x-cortex-cache-hit-tokens"] == "0" and r.headers["x-cortex-match-mode"] != "exact_kv_events"
 
 
-@pytest.mark.parametrize("path", [p for p in INFERENCE_PATHS if p not in (GENERATE, COUNT_TOKENS)])
+@pytest.mark.parametrize("path", [p for p in INFERENCE_PATHS if p != GENERATE])
 def test_the_other_model_goes_only_to_its_worker(gw: Gateway, path: str) -> None:
     before = served(gw)
     r = post(gw, path, body(path, model=OTHER))
@@ -409,6 +409,11 @@ def test_count_tokens_answers_vllms_shape_with_the_messages_prompt_length(gw: Ga
     assert r.headers["x-cortex-route-reason"] == "token_count"
     prompt, _, _ = _usage(MESSAGES, post(gw, MESSAGES, {"model": MODEL, "max_tokens": 2, **COUNTED}))
     assert n == prompt > 100
+    # SGLang answers the count alone.
+    other = post(gw, COUNT_TOKENS, {"model": OTHER, **COUNTED})
+    assert other.headers["x-sim-worker"] == "sgl-1"
+    prompt, _, _ = _usage(MESSAGES, post(gw, MESSAGES, {"model": OTHER, "max_tokens": 2, **COUNTED}))
+    assert other.json() == {"input_tokens": prompt}
 
 
 def test_count_tokens_of_a_model_with_one_worker_goes_to_that_worker(gw: Gateway) -> None:
@@ -442,7 +447,6 @@ def test_count_tokens_claims_no_cache_and_leaves_no_prediction(gw: Gateway) -> N
     ({"model": MODEL, "messages": [], "tools": [{"name": "f"}]}, 400, "tools"),
     ({"messages": []}, 400, "model"),
     ({"model": "no/such-model", "messages": []}, 404, "model"),
-    ({"model": OTHER, "messages": []}, 404, "model"),  # SGLang serves no count_tokens
 ])
 def test_a_bad_count_tokens_request_is_refused_before_any_worker(gw: Gateway, doc: dict[str, Any], status: int,
                                                                   param: str) -> None:
