@@ -28,6 +28,10 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"
+"""Anthropic's token counting (vLLM 0.32 serves it; Claude Code probes it): a Messages body without max_tokens,
+answered `{"input_tokens": N}`. In the default listen.paths beside /v1/messages, governed like every inference
+path, routed by load among its model's workers with no claim: it computes no KV (extproc/agent_apis.py)."""
 GENERATE = "/generate"
 EMBEDDINGS = "/v1/embeddings"
 RERANK = "/v1/rerank"
@@ -36,11 +40,11 @@ STORED_RESPONSE = r"/v1/responses/[A-Za-z0-9_-]+(?:/cancel)?"
 """A stored response: `GET /v1/responses/{id}` (retrieve) and `POST /v1/responses/{id}/cancel` (vLLM's two; SGLang
 serves the same), forwarded wherever /v1/responses is. Only the worker that answered holds it: extproc sends the
 request there when Cortex named the id (extproc/response_ids.py), else to the least loaded worker."""
-INFERENCE_PATHS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE, EMBEDDINGS, RERANK, SCORE)
+INFERENCE_PATHS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, GENERATE, EMBEDDINGS, RERANK, SCORE)
 """The inference paths: every one goes through extproc's one pipeline (extproc/inference_paths.py)."""
 
-PUBLIC_PATHS = (CHAT, COMPLETIONS, "/v1/models", EMBEDDINGS, RESPONSES, MESSAGES, RERANK, SCORE, "/tokenize",
-                "/detokenize", "/v1/tokenize", "/v1/detokenize", GENERATE, "/health")
+PUBLIC_PATHS = (CHAT, COMPLETIONS, "/v1/models", EMBEDDINGS, RESPONSES, MESSAGES, COUNT_TOKENS, RERANK, SCORE,
+                "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", GENERATE, "/health")
 """The engines' paths the public listener forwards by default (`listen.paths`): their inference APIs. The rest of
 what an engine serves is its admin plane (SGLang /flush_cache, /abort_request, /update_weights_*, profiling, vLLM
 /reset_prefix_cache, /sleep, /collective_rpc, LoRA loading, /metrics): a client reaching it through the gateway

@@ -25,6 +25,10 @@ Qwen2.5 tokenizer and template.
 The digest is XXH3-128 (per-process random seed) over those numbers: the text is not encoded or hashed again
 (it was hashed once by the piece cache's dictionary, whose hash the later lookup of the same string reuses).
 The ledger is looked up afresh every time (blocks are evicted): only tokenizing and hashing are skipped.
+
+Its counts (hits, misses, stores, stores skipped as too large, evictions) are plain integers bumped on the routing
+thread; extproc's upkeep hands what changed since it last looked to Prometheus (extproc/metrics.py:
+report_chain_caches), so a decision pays an integer increment, not a metric write.
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ class ChainCache:
         self._cache: OrderedDict[int, ChainState] = OrderedDict()
         self._bytes = 0
         self.hits = self.misses = self.stores = self.evictions = 0
+        self.skipped = 0
+        """Stores refused: one entry would take more than an eighth of max_bytes (a cache of a few such is no LRU)."""
+        self._reported = (0, 0, 0, 0, 0)
         self.enabled = True
         """Off: every walk starts from the prompt's beginning (perf/bench_decision.py's "before")."""
 
@@ -93,6 +100,17 @@ class ChainCache:
         gives the number standing for a piece exactly (SegmentEncoder.serial: its piece cache entry's)."""
         return ChainRun(self, parts if self.enabled else [], namespace, serial)
 
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """(hits, misses, stores, skipped, evictions) since the cache was made."""
+        return self.hits, self.misses, self.stores, self.skipped, self.evictions
+
+    def unreported(self) -> tuple[int, int, int, int, int]:
+        """The counts since the last call (the first call: since the cache was made)."""
+        now = self.counts()
+        delta = tuple(a - b for a, b in zip(now, self._reported, strict=True))
+        self._reported = now
+        return delta  # type: ignore[return-value]
+
     def get(self, digest: int) -> ChainState | None:
         state = self._cache.get(digest)
         if state is not None:
@@ -102,6 +120,7 @@ class ChainCache:
     def put(self, digest: int, state: ChainState) -> None:
         cost = state.cost()
         if cost > self.max_bytes // 8:
+            self.skipped += 1
             return
         old = self._cache.pop(digest, None)
         if old is not None:
@@ -172,6 +191,8 @@ class ChainRun:
         return self.digests.get(part)
 
     def restore(self) -> ChainState | None:
+        if not self.parts:  # the cache is off: neither a hit nor a miss
+            return None
         self._digest(len(self.parts))
         for part in sorted(self.digests, reverse=True):
             state = self.cache.get(self.digests[part])

@@ -61,8 +61,8 @@ class AgentApis:
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/responses", self.responses), web.get("/v1/responses/{id}", self.retrieve),
                 web.post("/v1/responses/{id}/cancel", self.cancel), web.post("/v1/messages", self.messages),
-                web.post("/v1/embeddings", self.embeddings), web.post("/v1/rerank", self.rerank),
-                web.post("/v1/score", self.score)]
+                web.post("/v1/messages/count_tokens", self.count_tokens), web.post("/v1/embeddings", self.embeddings),
+                web.post("/v1/rerank", self.rerank), web.post("/v1/score", self.score)]
 
     # --- shared --------------------------------------------------------------------------------------
 
@@ -256,6 +256,35 @@ class AgentApis:
 
     # --- the Anthropic Messages API ------------------------------------------------------------------
 
+    def _anthropic_prompt(self, body: Mapping[str, Any]) -> list[int]:
+        """The prompt vLLM renders from a Messages body (to_chat_completion_request, then the chat template)."""
+        try:
+            msgs = conversation.anthropic_messages(body.get("system"), body.get("messages"),
+                                                   merge_inline_system=self.api.bundle.rejects_inline_system)
+            tools = conversation.anthropic_tools(body.get("tools"))
+        except conversation.ConversationError as exc:
+            raise ApiError(400, str(exc)) from None
+        effort = (body.get("output_config") or {}).get("effort") if isinstance(body.get("output_config"),
+                                                                               dict) else None
+        return self._encode(conversation.Conversation(
+            msgs, tools=tools, chat_template_kwargs=conversation.reasoning_kwargs(effort,
+                                                                                  body.get("chat_template_kwargs"))))
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """POST /v1/messages/count_tokens: the same render as /v1/messages, counted, nothing run. vLLM 0.32 answers
+        with context_management too (anthropic/serving.py: count_tokens), SGLang 0.5.23 with input_tokens alone
+        (anthropic/serving.py: handle_count_tokens)."""
+        api = self.api
+        body = await read_json(request)
+        api.check_model(body)
+        api.check_http_faults()
+        if body.get("messages") is None:
+            raise ApiError(400, "messages: Field required")
+        n = len(self._anthropic_prompt(body))
+        if api.flavour == "sglang":
+            return json_response({"input_tokens": n})
+        return json_response({"input_tokens": n, "context_management": {"original_input_tokens": n}})
+
     async def messages(self, request: web.Request) -> web.StreamResponse:
         api = self.api
         body = await read_json(request)
@@ -263,17 +292,7 @@ class AgentApis:
         max_tokens = int_field(body, "max_tokens", None, 1)
         if max_tokens is None:
             raise ApiError(400, "max_tokens: Field required")
-        try:
-            msgs = conversation.anthropic_messages(body.get("system"), body.get("messages"),
-                                                   merge_inline_system=api.bundle.rejects_inline_system)
-            tools = conversation.anthropic_tools(body.get("tools"))
-        except conversation.ConversationError as exc:
-            raise ApiError(400, str(exc)) from None
-        effort = (body.get("output_config") or {}).get("effort") if isinstance(body.get("output_config"),
-                                                                               dict) else None
-        prompt = self._encode(conversation.Conversation(
-            msgs, tools=tools, chat_template_kwargs=conversation.reasoning_kwargs(effort,
-                                                                                  body.get("chat_template_kwargs"))))
+        prompt = self._anthropic_prompt(body)
         req, engine = await self._run(request, body, f"chatcmpl-{uuid.uuid4().hex[:16]}", prompt, max_tokens)
         try:
             if body.get("stream"):

@@ -61,8 +61,20 @@ class _Messages(BaseModel):
     output_config: dict[str, Any] | None = _expects("an object")
 
 
+class _CountTokens(BaseModel):
+    """vLLM's AnthropicCountTokensRequest: a Messages request without the sampling fields."""
+
+    model_config = ConfigDict(extra="ignore")
+    chat_template_kwargs: dict[str, Any] | None = _expects("an object")
+    output_config: dict[str, Any] | None = _expects("an object")
+    thinking: dict[str, Any] | None = _expects("an object")
+
+
 _EXPECTED_RESPONSES = _expectations(_Responses)
 _EXPECTED_MESSAGES = _expectations(_Messages)
+_EXPECTED_COUNT_TOKENS = _expectations(_CountTokens)
+TOKEN_COUNT = "token_count"
+"""The unroutable reason of a count_tokens request: routed by load, never claimed (it computes no KV)."""
 
 
 def _converted(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -145,3 +157,30 @@ def parse_messages(raw: bytes) -> ParsedRequest:
     req.chat_template_kwargs = conversation.reasoning_kwargs((fields.output_config or {}).get("effort"),
                                                              kwargs) or None
     return req
+
+
+def parse_count_tokens(raw: bytes) -> ParsedRequest:
+    """POST /v1/messages/count_tokens: the Messages body vLLM counts (`model`, `messages`, `system`, `tools`; no
+    max_tokens), checked as /v1/messages checks it so a bad body is Cortex's 400, not a worker's.
+
+    The engine only renders and tokenizes it: nothing is computed, nothing cached, nothing generated. So it is
+    routed by load among its model's workers with no claim (no prompt is rendered here, no prediction recorded),
+    and it costs no tokens under the tenant's token limits: its answer carries no usage, and the routed prompt is
+    0 tokens. Its rate and concurrency limits hold as on every path."""
+    body = load_object(raw)
+    model = model_of(body)
+    assert model is not None
+    fields = validated(_CountTokens, body, _EXPECTED_COUNT_TOKENS)
+    messages = body.get("messages")
+    if messages is None:
+        raise ClientError(400, "'messages' is required", "messages")
+    probe = ParsedRequest(kind="chat", model=model, stream=False, api="count_tokens", body=body)
+    _as_chat(probe, _converted(conversation.anthropic_messages, body.get("system"), messages,
+                               merge_inline_system=False), "messages")
+    tools = _converted(conversation.anthropic_tools, body.get("tools"))
+    if tools:
+        _check_nesting(tools, "tools", "tools")
+    if fields.chat_template_kwargs:
+        _check_nesting(fields.chat_template_kwargs, "chat_template_kwargs", "chat_template_kwargs")
+    return ParsedRequest(kind="completion", model=model, stream=False, api="count_tokens", body=body,
+                         prompt_text="", unroutable=TOKEN_COUNT, max_output=0)

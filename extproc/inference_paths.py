@@ -12,6 +12,7 @@ request log. What differs per path is only what its parser makes of the body:
 | /v1/completions | request.parse_body | text or token ids | yes |
 | /v1/responses | agent_apis.parse_responses | instructions + input + tools, rendered | yes |
 | /v1/messages | agent_apis.parse_messages | system + messages + tools, rendered | yes |
+| /v1/messages/count_tokens | agent_apis.parse_count_tokens | none (checked, not rendered) | no claim, computes no KV |
 | /generate | native_apis.parse_generate | text or input_ids | yes |
 | /v1/embeddings, /v1/rerank, /v1/score | native_apis.parse_* | none (estimated for token limits) | no claim |
 """
@@ -43,6 +44,7 @@ PATHS: dict[str, InferencePath] = {p.path: p for p in (
     InferencePath(api_paths.COMPLETIONS, "completion", lambda raw: parse_body("completion", raw), stream_options=True),
     InferencePath(api_paths.RESPONSES, "responses", agent_apis.parse_responses),
     InferencePath(api_paths.MESSAGES, "messages", agent_apis.parse_messages),
+    InferencePath(api_paths.COUNT_TOKENS, "count_tokens", agent_apis.parse_count_tokens),
     InferencePath(api_paths.GENERATE, "generate", native_apis.parse_generate),
     InferencePath(api_paths.EMBEDDINGS, "embeddings", native_apis.parse_embeddings),
     InferencePath(api_paths.RERANK, "rerank", native_apis.parse_rerank),

@@ -3,8 +3,11 @@ writes its samples to files there and ingest's /metrics serves the sum: one scra
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
 
+from cortex.chain_cache import ChainCache
 from extproc.breaker import LEVEL, State
 from extproc.plan import RoutePlan
 
@@ -66,6 +69,36 @@ BREAKER_STATE = Gauge("cortex_breaker_state", "circuit breaker per worker: 0 clo
                       "(the worst over extproc processes)", ["worker"], multiprocess_mode="livemax")
 BREAKER_TRANSITIONS = Counter("cortex_breaker_transitions", "circuit breaker transitions per worker",
                               ["worker", "from_state", "to_state"])
+
+
+# The key chain cache (cortex/chain_cache.py), one per tokenizer in use, summed over them: its counts are integers
+# on the routing thread, handed over by report_chain_caches from the upkeep loop (no metric write per decision).
+CHAIN_LOOKUPS = Counter("cortex_chain_cache_lookups", "prompts looked up in the key chain cache: hit (the walk "
+                        "started at a cached boundary) or miss", ["outcome"])
+CHAIN_STORES = Counter("cortex_chain_cache_stores", "key chains cached at a boundary (stored), or not cached because "
+                       "one entry would take over an eighth of the cache (skipped_too_large)", ["outcome"])
+CHAIN_EVICTIONS = Counter("cortex_chain_cache_evictions", "key chains dropped to keep the cache within its entries "
+                          "and bytes")
+CHAIN_ENTRIES = Gauge("cortex_chain_cache_entries", "key chains held (all extproc processes)",
+                      multiprocess_mode="livesum")
+CHAIN_BYTES = Gauge("cortex_chain_cache_bytes", "estimated bytes the key chains held take (all extproc processes)",
+                    multiprocess_mode="livesum")
+_CHAIN_SERIES = (CHAIN_LOOKUPS.labels("hit"), CHAIN_LOOKUPS.labels("miss"), CHAIN_STORES.labels("stored"),
+                 CHAIN_STORES.labels("skipped_too_large"), CHAIN_EVICTIONS)
+
+
+def report_chain_caches(caches: Iterable[ChainCache]) -> None:
+    """What the caches counted since they were last reported, and what they hold now. A cache dropped on a
+    reload takes its last upkeep period's counts with it."""
+    entries = held = 0
+    for cache in caches:
+        for series, n in zip(_CHAIN_SERIES, cache.unreported(), strict=True):
+            if n:
+                series.inc(n)
+        entries += len(cache)
+        held += cache.bytes
+    CHAIN_ENTRIES.set(entries)
+    CHAIN_BYTES.set(held)
 
 
 def breaker_transition(worker: str, old: State, new: State) -> None:

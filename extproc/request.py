@@ -24,7 +24,8 @@ from cortex.errors import ClientError
 
 Kind = Literal["chat", "completion"]
 """The prompt's form: chat messages rendered by the model's template, or a text / token-id prompt."""
-Api = Literal["chat", "completion", "responses", "messages", "generate", "embeddings", "rerank", "score"]
+Api = Literal["chat", "completion", "responses", "messages", "count_tokens", "generate", "embeddings", "rerank",
+              "score"]
 """The inference API a request came in on (extproc/inference_paths.py: the path table)."""
 
 # Values handed to the chat template (tools, chat_template_kwargs, message fields) may nest this deep. The

@@ -16,7 +16,7 @@ import time
 from cortex.config import CortexConfig
 from cortex.model_bundle import ModelBundle
 from cortex.piecewise_tokenize import EncoderSet, SegmentEncoder
-from extproc import plan, prepare, snapshot
+from extproc import metrics, plan, prepare, snapshot
 from extproc.backlog import Backlog
 from extproc.breaker import Breakers, Listener
 from extproc.candidates import Hysteresis
@@ -103,5 +103,6 @@ class Router:
         """Background upkeep, off the request path."""
         self.predictions.expire()
         self.breakers.tick(time.monotonic())
+        metrics.report_chain_caches(enc.chains for enc in self.segments.encoders())
         if self.cluster.synced:
             self.breakers.forget(self.cluster.by_address)  # workers that left the fleet

@@ -9,12 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from cortex.blockkeys import chain_keys, root_key
+from cortex.chain_cache import ChainCache, ChainState
 from cortex.config import parse_config
 from cortex.model_bundle import ModelBundle
 from cortex.observation import FIRST_IDS_LOGGED, prompt_hash
 from cortex.piecewise_tokenize import SegmentEncoder
+from extproc import metrics
 from extproc.predictions import Predictions
 from extproc.prepare import Timings
 from extproc.prompt_walk import WalkResult, walk
@@ -131,3 +134,74 @@ def test_namespace_and_disabled(bundle: ModelBundle) -> None:
     _, keys = run(enc, longer, stop_at=None, root=a)
     assert enc.chains.hits == hits + 1 and enc.chains.stores == stores
     assert keys == chain_keys(ids, BS, a, max_blocks=(len(ids) - 1) // BS)
+
+
+def _state(keys: int, carry: int = 0) -> ChainState:
+    arr = np.arange(keys, dtype=np.uint64)
+    return ChainState(part=2, chars=10, tokens=keys * BS, keys=list(range(keys)), array=arr,
+                      carry=np.zeros(carry, dtype=np.uint32), head=())
+
+
+def test_counts_of_a_conversation(bundle: ModelBundle) -> None:
+    """A first turn is a miss that stores its boundaries, the next turn a hit; off, the cache counts nothing."""
+    enc = SegmentEncoder.for_bundle(bundle)
+    chains = enc.chains
+    root = root_key(None, None)
+    msgs = [{"role": "system", "content": "You are helpful. " * 40}, {"role": "user", "content": "hi " * 30}]
+    run(enc, bundle.render_chat(msgs, add_generation_prompt=True), stop_at=None, root=root)
+    assert (chains.hits, chains.misses) == (0, 1) and chains.stores >= 1
+    stored = chains.stores
+    assert len(chains) == stored and chains.bytes > 0
+    longer = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    run(enc, bundle.render_chat(longer, add_generation_prompt=True), stop_at=None, root=root)
+    assert (chains.hits, chains.misses) == (1, 1) and chains.stores > stored
+    chains.enabled = False
+    before = chains.counts()
+    run(enc, bundle.render_chat(longer, add_generation_prompt=True), stop_at=None, root=root)
+    assert chains.counts() == before
+
+
+def test_counts_of_evictions_and_skipped_stores() -> None:
+    small = _state(4)
+    cache = ChainCache(max_entries=2, max_bytes=8 * (small.cost() + 1))
+    for digest in range(3):
+        cache.put(digest, small)
+    assert (cache.stores, cache.evictions, len(cache)) == (3, 1, 2)
+    assert cache.get(0) is None and cache.get(2) is small
+    cache.put(2, small)  # replaced, not evicted
+    assert (cache.stores, cache.evictions, len(cache), cache.bytes) == (4, 1, 2, 2 * small.cost())
+    cache.put(9, _state(64))  # over an eighth of the bytes: not cached
+    assert (cache.skipped, cache.stores, len(cache)) == (1, 4, 2)
+    by_bytes = ChainCache(max_entries=100, max_bytes=8 * small.cost())
+    for digest in range(10):
+        by_bytes.put(digest, small)
+    assert (len(by_bytes), by_bytes.evictions) == (8, 2) and by_bytes.bytes <= by_bytes.max_bytes
+
+
+def test_counts_reach_prometheus_once() -> None:
+    """Each count is handed over once (the deltas since the last report); entries and bytes are what is held now."""
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    names = [("cortex_chain_cache_lookups_total", {"outcome": "hit"}),
+             ("cortex_chain_cache_lookups_total", {"outcome": "miss"}),
+             ("cortex_chain_cache_stores_total", {"outcome": "stored"}),
+             ("cortex_chain_cache_stores_total", {"outcome": "skipped_too_large"}),
+             ("cortex_chain_cache_evictions_total", {})]
+    small = _state(4)
+    a, b = ChainCache(max_entries=1, max_bytes=8 * (small.cost() + 1)), ChainCache()
+    a.put(1, small)
+    a.put(2, small)
+    a.put(3, _state(64))
+    a.hits, a.misses, b.misses = 3, 2, 1
+    before = [value(n, **labels) for n, labels in names]
+    metrics.report_chain_caches([a, b])
+    assert [value(n, **labels) - v for (n, labels), v in zip(names, before, strict=True)] == [3, 3, 2, 1, 1]
+    assert value("cortex_chain_cache_entries") == 1 and value("cortex_chain_cache_bytes") == small.cost()
+    metrics.report_chain_caches([a, b])  # nothing new
+    assert [value(n, **labels) - v for (n, labels), v in zip(names, before, strict=True)] == [3, 3, 2, 1, 1]
+    a.hits += 1
+    a.clear()
+    metrics.report_chain_caches([a])
+    assert value("cortex_chain_cache_lookups_total", outcome="hit") - before[0] == 4
+    assert value("cortex_chain_cache_entries") == 0 and value("cortex_chain_cache_bytes") == 0

@@ -14,6 +14,7 @@ import pytest
 from cortex.api_paths import (
     CHAT,
     COMPLETIONS,
+    COUNT_TOKENS,
     EMBEDDINGS,
     GENERATE,
     INFERENCE_PATHS,
@@ -78,6 +79,11 @@ ACCEPTED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     (MESSAGES, {"model": "m0", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"},
                                                              {"role": "system", "content": "r"}]},
      {"inline_system": [{"role": "system", "content": "r"}, {"role": "user", "content": "hi"}]}),
+    # Checked as a Messages body, nothing rendered: routed by load, no prompt, no output, so no token spend.
+    (COUNT_TOKENS, {"model": "m0", "system": "S", "messages": [{"role": "user", "content": "hi"}],
+                    "tools": [{"name": "f", "input_schema": {"type": "object"}}], "thinking": {"type": "enabled"}},
+     {"api": "count_tokens", "unroutable": "token_count", "max_output": 0, "more_prompt_tokens": 0,
+      "prompt_text": "", "messages": None, "stream": False}),
     (GENERATE, {"text": "hello"}, {"api": "generate", "kind": "completion", "model": "m1", "prompt_text": "hello",
                                    "max_output": 128}),
     (GENERATE, {"model": "m1", "input_ids": [[1, 2], [3, 4, 5]], "sampling_params": {"max_new_tokens": 8, "n": 2}},
@@ -118,6 +124,13 @@ REFUSED: list[tuple[str, Any, int, str | None, str]] = [
      400, "messages", "known type"),
     (MESSAGES, {"model": "m0", "max_tokens": 5, "messages": [], "tools": [{"name": "f"}]}, 400, "tools",
      "input_schema"),
+    (COUNT_TOKENS, {"model": "m0"}, 400, "messages", "'messages' is required"),
+    (COUNT_TOKENS, {"messages": []}, 400, "model", "'model' is required"),
+    (COUNT_TOKENS, {"model": "m0", "messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400, "messages",
+     "known type"),
+    (COUNT_TOKENS, {"model": "m0", "messages": [], "tools": [{"name": "f"}]}, 400, "tools", "input_schema"),
+    (COUNT_TOKENS, {"model": "m0", "messages": [], "chat_template_kwargs": []}, 400, "chat_template_kwargs",
+     "an object"),
     (GENERATE, {}, 400, "text", "exactly one of"),
     (GENERATE, {"text": "a", "input_ids": [1]}, 400, "text", "exactly one of"),
     (GENERATE, {"input_ids": [-1]}, 400, "input_ids", "token ids"),
@@ -156,6 +169,8 @@ def test_a_request_without_a_model_gets_the_only_model_serving_its_path() -> Non
 def test_a_model_whose_engine_lacks_the_path_is_refused() -> None:
     inference_paths.check_served(GENERATE, "m1", REG)
     inference_paths.check_served(MESSAGES, "m0", REG)
+    inference_paths.check_served(COUNT_TOKENS, "m0", REG)
+    inference_paths.check_served(COUNT_TOKENS, "m1", REG)
     with pytest.raises(ClientError, match="served by vllm, which has no /generate endpoint") as exc:
         inference_paths.check_served(GENERATE, "m0", REG)
     assert exc.value.status == 404 and exc.value.param == "model"

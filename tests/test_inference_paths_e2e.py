@@ -2,7 +2,9 @@
 MODEL, one SGLang worker of OTHER): each path is governed by the tenant's limits (rate, concurrency, token limits
 settled with the engine's own usage in that API's shape), refuses a model that is not served, never reaches a
 worker of another model, and, where the engine caches the prompt, is routed by it with a claim equal to the
-engine's cached tokens. A Responses follow-up naming its previous response goes to the worker that stored it."""
+engine's cached tokens. A Responses follow-up naming its previous response goes to the worker that stored it.
+Anthropic's count_tokens is governed like the rest, goes only to a worker of its model (SOLO has one, also named
+through an alias), claims nothing and spends no tokens."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 from cortex.api_paths import (
     CHAT,
     COMPLETIONS,
+    COUNT_TOKENS,
     EMBEDDINGS,
     GENERATE,
     INFERENCE_PATHS,
@@ -35,12 +38,18 @@ from tests.test_observe_e2e import scrape, total
 pytestmark = pytest.mark.timeout(600)
 
 OTHER = "other/sglang-model"
+SOLO = "solo/vllm-model"
+"""Served by one vLLM worker only (solo-1), also under the alias SOLO_ALIAS."""
+SOLO_ALIAS = "claude-solo"
 STREAMED = (CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE)
 POOLING = (EMBEDDINGS, RERANK, SCORE)
 # A quota period no test run crosses (windows are aligned to the epoch): the settled charge stays in the window.
 CENTURY_S = 3_000_000_000
 NAMES = {CHAT: "chat", COMPLETIONS: "completions", RESPONSES: "responses", MESSAGES: "messages",
-         GENERATE: "generate", EMBEDDINGS: "embeddings", RERANK: "rerank", SCORE: "score"}
+         COUNT_TOKENS: "count_tokens", GENERATE: "generate", EMBEDDINGS: "embeddings", RERANK: "rerank",
+         SCORE: "score"}
+SPENDING = [p for p in INFERENCE_PATHS if p != COUNT_TOKENS]
+"""The paths whose requests cost tokens under a tenant's token limits (count_tokens computes and generates none)."""
 
 
 def key(tenant: str) -> str:
@@ -74,6 +83,8 @@ def body(path: str, text: str = "Summarise the repository layout in one line.", 
         doc = {"input": text, "max_output_tokens": out}
     elif path == MESSAGES:
         doc = {"messages": [{"role": "user", "content": text}], "max_tokens": out}
+    elif path == COUNT_TOKENS:  # no output budget: `big` is a long prompt
+        doc = {"messages": [{"role": "user", "content": text * 40 if big else text}]}
     elif path == GENERATE:
         doc = {"text": text, "sampling_params": {"max_new_tokens": out}}
     else:
@@ -90,12 +101,14 @@ def body(path: str, text: str = "Summarise the repository layout in one line.", 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     root = tmp_path_factory.mktemp("paths")
-    ports = free_ports(13)
+    ports = free_ports(15)
     sims = [Sim(id="sim-1", port=ports[0], kv_port=ports[1]), Sim(id="sim-2", port=ports[2], kv_port=ports[3]),
-            Sim(id="sgl-1", port=ports[4], kv_port=ports[5], replay_port=ports[10], engine="sglang", model=OTHER)]
+            Sim(id="sgl-1", port=ports[4], kv_port=ports[5], replay_port=ports[10], engine="sglang", model=OTHER),
+            Sim(id="solo-1", port=ports[13], kv_port=ports[14], model=SOLO)]
     g = Gateway(root=root, sims=sims, port=ports[6], admin_port=ports[7], ingest_port=ports[8],
                 extproc_port=ports[9], extra_config={
                     "auth": {"required": True}, "tenants": TENANTS,
+                    "aliases": [{"name": SOLO_ALIAS, "targets": [{"model": SOLO}]}],
                     "observe": {"request_log_path": str(root / "requests.log")}})
     with serving(g, "--decode-ms-per-token", "20"):
         yield g
@@ -125,7 +138,7 @@ def test_each_path_reaches_only_a_worker_of_its_model(gw: Gateway, path: str) ->
     assert r.headers["x-sim-worker"] in workers and r.headers["x-cortex-assigned-worker"] == r.headers["x-sim-worker"]
     moved = {w: d for w, d in delta(before, served(gw)).items() if d}
     assert moved == {r.headers["x-sim-worker"]: {path: 1}}
-    if path in POOLING:  # by load, nothing claimed
+    if path in (*POOLING, COUNT_TOKENS):  # by load, nothing claimed
         assert r.headers["x-cortex-cache-hit-tokens"] == "0" and r.headers["x-cortex-match-mode"] != "exact_kv_events"
 
 
@@ -235,7 +248,7 @@ def test_max_concurrent_holds_across_every_path(gw: Gateway, held: str) -> None:
              what="the slot released")
 
 
-@pytest.mark.parametrize("path", INFERENCE_PATHS)
+@pytest.mark.parametrize("path", SPENDING)
 def test_a_request_larger_than_the_token_rate_is_refused_on_every_path(gw: Gateway, path: str) -> None:
     who = f"tpm-{NAMES[path]}"
     before = served(gw)
@@ -264,7 +277,7 @@ def _usage(path: str, r: httpx.Response) -> tuple[int, int, int]:
             u.get("completion_tokens") or 0)
 
 
-@pytest.mark.parametrize("path", INFERENCE_PATHS)
+@pytest.mark.parametrize("path", SPENDING)
 def test_token_limits_are_settled_with_each_apis_usage(gw: Gateway, path: str) -> None:
     who = f"quota-{NAMES[path]}"
     r = post(gw, path, body(path), who)
@@ -371,3 +384,96 @@ def test_a_responses_follow_up_goes_to_the_worker_that_stored_its_response(gw: G
     # A client's own request_id is kept (and such a response is routed as any other).
     own = post(gw, RESPONSES, body(RESPONSES, request_id="resp_mine_1"))
     assert own.json()["id"] == "resp_mine_1"
+
+
+# --- Anthropic's count_tokens -------------------------------------------------------------------------------------
+
+COUNTED = {"system": [{"type": "text", "text": "You are Claude Code."}],
+           "tools": [{"name": "run_tests", "input_schema": {"type": "object"}}],
+           "messages": [{"role": "user", "content": LONG},
+                        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "run_tests",
+                                                           "input": {"k": 1}}]},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                      "content": "3 passed"}]}]}
+
+
+def test_count_tokens_answers_vllms_shape_with_the_messages_prompt_length(gw: Gateway) -> None:
+    """The count is the prompt /v1/messages computes for the same conversation, in vLLM's answer shape."""
+    r = post(gw, COUNT_TOKENS, {"model": MODEL, **COUNTED})
+    assert r.status_code == 200, r.text
+    n = r.json()["input_tokens"]
+    assert r.json() == {"input_tokens": n, "context_management": {"original_input_tokens": n}}
+    assert r.headers["x-sim-worker"] in ("sim-1", "sim-2")
+    # By load, nothing claimed: the engine renders and counts, it computes no KV.
+    assert r.headers["x-cortex-cache-hit-tokens"] == "0" and r.headers["x-cortex-match-mode"] != "exact_kv_events"
+    assert r.headers["x-cortex-route-reason"] == "token_count"
+    prompt, _, _ = _usage(MESSAGES, post(gw, MESSAGES, {"model": MODEL, "max_tokens": 2, **COUNTED}))
+    assert n == prompt > 100
+    # SGLang answers the count alone.
+    other = post(gw, COUNT_TOKENS, {"model": OTHER, **COUNTED})
+    assert other.headers["x-sim-worker"] == "sgl-1"
+    prompt, _, _ = _usage(MESSAGES, post(gw, MESSAGES, {"model": OTHER, "max_tokens": 2, **COUNTED}))
+    assert other.json() == {"input_tokens": prompt}
+
+
+def test_count_tokens_of_a_model_with_one_worker_goes_to_that_worker(gw: Gateway) -> None:
+    """Whatever the load, by its name or its alias: a request only ever reaches a worker serving its model."""
+    for model in (SOLO, SOLO_ALIAS, SOLO, SOLO_ALIAS):
+        before = served(gw)
+        r = post(gw, COUNT_TOKENS, {"model": model, **COUNTED})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-sim-worker"] == "solo-1" and r.headers["x-cortex-cache-hit-tokens"] == "0"
+        assert {w: d for w, d in delta(before, served(gw)).items() if d} == {"solo-1": {COUNT_TOKENS: 1}}
+
+
+def test_count_tokens_claims_no_cache_and_leaves_no_prediction(gw: Gateway) -> None:
+    """A counted conversation is not predicted on the worker that counted it: the Messages request that follows
+    is decided on what the engines hold (nothing, on SOLO's only worker), not on a count."""
+    doc = {**COUNTED, "messages": [{"role": "user", "content": "Never seen before. " + LONG}]}
+    for _ in range(2):
+        assert post(gw, COUNT_TOKENS, {"model": SOLO, **doc}).status_code == 200
+    messages = {"model": SOLO, "max_tokens": 2, **doc}
+    decided = explain(gw, MESSAGES, messages)
+    (solo,) = decided["workers"]
+    assert decided["cache_hit_tokens"] == solo["predicted_tokens"] == solo["matched_tokens"] == 0, decided
+    # The same conversation sent to /v1/messages is computed, predicted, then held: the next one is a hit.
+    assert post(gw, MESSAGES, messages).status_code == 200
+    wait_for(lambda: explain(gw, MESSAGES, messages)["cache_hit_tokens"] > 0, timeout=20, what="a hit after a run")
+
+
+@pytest.mark.parametrize(("doc", "status", "param"), [
+    ({"model": MODEL}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400, "messages"),
+    ({"model": MODEL, "messages": [], "tools": [{"name": "f"}]}, 400, "tools"),
+    ({"messages": []}, 400, "model"),
+    ({"model": "no/such-model", "messages": []}, 404, "model"),
+])
+def test_a_bad_count_tokens_request_is_refused_before_any_worker(gw: Gateway, doc: dict[str, Any], status: int,
+                                                                  param: str) -> None:
+    before = served(gw)
+    r = post(gw, COUNT_TOKENS, doc)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == status and err["message"]
+    assert "x-sim-worker" not in r.headers
+    assert delta(before, served(gw)) == {s.id: {} for s in gw.sims}
+
+
+def test_count_tokens_spends_no_tokens(gw: Gateway) -> None:
+    """A tenant held to 300 tokens a minute counts a prompt far longer, again and again; its settled charge is
+    only what its one generation costs."""
+    who = f"tpm-{NAMES[COUNT_TOKENS]}"
+    for _ in range(4):
+        r = post(gw, COUNT_TOKENS, body(COUNT_TOKENS, big=True), who)
+        assert r.status_code == 200 and r.json()["input_tokens"] > 300, r.text
+    spent = post(gw, CHAT, body(CHAT), who)
+    assert spent.status_code == 200
+    u = spent.json()["usage"]
+    expected = limits.cost(ChargeWeights(), u["prompt_tokens"],
+                           (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0, u["completion_tokens"])
+
+    def charged() -> float:
+        return total(scrape(gw.observe_url), "cortex_tenant_charged_tokens_total", tenant=who)
+
+    wait_for(charged, timeout=20, what="the observer settled the chat completion")
+    assert charged() == pytest.approx(expected)

@@ -12,7 +12,17 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, GENERATE, MESSAGES, RERANK, RESPONSES, SCORE
+from cortex.api_paths import (
+    CHAT,
+    COMPLETIONS,
+    COUNT_TOKENS,
+    EMBEDDINGS,
+    GENERATE,
+    MESSAGES,
+    RERANK,
+    RESPONSES,
+    SCORE,
+)
 from cortex.engine_hashes import sglang_page_hashes, sglang_wire_hash
 from cortex.engines.base import ChainStartHasher, EngineAdapter, PdTimeouts, RankLoad
 from cortex.media import MediaSpan
@@ -88,8 +98,10 @@ class SglangAdapter(EngineAdapter):
     lora_as_suffix = True
     lora_path_field = True
 
-    # Its OpenAI server's inference routes (vLLM 0.32 has no /generate; SGLang 0.5.23 serves all eight).
-    inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE, EMBEDDINGS, RERANK, SCORE})
+    # Its OpenAI server's inference routes (vLLM 0.32 has no /generate; SGLang 0.5.23 serves all nine, count_tokens
+    # in sglang/srt/entrypoints/http_server.py).
+    inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, GENERATE, EMBEDDINGS, RERANK,
+                                 SCORE})
     tool_style = "sglang"
 
     def media_page_extras(self, items: Sequence[MediaSpan], n_pages: int, page_size: int) -> list[list[Any]] | None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cortex import headers
-from cortex.api_paths import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE
+from cortex.api_paths import CHAT, COMPLETIONS, COUNT_TOKENS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE
 from cortex.engine_hashes import (
     VLLM_HASH_ALGOS,
     VllmBlockHasher,
@@ -168,8 +168,9 @@ class VllmAdapter(EngineAdapter):
     lora_as_suffix = False
     lora_path_field = False
 
-    # Its OpenAI server's inference routes (vLLM 0.32 has no /generate; SGLang 0.5.23 serves all eight).
-    inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS, RERANK, SCORE})
+    # Its OpenAI server's inference routes (vLLM 0.32 has no /generate; count_tokens is
+    # vllm/entrypoints/anthropic/api_router.py).
+    inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, EMBEDDINGS, RERANK, SCORE})
     tool_style = "vllm"
 
     def cache_read_limit(self, api: str, body: Mapping[str, Any]) -> int | None:

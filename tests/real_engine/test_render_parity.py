@@ -1,8 +1,9 @@
 """The agent APIs against real vLLM 0.32 engines behind `cortex run`: Cortex's token ids for chat completions,
 Responses and Anthropic Messages requests equal the engine's own (its /render endpoints) on a corpus of agent
 conversations with tools (tests/agent_corpus.py), a second identical Responses or Messages request is an exact
-hit (the claim equals the engine's cached tokens), and a Responses follow-up naming its previous response goes to
-the engine that stored it (the other answers 404 for a response it does not hold).
+hit (the claim equals the engine's cached tokens), a Responses follow-up naming its previous response goes to
+the engine that stored it (the other answers 404 for a response it does not hold), and Anthropic's count_tokens is
+forwarded and answered with the length of the prompt the engine renders for the same Messages request.
 
 The engines run as agent deployments do: `--enable-auto-tool-choice --tool-call-parser hermes` (Qwen2.5's tool
 format; without it vLLM refuses tools with tool_choice auto), `--enable-scale-out` (the /render endpoints) and
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cortex.api_paths import CHAT, MESSAGES, RESPONSES
+from cortex.api_paths import CHAT, COUNT_TOKENS, MESSAGES, RESPONSES
 from tests import agent_corpus
 from tests.harness import MODEL, Gateway
 from tests.real_engine.vllm_engine import VllmEngine, gateway, new_engine, running, settle
@@ -107,3 +108,21 @@ def test_a_responses_follow_up_goes_to_the_engine_that_stored_its_response(
         assert r.headers["x-cortex-route-reason"] == "previous_response"
     chained = _post(gw, RESPONSES, {**follow, "previous_response_id": r.json()["id"]})
     assert chained.headers["x-cortex-assigned-worker"] == holder
+
+
+# What vLLM's AnthropicCountTokensRequest takes of a Messages request (no max_tokens, no sampling fields).
+_COUNTED_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
+                   "chat_template_kwargs")
+
+
+@pytest.mark.parametrize("seed", [201, 202, 203])
+def test_count_tokens_is_forwarded_and_counts_the_engines_render(fleet: tuple[Gateway, list[VllmEngine]],
+                                                                 seed: int) -> None:
+    gw, engines = fleet
+    doc = {"model": MODEL, **agent_corpus.messages(seed)}
+    counted = {k: v for k, v in doc.items() if k in _COUNTED_FIELDS}
+    r = _post(gw, COUNT_TOKENS, counted)
+    n = r.json()["input_tokens"]
+    assert r.json() == {"input_tokens": n, "context_management": {"original_input_tokens": n}}
+    assert n == len(engine_ids(engines[0], MESSAGES, doc)) > 0
+    assert r.headers["x-cortex-route-reason"] == "token_count" and r.headers["x-cortex-cache-hit-tokens"] == "0"

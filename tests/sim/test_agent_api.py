@@ -78,6 +78,14 @@ def test_messages_answer_and_stream_in_anthropics_shape() -> None:
         assert usage["input_tokens"] + usage["cache_read_input_tokens"] == first["usage"]["input_tokens"]
         async with http.post("/v1/messages", json={**body, "max_tokens": None}) as resp:
             assert resp.status == 400
+        # count_tokens: the same prompt counted, nothing run, in vLLM's shape.
+        counted = {k: v for k, v in body.items() if k != "max_tokens"}
+        async with http.post("/v1/messages/count_tokens", json=counted) as resp:
+            doc = await resp.json()
+        n = first["usage"]["input_tokens"]
+        assert doc == {"input_tokens": n, "context_management": {"original_input_tokens": n}}
+        async with http.post("/v1/messages/count_tokens", json={"model": MODEL}) as resp:
+            assert resp.status == 400
 
     serve(scenario)
 
@@ -107,5 +115,10 @@ def test_sglang_serves_them_too() -> None:
         async with http.post("/v1/messages", json={"model": "any", "max_tokens": 2,
                                                    "messages": [{"role": "user", "content": "hi"}]}) as r:
             assert r.status == 200
+            usage = (await r.json())["usage"]
+            n = usage["input_tokens"] + usage["cache_read_input_tokens"]  # the Responses request cached most of it
+        async with http.post("/v1/messages/count_tokens", json={"model": "any",
+                                                                "messages": [{"role": "user", "content": "hi"}]}) as r:
+            assert await r.json() == {"input_tokens": n}  # SGLang's shape: the count alone
 
     serve(scenario, config(engine="sglang"))
