@@ -101,6 +101,21 @@ def report_chain_caches(caches: Iterable[ChainCache]) -> None:
     CHAIN_BYTES.set(held)
 
 
+_BREAKERS_SHOWN: set[str] = set()
+
+
+def breakers_known(workers: Iterable[str]) -> None:
+    """A closed breaker is a 0 from the start, not a missing series, and so are its two ways of opening: a panel
+    sees every worker, and the first opening is an increase of the transitions counter (a counter's first
+    scraped value is never in a rate: an alert counting openings would miss the first)."""
+    for worker in workers:
+        if worker not in _BREAKERS_SHOWN:
+            _BREAKERS_SHOWN.add(worker)
+            BREAKER_STATE.labels(worker)
+            for before in (State.CLOSED, State.HALF_OPEN):
+                BREAKER_TRANSITIONS.labels(worker, before.value, State.OPEN.value)
+
+
 def breaker_transition(worker: str, old: State, new: State) -> None:
     BREAKER_STATE.labels(worker).set(LEVEL[new])
     BREAKER_TRANSITIONS.labels(worker, old.value, new.value).inc()

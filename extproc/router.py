@@ -106,3 +106,4 @@ class Router:
         metrics.report_chain_caches(enc.chains for enc in self.segments.encoders())
         if self.cluster.synced:
             self.breakers.forget(self.cluster.by_address)  # workers that left the fleet
+            metrics.breakers_known(t.worker for t in self.cluster.by_address.values())

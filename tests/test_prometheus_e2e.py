@@ -12,7 +12,8 @@ query and every rule's expression is evaluated through Prometheus's HTTP API.
   resync), a worker added with a wrong KV-event port (not ready, then silent), workers whose load cannot be read
   (fallback decisions), a planted routing bug, a collapse of the hit ratio and the TTFT after a baseline (its
   rules compare with the past, so they are evaluated at the instant whose windows hold the collapse and the
-  baseline), an ingest and an extproc restart, and the gateway gone.
+  baseline), a worker answering 500 to everything (its breaker opens and reopens), an ingest and an extproc
+  restart, and the gateway gone.
 
 Bounded: one gateway, three simulated workers, one Prometheus, about two minutes.
 """
@@ -61,6 +62,7 @@ NEEDS_FAULT: dict[str, str] = {
     "alert:CortexWorkerPublishesNoKVEvents": "wrong_kv_port",
     "alert:CortexFallbackRateHigh": "load_unknown",
     "alert:CortexExtprocInternalErrors": "routing_bug",
+    "alert:CortexWorkerBreakerOpen": "breaker",
     "alert:CortexTTFTP90Up": "collapse",
     "alert:CortexHitRatioCollapsed": "collapse",
     "alert:CortexIngestRestarting": "ingest_restart",
@@ -271,7 +273,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                      "tenants": [{"id": "default", "trusted": True},
                                  {"id": "rate", "api_keys": [digest(RATE_KEY)],
                                   "limits": {"requests_per_s": 0.01, "burst": 1}}],
-                     "admission": {"isolate_caches": False}})
+                     "admission": {"isolate_caches": False},
+                     # A breaker that opens after two failed answers and tries again after a second, so the
+                     # breaker phase sees it reopen within seconds (the defaults: 10 failures, 60 s).
+                     "breaker": {"failure_threshold": 2, "open_s": 1.0, "half_open_trials": 3,
+                                 "success_threshold": 1}})
     with contextlib.ExitStack() as running:
         with pytest.MonkeyPatch.context() as env:
             # The gateway's processes inherit the planted routing fault (and keep it across restarts).
@@ -301,6 +307,7 @@ def run_timeline(s: Stack) -> None:
     load_unknown(s)
     routing_bug(s)
     collapse(s)
+    breaker(s)
     restarts(s)
     gateway_down(s)
 
@@ -456,6 +463,25 @@ def collapse(s: Stack) -> None:
     wait_for(lambda: scraped_requests(s.prom) >= before + 80, timeout=30, interval=0.5, what="the collapse scraped")
     time.sleep(2 * SCRAPE_S)
     s.windows["collapse"] = (start, time.time())
+
+
+def breaker(s: Stack) -> None:
+    """sim-2 answers 500 to every request while its health probe passes: Envoy retries each on sim-1 (every answer
+    is a 200), sim-2's breaker opens, and each trial after `open_s` opens it again."""
+    gw, start = s.gw, time.time()
+    probe = 'sum(increase(cortex_breaker_transitions_total{worker="sim-2", to_state="open"}[15m])) >= 3'
+    faults([gw.sims[1]], http_5xx_rate=1.0)
+    try:
+        deadline = time.monotonic() + 90
+        seed = 9000
+        while not s.prom.has(probe) and time.monotonic() < deadline:
+            r = chat(gw, short(seed))
+            assert r.status_code == 200, r.text
+            seed += 1
+            time.sleep(0.2)
+        settle(s, "breaker", start, probe)
+    finally:
+        faults([gw.sims[1]], http_5xx_rate=0.0)
 
 
 def restarts(s: Stack) -> None:
