@@ -22,7 +22,7 @@ import logging
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ import aiohttp
 import grpc
 import orjson
 from aiohttp import web
-from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.duration_pb2 import Duration
@@ -46,12 +46,27 @@ from cortex.piecewise_tokenize import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
 from cortex.upstream_tls import WorkerTls
 from extproc import epp, inference_paths, isolation, metrics, response_ids, stream, structured_output
-from extproc.admission import Admission, Ticket, refusal
+from extproc.admission import Admission, refusal
+from extproc.answers import (
+    EMPTY_BODY,
+    EMPTY_HEADERS,
+    as_answer,
+    claim_facts,
+    error,
+    header,
+    headers_answer,
+    immediate,
+    observe_claim,
+    observe_facts,
+    prompt_facts,
+    set_body,
+    status_of,
+    tenant_facts,
+    usage_options,
+)
 from extproc.breaker import State as BreakerState
-from extproc.breaker import Trial
 from extproc.cluster_view import ClusterView, derived_load
-from extproc.pd import PdPlan
-from extproc.pd_dispatch import PairResult, PdDispatcher, Phase, splice
+from extproc.pd_dispatch import PdDispatcher, Phase, splice
 from extproc.plan import RoutePlan
 from extproc.policies import session
 from extproc.policies.base import EXACT, LOAD_AWARE, Decision, active_of
@@ -60,85 +75,21 @@ from extproc.policies.transparent import REASON as TRANSPARENT
 from extproc.prepare import NoWorker
 from extproc.registry import ModelRegistry
 from extproc.router import Router
-from extproc.snapshot import Generation, Source
+from extproc.snapshot import Source
+from extproc.stream_state import (
+    DecodeFallback,
+    HoldHeaders,
+    PendingPair,
+    PoolFacts,
+    Seat,
+    StreamIO,
+    StreamState,
+    Waiting,
+)
 from extproc.tenants import Tenant
 from extproc.waiting_room import Entry, WaitingRoom, full
 
 log = logging.getLogger("cortex.extproc")
-
-_OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
-_EMPTY_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-_EMPTY_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
-
-
-def _set(key: str, value: str) -> HeaderValueOption:
-    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
-
-
-def _immediate(status: int, body: bytes, content_type: str = "application/json") -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=HttpStatus(code=status),
-        headers=pb.HeaderMutation(set_headers=[_set("content-type", content_type)]),
-        body=body, details="cortex"))
-
-
-@dataclass(slots=True)
-class PendingPair:
-    """A routed request whose PD pair still has to be started (the only await on the request path)."""
-
-    result: RoutePlan
-    plan: PdPlan
-    doc: dict[str, Any]
-    body: bytes
-    changes: dict[str, object]
-    wait_s: float
-    """How long starting the pair may take (Envoy's message deadline is extended when it is longer)."""
-
-
-@dataclass(slots=True)
-class Seat:
-    """A request in the waiting room: what acting on it needs once released, and where its answer goes."""
-
-    st: StreamState
-    body: bytes
-    answer: asyncio.Future[pb.ProcessingResponse | PendingPair]
-
-
-@dataclass(slots=True)
-class Waiting:
-    """A request that waits for a worker with room (extproc/waiting_room.py): `process` extends Envoy's deadline for
-    the message, then awaits its answer: routed anew once released, a 503 once expired."""
-
-    entry: Entry[Seat]
-
-
-@dataclass(frozen=True, slots=True)
-class PoolFacts:
-    """What the waiting room knows about one pool's workers, from the last request it routed: a pool has room again
-    once one of them (or a worker that joined the model since) is no longer full."""
-
-    model: str
-    slots: frozenset[int]
-    """The decision's candidates."""
-    known: frozenset[int]
-    """Every target of the model then (one not among them joined since)."""
-
-
-@dataclass(slots=True)
-class HoldHeaders:
-    """An SGLang decode answered its headers before its prefill leg finished: they wait for it (bounded)."""
-
-    until: float
-    """time.monotonic() past which the headers go out anyway."""
-
-
-@dataclass(slots=True)
-class DecodeFallback:
-    """A pair that failed before the client got a byte, to be served by one worker from a cold start."""
-
-    why: str
-    decision: Decision
-    """The plan's fallback decision, without the pair's workers that failed (while others exist)."""
 
 
 # The event that failed a pair -> the x-cortex-pd fallback reason.
@@ -153,71 +104,6 @@ IDLE_UPKEEP_S = 1.0
 itself if the last refresh is older than UPKEEP_S (docs/performance.md, "What an idle replica costs")."""
 IDLE_AFTER_S = 2.0
 
-
-@dataclass(slots=True)
-class StreamState:
-    method: str = ""
-    path: str = ""
-    query: str = ""
-    decision: Decision | None = None
-    counted_slot: int | None = None
-    fallback_reason: str = ""
-    pd: PairResult | None = None
-    """The PD pair serving this request (its prefill leg is extproc's own)."""
-    pd_note: str = ""
-    """x-cortex-pd: pair, pair:repicked, skipped:<why>, fallback:<why> ('' for a model without a PD pool)."""
-    pd_prefill_decision: Decision | None = None
-    pd_pending: PendingPair | None = None
-    """The request as the client sent it, kept while a pair serves it: a pair that fails before the first byte
-    is served again by one worker."""
-    tenant: Tenant | None = None
-    """Who sent it (extproc/tenants.py), known from the request headers on."""
-    ticket: Ticket | None = None
-    """What it holds of its tenant's limits until it ends (extproc/admission.py)."""
-    session: str | None = None
-    """Its session key (cfg.session.headers, extproc/policies/session.py), known from the request headers on."""
-    answer_schema: structured_output.Expected | None = None
-    """The schema a whole (non-streamed) answer is checked against (structured_output.validate_responses)."""
-    waiting: Entry[Seat] | None = None
-    """Its place in the waiting room, once it had to wait."""
-    queued_s: float | None = None
-    """How long it waited there before it was released (None: it never waited)."""
-    priority: int | None = None
-    """Its band when an llm-d objective named one (admission.objectives); None: its tenant's."""
-    llmd: dict[str, str] | None = None
-    """llm-d's request headers it carried, by meaning (extproc/epp.py: LLMD_HEADERS)."""
-    subset: tuple[str, ...] | None = None
-    """The endpoints the gateway allows it (picker mode: envoy.lb.subset_hint); None: any."""
-    test_pick: str | None = None
-    """The conformance suite's endpoint selection (picker mode with epp.conformance_test only)."""
-    rewritten: bool = False
-    """Its body names another model than the client's (llm-d's model rewrite): the new body goes upstream."""
-    sent: int = 0
-    """Endpoints named in x-gateway-destination-endpoint: with one, the one that served is known without Envoy
-    saying it (no retry can go elsewhere)."""
-    trial: Trial | None = None
-    """The slot it took of its first choice's half-open breaker (extproc/breaker.py), given back when it ends."""
-    gen: Generation | None = None
-    """The config generation in force when its stream began: its request phases read this one, so a reload
-    between its headers and its body cannot identify it under one generation and route it under the next."""
-    released: bool = False
-    """What it held was let go (once)."""
-
-
-@dataclass(slots=True)
-class _StreamIO:
-    """What the transport keeps between an action and the event it feeds back (protobuf and futures: never the
-    machine's)."""
-
-    seat: Seat | None = None
-    pending: PendingPair | None = None
-    fallback: DecodeFallback | None = None
-    response: Any = None
-    """The response-headers message being answered."""
-
-
-def _answer(response: pb.ProcessingResponse) -> stream.Answer[pb.ProcessingResponse]:
-    return stream.Answer(response, response.HasField("immediate_response"))
 
 
 class ExtProc:
@@ -272,7 +158,7 @@ class ExtProc:
         cfg = self.source.current.cfg if st.gen is None else st.gen.cfg
         machine: stream.Stream[pb.ProcessingResponse] = stream.Stream(stream.Limits(
             cfg.extproc.max_body_bytes, cfg.extproc.message_timeout_ms / 1000, self.max_hold_s))
-        io = _StreamIO()
+        io = StreamIO()
         try:
             async for req in requests:
                 event = self._event(st, io, req)
@@ -287,7 +173,7 @@ class ExtProc:
                 if isinstance(action, stream.Release):
                     self._release(st)
 
-    def _event(self, st: StreamState, io: _StreamIO,
+    def _event(self, st: StreamState, io: StreamIO,
                req: Any) -> stream.Event[pb.ProcessingResponse] | None:
         """Decode one ProcessingRequest into the machine's event (the headers phases ask the decision core here:
         nothing precedes their decision)."""
@@ -297,7 +183,7 @@ class ExtProc:
             if self.picker:
                 st.subset = epp.subset_of(req.metadata_context)
             answer = self.on_request_headers(st, req.request_headers)
-            return stream.RequestHeaders(_answer(answer), req.request_headers.end_of_stream, duplex, duplex_out)
+            return stream.RequestHeaders(as_answer(answer), req.request_headers.end_of_stream, duplex, duplex_out)
         if which == "request_body":
             return stream.RequestBody(req.request_body.body, req.request_body.end_of_stream)
         if which == "request_trailers":
@@ -314,7 +200,7 @@ class ExtProc:
             return stream.ResponseTrailers()
         return None
 
-    def _body_outcome(self, io: _StreamIO, answer: pb.ProcessingResponse | PendingPair | Waiting
+    def _body_outcome(self, io: StreamIO, answer: pb.ProcessingResponse | PendingPair | Waiting
                       ) -> stream.Answer[pb.ProcessingResponse] | stream.Wait | stream.Pair:
         if isinstance(answer, Waiting):
             io.seat = answer.entry.payload
@@ -322,9 +208,9 @@ class ExtProc:
         if isinstance(answer, PendingPair):
             io.pending = answer
             return stream.Pair(answer.wait_s)
-        return _answer(answer)
+        return as_answer(answer)
 
-    def _response_outcome(self, st: StreamState, io: _StreamIO,
+    def _response_outcome(self, st: StreamState, io: StreamIO,
                           answer: pb.ProcessingResponse | DecodeFallback | HoldHeaders
                           ) -> stream.Answer[pb.ProcessingResponse] | stream.Hold | stream.Fallback:
         if isinstance(answer, HoldHeaders):
@@ -333,9 +219,9 @@ class ExtProc:
             io.fallback = answer
             assert st.pd_pending is not None
             return stream.Fallback(st.pd_pending.plan.cfg.fallback_timeout_s)
-        return _answer(answer)
+        return as_answer(answer)
 
-    async def _perform(self, st: StreamState, io: _StreamIO, machine: stream.Stream[pb.ProcessingResponse],
+    async def _perform(self, st: StreamState, io: StreamIO, machine: stream.Stream[pb.ProcessingResponse],
                        actions: list[stream.Action[pb.ProcessingResponse]]) -> Any:
         """Perform the machine's actions in order, feeding back what the awaited ones came to."""
         todo = deque(actions)
@@ -346,11 +232,11 @@ class ExtProc:
                 case stream.Send():
                     yield action.answer
                 case stream.SendSplit():
-                    for part in epp.split_body_answer(action.headers or _EMPTY_HEADERS, action.answer, action.body,
+                    for part in epp.split_body_answer(action.headers or EMPTY_HEADERS, action.answer, action.body,
                                                       action.end_of_stream):
                         yield part
                 case stream.Refuse():
-                    yield self._error(ClientError(action.status, action.message), st)
+                    yield error(ClientError(action.status, action.message), st)
                 case stream.Extend():
                     yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=action.seconds))
                 case stream.Decide():
@@ -363,7 +249,7 @@ class ExtProc:
                     more = machine.feed(stream.Released(outcome))
                 case stream.StartPair():
                     assert io.pending is not None
-                    more = machine.feed(stream.PairStarted(_answer(await self._pd_pair(st, io.pending))))
+                    more = machine.feed(stream.PairStarted(as_answer(await self._pd_pair(st, io.pending))))
                 case stream.HoldHeaders():
                     assert st.pd is not None and io.response is not None
                     with contextlib.suppress(TimeoutError):
@@ -374,7 +260,7 @@ class ExtProc:
                 case stream.StartFallback():
                     assert io.fallback is not None and io.response is not None
                     done = await self._decode_fallback(st, io.response, io.fallback)
-                    more = machine.feed(stream.FallbackDone(_answer(done)))
+                    more = machine.feed(stream.FallbackDone(as_answer(done)))
                 case stream.Stamp():
                     if st.pd is not None:
                         # After an immediate response, Envoy resets the decode itself; the abort follows once
@@ -451,18 +337,18 @@ class ExtProc:
             tenant_value = epp.fairness_tenant(st.llmd, tenant_header)
         if st.method == "GET" and st.path == HEALTH_PATH:
             # Answered here, so a 200 proves the whole chain Envoy -> extproc works.
-            return _immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.synced}))
+            return immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.synced}))
         try:
             st.tenant = gen.tenants.identify(authorization, tenant_value)
             if st.llmd is not None:
                 st.priority = epp.priority_of(st.llmd, gen.cfg.admission.objectives)
         except ClientError as exc:  # before any routing work
             metrics.ADMISSION_REJECTIONS.labels("", "unauthenticated").inc()
-            return self._error(exc, st)
+            return error(exc, st)
         if sessions:  # the first configured header present and not blank
             st.session = next((k for n in session_headers if (k := session.key_of(sessions.get(n)))), None)
         if st.method == "GET" and st.path == MODELS_PATH:
-            return _immediate(200, gen.registry.models_body)
+            return immediate(200, gen.registry.models_body)
         inference = st.method == "POST" and st.path in inference_paths.PATHS
         # Every request a worker will see is admitted, before Envoy has even buffered a body: the rate and
         # concurrency limits hold on /tokenize, stored responses and the rest as on the inference paths (a limit
@@ -470,16 +356,16 @@ class ExtProc:
         try:
             st.ticket = self.admission.admit(st.tenant)
         except ClientError as exc:
-            return self._error(exc, st)
+            return error(exc, st)
         wants_body = inference or (st.method == "POST" and st.path == EXPLAIN_PATH and
                                    gen.cfg.extproc.public_route_explain)
         if wants_body and headers.end_of_stream:
-            return self._error(ClientError(400, "request body is required"), st)
+            return error(ClientError(400, "request body is required"), st)
         if not wants_body:
             # Not an inference request: no body work, least-loaded worker of the whole fleet.
             self._route_any(st)
             return self._routing_response(st, "request_headers")
-        return _EMPTY_HEADERS
+        return EMPTY_HEADERS
 
     def on_request_body(self, st: StreamState, body: bytes,
                         released: bool = False) -> pb.ProcessingResponse | PendingPair | Waiting:
@@ -513,12 +399,12 @@ class ExtProc:
             result = self.router.route(parsed)
         except NoWorker as exc:
             if released or not gen.cfg.admission.waiting_room.enabled:
-                return self._error(exc, st)
+                return error(exc, st)
             # Scale from zero: it waits for a worker to appear.
             self.room_facts[parsed.model] = PoolFacts(exc.model, frozenset(), frozenset())
             return self._enter_room(st, parsed.model, body)
         except ClientError as exc:
-            return self._error(exc, st)
+            return error(exc, st)
         except Exception:  # never fail the request because routing failed: Envoy's balancing takes it
             log.exception("routing failed; request continues on the fallback route")
             metrics.INTERNAL_ERRORS.inc()
@@ -529,7 +415,7 @@ class ExtProc:
         if st.subset is not None and (result.pd is None or result.pd.pair is None):
             narrowed = epp.within(result.decision, st.subset)
             if narrowed is None:
-                return self._error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
+                return error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
                                            "None of the endpoints the gateway allows serves this model.", 1), st)
             result = replace(result, decision=narrowed)  # a new plan: a plan is never changed
         if not released and self._must_wait(parsed.model, result):
@@ -542,7 +428,7 @@ class ExtProc:
                                        result.decision.hit_tokens,
                                        output if output is not None else gen.cfg.admission.default_max_tokens)
             except ClientError as exc:
-                return self._error(exc, st)
+                return error(exc, st)
         changes = {**result.changes, **salted}  # every worker gets the salt: single, both PD legs, the fallback
         plan = result.pd
         if plan is not None and plan.pair is not None:
@@ -557,9 +443,9 @@ class ExtProc:
         if injected is not None:
             changes = {**changes, "stream_options": injected}
         response = self._single(st, result.decision, result.model, body, changes)
-        _observe(response, {observation.MODEL: result.model, observation.STREAM: parsed.stream,
-                            observation.USAGE_INJECTED: injected is not None, **_prompt_facts(result),
-                            **_tenant_facts(st)})
+        observe_facts(response, {observation.MODEL: result.model, observation.STREAM: parsed.stream,
+                            observation.USAGE_INJECTED: injected is not None, **prompt_facts(result),
+                            **tenant_facts(st)})
         return response
 
     def _single(self, st: StreamState, decision: Decision, model: str, body: bytes,
@@ -573,7 +459,7 @@ class ExtProc:
         if chosen.rank is not None and (placed := engines.adapter(chosen.engine).rank_body(chosen.rank)):
             changes = {**changes, **placed}  # an engine that pins a DP rank from the body only (SGLang)
         if changes or st.rewritten:
-            self._set_body(response, splice(body, changes))
+            set_body(response, splice(body, changes))
         return response
 
     async def _pd_pair(self, st: StreamState, pending: PendingPair) -> pb.ProcessingResponse:
@@ -596,7 +482,7 @@ class ExtProc:
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
             fallback = result.fallback
             if fallback is None:
-                return self._error(ClientError(
+                return error(ClientError(
                     502, f"prefill/decode pair for model `{result.model}` could not start: prefill worker(s) "
                          f"{', '.join(c.id for c in pair.prefill.order[:2])} failed and no worker serves the "
                          "model alone", reason="pd_prefill_failed"))
@@ -615,20 +501,13 @@ class ExtProc:
         self._count(st, started.decode.slot)
         response = self._routing_response(st, "request_body", pool_cluster(result.model))
         common = response.request_body.response
-        common.header_mutation.set_headers.append(_set(H.PD_ROUTE, "1"))
+        common.header_mutation.set_headers.append(header(H.PD_ROUTE, "1"))
         for k, v in started.decode_headers.items():
-            common.header_mutation.set_headers.append(_set(k, v))
-        self._set_body(response, started.decode_body)
-        _observe(response, {observation.MODEL: result.model, observation.STREAM: pending.doc.get("stream") is True,
-                            observation.USAGE_INJECTED: False, **_prompt_facts(result), **_tenant_facts(st)})
+            common.header_mutation.set_headers.append(header(k, v))
+        set_body(response, started.decode_body)
+        observe_facts(response, {observation.MODEL: result.model, observation.STREAM: pending.doc.get("stream") is True,
+                            observation.USAGE_INJECTED: False, **prompt_facts(result), **tenant_facts(st)})
         return response
-
-    @staticmethod
-    def _set_body(response: pb.ProcessingResponse, new_body: bytes) -> None:
-        common = response.request_body.response
-        common.body_mutation.body = new_body
-        # Envoy does not fix Content-Length after a body mutation; a stale one makes it answer 500.
-        common.header_mutation.set_headers.append(_set("content-length", str(len(new_body))))
 
     def _predict(self, result: RoutePlan, decision: Decision) -> None:
         """The fallback's worker is about to hold the prompt: siblings follow it (as a committed decision does)."""
@@ -649,9 +528,9 @@ class ExtProc:
             info = self.cluster.by_address.get(served)
             mode = "fallback_p2c"
             reason = st.fallback_reason or "routed_by_envoy"
-            headers.append(_set(H.CACHE_HIT_TOKENS, "0"))
+            headers.append(header(H.CACHE_HIT_TOKENS, "0"))
             if info is not None:
-                headers.append(_set(H.ASSIGNED_WORKER, info.id))
+                headers.append(header(H.ASSIGNED_WORKER, info.id))
         elif st.pd is not None:
             return self._pd_response_headers(st, req, served)
         else:
@@ -660,8 +539,8 @@ class ExtProc:
             if not served and self.picker:
                 # A gateway that says neither which endpoint served nor sends one endpoint only: the hit is not
                 # proven (a retry may have gone to a fallback).
-                headers += [_set(H.ASSIGNED_WORKER, chosen.id), _set(H.CACHE_HIT_TOKENS, "0"),
-                            _set(H.MATCH_MODE, d.mode), _set(H.ROUTE_REASON, f"unconfirmed:{d.reason}")]
+                headers += [header(H.ASSIGNED_WORKER, chosen.id), header(H.CACHE_HIT_TOKENS, "0"),
+                            header(H.MATCH_MODE, d.mode), header(H.ROUTE_REASON, f"unconfirmed:{d.reason}")]
                 return self._answer_headers(st, req, headers, served)
             if served and served != chosen.address:
                 # Envoy retried on the next worker of the list: report what really happened.
@@ -673,10 +552,10 @@ class ExtProc:
             if worker is not chosen:
                 reason = f"retried:{reason}"
                 mode = mode if mode != EXACT else LOAD_AWARE
-            headers += [_set(H.ASSIGNED_WORKER, worker.id), _set(H.CACHE_HIT_TOKENS, str(hit))]
-        headers += [_set(H.MATCH_MODE, mode), _set(H.ROUTE_REASON, reason)]
+            headers += [header(H.ASSIGNED_WORKER, worker.id), header(H.CACHE_HIT_TOKENS, str(hit))]
+        headers += [header(H.MATCH_MODE, mode), header(H.ROUTE_REASON, reason)]
         if st.pd_note:
-            headers.append(_set(H.PD, st.pd_note))
+            headers.append(header(H.PD, st.pd_note))
         return self._answer_headers(st, req, headers, served)
 
     def _answered(self, st: StreamState, req: Any, served: str) -> None:
@@ -689,24 +568,24 @@ class ExtProc:
         if d is not None and served and served != d.chosen.address:
             breakers.record(d.chosen.address, False, now)
         if served:
-            breakers.record(served, not _status(req).startswith(b"5"), now)
+            breakers.record(served, not status_of(req).startswith(b"5"), now)
         breakers.release(st.trial)
 
     def _answer_headers(self, st: StreamState, req: Any, headers: list[HeaderValueOption],
                         served: str) -> pb.ProcessingResponse:
-        response = _headers_answer(st, req, headers, self.cfg.extproc.routing_headers)
-        _observe_claim(response, headers)
+        response = headers_answer(st, req, headers, self.cfg.extproc.routing_headers)
+        observe_claim(response, headers)
         if self.picker and self.cfg.epp.conformance_test:
             # The conformance suite checks where its request went (its verifier plugin's header).
             response.response_headers.response.header_mutation.set_headers.append(
-                _set(epp.TEST_SERVED, served or "fail: missing envoy lb metadata"))
+                header(epp.TEST_SERVED, served or "fail: missing envoy lb metadata"))
         return response
 
     def _pd_response_headers(self, st: StreamState, req: Any,
                              served: str) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
         pair, prefill = st.pd, st.pd_prefill_decision
         assert pair is not None and prefill is not None and st.decision is not None
-        status = _status(req)
+        status = status_of(req)
         failed = not status.startswith(b"2")
         pair.legs.event("decode_failed" if failed else "decode_ok")
         if status.startswith(b"5") or (not failed and pair.legs.phase is Phase.FAILED):
@@ -755,18 +634,18 @@ class ExtProc:
         # the decode's usage. A re-picked prefill was not the one the ledger proved.
         hit = prefill.hit_tokens if not pair.repicked else 0
         mode = prefill.mode if not pair.repicked or prefill.mode != EXACT else LOAD_AWARE
-        headers = [_set(H.ASSIGNED_WORKER, f"prefill={pair.legs.prefill.id},decode={decode.id}"),
-                   _set(H.CACHE_HIT_TOKENS, str(hit)), _set(H.MATCH_MODE, mode),
-                   _set(H.ROUTE_REASON, f"pd:{prefill.reason}"), _set(H.PD, st.pd_note)]
-        response = _headers_answer(st, req, headers, self.cfg.extproc.routing_headers)
-        if pair.legs.failure and not _status(req).startswith(b"2"):
+        headers = [header(H.ASSIGNED_WORKER, f"prefill={pair.legs.prefill.id},decode={decode.id}"),
+                   header(H.CACHE_HIT_TOKENS, str(hit)), header(H.MATCH_MODE, mode),
+                   header(H.ROUTE_REASON, f"pd:{prefill.reason}"), header(H.PD, st.pd_note)]
+        response = headers_answer(st, req, headers, self.cfg.extproc.routing_headers)
+        if pair.legs.failure and not status_of(req).startswith(b"2"):
             # The pair failed and no single worker took over: the error (often Envoy's, for the decode leg Cortex
             # cut) says why in the pair's terms, for every caller.
             reason = f"pd_{_FALLBACK_WHY.get(pair.legs.failure, 'decode_failed')}"
             response.response_headers.response.header_mutation.set_headers.extend(
-                [_set(H.DROPPED_REASON, reason), _set(H.LLMD_DROPPED_REASON, reason)])
+                [header(H.DROPPED_REASON, reason), header(H.LLMD_DROPPED_REASON, reason)])
         # The decode worker answers (and reports the usage); the pair's prefill is kept beside it.
-        _observe(response, {**_claim_facts(headers), observation.WORKER: decode.id,
+        observe_facts(response, {**claim_facts(headers), observation.WORKER: decode.id,
                             observation.PREFILL: pair.legs.prefill.id})
         return response
 
@@ -818,18 +697,18 @@ class ExtProc:
             mode = decision.mode if chosen or decision.mode != EXACT else LOAD_AWARE
             shown = isolation.sees_routing(st.tenant)
             hidden = set() if shown else set(isolation.upstream_cortex_headers(k.lower() for k in resp_headers))
-            out = [_set(k.lower(), v) for k, v in resp_headers.items()
+            out = [header(k.lower(), v) for k, v in resp_headers.items()
                    if k.lower() not in _NOT_COPIED and k.lower() not in hidden]
-            routing = [_set(H.ASSIGNED_WORKER, cand.id),
-                       _set(H.CACHE_HIT_TOKENS, str(decision.hit_tokens if chosen else 0)),
-                       _set(H.MATCH_MODE, mode),
-                       _set(H.ROUTE_REASON, decision.reason if chosen else f"retried:{decision.reason}"),
-                       _set(H.PD, st.pd_note)]
+            routing = [header(H.ASSIGNED_WORKER, cand.id),
+                       header(H.CACHE_HIT_TOKENS, str(decision.hit_tokens if chosen else 0)),
+                       header(H.MATCH_MODE, mode),
+                       header(H.ROUTE_REASON, decision.reason if chosen else f"retried:{decision.reason}"),
+                       header(H.PD, st.pd_note)]
             response = pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
                 status=HttpStatus(code=status),
                 headers=pb.HeaderMutation(set_headers=out + routing if shown else out), body=body,
                 details="cortex_pd_fallback"))
-            _observe_claim(response, routing)
+            observe_claim(response, routing)
             return response
         log.warning("PD pair prefill=%s failed (%s) and no single worker answered; the pair's error stands",
                     pair.legs.prefill.id, fb.why)
@@ -943,7 +822,7 @@ class ExtProc:
         else:
             message = ("Every worker serving this model stayed busy (or none was up) for as long as a request may "
                        f"wait; retry after {retry} s.")
-        return self._error(refusal(tenant.id, reason, 503, message, retry), st)
+        return error(refusal(tenant.id, reason, 503, message, retry), st)
 
     # -- helpers --------------------------------------------------------------------------------------------
 
@@ -960,7 +839,7 @@ class ExtProc:
 
     def _routing_response(self, st: StreamState, phase: str, pool: str = ANY_CLUSTER) -> pb.ProcessingResponse:
         if st.decision is None and not self.picker:
-            return _EMPTY_HEADERS if phase == "request_headers" else _EMPTY_BODY
+            return EMPTY_HEADERS if phase == "request_headers" else EMPTY_BODY
         headers: list[HeaderValueOption] = []
         endpoints = ""
         if st.decision is not None:
@@ -968,10 +847,11 @@ class ExtProc:
             endpoints = epp.destination([c.address for c in st.decision.order],
                                         self.cfg.epp.fallback_endpoints if self.picker else None)
             st.sent = endpoints.count(",") + 1
-            headers += [_set(H.POOL, pool), _set(H.ENDPOINTS, endpoints)]
+            headers += [header(H.POOL, pool), header(H.ENDPOINTS, endpoints)]
             chosen = st.decision.chosen
             if chosen.rank is not None:
-                headers.extend(_set(k, v) for k, v in engines.adapter(chosen.engine).rank_headers(chosen.rank).items())
+                ranked = engines.adapter(chosen.engine).rank_headers(chosen.rank)
+                headers.extend(header(k, v) for k, v in ranked.items())
         mutation = pb.HeaderMutation(set_headers=headers)
         if self.picker:
             # A gateway Cortex did not configure forwards a client's own copies of these.
@@ -989,9 +869,9 @@ class ExtProc:
         """Routing failed inside Cortex. Behind its own Envoy, Envoy balances the request. As a picker, the
         InferencePool's failure mode says: FailOpen sends it to the least loaded endpoint, FailClose refuses it."""
         if not self.picker:
-            return _EMPTY_BODY
+            return EMPTY_BODY
         if self.cfg.epp.failure_mode == "FailClose":
-            return self._error(ClientError(503, "The endpoint picker could not decide for this request.",
+            return error(ClientError(503, "The endpoint picker could not decide for this request.",
                                            reason="picker_failed"), st)
         self._route_any(st)
         return self._routing_response(st, "request_body")
@@ -1003,7 +883,7 @@ class ExtProc:
         d = st.decision
         picked = epp.pick_listed(listed, [c.address for c in d.order]) if d is not None else []
         if d is None or not picked:
-            return self._error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
+            return error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
                                        "No endpoint named by test-epp-endpoint-selection is known.", 1), st)
         order = tuple(next(c for c in d.order if c.address == a) for a in picked)
         st.decision = Decision(order, LOAD_AWARE, "conformance_test_selection")
@@ -1016,28 +896,18 @@ class ExtProc:
         try:
             salted = isolation.salt_unrouted(body, st.tenant)
         except ClientError as exc:
-            return self._error(exc, st)
+            return error(exc, st)
         if salted is None:
-            return _EMPTY_BODY
+            return EMPTY_BODY
         response = pb.ProcessingResponse(request_body=pb.BodyResponse())
-        self._set_body(response, splice(body, salted))
-        return response
-
-    def _error(self, exc: ClientError, st: StreamState | None = None) -> pb.ProcessingResponse:
-        metrics.CLIENT_ERRORS.labels(str(exc.status)).inc()
-        response = _immediate(exc.status, exc.body())
-        for k, v in exc.headers.items():
-            response.immediate_response.headers.set_headers.append(_set(k, v))
-        if st is not None and st.tenant is not None:
-            # The request log says whose request was refused, and why.
-            _observe(response, {observation.TENANT: st.tenant.id, observation.DROPPED: exc.reason})
+        set_body(response, splice(body, salted))
         return response
 
     def _explain(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
         if not isolation.sees_routing(st.tenant):
             raise ClientError(403, "Route explain is open only to tenants marked trusted.")
         query = dict(p.partition("=")[::2] for p in st.query.split("&"))
-        return _immediate(200, self.explain(body, st.tenant, st.session, query.get("tokens") == "1", query.get("path")))
+        return immediate(200, self.explain(body, st.tenant, st.session, query.get("tokens") == "1", query.get("path")))
 
     def explain(self, body: bytes, tenant: Tenant | None, session_key: str | None, with_tokens: bool,
                 path: str | None = None) -> bytes:
@@ -1113,90 +983,6 @@ class ExtProc:
 def _json_error(exc: ClientError) -> web.Response:
     return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
 
-
-def usage_options(stream: bool, body: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The stream_options to send when the engine must be asked for a stream's usage on the client's behalf
-    (cortex/observe.lua cuts that usage event out again), else None (not a stream, or the client asked).
-    continuous_usage_stats is turned off: without include_usage the client would have had no usage in its chunks
-    either. Not for a PD pair: its legs are built by extproc itself."""
-    if not stream:
-        return None
-    options = (body or {}).get("stream_options")
-    options = options if isinstance(options, dict) else {}
-    if options.get("include_usage") is True:
-        return None
-    return {**options, "include_usage": True, "continuous_usage_stats": False}
-
-
-def _observe(response: pb.ProcessingResponse, facts: dict[str, Any]) -> None:
-    """extproc's facts about this request, for the observation (cortex/observation.py)."""
-    response.dynamic_metadata.update({observation.NAMESPACE: facts})
-
-
-def _prompt_facts(result: RoutePlan) -> dict[str, Any]:
-    # The ids as one string: a protobuf list of 64 numbers costs ~40 µs to build, the string ~3.
-    facts = {observation.PROMPT_HASH: result.prompt_hash, observation.FIRST_IDS: ",".join(map(str, result.head_ids)),
-             observation.PROMPT_TOKENS: result.prompt_tokens}
-    est = result.decision.estimates.get(result.decision.chosen.id)
-    if est is not None:  # what the observer calibrates the worker's predictions by (cortex/calibration.py)
-        facts[observation.PREDICTED_TTFT] = round(est.ttft_ms, 1)
-    if result.alias is not None:  # per-target series of a canary (observe/metrics.py)
-        facts[observation.ALIAS] = result.alias
-    return facts
-
-
-def _tenant_facts(st: StreamState) -> dict[str, Any]:
-    """Who sent it, how long it waited, and what it reserved: the observer settles the reservation with the
-    engine's usage."""
-    if st.tenant is None:
-        return {}
-    facts: dict[str, Any] = {observation.TENANT: st.tenant.id}
-    if st.queued_s is not None:
-        facts[observation.QUEUED_MS] = round(st.queued_s * 1000, 1)
-    if st.ticket is not None and st.ticket.reserved:
-        facts[observation.RESERVED] = st.ticket.reserved
-        facts[observation.QUOTA_PERIOD] = st.tenant.limits.quota_period_s
-    return facts
-
-
-_CLAIM_KEYS = {H.ASSIGNED_WORKER: observation.WORKER, H.MATCH_MODE: observation.MODE,
-               H.ROUTE_REASON: observation.REASON}
-
-
-def _claim_facts(headers: list[HeaderValueOption]) -> dict[str, Any]:
-    """What the x-cortex-* headers of an answer claim, as the observation compares it with the engine's usage."""
-    facts: dict[str, Any] = {}
-    for h in headers:
-        key = h.header.key
-        if key in _CLAIM_KEYS:
-            facts[_CLAIM_KEYS[key]] = h.header.raw_value.decode("latin-1")
-        elif key == H.CACHE_HIT_TOKENS:
-            facts[observation.CLAIMED] = int(h.header.raw_value)
-    return facts
-
-
-def _observe_claim(response: pb.ProcessingResponse, headers: list[HeaderValueOption]) -> None:
-    _observe(response, _claim_facts(headers))
-
-
-def _status(req: Any) -> bytes:
-    """The :status of a response-headers message."""
-    return next((h.raw_value or h.value.encode() for h in req.response_headers.headers.headers
-                 if h.key == ":status"), b"200")
-
-
-def _headers_answer(st: StreamState, req: Any, headers: list[HeaderValueOption],
-                    enabled: bool = True) -> pb.ProcessingResponse:
-    """The response-headers answer: Cortex's routing headers for a tenant that may see them (while extproc.
-    routing_headers is on); for any other, none, and none of the x-cortex-* headers the worker sent (the
-    observation still gets the facts from the caller)."""
-    if enabled and isolation.sees_routing(st.tenant):
-        mutation = pb.HeaderMutation(set_headers=headers)
-    else:
-        mutation = pb.HeaderMutation(remove_headers=isolation.upstream_cortex_headers(
-            h.key for h in req.response_headers.headers.headers))
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
-        response=pb.CommonResponse(header_mutation=mutation)))
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:

@@ -378,7 +378,8 @@ EXTPROC = Grouping(
                                "cortex/inflight.py", "extproc/cluster_view.py")(f) or "extproc/policies/" in f.file),
         Rule("response building (headers, body answer, metrics)",
              lambda f: (in_file("extproc/server.py")(f) and f.func.rsplit(".", 1)[-1] != "process")
-             or in_file("extproc/metrics.py", "cortex/headers.py")(f) or path_has("prometheus_client")(f)),
+             or in_file("extproc/answers.py", "extproc/metrics.py", "cortex/headers.py")(f)
+             or path_has("prometheus_client")(f)),
         Rule("gRPC/asyncio stream machinery (grpc.aio, protobuf, ExtProc.process)",
              lambda f: path_has("grpc", "protobuf", "upb")(f) or in_file("extproc/server.py", funcs=("process",))(f)),
     ),

@@ -16,8 +16,9 @@ from cortex import headers as H
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
 from extproc import isolation
+from extproc.answers import header, headers_answer
 from extproc.request import _cache_salt, parse_body
-from extproc.server import StreamState, _headers_answer, _set
+from extproc.stream_state import StreamState
 from extproc.tenants import Directory, Tenant, digest
 
 
@@ -140,13 +141,13 @@ def _upstream_headers(*names: str) -> pb.ProcessingRequest:
 
 
 def test_headers_answer_for_trusted_and_untrusted_tenants() -> None:
-    ours = [_set(H.ASSIGNED_WORKER, "sim-1"), _set(H.CACHE_HIT_TOKENS, "512")]
+    ours = [header(H.ASSIGNED_WORKER, "sim-1"), header(H.CACHE_HIT_TOKENS, "512")]
     req = _upstream_headers("x-cortex-cache-hit-tokens", "x-cortex-from-a-nested-gateway")
-    trusted = _headers_answer(StreamState(tenant=_tenant("s", trusted=True)), req, ours)
+    trusted = headers_answer(StreamState(tenant=_tenant("s", trusted=True)), req, ours)
     mutation = trusted.response_headers.response.header_mutation
     assert [h.header.key for h in mutation.set_headers] == [H.ASSIGNED_WORKER, H.CACHE_HIT_TOKENS]
     assert list(mutation.remove_headers) == []
-    untrusted = _headers_answer(StreamState(tenant=_tenant("s")), req, ours)
+    untrusted = headers_answer(StreamState(tenant=_tenant("s")), req, ours)
     mutation = untrusted.response_headers.response.header_mutation
     assert list(mutation.set_headers) == []
     assert list(mutation.remove_headers) == ["x-cortex-cache-hit-tokens", "x-cortex-from-a-nested-gateway"]

@@ -145,7 +145,7 @@ def test_recent_keeps_the_last_decisions_the_minute_and_the_hour() -> None:
 ])
 def test_what_cortex_asks_the_engine_for_a_streams_usage(stream: bool, body: dict[str, Any],
                                                           sent: dict[str, Any] | None) -> None:
-    from extproc.server import usage_options
+    from extproc.answers import usage_options
     assert usage_options(stream, body) == sent
 
 
