@@ -151,7 +151,7 @@ def _main(argv: list[str] | None) -> int:
 
         return run(cfg, Path(args.config), picker=args.picker)
     if command == "extproc":
-        from extproc.server import run as run_extproc
+        from extproc.serve import run as run_extproc
 
         return run_extproc(cfg, args.index, Path(args.config), picker=args.picker)
     if command == "observe":

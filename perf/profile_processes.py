@@ -353,7 +353,7 @@ EXTPROC = Grouping(
         Rule("upkeep (ClusterView.refresh, Router.upkeep, config poll)",
              lambda f: in_file("extproc/cluster_view.py", funcs=("refresh",))(f)
              or in_file("extproc/router.py", funcs=("upkeep",))(f)
-             or in_file("extproc/server.py", funcs=("upkeep",))(f) or in_file("cortex/config_watch.py")(f)),
+             or in_file("extproc/serve.py", funcs=("upkeep",))(f) or in_file("cortex/config_watch.py")(f)),
         Rule("health (gRPC health checks)", in_file("cortex/grpc_health.py")),
     ),
     inner=(
@@ -378,7 +378,9 @@ EXTPROC = Grouping(
                                "cortex/inflight.py", "extproc/cluster_view.py")(f) or "extproc/policies/" in f.file),
         Rule("response building (headers, body answer, metrics)",
              lambda f: (in_file("extproc/server.py")(f) and f.func.rsplit(".", 1)[-1] != "process")
-             or in_file("extproc/answers.py", "extproc/metrics.py", "cortex/headers.py")(f)
+             or in_file("extproc/answers.py", "extproc/acting.py", "extproc/responses.py", "extproc/pd_act.py",
+                        "extproc/room_glue.py", "extproc/route_explain.py", "extproc/metrics.py",
+                        "cortex/headers.py")(f)
              or path_has("prometheus_client")(f)),
         Rule("gRPC/asyncio stream machinery (grpc.aio, protobuf, ExtProc.process)",
              lambda f: path_has("grpc", "protobuf", "upb")(f) or in_file("extproc/server.py", funcs=("process",))(f)),

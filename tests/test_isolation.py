@@ -154,9 +154,10 @@ def test_headers_answer_for_trusted_and_untrusted_tenants() -> None:
 
 
 def test_explain_is_refused_to_untrusted_tenants() -> None:
-    from extproc.server import ExtProc
-    # _explain refuses before it touches the router: no router is needed to see the refusal.
-    app = ExtProc.__new__(ExtProc)
+    from extproc import route_explain
+    from extproc.acting import Acting
+    # It refuses before it touches the router: no router is needed to see the refusal.
+    act = Acting.__new__(Acting)
     with pytest.raises(ClientError) as exc:
-        app._explain(StreamState(tenant=_tenant("s")), b'{"model": "m", "prompt": "hi"}')
+        route_explain.answer(act, StreamState(tenant=_tenant("s")), b'{"model": "m", "prompt": "hi"}')
     assert exc.value.status == 403

@@ -49,7 +49,7 @@ def test_extproc_parts_outer_context_wins_over_what_it_calls() -> None:
     tail = frames(f"DeferredTail._drain ({TREE}/extproc/prompt_walk.py)", f"Tail.keys ({TREE}/extproc/prompt_walk.py)",
                   f"chain_keys ({TREE}/cortex/blockkeys.py)")
     assert EXTPROC.part(tail).startswith("deferred tail")
-    upkeep = frames(f"serve.<locals>.upkeep ({TREE}/extproc/server.py)", f"Router.upkeep ({TREE}/extproc/router.py)",
+    upkeep = frames(f"serve.<locals>.upkeep ({TREE}/extproc/serve.py)", f"Router.upkeep ({TREE}/extproc/router.py)",
                     f"Predictions.expire ({TREE}/extproc/predictions.py)")
     assert EXTPROC.part(upkeep).startswith("upkeep")
     # Otherwise the innermost named part: tokenizing inside the walk inside prepare.

@@ -1,0 +1,145 @@
+"""Acting on a plan: commit the request to a worker (its in-flight count, its slot of a half-open breaker, the
+predictions a served fallback makes) and map the decision onto Envoy's answer (the ordered endpoint list, the
+pool, a DP rank, the body's changes). The phases (extproc/server.py, extproc/pd_act.py, extproc/responses.py)
+share one `Acting` per process; it never asks the router for a second decision."""
+
+from __future__ import annotations
+
+import time
+
+from envoy.config.core.v3.base_pb2 import HeaderValueOption
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from cortex import engines
+from cortex import headers as H
+from cortex.config import CortexConfig
+from cortex.envoy_config import ANY_CLUSTER, pool_cluster
+from cortex.errors import ClientError
+from cortex.upstream_tls import WorkerTls
+from extproc import epp, isolation, response_ids
+from extproc.admission import refusal
+from extproc.answers import EMPTY_BODY, EMPTY_HEADERS, error, header, set_body
+from extproc.cluster_view import ClusterView
+from extproc.pd_dispatch import PdDispatcher, splice
+from extproc.plan import RoutePlan
+from extproc.policies.base import LOAD_AWARE, Decision
+from extproc.router import Router
+from extproc.snapshot import Source
+from extproc.stream_state import StreamState
+
+
+class Acting:
+    def __init__(self, source: Source, cluster: ClusterView, router: Router, picker: bool = False) -> None:
+        self.picker = picker
+        """`cortex epp`: the endpoint picker of a gateway Cortex did not configure (extproc/epp.py)."""
+        self.source = source
+        """The config generation in force (the router reads the same reference)."""
+        self.cluster = cluster
+        self.router = router
+        # Acting on a plan reports what was sent where, as the in-flight board does: a fallback that serves
+        # records the prompt's blocks as predicted on its worker.
+        self.predictions = router.predictions
+        # The answers it sees feed the workers' breakers, which the router's decisions read.
+        self.breakers = router.breakers
+        self.pd = PdDispatcher(cluster.inflight, WorkerTls(self.cfg.upstream_tls))
+
+    @property
+    def cfg(self) -> CortexConfig:
+        return self.source.current.cfg
+
+    def single(self, st: StreamState, decision: Decision, model: str, body: bytes,
+                changes: dict[str, object]) -> pb.ProcessingResponse:
+        st.decision = decision
+        self.count(st, decision.chosen.slot)
+        self.breakers.release(st.trial)
+        st.trial = self.breakers.dispatched(decision.chosen.address, time.monotonic())
+        response = self.routing_response(st, "request_body", pool_cluster(model))
+        chosen = decision.chosen
+        if chosen.rank is not None and (placed := engines.adapter(chosen.engine).rank_body(chosen.rank)):
+            changes = {**changes, **placed}  # an engine that pins a DP rank from the body only (SGLang)
+        if changes or st.rewritten:
+            set_body(response, splice(body, changes))
+        return response
+
+    def predict(self, result: RoutePlan, decision: Decision) -> None:
+        """The fallback's worker is about to hold the prompt: siblings follow it (as a committed decision does)."""
+        fallback = result.fallback
+        if fallback is not None and fallback.keys and decision.chosen.ledger_trusted:
+            self.predictions.record(decision.chosen.slot, fallback.keys)
+
+    def count(self, st: StreamState, slot: int) -> None:
+        if st.counted_slot is not None:
+            self.cluster.inflight.dec(st.counted_slot)
+        self.cluster.inflight.inc(slot)
+        st.counted_slot = slot
+
+    def route_any(self, st: StreamState) -> None:
+        st.decision = self.router.route_any(response_ids.tag_of(response_ids.in_path(st.path)))
+        if st.decision is not None:
+            self.count(st, st.decision.chosen.slot)
+
+    def routing_response(self, st: StreamState, phase: str, pool: str = ANY_CLUSTER) -> pb.ProcessingResponse:
+        if st.decision is None and not self.picker:
+            return EMPTY_HEADERS if phase == "request_headers" else EMPTY_BODY
+        headers: list[HeaderValueOption] = []
+        endpoints = ""
+        if st.decision is not None:
+            # One entry per address: a retry must go to another worker, not another rank of the failed one.
+            endpoints = epp.destination([c.address for c in st.decision.order],
+                                        self.cfg.epp.fallback_endpoints if self.picker else None)
+            st.sent = endpoints.count(",") + 1
+            headers += [header(H.POOL, pool), header(H.ENDPOINTS, endpoints)]
+            chosen = st.decision.chosen
+            if chosen.rank is not None:
+                ranked = engines.adapter(chosen.engine).rank_headers(chosen.rank)
+                headers.extend(header(k, v) for k, v in ranked.items())
+        mutation = pb.HeaderMutation(set_headers=headers)
+        if self.picker:
+            # A gateway Cortex did not configure forwards a client's own copies of these.
+            mutation.remove_headers.extend(epp.reserved_removals(headers))
+        common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+        if phase == "request_headers":
+            response = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+        else:
+            response = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+        if self.picker and endpoints:
+            response.dynamic_metadata.update({epp.LB_NAMESPACE: {epp.DESTINATION: endpoints}})
+        return response
+
+    def undecided(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+        """Routing failed inside Cortex. Behind its own Envoy, Envoy balances the request. As a picker, the
+        InferencePool's failure mode says: FailOpen sends it to the least loaded endpoint, FailClose refuses it."""
+        if not self.picker:
+            return EMPTY_BODY
+        if self.cfg.epp.failure_mode == "FailClose":
+            return error(ClientError(503, "The endpoint picker could not decide for this request.",
+                                           reason="picker_failed"), st)
+        self.route_any(st)
+        return self.routing_response(st, "request_body")
+
+    def test_pick(self, st: StreamState, listed: str) -> pb.ProcessingResponse:
+        """The conformance suite's selection (epp.conformance_test): the listed endpoints, in order, the first picked;
+        503 when none is known."""
+        self.route_any(st)
+        d = st.decision
+        picked = epp.pick_listed(listed, [c.address for c in d.order]) if d is not None else []
+        if d is None or not picked:
+            return error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
+                                       "No endpoint named by test-epp-endpoint-selection is known.", 1), st)
+        order = tuple(next(c for c in d.order if c.address == a) for a in picked)
+        st.decision = Decision(order, LOAD_AWARE, "conformance_test_selection")
+        self.count(st, order[0].slot)
+        return self.routing_response(st, "request_body")
+
+    def unrouted_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+        """A body on a path that is no inference (/tokenize, ...): salted all the same for an isolated tenant, so no
+        endpoint shares or probes another tenant's cache (extproc/isolation.py)."""
+        try:
+            salted = isolation.salt_unrouted(body, st.tenant)
+        except ClientError as exc:
+            return error(exc, st)
+        if salted is None:
+            return EMPTY_BODY
+        response = pb.ProcessingResponse(request_body=pb.BodyResponse())
+        set_body(response, splice(body, salted))
+        return response
