@@ -48,7 +48,7 @@ class Acting:
         return self.source.current.cfg
 
     def single(self, st: StreamState, decision: Decision, model: str, body: bytes,
-                changes: dict[str, object]) -> pb.ProcessingResponse:
+               changes: dict[str, object]) -> pb.ProcessingResponse:
         st.decision = decision
         self.count(st, decision.chosen.slot)
         self.breakers.release(st.trial)
@@ -113,7 +113,7 @@ class Acting:
             return EMPTY_BODY
         if self.cfg.epp.failure_mode == "FailClose":
             return error(ClientError(503, "The endpoint picker could not decide for this request.",
-                                           reason="picker_failed"), st)
+                                     reason="picker_failed"), st)
         self.route_any(st)
         return self.routing_response(st, "request_body")
 
@@ -125,7 +125,7 @@ class Acting:
         picked = epp.pick_listed(listed, [c.address for c in d.order]) if d is not None else []
         if d is None or not picked:
             return error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
-                                       "No endpoint named by test-epp-endpoint-selection is known.", 1), st)
+                                 "No endpoint named by test-epp-endpoint-selection is known.", 1), st)
         order = tuple(next(c for c in d.order if c.address == a) for a in picked)
         st.decision = Decision(order, LOAD_AWARE, "conformance_test_selection")
         self.count(st, order[0].slot)

@@ -130,7 +130,7 @@ def status_of(req: Any) -> bytes:
 
 
 def headers_answer(st: StreamState, req: Any, headers: list[HeaderValueOption],
-                    enabled: bool = True) -> pb.ProcessingResponse:
+                   enabled: bool = True) -> pb.ProcessingResponse:
     """The response-headers answer: Cortex's routing headers for a tenant that may see them (while extproc.
     routing_headers is on); for any other, none, and none of the x-cortex-* headers the worker sent (the
     observation still gets the facts from the caller)."""

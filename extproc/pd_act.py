@@ -86,12 +86,12 @@ async def start_pair(act: Acting, st: StreamState, pending: PendingPair) -> pb.P
         common.header_mutation.set_headers.append(header(k, v))
     set_body(response, started.decode_body)
     observe_facts(response, {observation.MODEL: result.model, observation.STREAM: pending.doc.get("stream") is True,
-                        observation.USAGE_INJECTED: False, **prompt_facts(result), **tenant_facts(st)})
+                             observation.USAGE_INJECTED: False, **prompt_facts(result), **tenant_facts(st)})
     return response
 
 
 def response_headers(act: Acting, st: StreamState, req: Any,
-                         served: str) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
+                     served: str) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
     pair, prefill = st.pd, st.pd_prefill_decision
     assert pair is not None and prefill is not None and st.decision is not None
     status = status_of(req)
@@ -158,7 +158,7 @@ def pair_headers(act: Acting, st: StreamState, req: Any) -> pb.ProcessingRespons
             [header(H.DROPPED_REASON, reason), header(H.LLMD_DROPPED_REASON, reason)])
     # The decode worker answers (and reports the usage); the pair's prefill is kept beside it.
     observe_facts(response, {**claim_facts(headers), observation.WORKER: decode.id,
-                        observation.PREFILL: pair.legs.prefill.id})
+                             observation.PREFILL: pair.legs.prefill.id})
     return response
 
 
@@ -195,7 +195,7 @@ async def decode_fallback(act: Acting, st: StreamState, req: Any, fb: DecodeFall
             continue
         try:
             async with act.pd.post(target, st.path, data=splice(pending.body, changes),
-                                    headers=headers, timeout=timeout) as resp:
+                                   headers=headers, timeout=timeout) as resp:
                 status, resp_headers = resp.status, resp.headers
                 body = await _read_capped(resp, act.cfg.extproc.max_body_bytes)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:

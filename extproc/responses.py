@@ -77,7 +77,7 @@ def answered(act: Acting, st: StreamState, req: Any, served: str) -> None:
 
 
 def answer_headers(act: Acting, st: StreamState, req: Any, headers: list[HeaderValueOption],
-                    served: str) -> pb.ProcessingResponse:
+                   served: str) -> pb.ProcessingResponse:
     response = headers_answer(st, req, headers, act.cfg.extproc.routing_headers)
     observe_claim(response, headers)
     if act.picker and act.cfg.epp.conformance_test:

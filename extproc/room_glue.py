@@ -51,7 +51,7 @@ class RoomGlue:
         if not self._full(active_of(chosen), chosen.engine_waiting):
             return False
         self.facts[pool] = PoolFacts(result.model, frozenset(c.slot for c in d.order),
-                                          frozenset(t.slot for t in self.act.cluster.targets.get(result.model, ())))
+                                     frozenset(t.slot for t in self.act.cluster.targets.get(result.model, ())))
         return True
 
     def enter(self, st: StreamState, pool: str, body: bytes) -> pb.ProcessingResponse | Waiting:

@@ -97,7 +97,7 @@ async def explain_http(act: Acting, request: web.Request) -> web.Response:
     key = next((k for n in gen.cfg.session.headers if (k := session.key_of(headers.get(n)))), None)
     try:
         doc = explain(act, await request.read(), tenant, key, request.query.get("tokens") == "1",
-                           request.query.get("path"))
+                      request.query.get("path"))
     except ClientError as exc:
         return _json_error(exc)
     return web.Response(body=doc, content_type="application/json")

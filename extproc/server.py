@@ -392,7 +392,7 @@ class ExtProc:
             narrowed = epp.within(result.decision, st.subset)
             if narrowed is None:
                 return error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
-                                           "None of the endpoints the gateway allows serves this model.", 1), st)
+                                     "None of the endpoints the gateway allows serves this model.", 1), st)
             result = replace(result, decision=narrowed)  # a new plan: a plan is never changed
         if not released and self.room_glue.must_wait(parsed.model, result):
             return self.room_glue.enter(st, parsed.model, body)
@@ -420,8 +420,8 @@ class ExtProc:
             changes = {**changes, "stream_options": injected}
         response = self.act.single(st, result.decision, result.model, body, changes)
         observe_facts(response, {observation.MODEL: result.model, observation.STREAM: parsed.stream,
-                            observation.USAGE_INJECTED: injected is not None, **prompt_facts(result),
-                            **tenant_facts(st)})
+                                 observation.USAGE_INJECTED: injected is not None, **prompt_facts(result),
+                                 **tenant_facts(st)})
         return response
 
     def _explain(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
