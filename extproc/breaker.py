@@ -1,7 +1,7 @@
 """Per-worker circuit breakers: a worker whose answers fail while its health probe passes loses first choice.
 
 Sans-IO: every method takes `now` (monotonic seconds) and returns what changed; nothing here reads a clock,
-writes a metric or a file. The server feeds it (extproc/server.py: the answer's `:status` in the response-headers
+writes a metric or a file. The server feeds it (extproc/responses.py: the answer's `:status` in the response-headers
 phase, and whether Envoy retried past the first choice), the plan reads it (extproc/plan.py), and a listener
 given at construction hears every transition (metrics, the status file).
 

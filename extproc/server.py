@@ -1,8 +1,9 @@
 """The ext_proc gRPC server: Envoy's per-request message stream in, a plan, header and body mutations out.
 
-The router hands back one plan per request (extproc/plan.py); this module only maps it onto Envoy's mutations,
-runs the PD legs it names (extproc/pd_dispatch.py) and, when a pair fails before the client got a byte, serves
-the plan's precomputed fallback. It never asks the router for another decision.
+The router hands back one plan per request (extproc/plan.py); acting on it is the phases' beside this module:
+extproc/acting.py (commit, Envoy's mutations), extproc/pd_act.py (the PD legs, the fallback of a failed pair),
+extproc/responses.py (the response-headers phase), extproc/room_glue.py (the waiting room), all built with
+extproc/answers.py. It never asks the router for another decision. The process around it is extproc/serve.py.
 
 One stream per HTTP request (envoy-extproc.md §1): request headers (answered at once; Envoy sends the
 body without waiting), the buffered request body (parse, route, answer with the pool and the ordered

@@ -1,7 +1,7 @@
 """The waiting room: requests that wait for a worker with room, bounded, fair and with a time-to-live.
 
 Pure: no I/O, no asyncio, no clock of its own (a call that needs the time is handed `now`), so every order it
-produces is a function of the calls made (tests/test_waiting_room.py). extproc/server.py owns one per process,
+produces is a function of the calls made (tests/test_waiting_room.py). extproc/room_glue.py owns one per process,
 decides when a request must wait (`full`) and routes what this releases (docs/tenancy/waiting-room.md).
 
 Who goes next, per pool (the model name the client sent: requests for one model never wait behind another's):
