@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
+import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -34,7 +36,7 @@ import zmq.asyncio
 
 from cortexbench.launch import free_ports, stop_groups
 from ingest.source import replay
-from tests.harness import MODEL, Gateway, Sim, free_consecutive, start_gateway, stop, wait_for
+from tests.harness import MODEL, Gateway, Sim, start_gateway, stop, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "vllm_cli.py"
@@ -170,14 +172,49 @@ def new_engine(engine_id: str, model_dir: Path, log_dir: Path, **kwargs: Any) ->
     """A VllmEngine on free loopback ports (HTTP, KV events, replay; a DP engine's ranks publish on the KV and
     replay ports + rank, so those take consecutive runs)."""
     dp = kwargs.get("dp", 1)
-    port, *_ = free_ports(1)
-    kv, replay = (_consecutive(dp) for _ in range(2))
+    port = engine_ports(1)
+    kv, replay = (engine_ports(dp) for _ in range(2))
     return VllmEngine(id=engine_id, port=port, kv_port=kv, replay_port=replay, model_dir=model_dir,
                       log_dir=log_dir, **kwargs)
 
 
-def _consecutive(n: int) -> int:
-    return free_ports(1)[0] if n == 1 else free_consecutive(n)
+_ENGINE_PORTS = (20000, 29400)
+"""Where engines' own ports are drawn from: below the kernel's ephemeral range (32768-60999 by default), which is
+where every port-0 bind lands, vLLM's internal sockets included (it binds port 0, closes, and binds again later).
+A port picked there by a port-0 probe stays unbound for the tens of seconds an engine takes to load, and another
+engine starting beside it can take it meanwhile ("Address already in use" from its KV publisher). Below 29400:
+vLLM's and torch's fixed defaults (data-parallel RPC 29550, MASTER_PORT 29500) stay clear."""
+_engine_ports_taken: set[int] = set()
+
+
+def engine_ports(n: int) -> int:
+    """The first of n consecutive loopback ports, free now, outside the ephemeral range, never handed out before by
+    this process."""
+    low, high = _ENGINE_PORTS
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        high = min(high, ephemeral)
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(500):
+        base = random.randrange(low, high - n)
+        run = range(base, base + n)
+        if _engine_ports_taken.intersection(run):
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for p in run:
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        _engine_ports_taken.update(run)
+        return base
+    raise RuntimeError(f"no {n} free consecutive ports in {low}-{high}")
 
 
 def start_engines(engines: Sequence[VllmEngine], deadline_s: float = START_DEADLINE_S) -> None:
