@@ -328,6 +328,16 @@ class SchedulerConfig(_Strict):
     """A worker added less than this long ago counts as new (its cache starts empty)."""
     cold_start_share: float = Field(0.1, ge=0, le=1)
     """Share of the requests that no worker can serve from cache that go to a new worker, so it warms up."""
+    replicas: int = Field(1, ge=1)
+    """Gateway replicas routing over this fleet independently (each with its own view of its own traffic): set it
+    to their count. With more than one, replicas deciding at the same instant see the same engines and would all
+    pick the same fastest worker; each prompt then goes, among the `replicas` fastest candidates whose score is
+    within `replica_band` typical prefills of the best, to its home (the rendezvous hash below), so different
+    prompts spread while identical ones still meet (docs/scheduling.md, "Several replicas")."""
+    replica_band: float = Field(1.0, ge=0)
+    """With `replicas` > 1: how far behind the best a candidate may score, in typical prefills of the requests
+    routed (what one collision with another replica's pick costs), and still take a prompt whose home it is.
+    0: always the best, as with one replica."""
     prompt_home: bool = True
     """A prompt no worker holds goes, among the least loaded workers, to its home (a hash of its first block past
     the longest prefix any worker holds, the same on every replica), so replicas agree and repeats land together

@@ -46,35 +46,37 @@ class Contestant:
         return None
 
 
-def _replicated(start_one: Callable[[Procs, list[Worker], str], str], name: str
+def _replicated(start_one: Callable[[Procs, list[Worker], str, int], str], name: str
                 ) -> Callable[[Procs, list[Worker], int], list[str]]:
-    """N independent copies of a gateway, none aware of the others (named name, name-2, ...), started at once
-    (each start mostly waits for its processes to come up)."""
+    """N independent copies of a gateway, none talking to the others (named name, name-2, ...), started at once
+    (each start mostly waits for its processes to come up); each is told N, as an operator's config would."""
     def start(procs: Procs, workers: list[Worker], n: int) -> list[str]:
         names = [name if i == 0 else f"{name}-{i + 1}" for i in range(n)]
         with ThreadPoolExecutor(max_workers=n) as pool:
-            return list(pool.map(lambda x: start_one(procs, workers, x), names))
+            return list(pool.map(lambda x: start_one(procs, workers, x, n), names))
 
     return start
 
 
 def _router(module: str, policy: str, name: str, extra: Callable[[list[Worker]], tuple[str, ...]] = lambda w: ()
             ) -> Callable[[Procs, list[Worker], int], list[str]]:
-    return _replicated(lambda procs, workers, n: start_router(procs, workers, module=module, policy=policy, name=n,
-                                                              extra=extra(workers)), name)
+    return _replicated(lambda procs, workers, n, _: start_router(procs, workers, module=module, policy=policy,
+                                                                 name=n, extra=extra(workers)), name)
 
 
 CONTESTANTS: tuple[Contestant, ...] = (
     Contestant("cortex", "Cortex: Envoy + ext_proc, routing on the engines' KV events and load (defaults)",
-               _replicated(lambda procs, workers, n: start_cortex(procs, workers, events=True, name=n), "cortex")),
+               _replicated(lambda procs, workers, n, r: start_cortex(procs, workers, events=True, name=n, replicas=r),
+                           "cortex")),
     Contestant("cortex-cache-aware", "Cortex with its previous rule (scheduler.rule: cache_aware: cached tokens "
                "against request counts) instead of the time model, for comparison",
-               _replicated(lambda procs, workers, n: start_cortex(
-                   procs, workers, events=True, name=n, extra_config={"scheduler": {"rule": "cache_aware"}}),
+               _replicated(lambda procs, workers, n, r: start_cortex(
+                   procs, workers, events=True, name=n, replicas=r,
+                   extra_config={"scheduler": {"rule": "cache_aware"}}),
                    "cortex-cache-aware")),
     Contestant("cortex-load-only", "Cortex with exact-KV routing off: no KV-event endpoints configured, so it "
                "routes on load alone (its fallback mode)",
-               _replicated(lambda procs, workers, n: start_cortex(procs, workers, events=False, name=n),
+               _replicated(lambda procs, workers, n, r: start_cortex(procs, workers, events=False, name=n, replicas=r),
                            "cortex-load-only")),
     Contestant("sglang-cache-aware", "sglang-router --policy cache_aware (approximate radix tree of past "
                "requests per worker, load-balance thresholds; router defaults)",
@@ -120,7 +122,12 @@ CONTESTANTS: tuple[Contestant, ...] = (
 EXTRA: tuple[Contestant, ...] = (
     Contestant("envoy-alone", "Envoy alone, no ext_proc: a static listener -> one cluster of all workers, "
                "least_request (Envoy's own balancing, what Cortex falls back to; no cache awareness)",
-               _replicated(lambda procs, workers, n: start_envoy_alone(procs, workers, name=n), "envoy-alone")),
+               _replicated(lambda procs, workers, n, _: start_envoy_alone(procs, workers, name=n), "envoy-alone")),
+    Contestant("cortex-replicas-unaware", "Cortex (defaults) whose replicas are not told how many they are "
+               "(scheduler.replicas: 1): each picks the fastest worker as if it were alone, so replicas deciding "
+               "at once pick the same one (what `scheduler.replicas` changes)",
+               _replicated(lambda procs, workers, n, _: start_cortex(procs, workers, events=True, name=n),
+                           "cortex-replicas-unaware")),
 )
 
 BY_NAME = {c.name: c for c in (*CONTESTANTS, *EXTRA)}

@@ -15,6 +15,7 @@ tests/test_session_affinity.py).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 
@@ -36,12 +37,25 @@ from extproc.policies import (
     explain,
     session,
 )
-from extproc.policies.base import EXACT, Decision, Facts, still_hot
+from extproc.policies.base import EXACT, Candidate, Decision, Facts, still_hot
 from extproc.predictions import Predictions
+
+
+class TtftReplicas:
+    """The time model as one of four replicas (scheduler.replicas: 4), each prompt with a home of its own (drawn
+    from the seed): near_home's spread is in play."""
+
+    name = "ttft"
+
+    def decide(self, cands: Sequence[Candidate], facts: Facts, rng: random.Random) -> Decision:
+        four = dataclasses.replace(facts, scoring=facts.scoring.model_copy(update={"replicas": 4}),
+                                   home=rng.getrandbits(63))
+        return Ttft().decide(cands, four, rng)
+
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "cache_aware": CacheAware, "load_aware": LoadAware, "p2c": PowerOfTwo, "round_robin": RoundRobin,
-    "transparent": Transparent, "ttft": Ttft,
+    "transparent": Transparent, "ttft": Ttft, "ttft_replicas": TtftReplicas,
 }
 BS = 16
 S = SchedulerConfig()
@@ -139,7 +153,8 @@ def test_never_claims_a_hit_it_cannot_prove(make: Callable[[], Policy], sess: in
 # The rule each policy's candidates are explained by (route explain's `score.by`).
 EXPLAINED_BY = {"cache_aware": {"cache_aware", "load_aware", "p2c"}, "load_aware": {"load_aware", "p2c"},
                 "p2c": {"p2c"}, "round_robin": {"round_robin"}, "transparent": {"load_aware", "p2c"},
-                "ttft": {"ttft", "load_aware", "p2c"}}  # load_aware: the cold-start share (no estimate made)
+                "ttft": {"ttft", "load_aware", "p2c"},  # load_aware: the cold-start share (no estimate made)
+                "ttft_replicas": {"ttft", "load_aware", "p2c"}}
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

@@ -110,6 +110,31 @@ def test_ties_take_turns_and_go_home_for_a_prompt_nobody_holds() -> None:
     assert len(homed) == 1  # every replica sends the same new prompt to the same idle worker
 
 
+def test_several_replicas_spread_near_ties_by_prompt_and_keep_identical_prompts_together() -> None:
+    # Four replicas deciding at once see the same fleet: w0 a little faster (it holds the shared system block),
+    # the rest idle, w4 far behind. Alone, every prompt goes to w0; told of the replicas, each prompt goes to its
+    # home among the four best within one typical prefill (300 ms), the same on every replica.
+    fleet = [cand(0, matched=32), cand(1), cand(2), cand(3, backlog=100.0), cand(4, backlog=5000.0)]
+    four = FLAT.model_copy(update={"replicas": 4})
+
+    def pick(s: SchedulerConfig, home: int, seed: int = 1) -> Decision:
+        facts = Facts(BS, True, "no_cached_prefix", s, home=home, prompt_tokens=4000, typical_prefill_ms=300.0)
+        return Ttft().decide(fleet, facts, random.Random(seed))
+
+    assert {pick(FLAT, home).chosen.id for home in range(1, 200)} == {"w0"}
+    spread = [pick(four, home) for home in range(1, 200)]
+    assert {d.chosen.id for d in spread} == {"w0", "w1", "w2", "w3"}  # never w4: 5 s behind is not near
+    moved = [d for d in spread if d.chosen.id != "w0"]
+    assert all(d.reason == "replica_spread" and d.mode == LOAD_AWARE and d.hit_tokens == 0 for d in moved)
+    assert all(d.reason == "longest_cached_prefix" for d in spread if d.chosen.id == "w0")
+    # The same prompt on every replica (any seed): one worker, so a client's n samples still meet.
+    assert len({pick(four, 777, seed).chosen.id for seed in range(20)}) == 1
+    # A band of 0 is one replica's rule; a holder further ahead than the band keeps its prompt.
+    assert {pick(four.model_copy(update={"replica_band": 0.0}), h).chosen.id for h in range(1, 50)} == {"w0"}
+    narrow = four.model_copy(update={"replica_band": 0.05})  # 15 ms: w0 scores 32 ms ahead (25.6 + its work share)
+    assert {pick(narrow, h).chosen.id for h in range(1, 200)} == {"w0"}
+
+
 def test_estimate_names_its_parts() -> None:
     facts = Facts(BS, True, "", FLAT, prompt_tokens=1000)
     est = estimate(cand(0, matched=10, backlog=50.0, calibration=2.0), facts)

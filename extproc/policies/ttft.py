@@ -22,8 +22,10 @@ Guards, as in cache_aware.py: a hot worker (over the request-count watermark, or
 `high_queue_ms`, both with hysteresis; candidates.py keeps the flags) gets no traffic while a cool one exists,
 and the cold-start share applies to requests no cool worker holds. Only proven blocks are ever claimed (mode
 `exact_kv_events`); predictions count for choosing only. With no holder at all the prompt goes by predicted
-queue, ties to its rendezvous home (load_aware.py), so replicas agree. Candidates whose load is unknown go to
-p2c.py (tiers.py). O(candidates) per decision.
+queue, ties to its rendezvous home (load_aware.py), so replicas agree. With several replicas
+(`scheduler.replicas`), a prompt goes to its home among the near-best candidates instead (`near_home`: replicas
+deciding at once from one view would otherwise all pick the same worker; reason `replica_spread`). Candidates
+whose load is unknown go to p2c.py (tiers.py). O(candidates) per decision.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def fastest(known: Sequence[Candidate], facts: Facts, turn: int, rng: random.Ran
     warm = load_aware.cold_start(known, ordered, cool, facts, rng, matched)
     if warm is not None:
         return warm
+    s = facts.scoring
     est = {c.id: estimate(c, facts) for c in known}
     low = min(est[c.id].score for c in cool)
     tied = [c for c in cool if est[c.id].score - low <= TIE_MS]  # in rotated load order: ties take turns
@@ -109,10 +112,14 @@ def fastest(known: Sequence[Candidate], facts: Facts, turn: int, rng: random.Ran
         home_weight = load_aware.rendezvous(home, f"{c.id}/{c.rank}") if home is not None else 0
         return c.matched_blocks, -(c.load or 0.0), home_weight
 
-    best = max(tied, key=rank)
+    fastest_one = max(tied, key=rank)
+    best = near_home(fastest_one, cool, est, facts, home) if s.replicas > 1 and home is not None else fastest_one
     rest = sorted((c for c in known if c is not best), key=lambda c: est[c.id].score)
     order = (best, *rest)
     bs = facts.block_size
+    if best is not fastest_one:
+        return Decision(order, EXACT if best.matched_blocks > 0 else LOAD_AWARE, "replica_spread",
+                        best.matched_blocks * bs, matched, est)
     if best.matched_blocks > 0:
         longest = best.matched_blocks >= max(c.matched_blocks for c in known)
         return Decision(order, EXACT, "longest_cached_prefix" if longest else "lowest_predicted_ttft",
@@ -124,6 +131,23 @@ def fastest(known: Sequence[Candidate], facts: Facts, turn: int, rng: random.Ran
     if any(c.affinity_blocks > 0 for c in known):  # a holder (proven or predicted) would have been slower
         return Decision(order, LOAD_AWARE, "holder_slower", 0, matched, est)
     return Decision(order, LOAD_AWARE, facts.why_not_exact, 0, matched, est)
+
+
+def near_home(best: Candidate, cool: Sequence[Candidate], est: dict[str, Estimate], facts: Facts,
+              home: int) -> Candidate:
+    """Several replicas: `best`, or the prompt's home among the `replicas` candidates scoring within the band.
+
+    Replicas that decide at the same instant share one view (the engines' events and load readings; none has
+    seen the others' picks yet), so a burst spread over them by an L4 balancer would land whole on the fastest
+    worker and queue there. Within the band a collision costs more than the worse score, so each prompt takes
+    its rendezvous home among the near-best: different prompts scatter, identical ones (a client sampling n
+    answers) still meet, and every replica computes the same choice for the same prompt."""
+    s = facts.scoring
+    typical = facts.typical_prefill_ms if facts.typical_prefill_ms is not None else s.queued_request_ms
+    limit = est[best.id].score + s.replica_band * typical
+    near = sorted((c for c in cool if c is not best and est[c.id].score <= limit), key=lambda c: est[c.id].score)
+    band = [best, *near[:s.replicas - 1]]
+    return max(band, key=lambda c: load_aware.rendezvous(home, f"{c.id}/{c.rank}"))
 
 
 class Ttft:
