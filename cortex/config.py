@@ -221,6 +221,44 @@ class BreakerConfig(_Strict):
     """Successful answers in a row, while half-open, that close it again (any failure opens it again)."""
 
 
+class PeersConfig(_Strict):
+    """Other gateway replicas over the same fleet, and how this one tells them its work (docs/replicas.md).
+    Off unless `host` is set. Each replica's ingest publishes, every `interval_s`, the prefill work and requests
+    its own extproc processes have in flight per worker, and reads what its peers publish: the time model then
+    prices the whole fleet's queue on each worker, not only this replica's share of it."""
+
+    host: str | None = None
+    """Bind address of this replica's publisher (a ZeroMQ PUB socket); None: no peering. Peers need to reach it,
+    the public never: keep it off the public listener's network (the Kubernetes NetworkPolicy admits only the
+    gateway's own pods)."""
+    port: Port = 5600
+    connect: list[str] = Field(default_factory=list)
+    """The other replicas' publishers, as host:port. A name is resolved again every `resolve_interval_s` and every
+    address it has is subscribed to (a headless Service's name gives every gateway pod; this replica's own
+    reports are recognised by their id and ignored)."""
+    replica_id: str | None = None
+    """This replica's id in its reports (default: the host name and the port)."""
+    interval_s: float = Field(0.02, gt=0, le=1)
+    """How often this replica's work is published when it changed (at least every `heartbeat_s` when not)."""
+    heartbeat_s: float = Field(0.5, gt=0, le=10)
+    stale_after_s: float = Field(2.0, gt=0)
+    """A peer silent this long is taken as gone: what it said is dropped."""
+    max_peers: int = Field(16, ge=1, le=256)
+    """Peers this replica keeps (one board row each); reports of more are ignored."""
+    resolve_interval_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _stale(self) -> PeersConfig:
+        if self.stale_after_s <= self.heartbeat_s:
+            raise ValueError(f"peers.stale_after_s ({self.stale_after_s}) must exceed peers.heartbeat_s "
+                             f"({self.heartbeat_s}), or a quiet peer is dropped between its heartbeats")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.host is not None
+
+
 class ObserveConfig(_Strict):
     """`cortex observe`: Envoy's access log of every request becomes per-request metrics (TTFT, inter-token time,
     tokens, the engine's own cached_tokens against Cortex's claim), the request log and the status page's recent
@@ -891,6 +929,8 @@ class CortexConfig(_Strict):
     structured_output: StructuredOutputConfig = StructuredOutputConfig()
     breaker: BreakerConfig = BreakerConfig()
     """Per-worker circuit breakers on the answers workers give (docs/reliability.md)."""
+    peers: PeersConfig = PeersConfig()
+    """The other gateway replicas this one shares its work with (docs/replicas.md)."""
     runtime_dir: str | None = None
     """Where generated Envoy files, the shared ledger view, logs and workers.json live (default
     /tmp/cortex-<listen port>). workers.json keeps fleet changes made through the admin API across restarts;

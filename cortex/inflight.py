@@ -113,9 +113,11 @@ class InflightBoard(SlotBoard):
         if self.own[slot] > 0:
             self.own[slot] -= 1
 
-    def totals(self) -> np.ndarray:
+    def totals(self, rows: int | None = None) -> np.ndarray:
+        """Per slot, the sum of the first `rows` rows (default all: the replica's processes and, when peered,
+        the rows ingest writes for its peers, cortex/peering.py)."""
         total = self.own.copy()
-        for i in range(self.processes):
+        for i in range(self.processes if rows is None else rows):
             if i != self.index:
                 row = self._map(i)
                 if row is not None:
@@ -133,11 +135,12 @@ class BacklogBoard(SlotBoard):
         t = time.monotonic() if now is None else now
         self.own[slot] = max(float(self.own[slot]), t) + ms / 1000.0
 
-    def backlog_ms(self, now: float | None = None) -> np.ndarray:
-        """Per slot, the milliseconds of prefill work every process sent there that are not done yet."""
+    def backlog_ms(self, now: float | None = None, rows: int | None = None) -> np.ndarray:
+        """Per slot, the milliseconds of prefill work every process (of the first `rows`) sent there that are not
+        done yet."""
         t = time.monotonic() if now is None else now
         total = np.maximum(self.own - t, 0.0)
-        for i in range(self.processes):
+        for i in range(self.processes if rows is None else rows):
             if i != self.index:
                 row = self._map(i)
                 if row is not None:

@@ -10,11 +10,14 @@ import importlib.util
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from cortexbench.launch import (
+    HOST,
     MODEL,
     Procs,
     Worker,
+    free_ports,
     start_cortex,
     start_envoy_alone,
     start_oracle,
@@ -46,38 +49,53 @@ class Contestant:
         return None
 
 
-def _replicated(start_one: Callable[[Procs, list[Worker], str, int], str], name: str
+def _replicated(start_one: Callable[[Procs, list[Worker], str], str], name: str
                 ) -> Callable[[Procs, list[Worker], int], list[str]]:
-    """N independent copies of a gateway, none talking to the others (named name, name-2, ...), started at once
-    (each start mostly waits for its processes to come up); each is told N, as an operator's config would."""
+    """N independent copies of a gateway, none aware of the others (named name, name-2, ...), started at once
+    (each start mostly waits for its processes to come up)."""
     def start(procs: Procs, workers: list[Worker], n: int) -> list[str]:
         names = [name if i == 0 else f"{name}-{i + 1}" for i in range(n)]
         with ThreadPoolExecutor(max_workers=n) as pool:
-            return list(pool.map(lambda x: start_one(procs, workers, x, n), names))
+            return list(pool.map(lambda x: start_one(procs, workers, x), names))
+
+    return start
+
+
+def _cortex(name: str, *, events: bool = True, aware: bool = True, extra_config: dict[str, Any] | None = None
+            ) -> Callable[[Procs, list[Worker], int], list[str]]:
+    """N Cortex replicas over the same workers, as the docs tell an operator to run several (docs/replicas.md):
+    each told their count (`scheduler.replicas`) and peered with the others on loopback (`peers`). `aware`
+    False: N replicas that know nothing of each other, for comparison."""
+    def start(procs: Procs, workers: list[Worker], n: int) -> list[str]:
+        names = [name if i == 0 else f"{name}-{i + 1}" for i in range(n)]
+        ports = free_ports(n) if n > 1 and aware else []
+
+        def one(i: int) -> str:
+            peers = {"host": HOST, "port": ports[i], "replica_id": names[i],
+                     "connect": [f"{HOST}:{p}" for j, p in enumerate(ports) if j != i]} if ports else None
+            return start_cortex(procs, workers, events=events, name=names[i], replicas=n if aware else 1,
+                                peers=peers, extra_config=extra_config)
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            return list(pool.map(one, range(n)))
 
     return start
 
 
 def _router(module: str, policy: str, name: str, extra: Callable[[list[Worker]], tuple[str, ...]] = lambda w: ()
             ) -> Callable[[Procs, list[Worker], int], list[str]]:
-    return _replicated(lambda procs, workers, n, _: start_router(procs, workers, module=module, policy=policy,
-                                                                 name=n, extra=extra(workers)), name)
+    return _replicated(lambda procs, workers, n: start_router(procs, workers, module=module, policy=policy, name=n,
+                                                              extra=extra(workers)), name)
 
 
 CONTESTANTS: tuple[Contestant, ...] = (
     Contestant("cortex", "Cortex: Envoy + ext_proc, routing on the engines' KV events and load (defaults)",
-               _replicated(lambda procs, workers, n, r: start_cortex(procs, workers, events=True, name=n, replicas=r),
-                           "cortex")),
+               _cortex("cortex")),
     Contestant("cortex-cache-aware", "Cortex with its previous rule (scheduler.rule: cache_aware: cached tokens "
                "against request counts) instead of the time model, for comparison",
-               _replicated(lambda procs, workers, n, r: start_cortex(
-                   procs, workers, events=True, name=n, replicas=r,
-                   extra_config={"scheduler": {"rule": "cache_aware"}}),
-                   "cortex-cache-aware")),
+               _cortex("cortex-cache-aware", extra_config={"scheduler": {"rule": "cache_aware"}})),
     Contestant("cortex-load-only", "Cortex with exact-KV routing off: no KV-event endpoints configured, so it "
                "routes on load alone (its fallback mode)",
-               _replicated(lambda procs, workers, n, r: start_cortex(procs, workers, events=False, name=n, replicas=r),
-                           "cortex-load-only")),
+               _cortex("cortex-load-only", events=False)),
     Contestant("sglang-cache-aware", "sglang-router --policy cache_aware (approximate radix tree of past "
                "requests per worker, load-balance thresholds; router defaults)",
                _router("sglang_router", "cache_aware", "sglang-cache-aware"), module="sglang_router",
@@ -122,12 +140,10 @@ CONTESTANTS: tuple[Contestant, ...] = (
 EXTRA: tuple[Contestant, ...] = (
     Contestant("envoy-alone", "Envoy alone, no ext_proc: a static listener -> one cluster of all workers, "
                "least_request (Envoy's own balancing, what Cortex falls back to; no cache awareness)",
-               _replicated(lambda procs, workers, n, _: start_envoy_alone(procs, workers, name=n), "envoy-alone")),
-    Contestant("cortex-replicas-unaware", "Cortex (defaults) whose replicas are not told how many they are "
-               "(scheduler.replicas: 1): each picks the fastest worker as if it were alone, so replicas deciding "
-               "at once pick the same one (what `scheduler.replicas` changes)",
-               _replicated(lambda procs, workers, n, _: start_cortex(procs, workers, events=True, name=n),
-                           "cortex-replicas-unaware")),
+               _replicated(lambda procs, workers, n: start_envoy_alone(procs, workers, name=n), "envoy-alone")),
+    Contestant("cortex-independent", "Cortex (defaults) with replicas that know nothing of each other: not peered "
+               "and not told their count (what `peers` and `scheduler.replicas` change; one replica is `cortex`)",
+               _cortex("cortex-independent", aware=False)),
 )
 
 BY_NAME = {c.name: c for c in (*CONTESTANTS, *EXTRA)}

@@ -249,11 +249,12 @@ def chat_ok(url: str, api_key: str | None = None) -> bool:
 
 
 def start_cortex(procs: Procs, workers: list[Worker], *, events: bool, name: str = "cortex",
-                 extra_config: dict[str, Any] | None = None, api_key: str | None = None, replicas: int = 1) -> str:
+                 extra_config: dict[str, Any] | None = None, api_key: str | None = None, replicas: int = 1,
+                 peers: dict[str, Any] | None = None) -> str:
     """`cortex run` in front of the workers; `events=False` leaves out their KV-event endpoints, so Cortex
     routes by load alone (its documented fallback for workers without events). `extra_config`: more top-level
     sections (tenants, auth, admission); `api_key`: the key its readiness chat sends (auth required);
-    `replicas`: how many copies run over these workers (`scheduler.replicas`)."""
+    `replicas`: how many copies run over these workers (`scheduler.replicas`); `peers`: its `peers` section."""
     port, admin, ingest, extproc, observe, observe_http = free_ports(6)
     engine = workers[0].engine
     cfg = {
@@ -268,6 +269,8 @@ def start_cortex(procs: Procs, workers: list[Worker], *, events: bool, name: str
     }
     if replicas > 1:
         cfg["scheduler"] = {**cfg.get("scheduler", {}), "replicas": replicas}
+    if peers is not None:
+        cfg["peers"] = peers
     path = procs.root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     procs.start(name, [sys.executable, "-m", "cortexctl.cli", "run", "-c", str(path)])

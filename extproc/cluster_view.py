@@ -22,6 +22,7 @@ from cortex.config import UNRESOLVED, CortexConfig
 from cortex.contract import ContractError, GroupSlot, LoadReading, TargetMeta, TierSlot, decode_meta, target_id
 from cortex.inflight import BacklogBoard, InflightBoard, TouchBoard
 from cortex.ledger_view import ViewBusy, ViewReader
+from cortex.peering import board_rows
 from cortex.upstream_tls import verify_name
 
 log = logging.getLogger("cortex.extproc")
@@ -132,10 +133,11 @@ class ClusterView:
         self.view_path = view_path
         self.stale_after = cfg.extproc.view_stale_after_s
         self.reader: ViewReader | None = None
-        self.inflight = InflightBoard(cfg.runtime_path() / "inflight", index, cfg.extproc.process_count(),
-                                      cfg.ingest.max_workers)
-        self.backlog = BacklogBoard(cfg.runtime_path() / "backlog", index, cfg.extproc.process_count(),
-                                    cfg.ingest.max_workers)
+        # Peered (cortex/peering.py), the boards have a row per peer after the processes' rows: the in-flight
+        # counts and the backlog read below are the whole fleet's, as far as the peers have said.
+        rows = board_rows(cfg)
+        self.inflight = InflightBoard(cfg.runtime_path() / "inflight", index, rows, cfg.ingest.max_workers)
+        self.backlog = BacklogBoard(cfg.runtime_path() / "backlog", index, rows, cfg.ingest.max_workers)
         self.touches = TouchBoard(cfg.runtime_path() / "touches", index, cfg.extproc.process_count(),
                                   cfg.ingest.max_workers)
         """When this replica last sent each block to each worker (the claim rule's recency)."""

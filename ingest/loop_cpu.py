@@ -18,7 +18,7 @@ import time
 from collections.abc import Coroutine, Generator
 from typing import Any, TypeVar
 
-LOOPS = ("events", "load", "health", "heartbeat", "parity", "config")
+LOOPS = ("events", "load", "health", "heartbeat", "parity", "config", "peers")
 """events: the KV-event sources (receive, decode, ledger, view; replays and tail checks). load: the load polls
 (request, parse, apply, cadence). health: the health probes. heartbeat: the view stamp and the target list's
 publication. parity: tokenizer parity checks. config: the config file watch, the Kubernetes pod watches

@@ -36,12 +36,14 @@ from cortex.contract import ClusterMeta, encode_meta, target_id
 from cortex.inflight import BacklogBoard, InflightBoard
 from cortex.ledger_view import ViewWriter
 from cortex.model_bundle import ModelBundle
+from cortex.peering import board_rows
 from cortex.upstream_tls import WorkerTls, verify_name
 from ingest import k8s_discovery, membership, silence, tokenizer_parity
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
 from ingest.loop_cpu import timed
 from ingest.membership import MembershipError
+from ingest.peers import PeerLink
 from ingest.probes import check_tokens, probe_health, read_load
 from ingest.regret import Regret
 from ingest.source import EventSource, cancel_quietly, rank_endpoint
@@ -89,12 +91,10 @@ class Ingest:
         self._probes = self._load_probes(cfg)
         # Read-only: where this replica's extproc processes have requests in flight, so a worker this replica
         # routes to is polled at the active cadence from the first request on.
-        self._board = InflightBoard(cfg.runtime_path() / "inflight", None, cfg.extproc.process_count(),
-                                    cfg.ingest.max_workers)
+        self._board = InflightBoard(cfg.runtime_path() / "inflight", None, board_rows(cfg), cfg.ingest.max_workers)
         # Read-only: when the work this replica last sent each worker is predicted done; a worker sent requests
         # lately has its load read at the routed cadence (extproc fills in its own share between readings).
-        self._backlog = BacklogBoard(cfg.runtime_path() / "backlog", None, cfg.extproc.process_count(),
-                                     cfg.ingest.max_workers)
+        self._backlog = BacklogBoard(cfg.runtime_path() / "backlog", None, board_rows(cfg), cfg.ingest.max_workers)
         self._membership = asyncio.Lock()
         """Held by the changes that await (discovery, re-resolution), so two never interleave."""
         self._pool_tasks: list[asyncio.Task[None]] = []
@@ -113,6 +113,10 @@ class Ingest:
                             asyncio.create_task(timed("parity", self._token_parity_loop())),
                             asyncio.create_task(timed("config", self._config_loop())),
                             asyncio.create_task(timed("config", self._resolve_loop()))]
+        if self.cfg.peers.enabled:
+            link = PeerLink(self.cfg, self.zmq, lambda: {t.id: t.slot for w in self.workers.values()
+                                                         for t in w.targets})
+            self._background.append(asyncio.create_task(timed("peers", link.run()), name="peers"))
         self._start_discovery()
 
     async def stop(self) -> None:

@@ -235,6 +235,8 @@ def test_services_expose_no_admin_port(rendered: dict[str, list[Obj]], overlay: 
                         if s["kind"] == "Service" and selects(s["spec"].get("selector", {}), GATEWAY)}
     targets = {name: sorted(container_port(c, p["targetPort"]) for p in s["spec"]["ports"])
                for name, s in gateway_services.items()}
+    assert targets.pop("cortex-peers") == [cfg.peers.port]  # headless, for the replicas' own peering
+    assert gateway_services["cortex-peers"]["spec"]["clusterIP"] == "None"
     if overlay == "standalone":
         assert targets == {"cortex": [cfg.listen.port], "cortex-internal": [cfg.ingest.port]}
         assert cfg.listen.host == "0.0.0.0"
@@ -253,6 +255,8 @@ def test_services_expose_no_admin_port(rendered: dict[str, list[Obj]], overlay: 
         ports = {container_port(c, p["port"]) for p in rule["ports"]}
         if cfg.ingest.port in ports:
             assert rule.get("from"), "ingest's port open to every pod"
+        if cfg.peers.port in ports:  # the peering port: the gateway's own pods only
+            assert [selects(f["podSelector"]["matchLabels"], GATEWAY) for f in rule["from"]] == [True], rule
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -277,6 +281,10 @@ def test_replicas_pdb_and_anti_affinity(rendered: dict[str, list[Obj]], overlay:
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert selects(dep["spec"]["selector"]["matchLabels"], labels)
     assert dep["spec"]["replicas"] >= 2
+    # The replicas know how many they are and find each other (docs/replicas.md).
+    cfg, _ = config_of(objs)
+    assert cfg.scheduler.replicas == dep["spec"]["replicas"]
+    assert cfg.peers.enabled and cfg.peers.connect == [f"cortex-peers:{cfg.peers.port}"]
     assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     pdb = one(objs, "PodDisruptionBudget", "cortex")
     assert selects(pdb["spec"]["selector"]["matchLabels"], labels)

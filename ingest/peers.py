@@ -1,0 +1,151 @@
+"""Peering: this replica's own work out to its peers, theirs into the boards' peer rows (cortex/peering.py).
+
+One ZeroMQ PUB socket publishes this replica's report (its extproc processes' backlog and in-flight rows, by
+target id) every `peers.interval_s` when it changed and every `peers.heartbeat_s` regardless; one SUB socket is
+connected to every address the `peers.connect` entries resolve to, re-resolved every `peers.resolve_interval_s`
+(a headless Service's name lists every gateway pod, this one included: its own reports are ignored by id). Each
+report received is written into the peer's own rows of the backlog and in-flight boards, which extproc sums with
+its processes' rows; a peer silent for `peers.stale_after_s` has its rows cleared. A bad message is counted and
+dropped; nothing here can stop ingest's other work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable, Mapping
+
+import zmq
+import zmq.asyncio
+from prometheus_client import Counter, Gauge
+
+from cortex import peering
+from cortex.config import CortexConfig
+from cortex.inflight import BacklogBoard, InflightBoard
+
+log = logging.getLogger("cortex.ingest.peers")
+
+REPORTS = Counter("cortex_peer_reports_total", "Peer reports by outcome: sent, applied, ignored (own, old or no "
+                  "row free), bad (not a report of this version)", ["outcome"])
+PEERS = Gauge("cortex_peers", "Peer replicas heard from within peers.stale_after_s")
+
+
+def resolve(entry: str) -> set[str]:
+    """Every tcp:// address a host:port entry names now (empty when it does not resolve yet)."""
+    host, _, port = entry.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return set()
+    return {f"tcp://[{i[4][0]}]:{port}" if ":" in str(i[4][0]) else f"tcp://{i[4][0]}:{port}" for i in infos}
+
+
+class PeerLink:
+    def __init__(self, cfg: CortexConfig, ctx: zmq.asyncio.Context, slots: Callable[[], Mapping[str, int]]) -> None:
+        pcfg = cfg.peers
+        assert pcfg.host is not None
+        self.cfg = pcfg
+        self.ctx = ctx
+        self.slots = slots
+        self.own_rows = cfg.extproc.process_count()
+        self.width = cfg.ingest.max_workers
+        self.replica = pcfg.replica_id or f"{socket.gethostname()}:{pcfg.port}"
+        self.table = peering.PeerTable(self.replica, pcfg.max_peers, pcfg.stale_after_s)
+        rt = cfg.runtime_path()
+        total = peering.board_rows(cfg)
+        # Readers of the replica's own processes' rows, and one writer per peer row.
+        self.inflight = InflightBoard(rt / "inflight", None, total, self.width)
+        self.backlog = BacklogBoard(rt / "backlog", None, total, self.width)
+        self.peer_inflight = [InflightBoard(rt / "inflight", self.own_rows + k, total, self.width)
+                              for k in range(pcfg.max_peers)]
+        self.peer_backlog = [BacklogBoard(rt / "backlog", self.own_rows + k, total, self.width)
+                             for k in range(pcfg.max_peers)]
+        self.connected: set[str] = set()
+        self.seq = 0
+
+    async def run(self) -> None:
+        pub = self.ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 100)
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVHWM, 1000)
+        pub.bind(f"tcp://{self.cfg.host}:{self.cfg.port}")
+        try:
+            await asyncio.gather(self._publish(pub), self._receive(sub), self._resolve(sub))
+        finally:
+            pub.close(0)
+            sub.close(0)
+
+    def report(self) -> peering.Report:
+        self.inflight.refresh()
+        self.backlog.refresh()
+        return peering.own_report(self.replica, self.seq, self.slots(), self.backlog.backlog_ms(rows=self.own_rows),
+                                  self.inflight.totals(rows=self.own_rows))
+
+    async def _publish(self, pub: zmq.asyncio.Socket) -> None:
+        last: dict[str, tuple[float, int]] | None = None
+        sent_at = 0.0
+        while True:
+            now = time.monotonic()
+            try:
+                rep = self.report()
+                # Backlog drains with the clock: "changed" is a change of in-flight counts or of what is queued
+                # beyond what the clock alone explains, so an idle replica sends heartbeats only.
+                changed = last is None or {t: n for t, (_, n) in rep.targets.items()} != {
+                    t: n for t, (_, n) in last.items()} or _grew(last, rep.targets, (now - sent_at) * 1000.0)
+                if changed or now - sent_at >= self.cfg.heartbeat_s:
+                    await pub.send(peering.encode(rep), zmq.NOBLOCK)
+                    REPORTS.labels("sent").inc()
+                    self.seq += 1
+                    last, sent_at = rep.targets, now
+                for row in self.table.expire(now):
+                    self.peer_inflight[row].own[:] = 0
+                    self.peer_backlog[row].own[:] = 0
+                PEERS.set(len(self.table.owner))
+            except zmq.Again:
+                pass
+            except Exception:  # an extra signal only: never let it stop
+                log.warning("peer report not sent", exc_info=True)
+            await asyncio.sleep(self.cfg.interval_s)
+
+    async def _receive(self, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            data = await sub.recv()
+            rep = peering.decode(data)
+            if rep is None:
+                REPORTS.labels("bad").inc()
+                continue
+            now = time.monotonic()
+            row = self.table.receive(rep, now)
+            if row is None:
+                REPORTS.labels("ignored").inc()
+                continue
+            done, inflight = peering.rows_of(rep, self.slots(), self.width, now)
+            self.peer_backlog[row].own[:] = done
+            self.peer_inflight[row].own[:] = inflight
+            REPORTS.labels("applied").inc()
+
+    async def _resolve(self, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            want: set[str] = set()
+            for entry in self.cfg.connect:
+                want |= await asyncio.to_thread(resolve, entry)
+            for addr in want - self.connected:
+                sub.connect(addr)
+            for addr in self.connected - want:
+                with contextlib.suppress(zmq.ZMQError):
+                    sub.disconnect(addr)
+            self.connected = want
+            await asyncio.sleep(self.cfg.resolve_interval_s)
+
+
+def _grew(last: Mapping[str, tuple[float, int]], now: Mapping[str, tuple[float, int]], elapsed_ms: float) -> bool:
+    """Work was queued since the last report: some target's backlog is above what was left then minus the time
+    passed (1 ms of slack for rounding)."""
+    return any(ms > max(last.get(t, (0.0, 0))[0] - elapsed_ms, 0.0) + 1.0 for t, (ms, _) in now.items())
+

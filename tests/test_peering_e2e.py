@@ -1,0 +1,99 @@
+"""Peered replicas through the real stack (docs/replicas.md): two `cortex run` gateways over the same two
+simulated vLLM workers, each publishing its own work to the other (`peers`). What one replica sends a worker is
+in the other's queue for that worker at once, before any engine count could say so, and it routes around it;
+when the peer dies its work leaves the survivor's view within `peers.stale_after_s`. Assertions are on what was
+decided and reported, never on how fast."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.harness import MODEL, Gateway, Sim, free_ports, long_chat, start_gateway, start_sim, stop, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+# The model prices a prompt token at 20 ms (no step or attention term, no calibration): a 1 000-token prompt is
+# 20 s of predicted prefill, far longer than the test needs to look at it, however loaded the machine.
+SCHEDULER = {"alpha_ms_per_token": 20.0, "attention_ms_per_token2": 0.0, "step_ms": 0.0, "calibrate": False,
+             "running_ms_per_request": 0.0, "cold_start_s": 0, "replicas": 2}
+
+
+def gateway(root: Path, name: str, sims: list[Sim], port: int, peer_port: int) -> Gateway:
+    home = root / name
+    home.mkdir()
+    gw_port, admin, ingest, extproc = free_ports(4)
+    peers = {"host": "127.0.0.1", "port": port, "connect": [f"127.0.0.1:{peer_port}"], "replica_id": name,
+             "heartbeat_s": 0.2, "stale_after_s": 1.0}
+    return Gateway(root=home, sims=sims, port=gw_port, admin_port=admin, ingest_port=ingest, extproc_port=extproc,
+                   extra_config={"scheduler": SCHEDULER, "peers": peers})
+
+
+@contextlib.contextmanager
+def fleet(root: Path) -> Iterator[tuple[Gateway, Gateway]]:
+    ports = free_ports(6)
+    sims = [Sim(id=f"sim-{i + 1}", port=ports[2 * i], kv_port=ports[2 * i + 1]) for i in range(2)]
+    pa, pb = ports[4], ports[5]
+    a, b = gateway(root, "a", sims, pa, pb), gateway(root, "b", sims, pb, pa)
+    try:
+        for s in sims:
+            start_sim(s, root)
+        start_gateway(a)
+        start_gateway(b)
+        yield a, b
+    finally:
+        stop(a.proc)
+        stop(b.proc)
+        for s in sims:
+            stop(s.proc)
+
+
+def metric(gw: Gateway, name: str, **labels: str) -> float:
+    text = httpx.get(f"{gw.ingest_url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def explain(gw: Gateway, messages: list[dict[str, str]]) -> dict[str, Any]:
+    r = httpx.post(gw.explain_url, json={"model": MODEL, "messages": messages}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def queues(d: dict[str, Any]) -> dict[str, float]:
+    return {w["id"]: float(w["time_model"]["queue_ms"]) for w in d["workers"]}
+
+
+def test_a_peers_work_is_in_the_queue_at_once_and_leaves_with_the_peer(tmp_path: Path) -> None:
+    with fleet(tmp_path) as (a, b):
+        wait_for(lambda: metric(a, "cortex_peers") == 1 and metric(b, "cortex_peers") == 1, timeout=30,
+                 what="each replica hearing the other")
+        assert queues(explain(b, long_chat(1000, seed=2))) == {"sim-1": 0.0, "sim-2": 0.0}
+        # A sends one ~1 000-token chat; it is answered at once (the simulated worker is fast), so no engine count
+        # holds it by the time B decides: only A's report can tell B of the 20 s A predicts it queued there.
+        r = httpx.post(f"{a.url}/v1/chat/completions", json={"model": MODEL, "messages": long_chat(1000, seed=1),
+                                                              "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        busy = r.headers["x-cortex-assigned-worker"]
+        idle = ({"sim-1", "sim-2"} - {busy}).pop()
+
+        def carried() -> dict[str, Any] | None:
+            d = explain(b, long_chat(1000, seed=3))
+            return d if queues(d)[busy] > 5000 else None
+        d = wait_for(carried, timeout=15, what=f"B's queue for {busy} to carry A's work")
+        assert queues(d)[idle] == 0.0 and d["chosen"] == idle, d
+        assert metric(b, "cortex_peer_reports_total", outcome="applied") > 0
+        # A goes away: B drops what A said once A is silent, long before A's predicted work would have drained.
+        stop(a.proc)
+        wait_for(lambda: metric(b, "cortex_peers") == 0, timeout=15, what="B noticing A gone")
+        assert queues(explain(b, long_chat(1000, seed=3)))[busy] == 0.0
+        # And B still routes.
+        r = httpx.post(f"{b.url}/v1/chat/completions", json={"model": MODEL, "messages": long_chat(50, seed=4),
+                                                              "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
