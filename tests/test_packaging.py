@@ -86,5 +86,5 @@ def test_configuration_reference_is_current() -> None:
     from cortex.config import reference_markdown
 
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    marker = "<!-- generated from cortex/config.py by cortex.config.reference_markdown(); tests keep it current -->\n"
+    marker = "<!-- generated from cortex/config/ by cortex.config.reference_markdown(); tests keep it current -->\n"
     assert doc.split(marker, 1)[1].strip() == reference_markdown().strip()

@@ -22,7 +22,7 @@ from cortex.media import MediaSpan
 
 class PdTimeouts(Protocol):
     """The two timeouts of cortex.yaml's `pd` section an adapter chooses between (`PdConfig` is one): a fact
-    instead of the config class, so that engines/ stays a leaf that config.py imports."""
+    instead of the config class, so that engines/ stays a leaf that cortex/config/ imports."""
 
     @property
     def prefill_timeout_s(self) -> float: ...
