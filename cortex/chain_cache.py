@@ -1,6 +1,6 @@
 """The key chain of a prompt's prefix, cached at the boundary tokens of its text (issue 26: long contexts).
 
-The piece cache (cortex/piecewise_tokenize.py) spares tokenizing a conversation's earlier turns, but every turn
+The piece cache (cortex/piecewise/piece_cache.py) spares tokenizing a conversation's earlier turns, but every turn
 still assembled, hashed and looked up the whole prompt: at 128K tokens that was ~10 ms of a decision, and it grew
 with the conversation, not with the turn. This cache keeps, for a prompt prefix that ends at a boundary token
 (`<|im_start|>`, `<|im_end|>`: the text between them is encoded independently, proven per tokenizer at load),
@@ -141,7 +141,7 @@ class ChainCache:
 class ChainRun:
     """One prompt against the cache: find the deepest cached boundary, store a deeper one once it is hashed.
 
-    The digest of a boundary chains the namespace and the pieces' serial numbers (cortex/piecewise_tokenize.py:
+    The digest of a boundary chains the namespace and the pieces' serial numbers (PieceCache.serial:
     one per cached piece, never reused), so the text is never encoded or hashed again here: the piece cache's
     dictionary already hashed and compared it. Pieces are numbered only once cached, so boundaries past the first
     uncached piece get their digests later, as the walk (or its tail) caches the pieces before them."""

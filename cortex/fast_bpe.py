@@ -9,7 +9,7 @@ Llama 3 and most current models) maps onto a tiktoken Encoding:
     pair with the lowest index in `merges`; the two agree when the merged tokens' ids never decrease along
     `merges` (checked; several merges yielding one token keep the same rank);
   * the Split pattern becomes tiktoken's pattern; an NFC normalizer is applied in Python first;
-  * added tokens are not given to it: Cortex cuts them out of the text itself (piecewise_tokenize), so a
+  * added tokens are not given to it: Cortex cuts them out of the text itself (cortex/piecewise/), so a
     piece it encodes never holds one (a tokenizer whose added tokens are not all cut out is not accelerated).
 
 Where the two could still differ:

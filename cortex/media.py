@@ -49,7 +49,7 @@ _EXIF_ORIENTATION = 0x0112
 
 
 if TYPE_CHECKING:
-    from cortex.conversation import MediaRef
+    from cortex.conversation.content_parts import MediaRef
 
 
 class MediaSpan(NamedTuple):

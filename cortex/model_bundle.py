@@ -21,7 +21,8 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
-from cortex import conversation, media, template_format
+from cortex import media, template_format
+from cortex.conversation import template_args
 
 
 class BundleError(ValueError):
@@ -130,8 +131,8 @@ class ModelBundle:
     @functools.cached_property
     def rejects_inline_system(self) -> bool:
         """The template demands system-first ordering, so vLLM merges an Anthropic request's inline system messages
-        into the leading one (cortex/conversation.py: rejects_inline_system)."""
-        return conversation.rejects_inline_system(self.chat_template)
+        into the leading one (cortex/conversation/template_args.py: rejects_inline_system)."""
+        return template_args.rejects_inline_system(self.chat_template)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Any = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,

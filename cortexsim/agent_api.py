@@ -1,6 +1,6 @@
 """The simulated engines' agent and pooling APIs: /v1/responses, /v1/messages, /v1/embeddings, /v1/rerank, /v1/score.
 
-The prompt is what the real engine renders (cortex/conversation.py holds vLLM 0.32's rules, proven against a real
+The prompt is what the real engine renders (cortex/conversation/ holds vLLM 0.32's rules, proven against a real
 vLLM by tests/real_engine/test_render_parity.py); the answers have vLLM 0.32's shapes, as captured from the real
 engine: a Responses object (streamed as `event: response.*` server-sent events ending in `response.completed`
 with the usage), an Anthropic message (streamed as message_start ... message_stop, the usage in message_delta,
@@ -25,7 +25,11 @@ import orjson
 import xxhash
 from aiohttp import web
 
-from cortex import conversation
+from cortex.conversation import Conversation, ConversationError
+from cortex.conversation.anthropic_api import anthropic_messages, anthropic_tools
+from cortex.conversation.chat import chat_messages
+from cortex.conversation.responses_api import responses_continues, responses_messages, responses_tools
+from cortex.conversation.template_args import for_template, reasoning_kwargs
 from cortex.model_bundle import TemplateError
 from cortexsim.engine import EngineCore, EngineDeadError, SimRequest
 from cortexsim.openai_api import (
@@ -66,12 +70,12 @@ class AgentApis:
 
     # --- shared --------------------------------------------------------------------------------------
 
-    def _encode(self, conv: conversation.Conversation) -> list[int]:
+    def _encode(self, conv: Conversation) -> list[int]:
         api = self.api
-        messages, _ = conversation.chat_messages(conv.messages)
+        messages, _ = chat_messages(conv.messages)
         template = api.bundle.chat_template or ""
-        messages, tools = conversation.for_template(messages, conv.tools, conv.tool_choice, template,
-                                                    "sglang" if api.flavour == "sglang" else "vllm")
+        messages, tools = for_template(messages, conv.tools, conv.tool_choice, template,
+                                       "sglang" if api.flavour == "sglang" else "vllm")
         try:
             text = api.bundle.render_chat(messages, tools=tools, add_generation_prompt=conv.add_generation_prompt,
                                           continue_final_message=conv.continue_final_message,
@@ -99,13 +103,13 @@ class AgentApis:
 
     # --- the Responses API ---------------------------------------------------------------------------
 
-    def _responses_conversation(self, body: Mapping[str, Any]) -> tuple[conversation.Conversation, list[Any]]:
+    def _responses_conversation(self, body: Mapping[str, Any]) -> tuple[Conversation, list[Any]]:
         items = body.get("input")
         if not isinstance(items, str | list):
             raise ApiError(400, "input must be a string or a list of items")
         try:
-            new = conversation.responses_messages(None, items)
-        except conversation.ConversationError as exc:
+            new = responses_messages(None, items)
+        except ConversationError as exc:
             raise ApiError(400, str(exc)) from None
         history: list[dict[str, Any]] = []
         previous = body.get("previous_response_id")
@@ -115,12 +119,12 @@ class AgentApis:
             history = list(self.stored[previous])
         instructions = body.get("instructions")
         head = [{"role": "system", "content": instructions}] if instructions else []
-        continues = conversation.responses_continues(items)
+        continues = responses_continues(items)
         effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
-        conv = conversation.Conversation(
-            [*head, *history, *new], tools=conversation.responses_tools(body.get("tools")),
+        conv = Conversation(
+            [*head, *history, *new], tools=responses_tools(body.get("tools")),
             tool_choice=body.get("tool_choice"), add_generation_prompt=not continues, continue_final_message=continues,
-            chat_template_kwargs=conversation.reasoning_kwargs(effort, body.get("chat_template_kwargs")))
+            chat_template_kwargs=reasoning_kwargs(effort, body.get("chat_template_kwargs")))
         return conv, [*history, *new]
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
@@ -259,16 +263,15 @@ class AgentApis:
     def _anthropic_prompt(self, body: Mapping[str, Any]) -> list[int]:
         """The prompt vLLM renders from a Messages body (to_chat_completion_request, then the chat template)."""
         try:
-            msgs = conversation.anthropic_messages(body.get("system"), body.get("messages"),
-                                                   merge_inline_system=self.api.bundle.rejects_inline_system)
-            tools = conversation.anthropic_tools(body.get("tools"))
-        except conversation.ConversationError as exc:
+            msgs = anthropic_messages(body.get("system"), body.get("messages"),
+                                      merge_inline_system=self.api.bundle.rejects_inline_system)
+            tools = anthropic_tools(body.get("tools"))
+        except ConversationError as exc:
             raise ApiError(400, str(exc)) from None
         effort = (body.get("output_config") or {}).get("effort") if isinstance(body.get("output_config"),
                                                                                dict) else None
-        return self._encode(conversation.Conversation(
-            msgs, tools=tools, chat_template_kwargs=conversation.reasoning_kwargs(effort,
-                                                                                  body.get("chat_template_kwargs"))))
+        return self._encode(Conversation(
+            msgs, tools=tools, chat_template_kwargs=reasoning_kwargs(effort, body.get("chat_template_kwargs"))))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """POST /v1/messages/count_tokens: the same render as /v1/messages, counted, nothing run. vLLM 0.32 answers

@@ -21,7 +21,11 @@ from typing import Any, ClassVar
 import orjson
 from aiohttp import web
 
-from cortex import conversation, media
+from cortex import media
+from cortex.conversation import ConversationError
+from cortex.conversation.chat import chat_messages, part_text
+from cortex.conversation.content_parts import media_refs, template_messages
+from cortex.conversation.template_args import for_template, reasoning_kwargs
 from cortex.engine_hashes import LoraRef
 from cortex.media import MediaSpan
 from cortex.model_bundle import ModelBundle, TemplateError
@@ -111,14 +115,14 @@ def int_field(body: Mapping[str, Any], name: str, default: int | None, minimum: 
 
 def normalize_messages(messages: Any, media: bool = False) -> list[dict[str, Any]]:
     """Chat messages as the model takes them: media parts refused unless `media` (a vLLM model with a processor
-    rule, cortex/media.py); their text for the template is cortex/conversation.py's, as the engines build it."""
+    rule, cortex/media.py); their text for the template is cortex/conversation/'s, as the engines build it."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")
     for msg in messages:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise ApiError(400, "each message must be an object with a role")
         content = msg.get("content")
-        if not media and isinstance(content, list) and any(conversation.part_text(p)[1] for p in content):
+        if not media and isinstance(content, list) and any(part_text(p)[1] for p in content):
             raise ApiError(400, "only text content parts are supported by this model")
     return messages
 
@@ -270,16 +274,16 @@ class OpenAIServing(ABC):
         `--model` is the served name); anything else with media is refused (this simulator fetches nothing)."""
         rule = self.bundle.media_rule if self.flavour == "vllm" else None
         source = normalize_messages(body.get("messages"), media=rule is not None)
-        refs = conversation.media_refs(source) if rule is not None else []
+        refs = media_refs(source) if rule is not None else []
         fmt = self.bundle.content_format
         if fmt == "openai" or refs:
             placeholders = rule.placeholders if rule is not None and refs and fmt == "string" else None
             try:
-                messages = conversation.template_messages(source, fmt, placeholders)
-            except conversation.ConversationError as exc:
+                messages = template_messages(source, fmt, placeholders)
+            except ConversationError as exc:
                 raise ApiError(400, str(exc)) from None
         else:
-            messages = conversation.chat_messages(source)[0]
+            messages = chat_messages(source)[0]
         add_generation_prompt = bool(body.get("add_generation_prompt", default_add_generation_prompt))
         continue_final = bool(body.get("continue_final_message", False))
         if add_generation_prompt and continue_final:
@@ -288,10 +292,10 @@ class OpenAIServing(ABC):
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ApiError(400, "chat_template_kwargs must be an object")
-        messages, tools = conversation.for_template(messages, body.get("tools"), body.get("tool_choice"),
-                                                    self.bundle.chat_template or "",
-                                                    "sglang" if self.flavour == "sglang" else "vllm")
-        kwargs = conversation.reasoning_kwargs(body.get("reasoning_effort"), kwargs) or None
+        messages, tools = for_template(messages, body.get("tools"), body.get("tool_choice"),
+                                       self.bundle.chat_template or "",
+                                       "sglang" if self.flavour == "sglang" else "vllm")
+        kwargs = reasoning_kwargs(body.get("reasoning_effort"), kwargs) or None
         try:
             text = self.bundle.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final, chat_template_kwargs=kwargs)

@@ -1,6 +1,6 @@
 """The agent APIs' requests as Cortex's one parsed form: OpenAI's Responses API and Anthropic's Messages API.
 
-vLLM 0.32 serves both by turning them into a chat-template render (cortex/conversation.py has its rules), so a
+vLLM 0.32 serves both by turning them into a chat-template render (cortex/conversation/ has its rules), so a
 Responses or Messages request is parsed into the same `ParsedRequest` a chat completion is: its conversation,
 tools and template flags, routed by the blocks of the very prompt the engine will compute. What Cortex cannot
 render it routes without a claim: a Responses request continuing a stored response (`previous_response_id`: the
@@ -17,7 +17,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from cortex import conversation
+from cortex.conversation import ConversationError
+from cortex.conversation.anthropic_api import anthropic_messages, anthropic_tools
+from cortex.conversation.chat import chat_messages
+from cortex.conversation.responses_api import responses_continues, responses_messages, responses_tools
+from cortex.conversation.template_args import reasoning_kwargs
 from cortex.errors import ClientError
 from extproc.request import (
     NonNegInt,
@@ -80,7 +84,7 @@ TOKEN_COUNT = "token_count"
 def _converted(fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
-    except conversation.ConversationError as exc:
+    except ConversationError as exc:
         raise ClientError(400, str(exc), exc.param) from None
 
 
@@ -91,7 +95,7 @@ def _as_chat(req: ParsedRequest, messages: list[dict[str, Any]], param: str) -> 
             _message(i, m)
         except ClientError as exc:
             raise ClientError(400, f"{param}: {exc.message}", param) from None
-    req.messages, media = conversation.chat_messages(messages)
+    req.messages, media = chat_messages(messages)
     req.chat_source = messages
     if media:
         req.unroutable = "non_text_content"  # unless prepare keys the media (extproc/media_prompt.py)
@@ -109,19 +113,19 @@ def parse_responses(raw: bytes) -> ParsedRequest:
         raise ClientError(400, "'input' is required and must be a string or a list of items", "input")
     req = ParsedRequest(kind="chat", model=model, stream=bool(fields.stream), api="responses", body=body,
                         cache_salt=_cache_salt(body.get("cache_salt")), max_output=fields.max_output_tokens)
-    _as_chat(req, _converted(conversation.responses_messages, fields.instructions, items), "input")
-    tools = conversation.responses_tools(fields.tools)
+    _as_chat(req, _converted(responses_messages, fields.instructions, items), "input")
+    tools = responses_tools(fields.tools)
     if tools:
         _tools(tools)
     req.tools = tools
     req.tool_choice = body.get("tool_choice")
-    req.continue_final_message = conversation.responses_continues(items)
+    req.continue_final_message = responses_continues(items)
     req.add_generation_prompt = not req.continue_final_message
     kwargs = fields.chat_template_kwargs
     if kwargs:
         _check_nesting(kwargs, "chat_template_kwargs", "chat_template_kwargs")
     effort = (fields.reasoning or {}).get("effort")
-    req.chat_template_kwargs = conversation.reasoning_kwargs(effort, kwargs) or None
+    req.chat_template_kwargs = reasoning_kwargs(effort, kwargs) or None
     if fields.previous_response_id:
         # The engine renders the stored conversation before this input: Cortex cannot, so nothing is claimed.
         req.previous_response = fields.previous_response_id
@@ -141,21 +145,19 @@ def parse_messages(raw: bytes) -> ParsedRequest:
     system, messages = body.get("system"), body.get("messages")
     req = ParsedRequest(kind="chat", model=model, stream=bool(fields.stream), api="messages", body=body,
                         cache_salt=_cache_salt(body.get("cache_salt")), max_output=fields.max_tokens)
-    _as_chat(req, _converted(conversation.anthropic_messages, system, messages, merge_inline_system=False),
-             "messages")
+    _as_chat(req, _converted(anthropic_messages, system, messages, merge_inline_system=False), "messages")
     if any(isinstance(m, dict) and m.get("role") == "system" for m in messages or ()):
-        merged = _converted(conversation.anthropic_messages, system, messages, merge_inline_system=True)
-        req.inline_system = conversation.chat_messages(merged)[0]
+        merged = _converted(anthropic_messages, system, messages, merge_inline_system=True)
+        req.inline_system = chat_messages(merged)[0]
         req.inline_source = merged
-    tools = _converted(conversation.anthropic_tools, body.get("tools"))
+    tools = _converted(anthropic_tools, body.get("tools"))
     if tools:
         _check_nesting(tools, "tools", "tools")
     req.tools = tools or None
     kwargs = fields.chat_template_kwargs
     if kwargs:
         _check_nesting(kwargs, "chat_template_kwargs", "chat_template_kwargs")
-    req.chat_template_kwargs = conversation.reasoning_kwargs((fields.output_config or {}).get("effort"),
-                                                             kwargs) or None
+    req.chat_template_kwargs = reasoning_kwargs((fields.output_config or {}).get("effort"), kwargs) or None
     return req
 
 
@@ -175,9 +177,9 @@ def parse_count_tokens(raw: bytes) -> ParsedRequest:
     if messages is None:
         raise ClientError(400, "'messages' is required", "messages")
     probe = ParsedRequest(kind="chat", model=model, stream=False, api="count_tokens", body=body)
-    _as_chat(probe, _converted(conversation.anthropic_messages, body.get("system"), messages,
+    _as_chat(probe, _converted(anthropic_messages, body.get("system"), messages,
                                merge_inline_system=False), "messages")
-    tools = _converted(conversation.anthropic_tools, body.get("tools"))
+    tools = _converted(anthropic_tools, body.get("tools"))
     if tools:
         _check_nesting(tools, "tools", "tools")
     if fields.chat_template_kwargs:

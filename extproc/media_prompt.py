@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cortex import conversation, media
+from cortex import media
 from cortex.blockkeys import extras_suffix
 from cortex.config import ModelConfig
+from cortex.conversation.content_parts import media_refs
 from cortex.engines import EngineAdapter
 from cortex.media import MediaSpan
 from cortex.model_bundle import ModelBundle
@@ -62,7 +63,7 @@ def build(req: ParsedRequest, bundle: ModelBundle, engine: EngineAdapter, model:
     assert rule is not None and req.chat_source is not None
     source = req.inline_source if req.inline_system is not None and bundle.rejects_inline_system else req.chat_source
     body: dict[str, Any] = req.body or {}
-    found = media.expand(rendered_ids, conversation.media_refs(source or []), rule, model.media.model_id or model.name,
+    found = media.expand(rendered_ids, media_refs(source or []), rule, model.media.model_id or model.name,
                          model.media.hasher, kwargs=any(body.get(k) for k in KWARGS_FIELDS))
     extras = engine.media_page_extras(found.spans, found.keyed // block_size, block_size) or []
     suffixes = {i: extras_suffix(e) for i, e in enumerate(extras) if e}

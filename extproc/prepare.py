@@ -14,13 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from cortex import conversation, observation
+from cortex import observation
 from cortex.blockkeys import chain_keys, chain_keys_with, root_key
 from cortex.chain_cache import ChainRun
-from cortex.conversation import ToolStyle
+from cortex.conversation import ConversationError
+from cortex.conversation.content_parts import template_messages
+from cortex.conversation.template_args import ToolStyle, for_template
 from cortex.errors import ClientError
 from cortex.model_bundle import ModelBundle, TemplateError
-from cortex.piecewise_tokenize import EncoderSet, SegmentMismatch, TokenCursor
+from cortex.piecewise.piece_cache import SegmentMismatch
+from cortex.piecewise.segment_encoder import EncoderSet
+from cortex.piecewise.token_cursor import TokenCursor
 from extproc import engine_hits, inference_paths, media_prompt, pd, response_ids
 from extproc.cluster_view import TargetInfo
 from extproc.policies import session
@@ -101,8 +105,8 @@ def prompt_text(req: ParsedRequest, bundle: ModelBundle, style: ToolStyle = "vll
             # A template that takes content as parts gets them, as vLLM gives them (cortex/template_format.py).
             if source is not None and (bundle.content_format == "openai" or (media and bundle.media_rule)):
                 placeholders = bundle.media_rule.placeholders if media and bundle.media_rule else None
-                messages = conversation.template_messages(source, bundle.content_format, placeholders)
-            messages, tools = conversation.for_template(messages, req.tools, req.tool_choice, template, style)
+                messages = template_messages(source, bundle.content_format, placeholders)
+            messages, tools = for_template(messages, req.tools, req.tool_choice, template, style)
             text = bundle.render_chat(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
                                       continue_final_message=req.continue_final_message,
                                       chat_template_kwargs=req.chat_template_kwargs)
@@ -112,7 +116,7 @@ def prompt_text(req: ParsedRequest, bundle: ModelBundle, style: ToolStyle = "vll
             text, special = req.prompt_text, True
     except TemplateError as exc:
         raise ClientError(400, str(exc), "messages") from None
-    except conversation.ConversationError as exc:
+    except ConversationError as exc:
         raise ClientError(400, str(exc), exc.param) from None
     return text, special
 

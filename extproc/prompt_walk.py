@@ -33,7 +33,8 @@ from prometheus_client import Counter
 from cortex.blockkeys import chain_keys
 from cortex.chain_cache import ChainRun, ChainState, keys_array
 from cortex.observation import FIRST_IDS_LOGGED as HEAD_IDS
-from cortex.piecewise_tokenize import SegmentMismatch, TokenCursor
+from cortex.piecewise.piece_cache import SegmentMismatch
+from cortex.piecewise.token_cursor import TokenCursor
 from extproc.predictions import Predictions
 
 log = logging.getLogger("cortex.extproc")

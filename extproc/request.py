@@ -19,7 +19,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cortex import conversation
+from cortex.conversation.chat import TEXT_PARTS, chat_messages
+from cortex.conversation.template_args import reasoning_kwargs
 from cortex.errors import ClientError
 
 Kind = Literal["chat", "completion"]
@@ -117,15 +118,15 @@ class ParsedRequest:
     stream: bool
     api: Api = "chat"
     messages: list[dict[str, Any]] | None = None
-    """The conversation as the template sees it (cortex/conversation.py: chat_messages)."""
+    """The conversation as the template sees it (cortex/conversation/chat.py: chat_messages)."""
     chat_source: list[dict[str, Any]] | None = None
     """The chat messages `messages` was made from (as sent, or converted from the Responses / Messages API): what a
-    template that takes content as parts, or a prompt with media, is rendered from (cortex/conversation.py:
-    template_messages). `inline_source` likewise for `inline_system`."""
+    template that takes content as parts, or a prompt with media, is rendered from (cortex/conversation/
+    content_parts.py: template_messages). `inline_source` likewise for `inline_system`."""
     inline_source: list[dict[str, Any]] | None = None
     tools: list[Any] | None = None
     """Chat-style tools as the client sent them (or converted from the Responses / Messages API); the engine's
-    own dump for the template is cortex/conversation.py: template_tools."""
+    own dump for the template is cortex/conversation/template_args.py: template_tools."""
     tool_choice: Any = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -149,7 +150,8 @@ class ParsedRequest:
     """SGLang's per-prompt salts of a batch (`cache_salt` as a list): each is salted for an isolated tenant."""
     inline_system: list[dict[str, Any]] | None = None
     """An Anthropic conversation with inline system messages, merged into the first one: what a template that
-    demands system-first renders instead of `messages` (cortex/conversation.py: rejects_inline_system)."""
+    demands system-first renders instead of `messages` (cortex/conversation/template_args.py:
+    rejects_inline_system)."""
     previous_response: str | None = None
     """The Responses API's previous_response_id: the engine keeps that conversation on one worker."""
 
@@ -264,7 +266,8 @@ def _tool_calls(i: int, calls: Any) -> None:
 
 
 def _message(i: int, raw: Any) -> None:
-    """Check one chat message the way both engines type it (its text for the template: conversation.chat_messages)."""
+    """Check one chat message the way both engines type it (its text for the template: chat_messages, in
+    cortex/conversation/chat.py)."""
     if not isinstance(raw, dict):
         raise ClientError(400, f"messages[{i}] must be an object", "messages")
     role = raw.get("role")
@@ -283,7 +286,7 @@ def _message(i: int, raw: Any) -> None:
                 continue
             if not isinstance(kind, str):
                 raise ClientError(400, f"messages[{i}].content[{j}].type must be a string", "messages")
-            key = conversation.TEXT_PARTS.get(kind)
+            key = TEXT_PARTS.get(kind)
             if key is not None and not isinstance(part.get(key), str):
                 raise ClientError(400, f"messages[{i}].content[{j}].{key} must be a string", "messages")
     elif content is None:
@@ -343,7 +346,7 @@ def _chat(req: ParsedRequest, body: dict[str, Any], fields: _Chat) -> None:
         raise ClientError(400, "'messages' is required and must be a non-empty list", "messages")
     for i, m in enumerate(messages):
         _message(i, m)
-    req.messages, media = conversation.chat_messages(messages)
+    req.messages, media = chat_messages(messages)
     req.chat_source = messages
     if media:
         # Routed by load unless prepare can key the media as the model's engine does (extproc/media_prompt.py).
@@ -360,7 +363,7 @@ def _chat(req: ParsedRequest, body: dict[str, Any], fields: _Chat) -> None:
     kwargs = body.get("chat_template_kwargs")
     if kwargs:
         _check_nesting(kwargs, "chat_template_kwargs", "chat_template_kwargs")
-    req.chat_template_kwargs = conversation.reasoning_kwargs(body.get("reasoning_effort"), kwargs) or None
+    req.chat_template_kwargs = reasoning_kwargs(body.get("reasoning_effort"), kwargs) or None
     req.max_output = times_n(fields.max_completion_tokens if fields.max_completion_tokens is not None
                               else fields.max_tokens, fields.n)
 

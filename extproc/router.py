@@ -15,7 +15,7 @@ import time
 
 from cortex.config import CortexConfig
 from cortex.model_bundle import ModelBundle
-from cortex.piecewise_tokenize import EncoderSet, SegmentEncoder
+from cortex.piecewise.segment_encoder import EncoderSet, SegmentEncoder
 from extproc import metrics, plan, prepare, snapshot
 from extproc.backlog import Backlog
 from extproc.breaker import Breakers, Listener

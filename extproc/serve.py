@@ -19,7 +19,7 @@ from cortex import breaker_status, extproc_tls, grpc_health
 from cortex.api_paths import EXPLAIN_PATH, explain_socket
 from cortex.config import CortexConfig
 from cortex.config_watch import ConfigWatcher
-from cortex.piecewise_tokenize import SegmentEncoder
+from cortex.piecewise.segment_encoder import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
 from extproc import metrics
 from extproc.admission import Admission

@@ -35,7 +35,7 @@ from cortex import observation
 from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, MODELS_PATH
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
-from cortex.piecewise_tokenize import SegmentEncoder
+from cortex.piecewise.segment_encoder import SegmentEncoder
 from extproc import (
     epp,
     inference_paths,

@@ -17,8 +17,9 @@ from typing import Any
 
 import aiohttp
 
-from cortex import conversation, engines
-from cortex.conversation import ToolStyle
+from cortex import engines
+from cortex.conversation.content_parts import template_messages
+from cortex.conversation.template_args import ToolStyle, for_template
 from cortex.model_bundle import ModelBundle, TemplateError
 
 UNKNOWN, OK, FAILED = "unknown", "ok", "failed"
@@ -50,14 +51,13 @@ class TokenParity:
 
 def expected(bundle: ModelBundle, style: ToolStyle = "vllm") -> list[tuple[dict[str, Any], list[int]]]:
     """The probes this bundle can render, with Cortex's own ids for each (tools handed to the template the way the
-    worker's engine hands them: `style`, cortex/conversation.py)."""
+    worker's engine hands them: `style`, cortex/conversation/template_args.py)."""
     out: list[tuple[dict[str, Any], list[int]]] = []
     if bundle.has_chat_template:
         for probe in PROBES:
             # In the content format the engine gives this template (parts for one that loops over them).
-            view = conversation.template_messages(probe["messages"], bundle.content_format)
-            messages, tools = conversation.for_template(view, probe.get("tools"), None, bundle.chat_template or "",
-                                                        style)
+            view = template_messages(probe["messages"], bundle.content_format)
+            messages, tools = for_template(view, probe.get("tools"), None, bundle.chat_template or "", style)
             try:
                 ids = bundle.encode_chat(messages, tools=tools, add_generation_prompt=True)
             except TemplateError:

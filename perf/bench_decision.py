@@ -50,7 +50,7 @@ from cortex.blockkeys import chain_keys, root_key
 from cortex.config import CortexConfig, parse_config
 from cortex.ledger_view import ViewWriter
 from cortex.model_bundle import ModelBundle
-from cortex.piecewise_tokenize import EncoderSet
+from cortex.piecewise.segment_encoder import EncoderSet
 from extproc.cluster_view import ClusterView
 from extproc.registry import ModelRegistry
 from extproc.request import parse_body

@@ -361,7 +361,7 @@ EXTPROC = Grouping(
              lambda f: in_file("extproc/prepare.py", funcs=("prompt_text",))(f)
              or in_file("cortex/model_bundle.py", funcs=("render_chat", "_tojson"))(f) or "jinja2" in f.file),
         Rule("tokenize (piecewise, BPE, tokenizers)",
-             lambda f: in_file("cortex/piecewise_tokenize.py", "cortex/fast_bpe.py")(f)
+             lambda f: in_file("cortex/fast_bpe.py")(f) or path_has("cortex/piecewise/")(f)
              or in_file("cortex/model_bundle.py", funcs=("encode",))(f) or path_has("tokenizers", "tiktoken",
                                                                                    "fastokens", "rs_bpe")(f)),
         Rule("hash (block keys)", lambda f: in_file("cortex/blockkeys.py")(f) or path_has("xxhash")(f)),

@@ -16,7 +16,7 @@ from cortex.chain_cache import ChainCache, ChainState
 from cortex.config import parse_config
 from cortex.model_bundle import ModelBundle
 from cortex.observation import FIRST_IDS_LOGGED, prompt_hash
-from cortex.piecewise_tokenize import SegmentEncoder
+from cortex.piecewise.segment_encoder import SegmentEncoder
 from extproc import metrics
 from extproc.predictions import Predictions
 from extproc.prepare import Timings

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from cortex.blockkeys import chain_keys, root_key
 from cortex.config import CortexConfig, parse_config
 from cortex.ledger_view import ViewWriter
-from cortex.piecewise_tokenize import SegmentEncoder, SegmentMismatch, TokenCursor
+from cortex.piecewise.piece_cache import SegmentMismatch
+from cortex.piecewise.segment_encoder import SegmentEncoder
+from cortex.piecewise.token_cursor import TokenCursor
 from extproc import prepare
 from extproc.cluster_view import ClusterView
 from extproc.plan import RoutePlan as RouteResult

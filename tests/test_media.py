@@ -19,9 +19,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from cortex import conversation, engines, media, template_format
+from cortex import engines, media, template_format
 from cortex.blockkeys import chain_keys, chain_keys_with, content_extras, event_suffixes, extras_suffix, root_key
 from cortex.config import ModelConfig
+from cortex.conversation.content_parts import MediaRef, media_refs, template_messages
 from cortex.engines.base import MediaSpan
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 from extproc import media_prompt
@@ -243,17 +244,17 @@ def test_openai_content_parts_are_what_vllm_hands_the_template() -> None:
                                              {"type": "refusal", "refusal": None}]},
                 {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a"},
                                                                    {"type": "text", "text": "b"}]}]
-    out = conversation.template_messages(messages, "openai")
+    out = template_messages(messages, "openai")
     assert out[0]["content"] == [{"type": "text", "text": "Be brief."}]
     assert out[1]["content"] == [{"type": "text", "text": "plain "}, {"type": "text", "text": "typed",
                                                                         "cache_control": 1},
                                  {"type": "image", "detail": "high"}]
     assert out[2]["content"] == "a\nb"  # a tool message of text parts is one string
-    refs = conversation.media_refs(messages)
-    assert refs == [conversation.MediaRef("image", "data:x", None)]
+    refs = media_refs(messages)
+    assert refs == [MediaRef("image", "data:x", None)]
 
 
 def test_string_templates_get_the_models_placeholders_ahead_of_the_text() -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, image("data:a"), image("data:b")]}]
     holders = {"image": "<IMG>"}
-    assert conversation.template_messages(messages, "string", holders)[0]["content"] == "<IMG>\n<IMG>\nCompare"
+    assert template_messages(messages, "string", holders)[0]["content"] == "<IMG>\n<IMG>\nCompare"

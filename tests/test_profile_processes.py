@@ -54,7 +54,7 @@ def test_extproc_parts_outer_context_wins_over_what_it_calls() -> None:
     assert EXTPROC.part(upkeep).startswith("upkeep")
     # Otherwise the innermost named part: tokenizing inside the walk inside prepare.
     tok = frames(f"ExtProc.process ({TREE}/extproc/server.py)", f"prepare ({TREE}/extproc/prepare.py)",
-                 f"walk ({TREE}/extproc/prompt_walk.py)", f"TokenCursor.next ({TREE}/cortex/piecewise_tokenize.py)",
+                 f"walk ({TREE}/extproc/prompt_walk.py)", f"TokenCursor.next ({TREE}/cortex/piecewise/token_cursor.py)",
                  "native (/x/site-packages/tokenizers/tokenizers.abi3.so)")
     assert EXTPROC.part(tok).startswith("tokenize")
     grpc = frames(f"Runner.run ({PY}/asyncio/runners.py)", "0x1 (/x/site-packages/grpc/_cython/cygrpc.so)")

@@ -18,7 +18,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 from cortex.config import parse_config
 from cortex.model_bundle import ModelBundle, TemplateError, shipped_tokenizer_dir
-from cortex.piecewise_tokenize import ANCHORED, SEGMENTED, WHOLE_TEXT, EncoderSet, SegmentEncoder
+from cortex.piecewise.segment_encoder import ANCHORED, SEGMENTED, WHOLE_TEXT, EncoderSet, SegmentEncoder
 from extproc.cluster_view import ClusterView
 from extproc.registry import ModelRegistry
 from extproc.request import parse_body

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
-from cortex.conversation import ToolStyle
+from cortex.conversation.template_args import ToolStyle
 from cortex.media import MediaSpan
 
 
@@ -133,7 +133,8 @@ class EngineAdapter(ABC):
     """The public inference paths its OpenAI server serves (extproc/inference_paths.py): a request on another
     path is refused by Cortex (404) rather than sent to a worker that would not know it."""
     tool_style: ClassVar[ToolStyle]
-    """How its server dumps a request's tools for the chat template (cortex/conversation.py: template_tools)."""
+    """How its server dumps a request's tools for the chat template (template_tools in
+    cortex/conversation/template_args.py)."""
 
     @abstractmethod
     def cache_read_limit(self, api: str, body: Mapping[str, Any]) -> int | None:

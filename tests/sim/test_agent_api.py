@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from cortex import conversation
+from cortex.conversation.chat import chat_messages
 from cortexsim.server import SimServer
 from tests.sim.simkit import BUNDLE, MODEL, config, serve
 
@@ -30,7 +30,7 @@ async def events(resp: aiohttp.ClientResponse) -> list[tuple[str, dict[str, Any]
 
 def rendered(messages: list[dict[str, Any]]) -> int:
     """Prompt tokens of a conversation as the engine renders it."""
-    conv, _ = conversation.chat_messages(messages)
+    conv, _ = chat_messages(messages)
     return len(BUNDLE.encode_chat(conv, add_generation_prompt=True))
 
 
