@@ -252,4 +252,3 @@ class ProbeLoops:
     def _active_hold_s(self) -> float:
         # How long a sign of work keeps a worker on the active cadence after it was last seen.
         return 2 * self.cfg.ingest.idle_load_poll_interval_s
-
