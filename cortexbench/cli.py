@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cortexbench import goodput, noisy, report, runner, saturation, slo, trace, workloads
+from cortexbench import goodput, noisy, report, runner, saturation, slo, trace, trace_lines, trace_weka, workloads
 from cortexbench.contestants import BY_NAME, CONTESTANTS
 from cortexbench.launch import ClusterSpec
 
@@ -85,11 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-input", type=int, default=None, metavar="TOKENS",
                    help=f"cut longer prompts to their first blocks (default {trace.MAX_INPUT})")
     g.add_argument("--max-idle", type=float, default=None, metavar="SECONDS",
-                   help=f"WEKA: cut pauses within a conversation to this (trace time; default {trace.MAX_IDLE_S:g}; "
-                        f"inf keeps them)")
+                   help=f"WEKA: cut pauses within a conversation to this (trace time; default "
+                        f"{trace_weka.MAX_IDLE_S:g}; inf keeps them)")
     g.add_argument("--conversation-gap", type=float, default=None, metavar="SECONDS",
                    help=f"WEKA: conversation k starts k x this after the first (trace time; default "
-                        f"{trace.CONVERSATION_GAP_S:g})")
+                        f"{trace_weka.CONVERSATION_GAP_S:g})")
     p.add_argument("--seed", type=int, default=1, help="workload seed (default %(default)s)")
     p.add_argument("--seeds", metavar="S[,S...]",
                    help="repeat each cell with these seeds and report the mean and spread (overrides --seed)")
@@ -308,7 +308,7 @@ def _build(args: argparse.Namespace, names: list[str], seeds: tuple[int, ...]) -
             else:
                 out.append([one(n, seed, tp) for seed in seeds])
         return out
-    except trace.TraceError as exc:
+    except trace_lines.TraceError as exc:
         raise SystemExit(f"cortex bench: {exc}") from None
 
 

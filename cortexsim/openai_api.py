@@ -3,7 +3,8 @@
 ``OpenAIServing`` turns an OpenAI chat/completions body into token ids (real chat template, real tokenizer),
 picks a DP rank, applies the HTTP faults, runs the flavour's PD preparation, submits a ``SimRequest`` to that
 rank's engine and hands the outputs to the flavour's response formatting. Everything engine-specific (route
-names, JSON shapes, error bodies, metrics, PD protocol) lives in ``vllm_api`` and ``sglang_api``.
+names, JSON shapes, error bodies, metrics, PD protocol) lives in ``vllm_api`` and ``sglang_api`` (with its
+``sglang_*`` siblings).
 """
 
 from __future__ import annotations

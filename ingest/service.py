@@ -7,26 +7,25 @@ ingest dies.
 
 Who does what: ingest/membership.py decides which workers run (config, admin API, persistence, Envoy's
 pools); ingest/probes.py reads health, load and tokenizer parity and ingest/workers.py applies the readings;
-ingest/source.py follows one target's event stream into its ledger. This module schedules them: per worker a
-health task and a load task, one tokenizer parity loop, the heartbeat/publication loop and the config loop;
-one watch per Kubernetes pool (ingest/k8s_discovery.py) and the re-resolution of worker hostnames.
+ingest/source.py follows one target's event stream into its ledger. This module wires the process: what the
+Ingest owns, its start and stop, the config loop, adding and removing workers, and the heartbeat/publication
+loop. Two parts of the Ingest live beside it: ingest/probe_loops.py (per worker a health task and a load task,
+one tokenizer parity loop) and ingest/discovery.py (one watch per Kubernetes pool, ingest/k8s_discovery.py, and
+the re-resolution of worker hostnames).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
-import socket
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 import zmq.asyncio
 
 from cortex import breaker_status, engines
@@ -38,29 +37,30 @@ from cortex.ledger_view import ViewWriter
 from cortex.model_bundle import ModelBundle
 from cortex.peering import board_rows
 from cortex.upstream_tls import WorkerTls, verify_name
-from ingest import k8s_discovery, membership, silence, tokenizer_parity
+from ingest import membership, silence, tokenizer_parity
+from ingest.discovery import Discovery
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
 from ingest.loop_cpu import timed
 from ingest.membership import MembershipError
 from ingest.peers import PeerLink
-from ingest.probes import check_tokens, probe_health, read_load
+from ingest.probe_loops import ProbeLoops
 from ingest.regret import Regret
 from ingest.source import EventSource, cancel_quietly, rank_endpoint
 from ingest.subscription import subscription
-from ingest.sync import SourceSync, SyncState
-from ingest.workers import Target, Worker, load_poll_interval
+from ingest.sync import SourceSync
+from ingest.workers import Target, Worker
 
 log = logging.getLogger("cortex.ingest")
 
 PUBLISH_SPACING_S = 0.1
 """Least time between two writes of the target list (extproc re-reads it on each)."""
-ROUTED_HOLD_S = 30.0
-"""A worker this replica sent requests to within this long is read at the routed cadence while active (a replica
-behind an L4 balancer sends each worker a request every few seconds; its own share is known either way)."""
 
 
-class Ingest:
+class Ingest(ProbeLoops, Discovery):
+    """The ingest process's state and wiring; its probe loops and its discovery are parts of it (module
+    docstring), each declaring what of this state it reads."""
+
     def __init__(self, cfg: CortexConfig, config_path: Path | None = None) -> None:
         self.cfg = cfg
         self.config_path = config_path
@@ -267,92 +267,7 @@ class Ingest:
         log.info("worker %s added (%s, %s, %d target(s))", wcfg.id, wcfg.url, source, len(worker.targets))
         return worker
 
-    # -- workers found at run time: Kubernetes pools, hostnames resolved again -------------------------------
-
-    def _start_discovery(self) -> None:
-        assert self._session is not None
-        for i, pool in enumerate(self.cfg.discovery.kubernetes):
-            watch = k8s_discovery.PoolWatch(pool, self._session, partial(self._apply_pool_whole, i))
-            self._pool_tasks.append(asyncio.create_task(timed("config", watch.run()), name=f"k8s-{i}"))
-
-    async def _stop_discovery(self) -> None:
-        """Stop the pools' watches and remove every worker they added (a changed pool starts afresh)."""
-        for task in self._pool_tasks:
-            await cancel_quietly(task)
-        self._pool_tasks = []
-        async with self._membership:
-            for applied in self._discovered.values():
-                for wid in applied:
-                    current = self.workers.get(wid)
-                    if current is not None and current.source == membership.K8S:
-                        await self.remove_worker(wid, persist=False)
-            self._discovered.clear()
-
-    async def _apply_pool_whole(self, index: int, desired: dict[str, WorkerConfig]) -> None:
-        # A watch cancelled (config reload) mid-change must not leave a worker half removed: the change
-        # finishes, and _stop_discovery, which waits for the lock, then removes what it added.
-        await asyncio.shield(self._apply_pool(index, desired))
-
-    async def _apply_pool(self, index: int, desired: dict[str, WorkerConfig]) -> None:
-        """A pool's workers as its pods are now: removed and added through the admin API's membership path
-        (so a removed worker's ledger is dropped as for an admin removal; an unchanged one is left alone)."""
-        async with self._membership:
-            applied = self._discovered.setdefault(index, {})
-            remove, add = k8s_discovery.changes(applied, desired)
-            for wid in remove:
-                del applied[wid]
-                current = self.workers.get(wid)
-                if current is not None and current.source == membership.K8S:
-                    await self.remove_worker(wid, persist=False)
-            added = 0
-            for wcfg in add:
-                try:
-                    membership.check_addition(self.cfg, wcfg, self.workers)
-                    self._add(wcfg, membership.K8S)
-                except MembershipError as exc:
-                    # Not in `applied`: tried again at the pool's next change.
-                    log.warning("discovered worker %s not added: %s", wcfg.id, exc)
-                    continue
-                applied[wcfg.id] = wcfg
-                added += 1
-            if remove or added:
-                self._sync_envoy()
-                self._meta_dirty = True
-
-    async def _resolve_loop(self) -> None:
-        """Every health interval, resolve the hostnames of the workers named by one again: pods move, and a
-        worker whose address no longer resolves moves to the new one (membership.address_moved)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.cfg.ingest.health_interval_s)
-            for worker in list(self.workers.values()):
-                host, port = worker.cfg.host_port
-                with contextlib.suppress(ValueError):
-                    ipaddress.ip_address(host)
-                    continue
-                try:
-                    async with asyncio.timeout(self.cfg.ingest.health_timeout_s):
-                        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-                except (OSError, TimeoutError) as exc:
-                    log.debug("resolving %s for worker %s failed: %s (address kept)", host, worker.id, exc)
-                    continue
-                moved = membership.address_moved(
-                    worker.address, [membership.format_address(str(i[4][0]), port) for i in infos])
-                if moved is not None:
-                    await self._move(worker, moved)
-
-    async def _move(self, worker: Worker, address: str) -> None:
-        """A worker's hostname answers a new address: the same worker config at a new place (a new process
-        behind the name: its ledger starts over, as for a config edit of its url)."""
-        async with self._membership:
-            if self.workers.get(worker.id) is not worker:
-                return  # removed or replaced meanwhile
-            log.info("worker %s: %s now resolves to %s (was %s)", worker.id, worker.cfg.host_port[0], address,
-                     worker.address)
-            await self.remove_worker(worker.id, persist=False)
-            self._add(worker.cfg, worker.source, address)
-            self._sync_envoy()
-            self._meta_dirty = True
+    # -- publication -------------------------------------------------------------------------------------
 
     @property
     def _meta_dirty(self) -> bool:
@@ -367,23 +282,6 @@ class Ingest:
 
     def _changed(self) -> None:
         self._meta_dirty = True
-
-    def _events_arrived(self, worker: Worker) -> None:
-        # Events mean the engine is working, whoever sent it the requests (another replica, direct traffic).
-        self._wake(worker, time.monotonic())
-
-    def _wake(self, worker: Worker, now: float) -> None:
-        """Poll this worker at an active cadence from now on (for a while), starting with a reading now if it was
-        on the idle one (an active cadence is not cut short: events arrive all the time from a busy worker)."""
-        worker.active_until = max(worker.active_until, now + self._active_hold_s())
-        if worker.idle:
-            worker.wake.set()
-
-    def _active_hold_s(self) -> float:
-        # How long a sign of work keeps a worker on the active cadence after it was last seen.
-        return 2 * self.cfg.ingest.idle_load_poll_interval_s
-
-    # -- probes and publication --------------------------------------------------------------------------
 
     def targets(self) -> list[Target]:
         return [t for w in self.workers.values() for t in w.targets]
@@ -419,188 +317,6 @@ class Ingest:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.cfg.ingest.heartbeat_interval_s):
                     await self._publish_soon.wait()
-
-    def _check_routed(self, tick: int) -> None:
-        """A worker with requests in flight from this replica's extproc processes is active: wake its polling."""
-        try:
-            if tick % 8 == 0:
-                self._board.refresh()  # an extproc process restarted: follow its new row
-                self._backlog.refresh()
-            totals = self._board.totals()
-        except Exception:  # an extra signal only: never let it stop the heartbeat
-            log.debug("in-flight board unreadable", exc_info=True)
-            return
-        if not totals.any():
-            return
-        now = time.monotonic()
-        for w in self.workers.values():
-            if any(0 <= t.slot < totals.size and totals[t.slot] > 0 for t in w.targets):
-                self._wake(w, now)
-
-    async def _poll_load(self, worker: Worker) -> None:
-        """One worker's load readings. A read that hangs holds back this worker's next read only.
-
-        Adaptive (workers.load_poll_interval): while the worker is active (requests running or waiting at the last
-        reading, KV events arriving, requests routed here in flight), every `routed_load_poll_interval_s` if this
-        replica sends it requests, else every `load_poll_interval_s`; every `idle_load_poll_interval_s` otherwise,
-        and a sign of work wakes that idle wait at once (_wake)."""
-        assert self._session is not None
-        icfg = self.cfg.ingest
-        while True:
-            worker.wake.clear()
-            own = None
-            if worker.healthy:
-                try:
-                    per_rank = await read_load(self._session, worker.cfg, timeout=max(icfg.load_poll_interval_s * 5,
-                                                                                      0.5),
-                                               tls=self.tls.kwargs(worker.tls_name))
-                except Exception as exc:  # a worker's bad answer must not end its polling
-                    log.debug("load read failed for %s: %s", worker.id, exc)
-                else:
-                    own = self._own_inflight()
-                    worker.apply_load(per_rank, time.monotonic(), own)
-            now = time.monotonic()
-            if any(t.load.at and (t.load.running > 0 or t.load.waiting > 0) for t in worker.targets):
-                worker.active_until = max(worker.active_until, now + self._active_hold_s())
-            worker.idle = now >= worker.active_until
-            every = load_poll_interval(not worker.idle, self._routed_here(worker, now, own), icfg)
-            if every != worker.poll_every:
-                worker.poll_every = every
-                self._meta_dirty = True
-            self._check_worker(worker, now)
-            if any(t.load_news(now, worker.poll_every) for t in worker.targets):
-                self._meta_dirty = True
-            if not worker.idle:
-                await asyncio.sleep(every)
-            else:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(worker.wake.wait(), every)
-
-    def _own_inflight(self) -> np.ndarray | None:
-        """This replica's requests in flight per slot, from its extproc processes' board (None: unreadable)."""
-        try:
-            return self._board.totals()
-        except Exception:  # an extra signal only
-            log.debug("in-flight board unreadable", exc_info=True)
-            return None
-
-    def _routed_here(self, worker: Worker, now: float, own: np.ndarray | None) -> bool:
-        """This replica sends the worker requests: some in flight now, or work sent there predicted done within
-        the last ROUTED_HOLD_S (the backlog board's latest end)."""
-        try:
-            latest = self._backlog.latest()
-        except Exception:
-            log.debug("backlog board unreadable", exc_info=True)
-            latest = None
-        since = now - ROUTED_HOLD_S
-        for t in worker.targets:
-            if own is not None and 0 <= t.slot < own.size and own[t.slot] > 0:
-                return True
-            if latest is not None and 0 <= t.slot < latest.size and latest[t.slot] > since:
-                return True
-        return False
-
-    def _check_worker(self, w: Worker, now: float) -> None:
-        """After each load reading: the checks that depend on it (silence, lost tails)."""
-        self._check_silence(w, now)
-        self._check_publishers(w, now)
-        self._check_tails(w)
-
-    def _check_silence(self, w: Worker, now: float) -> None:
-        """A busy worker whose stream has been quiet too long may be losing events: resync it."""
-        if not w.events_usable:
-            return
-        limit = self.cfg.ingest.event_silence_s
-        for t in w.targets:
-            ev = t.events
-            quiet_since = max(t.busy_since, ev.last_event_at)
-            running = t.id in self._sources
-            if running and t.busy_since and ev.sync.state is SyncState.READY and now - quiet_since > limit:
-                ev.silent(f"no event batch for {limit:.0f}s while the worker was busy", now)
-
-    def _check_publishers(self, w: Worker, now: float) -> None:
-        """Name the workers that serve requests but publish no KV events (ingest.silence): reported in
-        /cortex/workers, the metrics and the log, and kept out of exact-KV routing while silent."""
-        # A decode-only worker publishes only if its engine keeps a prefix cache for the KV it receives
-        # (SGLang's --disaggregation-decode-enable-radix-cache is off by default): its quiet proves nothing.
-        if not w.events_usable or w.cfg.role == "decode":
-            return
-        for t in w.targets:
-            if t.id in self._sources:
-                t.events.check_link(now)
-            before = t.observe_publisher(now, self.cfg.ingest.event_silence_s)
-            status = t.events_status
-            if status == silence.SILENT and before != silence.SILENT:
-                log.warning("worker %s (target %s) publishes no KV events: %s; routed by load only until "
-                            "its events arrive", w.id, t.id, t.silence_reason)
-            elif status != silence.SILENT and before == silence.SILENT:
-                log.info("worker %s (target %s): KV events %s again", w.id, t.id, status)
-            if status != before:
-                self._meta_dirty = True
-
-    def _check_tails(self, w: Worker) -> None:
-        """The engine worked since the last poll (its counter moved, or requests ran or just finished): its
-        batches may all have been lost, so no arrival would ever trigger a tail check. Ask replay."""
-        for t in w.targets:
-            if t.id in self._sources and t.tail_check_due():
-                t.events.check_tail()
-
-    async def _watch_health(self, worker: Worker) -> None:
-        """One worker's health probes: the first at once (a new worker is not in good standing until it
-        passed one), then every health_interval_s after the previous probe ended."""
-        assert self._session is not None
-        icfg = self.cfg.ingest
-        while True:
-            was_healthy = worker.healthy
-            shown = (worker.healthy, worker.suspect, worker.bootstrap_port)
-            try:
-                reading = await probe_health(self._session, worker.cfg.url, icfg.health_timeout_s,
-                                             bootstrap_port_info=worker.bootstrap_port_info,
-                                             tls=self.tls.kwargs(worker.tls_name))
-            except Exception:  # probe_health reads every expected failure itself; keep probing whatever else
-                log.exception("health probe of %s failed unexpectedly", worker.id)
-            else:
-                worker.apply_health(reading, icfg.health_failures)
-            if was_healthy and not worker.healthy and self.workers.get(worker.id) is worker:
-                # A dead engine's cache is gone, or soon will be: prune what the ledger lists for it.
-                log.warning("worker %s is down (%d failed probes): its ledger entries are pruned",
-                            worker.id, worker.health_failures)
-                for t in worker.targets:
-                    t.events.ledger.clear(self.view)
-            elif worker.healthy and not was_healthy:
-                log.info("worker %s is up again", worker.id)
-            if (worker.healthy, worker.suspect, worker.bootstrap_port) != shown:
-                self._meta_dirty = True  # health, standing or an SGLang prefill's bootstrap port changed
-            await asyncio.sleep(icfg.health_interval_s)
-
-    async def _token_parity_loop(self) -> None:
-        if self.cfg.ingest.token_parity == "off":
-            return
-        interval = self.cfg.ingest.token_parity_interval_s
-        while True:
-            now = time.monotonic()
-            for w in list(self.workers.values()):
-                task = self._parity_tasks.get(w.id)
-                if task is not None and not task.done():
-                    continue  # a worker that does not answer holds up its own check only
-                if w.healthy and now >= w.token_parity.checked_at + (
-                        interval if w.token_parity.status == tokenizer_parity.OK else 10.0):
-                    self._parity_tasks[w.id] = asyncio.create_task(timed("parity", self._check_tokens(w)),
-                                                                   name=f"parity-{w.id}")
-            pending = any(w.token_parity.status != tokenizer_parity.OK for w in self.workers.values())
-            self._parity_wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                # A new worker wakes the loop at once: its exact-KV routing waits on this check.
-                await asyncio.wait_for(self._parity_wakeup.wait(), 1.0 if pending else 5.0)
-
-    async def _check_tokens(self, w: Worker) -> None:
-        assert self._session is not None
-        status, reason = await check_tokens(self._session, w.cfg, self._probes[w.cfg.model],
-                                            self.cfg.ingest.health_timeout_s, tls=self.tls.kwargs(w.tls_name))
-        if w.apply_tokens(status, reason, time.monotonic()) != status:
-            level = logging.ERROR if status == tokenizer_parity.FAILED else logging.INFO
-            log.log(level, "worker %s: tokenizer parity %s: %s", w.id, status, reason)
-            self._meta_dirty = True
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -26,7 +26,8 @@ from ingest import silence
 from ingest.events import DecodeError, decode_batch
 from ingest.hash_parity import ParityCheck
 from ingest.lag import VIEW_LAG
-from ingest.ledger import KeySink, Ledger
+from ingest.ledger import Ledger
+from ingest.ledger_publish import KeySink
 from ingest.loop_cpu import timed
 from ingest.sync import Action, Apply, Clear, RequestReplay, SourceSync, SyncState
 

@@ -391,12 +391,12 @@ EXTPROC = Grouping(
 INGEST = Grouping(
     outer=(
         Rule("heartbeat and publication (meta document), health probes",
-             lambda f: in_file("ingest/service.py", funcs=("_heartbeat_loop", "publish_meta", "_watch_health",
-                                                           "_check_routed"))(f)
+             lambda f: in_file("ingest/service.py", funcs=("_heartbeat_loop", "publish_meta"))(f)
+             or in_file("ingest/probe_loops.py", funcs=("_watch_health", "_check_routed"))(f)
              or in_file("ingest/probes.py", funcs=("probe_health",))(f)),
         Rule("parity checks, config watch, admin API",
-             lambda f: in_file("ingest/service.py", funcs=("_token_parity_loop", "_check_tokens", "_config_loop",
-                                                           "_apply_config"))(f)
+             lambda f: in_file("ingest/service.py", funcs=("_config_loop", "_apply_config"))(f)
+             or in_file("ingest/probe_loops.py", funcs=("_token_parity_loop", "_check_tokens"))(f)
              or in_file("ingest/admin.py", "ingest/readiness.py", "ingest/tokenizer_parity.py",
                         "cortex/config_watch.py")(f)),
     ),
@@ -405,8 +405,8 @@ INGEST = Grouping(
         Rule("load: HTTP client (aiohttp)", lambda f: path_has("aiohttp", "multidict", "yarl")(f)
              or in_file("ingest/probes.py", funcs=("read_load",))(f)),
         Rule("load: apply, cadence, silence/tail checks",
-             lambda f: in_file("ingest/service.py", funcs=("_poll_load", "_check_worker", "_check_silence",
-                                                           "_check_publishers", "_check_tails", "_wake"))(f)
+             lambda f: in_file("ingest/probe_loops.py", funcs=("_poll_load", "_check_worker", "_check_silence",
+                                                              "_check_publishers", "_check_tails", "_wake"))(f)
              or in_file("ingest/workers.py", "ingest/silence.py")(f) or "cortex/engines/" in f.file),
         Rule("events: view writes (ViewWriter, layout)",
              in_file("cortex/ledger_view/writer.py", "cortex/ledger_view/layout.py")),
@@ -414,7 +414,8 @@ INGEST = Grouping(
              or path_has("msgspec")(f)),
         Rule("events: sync state machine", in_file("ingest/sync.py")),
         Rule("events: ledger apply (Ledger, chain_keys)",
-             lambda f: in_file("ingest/ledger.py", "cortex/blockkeys.py", "ingest/hash_parity.py",
+             lambda f: in_file("ingest/ledger.py", "ingest/ledger_lanes.py", "ingest/ledger_publish.py",
+                               "cortex/blockkeys.py", "ingest/hash_parity.py",
                                "cortex/engine_hashes.py")(f) or path_has("xxhash")(f)),
         Rule("events: ZMQ receive and poll (pyzmq, EventSource)",
              lambda f: path_has("/zmq/", "pyzmq", "libzmq")(f) or in_file("ingest/source.py")(f)),

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cortexbench import cli, runner, trace, workloads
+from cortexbench import cli, runner, trace, trace_lines, trace_mooncake, trace_prompts, trace_weka, workloads
 from cortexbench.launch import ClusterSpec
 from cortexbench.workloads import LazyTurns, Session, Workload, at_rate, build
 
@@ -22,7 +22,7 @@ MOONCAKE = SHARED / "conversation_trace.jsonl"
 WEKA = SHARED / "kv-cache-tester"
 needs_shared = pytest.mark.skipif(not (MOONCAKE.exists() and WEKA.is_dir()),
                                   reason=f"the public traces are not at {SHARED.resolve()} (see that README)")
-B = trace.BLOCK_TOKENS
+B = trace_mooncake.BLOCK_TOKENS
 
 
 def _jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
@@ -47,11 +47,11 @@ def _conv(cid: str, requests: list[dict[str, Any]]) -> dict[str, Any]:
 # ---- Mooncake windows ----
 
 def test_window_is_trace_time_from_the_first_arrival() -> None:
-    lines = trace.parse(json.dumps(r) for r in _mooncake_rows())
-    assert [ln.timestamp_ms for ln in trace.window(lines, 4.0, 6.0)] == [4000, 6000, 8000]  # [4, 10) s
-    assert [ln.timestamp_ms for ln in trace.window(lines, 15.0)] == [16000, 18000]
-    assert trace.window(lines, 0.0, None) == lines
-    assert trace.window(lines, 100.0, 5.0) == []
+    lines = trace_mooncake.parse(json.dumps(r) for r in _mooncake_rows())
+    assert [ln.timestamp_ms for ln in trace_lines.window(lines, 4.0, 6.0)] == [4000, 6000, 8000]  # [4, 10) s
+    assert [ln.timestamp_ms for ln in trace_lines.window(lines, 15.0)] == [16000, 18000]
+    assert trace_lines.window(lines, 0.0, None) == lines
+    assert trace_lines.window(lines, 100.0, 5.0) == []
 
 
 def test_trace_workload_window_scale_rate_and_requests(tmp_path: Path) -> None:
@@ -71,7 +71,7 @@ def test_trace_workload_window_scale_rate_and_requests(tmp_path: Path) -> None:
     # Quick: the first 40 s of replay, after the window and the scale.
     quick = build("trace", quick=True, seed=1, trace_path=str(path), trace_params={"time_scale": 10.0})
     assert [s.start for s in quick.sessions] == [0.0, 20.0]
-    with pytest.raises(trace.TraceError, match="no request in the window"):
+    with pytest.raises(trace_lines.TraceError, match="no request in the window"):
         build("trace", quick=False, seed=1, trace_path=str(path), trace_params={"trace_start_s": 60.0})
 
 
@@ -82,13 +82,13 @@ def test_mooncake_lines_without_session_are_their_own_sessions(tmp_path: Path) -
 
 
 def test_max_input_keeps_the_first_blocks(tmp_path: Path) -> None:
-    ln = trace.Line(1, 0.0, 3 * B + 100, 5, (7, 8, 9, 10))
-    assert trace.cap(ln, 10 * B, B) is ln
-    cut = trace.cap(ln, 2 * B, B)
+    ln = trace_lines.Line(1, 0.0, 3 * B + 100, 5, (7, 8, 9, 10))
+    assert trace_lines.cap(ln, 10 * B, B) is ln
+    cut = trace_lines.cap(ln, 2 * B, B)
     assert (cut.input_length, cut.hash_ids) == (2 * B, (7, 8))
-    part = trace.cap(ln, B + 1, B)
+    part = trace_lines.cap(ln, B + 1, B)
     assert (part.input_length, part.hash_ids) == (B + 1, (7, 8))
-    assert trace.prompt_text(part).split() == [*trace.block_words(7), trace.block_words(8)[0]]
+    assert trace_prompts.prompt_text(part).split() == [*trace_prompts.block_words(7), trace_prompts.block_words(8)[0]]
     path = _jsonl(tmp_path / "t.jsonl", _mooncake_rows())
     w = build("trace", quick=False, seed=1, trace_path=str(path), trace_params={"max_input": 3 * B})
     assert [workloads.words(s.turns[0]) for s in w.sessions] == [B, 2 * B] + [3 * B] * 8
@@ -101,7 +101,7 @@ def test_prompts_are_built_when_sent_and_equal_the_blocks_text(tmp_path: Path) -
     turns = w.sessions[2].turns
     assert isinstance(turns, LazyTurns) and len(turns) == 1
     text = turns[0]
-    assert text.split() == [*trace.block_words(0), *trace.block_words(1), *trace.block_words(2)]
+    assert text.split() == [*trace_prompts.block_words(0), *trace_prompts.block_words(1), *trace_prompts.block_words(2)]
     assert turns[-1] == text and turns[:] == (text,) and text == build(
         "trace", quick=False, seed=1, trace_path=str(path)).sessions[2].turns[0]
     with pytest.raises(IndexError):
@@ -114,12 +114,13 @@ def test_prompts_are_built_when_sent_and_equal_the_blocks_text(tmp_path: Path) -
 
 
 def test_a_partial_last_block_is_cut_to_the_line_and_whole_blocks_are_joined_once() -> None:
-    ln = trace.Line(1, 0.0, 2 * 64 + 5, 1, (3, 4, 5))
-    words = trace.prompt_text(ln, 64).split()
-    assert words == [*trace.block_words(3, 64), *trace.block_words(4, 64), *trace.block_words(5, 64)[:5]]
-    assert trace.block_text(3, 64) == " ".join(trace.block_words(3, 64))
-    assert trace.distinct_tokens([ln, trace.Line(2, 0.0, 3 * 64, 1, (3, 4, 5))], 64) == 3 * 64
-    assert trace.distinct_tokens([ln, trace.Line(2, 0.0, 64 + 9, 1, (3, 9))], 64) == 2 * 64 + 5 + 9
+    ln = trace_lines.Line(1, 0.0, 2 * 64 + 5, 1, (3, 4, 5))
+    words = trace_prompts.prompt_text(ln, 64).split()
+    assert words == [*trace_prompts.block_words(3, 64), *trace_prompts.block_words(4, 64),
+                     *trace_prompts.block_words(5, 64)[:5]]
+    assert trace_prompts.block_text(3, 64) == " ".join(trace_prompts.block_words(3, 64))
+    assert trace_prompts.distinct_tokens([ln, trace_lines.Line(2, 0.0, 3 * 64, 1, (3, 4, 5))], 64) == 3 * 64
+    assert trace_prompts.distinct_tokens([ln, trace_lines.Line(2, 0.0, 64 + 9, 1, (3, 9))], 64) == 2 * 64 + 5 + 9
 
 
 # ---- WEKA ----
@@ -127,7 +128,7 @@ def test_a_partial_last_block_is_cut_to_the_line_and_whole_blocks_are_joined_onc
 def test_weka_conversations_are_namespaced_staggered_and_cut_at_long_pauses() -> None:
     a = _conv("conv-a", [_req(0.0, 200, [1, 2, 3]), _req(10.0, 300, [1, 2, 3, 4]), _req(5000.0, 64, [1])])
     b = _conv("conv-b", [_req(0.0, 128, [1, 2]), _req(30.0, 130, [1, 2])])
-    lines, bs = trace.weka_lines([("a.json", a), ("b.json", b)], max_idle_s=60.0, conversation_gap_s=100.0)
+    lines, bs = trace_weka.weka_lines([("a.json", a), ("b.json", b)], max_idle_s=60.0, conversation_gap_s=100.0)
     assert bs == 64
     by = {(ln.session_id, ln.number): ln for ln in lines}
     # Conversation a at 0 s: 0, 10, then 10 + 60 (a pause of 4 990 s cut to 60); b at 100 s: 100, 130.
@@ -143,19 +144,20 @@ def test_weka_conversations_are_namespaced_staggered_and_cut_at_long_pauses() ->
     assert len(by["conv-a", 1].hash_ids) == 4 and by["conv-a", 1].hash_ids[3] not in by["conv-a", 2].hash_ids
     assert len(by["conv-b", 1].hash_ids) == 2 and len(by["conv-b", 2].hash_ids) == 3
     assert by["conv-b", 2].hash_ids[:2] == by["conv-b", 1].hash_ids
-    assert trace.prompt_text(by["conv-a", 1], 64).split()[:192] == trace.prompt_text(by["conv-a", 2], 64).split()[:192]
-    assert len(trace.prompt_text(by["conv-a", 1], 64).split()) == 200
+    assert (trace_prompts.prompt_text(by["conv-a", 1], 64).split()[:192]
+            == trace_prompts.prompt_text(by["conv-a", 2], 64).split()[:192])
+    assert len(trace_prompts.prompt_text(by["conv-a", 1], 64).split()) == 200
     # The namespace is the conversation's own, whatever else is loaded with it.
-    alone, _ = trace.weka_lines([("b.json", b)], conversation_gap_s=100.0)
+    alone, _ = trace_weka.weka_lines([("b.json", b)], conversation_gap_s=100.0)
     assert [ln.hash_ids for ln in alone] == [by["conv-b", 1].hash_ids, by["conv-b", 2].hash_ids]
-    assert trace.weka_lines([("a.json", a)], max_idle_s=float("inf"))[0][-1].timestamp_ms == 5_000_000.0
+    assert trace_weka.weka_lines([("a.json", a)], max_idle_s=float("inf"))[0][-1].timestamp_ms == 5_000_000.0
 
 
 def test_weka_subagents_start_at_their_parents_time_with_their_own_pauses_cut() -> None:
     sub = {"t": 20.0, "type": "subagent", "agent_id": "agent_001",
            "requests": [_req(0.0, 100, [50]), _req(500.0, 150, [50, 51])]}
     doc = _conv("c", [_req(0.0, 64, [1]), sub, _req(1000.0, 128, [1, 2])])
-    lines, _ = trace.weka_lines([("c.json", doc)], max_idle_s=60.0)
+    lines, _ = trace_weka.weka_lines([("c.json", doc)], max_idle_s=60.0)
     assert [(ln.timestamp_ms, ln.input_length) for ln in lines] == [(0.0, 64), (20000.0, 100), (80000.0, 150),
                                                                     (80000.0, 128)]
     assert {ln.session_id for ln in lines} == {"c"}
@@ -173,7 +175,7 @@ def test_weka_subagents_start_at_their_parents_time_with_their_own_pauses_cut() 
 def test_weka_bad_requests_name_file_and_request(tmp_path: Path, doc: dict[str, Any], says: str) -> None:
     path = tmp_path / "trace_0001.json"
     path.write_text(json.dumps(doc))
-    with pytest.raises(trace.TraceError, match=says) as exc:
+    with pytest.raises(trace_lines.TraceError, match=says) as exc:
         trace.read(path)
     assert str(path) in str(exc.value)
 
@@ -192,10 +194,10 @@ def test_format_is_told_by_content_and_a_directory_holds_weka_files(tmp_path: Pa
     moon = trace.read(_jsonl(tmp_path / "m.jsonl", _mooncake_rows()[:1]))  # one line: a JSON object, not WEKA
     assert moon.format == "mooncake" and moon.block_tokens == B
     assert trace.read(_jsonl(tmp_path / "m2.jsonl", _mooncake_rows())).format == "mooncake"
-    with pytest.raises(trace.TraceError, match=r"no WEKA trace files"):
+    with pytest.raises(trace_lines.TraceError, match=r"no WEKA trace files"):
         trace.read(_empty_dir(tmp_path))
     (tmp_path / "trace_0003.json").write_text(json.dumps({**_conv("three", [_req(0.0, 64, [1])]), "block_size": 16}))
-    with pytest.raises(trace.TraceError, match="block_size 16 differs"):
+    with pytest.raises(trace_lines.TraceError, match="block_size 16 differs"):
         trace.read(tmp_path)
 
 
@@ -311,7 +313,7 @@ def test_several_windows_are_the_trace_workloads_seeds(tmp_path: Path) -> None:
     windows, unique = built
     assert [w.params["seed"] for w in windows] == [0, 10] and [w.params["trace_start_s"] for w in windows] == [0, 10]
     assert [w.requests for w in windows] == [3, 3] and [u.params["seed"] for u in unique] == [1, 2]  # others: --seeds
-    assert windows[1].sessions[0].turns[0].split()[:B] == list(trace.block_words(0))
+    assert windows[1].sessions[0].turns[0].split()[:B] == list(trace_prompts.block_words(0))
     params = runner.cell_params(windows)
     assert params["seeds"] == [0, 10] and params["trace_start_s"] == [0.0, 10.0] and params["requests"] == 3
     assert params["trace_seconds"] == 6.0  # the same in both windows: shown once
@@ -345,17 +347,20 @@ def test_prepare_builds_every_block_before_the_run(tmp_path: Path) -> None:
 
     rows = [{"timestamp": 0, "input_length": 3 * B - 10, "output_length": 5, "hash_ids": [9001, 9002, 9003]}]
     w = build("trace", quick=False, seed=1, trace_path=str(_jsonl(tmp_path / "t.jsonl", rows)))
-    trace.block_text.cache_clear()
-    trace.block_words.cache_clear()
+    trace_prompts.block_text.cache_clear()
+    trace_prompts.block_words.cache_clear()
     client.prepare(w)
-    built = trace.block_text.cache_info().currsize
-    assert built == 2 and trace.block_words.cache_info().currsize == 3  # two whole blocks joined, the cut one's words
+    built = trace_prompts.block_text.cache_info().currsize
+    # Two whole blocks joined, the cut one's words.
+    assert built == 2 and trace_prompts.block_words.cache_info().currsize == 3
     text = w.sessions[0].turns[0]
-    assert trace.block_text.cache_info().currsize == built and trace.block_text.cache_info().misses == built
+    assert (trace_prompts.block_text.cache_info().currsize == built
+            and trace_prompts.block_text.cache_info().misses == built)
     assert workloads.words(text) == 3 * B - 10
     # The words are a function of the id alone: the same in every process (a digest, not Python's hash).
-    assert trace.block_words(9001) == trace.block_words.__wrapped__(9001)
-    assert len(set(trace.block_words(9001))) > 100 and set(trace.block_words(9001)) <= set(workloads.WORDS)
+    assert trace_prompts.block_words(9001) == trace_prompts.block_words.__wrapped__(9001)
+    assert (len(set(trace_prompts.block_words(9001))) > 100
+            and set(trace_prompts.block_words(9001)) <= set(workloads.WORDS))
 
 
 def test_send_lag_is_summarized_and_flagged() -> None:
@@ -400,7 +405,7 @@ def test_real_mooncake_window_replays_on_its_fleet() -> None:
     assert (w.workers, w.kv_tokens, w.max_model_len) == (8, 262144, 262144)
     assert w.params["longest_prompt_tokens"] + 200 < w.kv_tokens
     first = w.sessions[0].turns[0]
-    assert first.split()[:512] == list(trace.block_words(0))  # every request starts with the same system block
+    assert first.split()[:512] == list(trace_prompts.block_words(0))  # every request starts with the same system block
 
 
 @needs_shared

