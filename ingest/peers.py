@@ -30,6 +30,9 @@ log = logging.getLogger("cortex.ingest.peers")
 
 REPORTS = Counter("cortex_peer_reports_total", "Peer reports by outcome: sent, applied, ignored (own, old or no "
                   "row free), bad (not a report of this version)", ["outcome"])
+REFRESH_TICKS = 50
+"""Ticks between two checks that the replica's extproc processes still write the rows this link read (1 s at the
+default interval)."""
 PEERS = Gauge("cortex_peers", "Peer replicas heard from within peers.stale_after_s")
 
 
@@ -81,19 +84,22 @@ class PeerLink:
             pub.close(0)
             sub.close(0)
 
-    def report(self) -> peering.Report:
-        self.inflight.refresh()
-        self.backlog.refresh()
+    def report(self, refresh: bool = False) -> peering.Report:
+        if refresh:  # an extproc process restarted: follow its new rows (a stat per row: not every tick)
+            self.inflight.refresh()
+            self.backlog.refresh()
         return peering.own_report(self.replica, self.seq, self.slots(), self.backlog.backlog_ms(rows=self.own_rows),
                                   self.inflight.totals(rows=self.own_rows))
 
     async def _publish(self, pub: zmq.asyncio.Socket) -> None:
         last: dict[str, tuple[float, int]] | None = None
         sent_at = 0.0
+        tick = 0
         while True:
             now = time.monotonic()
+            tick += 1
             try:
-                rep = self.report()
+                rep = self.report(refresh=tick % REFRESH_TICKS == 0)
                 # Backlog drains with the clock: "changed" is a change of in-flight counts or of what is queued
                 # beyond what the clock alone explains, so an idle replica sends heartbeats only.
                 changed = last is None or {t: n for t, (_, n) in rep.targets.items()} != {
