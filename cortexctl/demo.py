@@ -64,22 +64,24 @@ class ReplicaPorts:
     """None: the config default (one per core), as a single gateway always had."""
     observe: int = 9092
     """The observer's access-log port; its HTTP port is the next one."""
+    peers: int | None = None
+    """Its peering port (docs/replicas.md); None: a single gateway, no peers."""
 
     def extproc_range(self, cores: int) -> range:
         return range(self.extproc, self.extproc + (self.extproc_processes or cores))
 
 
 def replica_ports(replicas: int, port: int, admin_port: int, ingest_port: int, extproc_port: int,
-                  cores: int, observe_port: int = 9092) -> list[ReplicaPorts]:
+                  cores: int, observe_port: int = 9092, peer_port: int = 5801) -> list[ReplicaPorts]:
     """Replica r (0-based) listens on port + r, admin_port + r and ingest_port + r; its extproc processes take
-    the next run of ports after replica r-1's, its observer observe_port + 2r and the one after. Several replicas
-    share this machine's cores, so each gets cores // replicas extproc processes (at least one); a single gateway
-    keeps the default."""
+    the next run of ports after replica r-1's, its observer observe_port + 2r and the one after, its peering
+    publisher peer_port + r. Several replicas share this machine's cores, so each gets cores // replicas extproc
+    processes (at least one); a single gateway keeps the default."""
     if replicas == 1:
         return [ReplicaPorts("", port, admin_port, ingest_port, extproc_port, None, observe_port)]
     per = max(1, cores // replicas)
     return [ReplicaPorts(f"replica-{r + 1}", port + r, admin_port + r, ingest_port + r, extproc_port + r * per, per,
-                         observe_port + 2 * r)
+                         observe_port + 2 * r, peer_port + r)
             for r in range(replicas)]
 
 
@@ -94,6 +96,8 @@ def port_problem(plan: list[ReplicaPorts], cores: int, workers: int, sim_base: i
         uses += [(q, f"{who}extproc process {i} (--extproc-port)") for i, q in enumerate(p.extproc_range(cores))]
         uses += [(p.observe, f"{who}observer (--observe-port)"),
                  (p.observe + 1, f"{who}observer HTTP (--observe-port + 1)")]
+        if p.peers is not None:
+            uses.append((p.peers, f"{who}peering (--peer-base-port)"))
     for i in range(workers):
         uses += [(sim_base + i, f"sim-{i + 1} (--sim-base-port)"), (kv_base + i, f"sim-{i + 1} (--kv-base-port)"),
                  (replay_base + i, f"sim-{i + 1} (--kv-replay-base-port)")]
@@ -122,6 +126,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--extproc-port", type=int, default=50051, help="extproc gRPC port")
     p.add_argument("--observe-port", type=int, default=9092,
                    help="observer ports: this one (Envoy's access log) and the next (recent decisions)")
+    p.add_argument("--peer-base-port", type=int, default=5801,
+                   help="with --replicas: replica r publishes its work to the others on this port + r")
     p.add_argument("--runtime-dir", default="/tmp/cortex-demo")
     logs.add_flags(p, config=False)
     args = p.parse_args(argv)
@@ -131,7 +137,7 @@ def main(argv: list[str]) -> int:
         p.error(f"--replicas must be between 1 and {MAX_REPLICAS}, got {args.replicas}")
     cores = max(1, os.cpu_count() or 1)
     plan = replica_ports(args.replicas, args.port, args.admin_port, args.ingest_port, args.extproc_port, cores,
-                         args.observe_port)
+                         args.observe_port, args.peer_base_port)
     problem = port_problem(plan, cores, args.workers, args.sim_base_port, args.kv_base_port, args.kv_replay_base_port)
     if problem:
         p.error(problem)
@@ -151,6 +157,10 @@ def main(argv: list[str]) -> int:
         (runtime / "workers.json").unlink(missing_ok=True)
         data = demo_config(args.workers, rp.listen, args.sim_base_port, args.kv_base_port, runtime, rp.admin,
                            rp.ingest, rp.extproc, args.kv_replay_base_port, rp.extproc_processes, rp.observe)
+        if several:  # as docs/replicas.md tells an operator: peered, and told how many they are
+            data["peers"] = {"host": "127.0.0.1", "port": rp.peers, "replica_id": rp.name,
+                             "connect": [f"127.0.0.1:{q.peers}" for q in plan if q is not rp]}
+            data["scheduler"] = {"replicas": len(plan)}
         cfg = parse_config(data, "demo")
         config_path = runtime / "cortex.yaml"
         config_path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -33,7 +33,7 @@ REPORTS = Counter("cortex_peer_reports_total", "Peer reports by outcome: sent, a
 REFRESH_TICKS = 50
 """Ticks between two checks that the replica's extproc processes still write the rows this link read (1 s at the
 default interval)."""
-PEERS = Gauge("cortex_peers", "Peer replicas heard from within peers.stale_after_s")
+PEERS = Gauge("cortex_peers", "Peer replicas heard from within peers.stale_after_s", multiprocess_mode="livemax")
 
 
 def resolve(entry: str) -> set[str]:

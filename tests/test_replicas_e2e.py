@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from cortex.envoy_config import envoy_binary
 from cortexctl.demo import ReplicaPorts, port_problem, replica_ports
@@ -65,11 +66,14 @@ def test_replica_port_layout() -> None:
         ("replica-1", 8080, 9901, 9090, [50051]),
         ("replica-2", 8081, 9902, 9091, [50052]),
         ("replica-3", 8082, 9903, 9092, [50053])]
+    assert [p.peers for p in three] == [5801, 5802, 5803] and one[0].peers is None
     two = replica_ports(2, 8080, 9901, 9090, 50051, cores=4)  # the cores are shared: 2 extproc processes each
     assert [list(p.extproc_range(4)) for p in two] == [[50051, 50052], [50053, 50054]]
     assert port_problem(two, 4, 2, 8101, 5601, 5701) is None
     assert port_problem(two, 4, 2, 8081, 5601, 5701) == \
         "port 8081 would be used twice: by replica-2 --port and by sim-1 (--sim-base-port)"
+    assert port_problem(replica_ports(2, 8080, 9901, 9090, 50051, 4, peer_port=5700), 4, 2, 8101, 5601, 5701) == \
+        "port 5701 would be used twice: by replica-2 peering (--peer-base-port) and by sim-1 (--kv-replay-base-port)"
     assert port_problem(replica_ports(2, 65535, 9901, 9090, 50051, 4), 4, 1, 8101, 5601, 5701) == \
         "replica-2 --port would be port 65536, outside 1..65535"
 
@@ -87,7 +91,8 @@ def test_demo_with_two_replicas(tmp_path: Path) -> None:
     proc = subprocess.Popen([*PY, "demo", "--replicas", "2", "--port", str(gw), "--admin-port", str(admin),
                              "--ingest-port", str(ingest), "--sim-base-port", str(sim1), "--kv-base-port", str(kv1),
                              "--kv-replay-base-port", str(replay1), "--extproc-port", str(extproc),
-                             "--observe-port", str(observe), "--runtime-dir", str(runtime)],
+                             "--observe-port", str(observe), "--peer-base-port", str(base + 16),
+                             "--runtime-dir", str(runtime)],
                             stdout=out_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: b"Cortex demo is up" in out_path.read_bytes() or proc.poll() is not None, timeout=300,
@@ -103,6 +108,8 @@ def test_demo_with_two_replicas(tmp_path: Path) -> None:
         wait_for(lambda: holds(b, messages, holder), timeout=30, what="replica-2 to see replica-1's prompt cached")
         worker, mode, claimed, cached = send(b, messages)
         assert (worker, mode) == (holder, "exact_kv_events") and claimed == cached > 0
+        # The replicas are peered (docs/replicas.md): each hears the other.
+        wait_for(lambda: all(peers_heard(ingest + r) == 1 for r in range(2)), timeout=30, what="peering")
     finally:
         _ctrl_c(proc)
     out = out_path.read_bytes()
@@ -121,6 +128,11 @@ def test_demo_with_two_replicas(tmp_path: Path) -> None:
     leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and
                  any(n in _cmdline(p).replace(b"\0", b" ") for n in needles)]
     assert not leftovers
+
+
+def peers_heard(ingest_port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{ingest_port}/metrics", timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "cortex_peers")
 
 
 @dataclass

@@ -89,9 +89,10 @@ class SchedulerConfig(Strict):
     replicas: int = Field(1, ge=1)
     """Gateway replicas routing over this fleet independently (each with its own view of its own traffic): set it
     to their count. With more than one, replicas deciding at the same instant see the same engines and would all
-    pick the same fastest worker; each prompt then goes, among the `replicas` fastest candidates whose score is
-    within `replica_band` typical prefills of the best, to its home (the rendezvous hash below), so different
-    prompts spread while identical ones still meet (docs/scheduling.md, "Several replicas")."""
+    pick the same fastest worker; each prompt then goes, among the `replicas` fastest candidates that hold as much
+    of it as the best and score within `replica_band` typical prefills of it, to its home (the rendezvous hash
+    below), so different prompts spread while identical ones still meet (docs/scheduling.md, "Several
+    replicas")."""
     replica_band: float = Field(1.0, ge=0)
     """With `replicas` > 1: how far behind the best a candidate may score, in typical prefills of the requests
     routed (what one collision with another replica's pick costs), and still take a prompt whose home it is.

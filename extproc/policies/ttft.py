@@ -135,7 +135,8 @@ def fastest(known: Sequence[Candidate], facts: Facts, turn: int, rng: random.Ran
 
 def near_home(best: Candidate, cool: Sequence[Candidate], est: dict[str, Estimate], facts: Facts,
               home: int) -> Candidate:
-    """Several replicas: `best`, or the prompt's home among the `replicas` candidates scoring within the band.
+    """Several replicas: `best`, or the prompt's home among the `replicas` candidates that hold as much of the
+    prompt as `best` and score within the band.
 
     Replicas that decide at the same instant share one view (the engines' events and load readings; none has
     seen the others' picks yet), so a burst spread over them by an L4 balancer would land whole on the fastest
@@ -145,7 +146,10 @@ def near_home(best: Candidate, cool: Sequence[Candidate], est: dict[str, Estimat
     s = facts.scoring
     typical = facts.typical_prefill_ms if facts.typical_prefill_ms is not None else s.queued_request_ms
     limit = est[best.id].score + s.replica_band * typical
-    near = sorted((c for c in cool if c is not best and est[c.id].score <= limit), key=lambda c: est[c.id].score)
+    # Only among candidates holding as much of the prompt as the best: spreading never gives up a cached block
+    # (a repeat's holder would otherwise lose it to a short prompt's band).
+    near = sorted((c for c in cool if c is not best and c.affinity_blocks >= best.affinity_blocks
+                   and est[c.id].score <= limit), key=lambda c: est[c.id].score)
     band = [best, *near[:s.replicas - 1]]
     return max(band, key=lambda c: load_aware.rendezvous(home, f"{c.id}/{c.rank}"))
 
