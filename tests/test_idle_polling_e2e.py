@@ -223,7 +223,7 @@ def test_ingest_counts_each_loops_cpu(gw: Gateway) -> None:
                 out[name.split('loop="')[1].split('"')[0]] = float(value)
         return out
 
-    assert set(series()) == {"events", "load", "health", "heartbeat", "parity", "config", "other"}
+    assert set(series()) == {"events", "load", "health", "heartbeat", "parity", "config", "peers", "other"}
     # Every worker's load has been read and its health probed by now; sim-1's events arrive with its prefill.
     with contextlib.ExitStack() as stack, streaming(stack, gw.sims[0].url, 9401, 50):
         wait_for(lambda: all(series()[k] > 0 for k in ("events", "load", "health", "heartbeat")), timeout=30,
