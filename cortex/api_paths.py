@@ -43,8 +43,12 @@ request there when Cortex named the id (extproc/response_ids.py), else to the le
 INFERENCE_PATHS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, GENERATE, EMBEDDINGS, RERANK, SCORE)
 """The inference paths: every one goes through extproc's one pipeline (extproc/inference_paths.py)."""
 
+TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize")
+"""The engines' tokenizer endpoints (vLLM's unprefixed pair, SGLang's /v1 pair): no inference, but each answers
+with its model's tokenizer, so extproc sends them only to a worker of the model the body names."""
+
 PUBLIC_PATHS = (CHAT, COMPLETIONS, "/v1/models", EMBEDDINGS, RESPONSES, MESSAGES, COUNT_TOKENS, RERANK, SCORE,
-                "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", GENERATE, "/health")
+                *TOKENIZER_PATHS, GENERATE, "/health")
 """The engines' paths the public listener forwards by default (`listen.paths`): their inference APIs. The rest of
 what an engine serves is its admin plane (SGLang /flush_cache, /abort_request, /update_weights_*, profiling, vLLM
 /reset_prefix_cache, /sleep, /collective_rpc, LoRA loading, /metrics): a client reaching it through the gateway

@@ -16,13 +16,14 @@ from cortex.config import CortexConfig
 from cortex.envoy_config import ANY_CLUSTER, pool_cluster
 from cortex.errors import ClientError
 from cortex.upstream_tls import WorkerTls
-from extproc import epp, isolation, response_ids
+from extproc import epp, inference_paths, isolation, response_ids
 from extproc.admission import refusal
 from extproc.answers import EMPTY_BODY, EMPTY_HEADERS, error, header, set_body
 from extproc.cluster_view import ClusterView
 from extproc.pd_dispatch import PdDispatcher, splice
 from extproc.plan import RoutePlan
 from extproc.policies.base import LOAD_AWARE, Decision
+from extproc.prepare import NoWorker
 from extproc.router import Router
 from extproc.snapshot import Source
 from extproc.stream_state import StreamState
@@ -130,6 +131,27 @@ class Acting:
         st.decision = Decision(order, LOAD_AWARE, "conformance_test_selection")
         self.count(st, order[0].slot)
         return self.routing_response(st, "request_body")
+
+    def tokenizer_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+        """A tokenizer endpoint (api_paths.TOKENIZER_PATHS): no inference, but only a worker of the body's model
+        tokenizes as that model does, so it goes to the least loaded of them (an alias named as the model it
+        resolved to), salted as any unrouted body is."""
+        registry = (st.gen or self.source.current).registry
+        try:
+            salted = isolation.salt_unrouted(body, st.tenant) or {}
+            resolved, decision = self.router.route_tokenizer(st.path,
+                                                          inference_paths.tokenizer_model(body, registry))
+        except ClientError as exc:
+            return error(exc, st)
+        if decision is None:
+            return error(NoWorker(resolved.model, f"no healthy worker serves model `{resolved.model}`"), st)
+        st.decision = decision
+        self.count(st, decision.chosen.slot)
+        response = self.routing_response(st, "request_body", pool_cluster(resolved.model))
+        changes = {**salted, **({"model": resolved.model} if resolved.alias is not None else {})}
+        if changes:
+            set_body(response, splice(body, changes))
+        return response
 
     def unrouted_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
         """A body on a path that is no inference (/tokenize, ...): salted all the same for an isolated tenant, so no

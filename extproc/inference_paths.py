@@ -26,7 +26,7 @@ from cortex import api_paths
 from cortex.errors import ClientError
 from extproc import agent_apis, native_apis
 from extproc.registry import ModelRegistry
-from extproc.request import Api, ParsedRequest, parse_body
+from extproc.request import Api, ParsedRequest, load_object, model_of, parse_body
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ def default_model(path: str, registry: ModelRegistry) -> str:
 def check_served(path: str, model: str, registry: ModelRegistry) -> None:
     """A 404 when the model's engine has no such path: the request would reach a worker that cannot serve it."""
     engine = registry.engines.get(model)
-    if engine is not None and path not in engine.inference_paths:
+    if engine is not None and path not in engine.inference_paths and path not in engine.tokenizer_paths:
         raise ClientError(404, f"The model `{model}` is served by {engine.name}, which has no {path} endpoint.",
                           "model")
 
@@ -80,3 +80,16 @@ def parse(path: str, raw: bytes, registry: ModelRegistry) -> ParsedRequest:
     if not req.model:
         req.model = default_model(path, registry)
     return req
+
+
+def tokenizer_model(raw: bytes, registry: ModelRegistry) -> str:
+    """The model a tokenizer endpoint's body names (api_paths.TOKENIZER_PATHS): its `model`, else the only
+    configured model (the engines tokenize with their default model then); a 400 when several are configured,
+    since another model's tokenizer would answer with ids that mean nothing to the client's model."""
+    model = model_of(load_object(raw), required=False)
+    if model is not None:
+        return model
+    if len(registry.bundles) == 1:
+        return next(iter(registry.bundles))
+    raise ClientError(400, f"The body names no model and {len(registry.bundles)} models are configured: send "
+                           "`model` in the body to pick one.", "model")

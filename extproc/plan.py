@@ -259,10 +259,11 @@ def plan(snap: Snapshot, prep: Prepared, state: State, *, commit: bool) -> Route
                      head_ids=prep.head_ids, prompt_hash=prep.prompt_hash, withheld=prep.withheld)
 
 
-def route_any(snap: Snapshot, state: State, worker_tag: str | None = None) -> Decision | None:
-    """A request that is no inference: the least loaded worker of the whole fleet (None: there is none), or
-    first the worker `worker_tag` names (a stored response's, extproc/response_ids.py)."""
-    cands = candidates.whole_workers(snap.all_candidates(), inflight=snap.inflight, alive=snap.alive)
+def route_any(snap: Snapshot, state: State, worker_tag: str | None = None, model: str | None = None) -> Decision | None:
+    """A request that is no inference: the least loaded worker of the whole fleet, or of `model` when it names one
+    (None: there is none), first the worker `worker_tag` names (a stored response's, extproc/response_ids.py)."""
+    targets = snap.all_candidates() if model is None else snap.candidates(model)
+    cands = candidates.whole_workers(targets, inflight=snap.inflight, alive=snap.alive)
     if not cands:
         return None
     facts = Facts(block_size=snap.block_size, ledger_usable=False, why_not_exact="not_an_inference_request",

@@ -16,7 +16,7 @@ import time
 from cortex.config import CortexConfig
 from cortex.model_bundle import ModelBundle
 from cortex.piecewise.segment_encoder import EncoderSet, SegmentEncoder
-from extproc import metrics, plan, prepare, snapshot
+from extproc import inference_paths, metrics, plan, prepare, snapshot
 from extproc.backlog import Backlog
 from extproc.breaker import Breakers, Listener
 from extproc.candidates import Hysteresis
@@ -26,7 +26,7 @@ from extproc.policies import Policies
 from extproc.policies.base import Decision
 from extproc.predictions import Predictions
 from extproc.prompt_walk import DeferredTail
-from extproc.registry import ModelRegistry
+from extproc.registry import ModelRegistry, Resolved
 from extproc.request import ParsedRequest
 from extproc.snapshot import Source
 
@@ -98,6 +98,15 @@ class Router:
         """A request that is no inference: the least loaded worker of the whole fleet (None: there is none), or
         first the worker a stored response's id names."""
         return plan.route_any(self.snapshot(), self, worker_tag)
+
+    def route_tokenizer(self, path: str, name: str) -> tuple[Resolved, Decision | None]:
+        """A tokenizer endpoint's request naming model `name` (or its alias): the model resolved, and the least
+        loaded of its workers (None: it has none). A ClientError(404) for a model that does not exist or whose
+        engine has no such path."""
+        snap = self.snapshot()
+        resolved = snap.gen.registry.resolve(name, lambda m: bool(snap.candidates(m)))
+        inference_paths.check_served(path, resolved.model, snap.gen.registry)
+        return resolved, plan.route_any(snap, self, model=resolved.model)
 
     def upkeep(self) -> None:
         """Background upkeep, off the request path."""

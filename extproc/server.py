@@ -32,7 +32,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.duration_pb2 import Duration
 
 from cortex import observation
-from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, MODELS_PATH
+from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, MODELS_PATH, TOKENIZER_PATHS
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
 from cortex.piecewise.segment_encoder import SegmentEncoder
@@ -334,8 +334,8 @@ class ExtProc:
             st.ticket = self.admission.admit(st.tenant)
         except ClientError as exc:
             return error(exc, st)
-        wants_body = inference or (st.method == "POST" and st.path == EXPLAIN_PATH and
-                                   gen.cfg.extproc.public_route_explain)
+        wants_body = inference or (st.method == "POST" and st.path in TOKENIZER_PATHS) or (
+            st.method == "POST" and st.path == EXPLAIN_PATH and gen.cfg.extproc.public_route_explain)
         if wants_body and headers.end_of_stream:
             return error(ClientError(400, "request body is required"), st)
         if not wants_body:
@@ -351,6 +351,8 @@ class ExtProc:
         explain = st.path == EXPLAIN_PATH and gen.cfg.extproc.public_route_explain
         spec = inference_paths.PATHS.get(st.path)
         if spec is None and not explain:
+            if st.method == "POST" and st.path in TOKENIZER_PATHS:
+                return self.act.tokenizer_body(st, body)
             return self.act.unrouted_body(st, body)
         t0 = time.perf_counter()
         if st.test_pick is not None:

@@ -132,6 +132,8 @@ class EngineAdapter(ABC):
     inference_paths: ClassVar[frozenset[str]]
     """The public inference paths its OpenAI server serves (extproc/inference_paths.py): a request on another
     path is refused by Cortex (404) rather than sent to a worker that would not know it."""
+    tokenizer_paths: ClassVar[frozenset[str]]
+    """Which of api_paths.TOKENIZER_PATHS its server serves: a request on another is refused by Cortex (404)."""
     tool_style: ClassVar[ToolStyle]
     """How its server dumps a request's tools for the chat template (template_tools in
     cortex/conversation/template_args.py)."""

@@ -22,6 +22,7 @@ from cortex.api_paths import (
     RERANK,
     RESPONSES,
     SCORE,
+    TOKENIZER_PATHS,
 )
 from cortex.engine_hashes import sglang_page_hashes, sglang_wire_hash
 from cortex.engines.base import ChainStartHasher, EngineAdapter, PdTimeouts, RankLoad
@@ -102,6 +103,7 @@ class SglangAdapter(EngineAdapter):
     # in sglang/srt/entrypoints/http_server.py).
     inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, GENERATE, EMBEDDINGS, RERANK,
                                  SCORE})
+    tokenizer_paths = frozenset(TOKENIZER_PATHS)  # /v1/tokenize and /v1/detokenize, each also unprefixed
     tool_style = "sglang"
 
     def media_page_extras(self, items: Sequence[MediaSpan], n_pages: int, page_size: int) -> list[list[Any]] | None:

@@ -171,6 +171,7 @@ class VllmAdapter(EngineAdapter):
     # Its OpenAI server's inference routes (vLLM 0.32 has no /generate; count_tokens is
     # vllm/entrypoints/anthropic/api_router.py).
     inference_paths = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, EMBEDDINGS, RERANK, SCORE})
+    tokenizer_paths = frozenset({"/tokenize", "/detokenize"})  # vllm/entrypoints/serve/tokenize/api_router.py
     tool_style = "vllm"
 
     def cache_read_limit(self, api: str, body: Mapping[str, Any]) -> int | None:
