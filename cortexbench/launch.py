@@ -53,11 +53,26 @@ def stop_groups(procs: Iterable[subprocess.Popen[bytes]]) -> None:
 
 _handed_out: set[int] = set()
 _ports_lock = threading.Lock()
+PORT_BLOCK = 1000
+"""Ports are shared between processes in blocks of this many (share_ports): wide enough that a process's ports
+`base + i` (extproc's processes) stay in its own block nearly always."""
+_share = (0, 1)
+
+
+def share_ports(index: int, count: int) -> None:
+    """This process is one of `count` that pick ports at once (pytest-xdist's workers): it takes only ports in the
+    blocks `block % count == index`, so a port one of them handed out and closed is never handed out by another
+    before its new owner has bound it."""
+    global _share
+    if not 0 <= index < count:
+        raise ValueError(f"port share {index} of {count}")
+    _share = (index, count)
 
 
 def free_ports(n: int) -> list[int]:
     """n loopback ports free now, never one this process handed out before (replicas start in parallel, and a
-    port closed here may not be bound by its new owner yet)."""
+    port closed here may not be bound by its new owner yet), and only from this process's share (share_ports)."""
+    index, count = _share
     with _ports_lock:
         socks: list[socket.socket] = []
         ports: list[int] = []
@@ -66,7 +81,7 @@ def free_ports(n: int) -> list[int]:
             s.bind((HOST, 0))
             socks.append(s)
             port = s.getsockname()[1]
-            if port not in _handed_out:
+            if port not in _handed_out and (port // PORT_BLOCK) % count == index:
                 ports.append(port)
                 _handed_out.add(port)
         for s in socks:

@@ -7,11 +7,17 @@ tests listed in `E2E` below, which keeps the classification in one place instead
 
 The list cannot go stale quietly: while a test that is not marked `e2e` runs (its fixtures' set-up and tear-down
 included), starting a process fails it with a message naming this file.
+
+Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) each file is one group, so a module's gateway
+starts once, and the real-engine tier is one group on one worker: its engines never start beside another
+worker's (xdist hands out the groups with the most tests first, so it starts at once and does not end the
+run). Each worker picks ports from its own blocks (cortexbench/launch.py: share_ports).
 """
 
 from __future__ import annotations
 
 import multiprocessing.process
+import os
 import subprocess
 from collections.abc import Generator
 from pathlib import Path
@@ -19,7 +25,13 @@ from typing import Any
 
 import pytest
 
+from cortexbench.launch import share_ports
+
 HERE = Path(__file__).resolve().parent
+REAL_ENGINE_GROUP = "real_engine"
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... under pytest-xdist
+if _WORKER is not None:
+    share_ports(int(_WORKER.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 E2E: tuple[str, ...] = (
     "sim/test_real_engine_decode.py",
@@ -106,10 +118,14 @@ def _is_e2e(item: pytest.Item) -> bool:
     return f"{rel}::{name}" in E2E
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test after its group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _is_e2e(item):
             item.add_marker(pytest.mark.e2e)
+        rel = Path(item.path).resolve().relative_to(HERE).as_posix()
+        real = rel.startswith("real_engine/")
+        item.add_marker(pytest.mark.xdist_group(REAL_ENGINE_GROUP if real else rel))
 
 
 _running: list[str] = []  # the unit-tier test now running, for the refusal's message

@@ -71,8 +71,8 @@ def test_the_server_imports_only_the_router_entry_point(module: str) -> None:
     assert from_router <= {"Router"}
     calls = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
              and n.value.attr == "router"}
-    # One decision per request (route, route_any), a reload; never a second choose after a failure.
-    assert calls <= {"route", "route_any", "reload", "predictions"}, calls
+    # One decision per request (route, route_any, route_tokenizer), a reload; never a second choose after a failure.
+    assert calls <= {"route", "route_any", "route_tokenizer", "reload", "predictions"}, calls
 
 
 def _target(i: int, worker: str, *, load: float = 0.0, exact_kv: bool = True) -> TargetInfo:
