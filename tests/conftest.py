@@ -8,10 +8,10 @@ tests listed in `E2E` below, which keeps the classification in one place instead
 The list cannot go stale quietly: while a test that is not marked `e2e` runs (its fixtures' set-up and tear-down
 included), starting a process fails it with a message naming this file.
 
-Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) each file is one group, so a module's gateway
-starts once, and the real-engine tier is one group on one worker: its engines never start beside another
-worker's (xdist hands out the groups with the most tests first, so it starts at once and does not end the
-run). Each worker picks ports from its own blocks (cortexbench/launch.py: share_ports).
+Under pytest-xdist (`-n 2`, the README's command) each file is one unit of work, so a module's gateway starts
+once, and the real-engine tier is one unit on one worker: its engines never start beside another worker's
+(xdist hands out the units with the most tests first, so it starts at once and does not end the run). Each
+worker picks ports from its own blocks (cortexbench/launch.py: share_ports).
 """
 
 from __future__ import annotations
@@ -118,14 +118,23 @@ def _is_e2e(item: pytest.Item) -> bool:
     return f"{rel}::{name}" in E2E
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test after its group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _is_e2e(item):
             item.add_marker(pytest.mark.e2e)
-        rel = Path(item.path).resolve().relative_to(HERE).as_posix()
-        real = rel.startswith("real_engine/")
-        item.add_marker(pytest.mark.xdist_group(REAL_ENGINE_GROUP if real else rel))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist: a file's tests go to one worker, and so do all the real-engine tier's. (xdist's own
+    `--dist loadgroup` cannot be used: with pytest 9 its group suffix no longer reaches the node id.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return REAL_ENGINE_GROUP if path.startswith("tests/real_engine/") else path
+
+    return ByFile(config, log)
 
 
 _running: list[str] = []  # the unit-tier test now running, for the refusal's message
