@@ -187,26 +187,28 @@ def _on_alarm(signum: int, frame: Any) -> None:
 
 
 def bounded(fn: Callable[[], _T], budget_s: float | None = None) -> _T:
-    """fn(), raising _OverBudget past budget_s (default BUDGET_S). `re` checks for signals while it backtracks,
-    so a timer signal stops a runaway pattern; outside the main thread (where signals are not handled) fn runs
-    unbounded. A timer and handler already in place (none in extproc; pytest-timeout in tests) are put back."""
+    """fn(), raising _OverBudget past budget_s (default BUDGET_S) of CPU time. `re` checks for signals while it
+    backtracks, so a timer signal stops a runaway pattern; outside the main thread (where signals are not handled)
+    fn runs unbounded. The timer counts the process's CPU time (ITIMER_PROF), not the wall clock: on a machine
+    where the check waits for a core, the wait is not the pattern's work, and a normal schema given up because the
+    machine was busy would be let through unchecked. A timer and handler already in place are put back."""
     if threading.current_thread() is not threading.main_thread():
         return fn()
-    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    previous = signal.signal(signal.SIGPROF, _on_alarm)
     old_delay, old_interval = 0.0, 0.0
-    started = time.monotonic()
+    started = time.process_time()
     try:
         _armed.on = True  # before the timer starts: a budget shorter than this call still counts
-        old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, budget_s or BUDGET_S)
+        old_delay, old_interval = signal.setitimer(signal.ITIMER_PROF, budget_s or BUDGET_S)
         return fn()
     finally:
         # Disarmed before the timer stops: a signal already on its way is then ignored, not raised out of here.
         _armed.on = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous if previous is not None else signal.SIG_DFL)
         if old_delay:
-            left = old_delay - (time.monotonic() - started)
-            signal.setitimer(signal.ITIMER_REAL, max(left, 0.001), old_interval)
+            left = old_delay - (time.process_time() - started)
+            signal.setitimer(signal.ITIMER_PROF, max(left, 0.001), old_interval)
 
 
 def digest(schema: Any) -> str:

@@ -5,6 +5,7 @@ counted valid / invalid / not_json without ever being changed."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -295,16 +296,16 @@ def test_a_runaway_pattern_is_stopped_and_counted_as_an_error() -> None:
 def test_bounded_puts_back_the_timer_it_found() -> None:
     import signal
     fired: list[int] = []
-    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
-    old = signal.setitimer(signal.ITIMER_REAL, 30.0)
+    previous = signal.signal(signal.SIGPROF, lambda *_: fired.append(1))
+    old = signal.setitimer(signal.ITIMER_PROF, 30.0)
     try:
         assert so.bounded(lambda: 7) == 7
-        left, _ = signal.getitimer(signal.ITIMER_REAL)
-        assert 0 < left <= 30.0 and not fired
-        assert signal.getsignal(signal.SIGALRM) is not so._on_alarm
+        left, _ = signal.getitimer(signal.ITIMER_PROF)
+        assert 0 < left <= 30.1 and not fired  # a CPU timer reads back to the kernel's tick
+        assert signal.getsignal(signal.SIGPROF) is not so._on_alarm
     finally:
-        signal.setitimer(signal.ITIMER_REAL, *old)
-        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_PROF, *old)
+        signal.signal(signal.SIGPROF, previous)
 
 
 # -- asking Envoy for the body ----------------------------------------------------------------------------------------
@@ -367,7 +368,15 @@ def test_envoy_takes_overrides_only_when_answers_are_checked(tmp_path: Path, on:
 
 
 def test_a_check_over_its_budget_lets_the_engine_judge_and_is_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(so, "BUDGET_S", 1e-6)  # far below one metaschema walk (milliseconds)
+    # The budget counts CPU time, which the kernel checks at its ticks (milliseconds): a check that keeps a core busy.
+    def spinning(*_: Any) -> Any:
+        t0 = time.process_time()
+        while time.process_time() - t0 < 5.0:
+            pass
+        raise AssertionError("the budget never stopped the check")
+
+    monkeypatch.setattr(so, "BUDGET_S", 0.02)
+    monkeypatch.setattr(so, "check_schema", spinning)
     cache = so.SchemaCache(8)
     unchecked = sample("cortex_structured_output_schema_checks_total", field="response_format", outcome="unchecked")
     assert so.check_request(CHECK_ANSWERS, chat(**rf(INVALID)), REGISTRY, cache) is None
