@@ -154,7 +154,7 @@ class Acting:
         return response
 
     def unrouted_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
-        """A body on a path that is no inference (/tokenize, ...): salted all the same for an isolated tenant, so no
+        """A body on a path that is no inference nor a tokenizer path: salted all the same for an isolated tenant, so no
         endpoint shares or probes another tenant's cache (extproc/isolation.py)."""
         try:
             salted = isolation.salt_unrouted(body, st.tenant)
