@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,12 +52,19 @@ def stop_groups(procs: Iterable[subprocess.Popen[bytes]]) -> None:
             proc.wait(5)
 
 
-_handed_out: set[int] = set()
-_ports_lock = threading.Lock()
 PORT_BLOCK = 1000
-"""Ports are shared between processes in blocks of this many (share_ports): wide enough that a process's ports
-`base + i` (extproc's processes) stay in its own block nearly always."""
+"""Ports are shared between processes in blocks of this many (share_ports); a run of consecutive ports never
+crosses a block, so a process's `base + i` ports (extproc's processes) are always its own."""
+PORT_FLOOR = 10000
+ENGINE_PORTS = range(20000, 30000)
+"""Left to real engines (tests/real_engine), which take their own ports there, and to vLLM's and torch's fixed
+defaults (data-parallel RPC 29550, MASTER_PORT 29500)."""
+REUSE_AFTER_S = 600.0
+"""A port handed out is not handed out again for this long: its new owner may take tens of seconds to bind it."""
+_handed_out: dict[int, float] = {}
+_ports_lock = threading.Lock()
 _share = (0, 1)
+_rng = random.SystemRandom()  # not the global generator, which tests may seed
 
 
 def share_ports(index: int, count: int) -> None:
@@ -69,24 +77,65 @@ def share_ports(index: int, count: int) -> None:
     _share = (index, count)
 
 
-def free_ports(n: int) -> list[int]:
-    """n loopback ports free now, never one this process handed out before (replicas start in parallel, and a
-    port closed here may not be bound by its new owner yet), and only from this process's share (share_ports)."""
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _my_spans(n: int) -> list[range]:
+    """The spans of this process's share where a run of n ports may start. Only below the kernel's ephemeral
+    range: every port-0 bind and every outgoing connection on the machine takes its port there, so a port probed
+    free in it can be taken by anyone before its owner binds it; below it, nothing binds a port unasked."""
     index, count = _share
-    with _ports_lock:
-        socks: list[socket.socket] = []
-        ports: list[int] = []
-        while len(ports) < n:
+    ceiling = _ephemeral_floor()
+    spans = []
+    for block in range(PORT_FLOOR // PORT_BLOCK, ceiling // PORT_BLOCK + 1):
+        low, high = block * PORT_BLOCK, min((block + 1) * PORT_BLOCK, ceiling)
+        if block % count == index and high - low >= n and not (low < ENGINE_PORTS.stop and high > ENGINE_PORTS.start):
+            spans.append(range(low, high - n + 1))
+    return spans
+
+
+def _bindable(run: range) -> bool:
+    socks: list[socket.socket] = []
+    try:
+        for port in run:
             s = socket.socket()
-            s.bind((HOST, 0))
             socks.append(s)
-            port = s.getsockname()[1]
-            if port not in _handed_out and (port // PORT_BLOCK) % count == index:
-                ports.append(port)
-                _handed_out.add(port)
+            s.bind((HOST, port))
+        return True
+    except OSError:
+        return False
+    finally:
         for s in socks:
             s.close()
-        return ports
+
+
+def free_run(n: int) -> int:
+    """The first of n consecutive loopback ports, free now, from this process's share (share_ports), none handed
+    out by this process in the last REUSE_AFTER_S seconds."""
+    with _ports_lock:
+        now = time.monotonic()
+        spans = _my_spans(n)
+        if not spans:
+            raise LaunchError(f"no room for {n} consecutive ports between {PORT_FLOOR} and the kernel's ephemeral "
+                              "range (net.ipv4.ip_local_port_range should start at 32768, Linux's default)")
+        for _ in range(1000):
+            base = _rng.choice(_rng.choice(spans))
+            run = range(base, base + n)
+            if any(port in _handed_out and now - _handed_out[port] < REUSE_AFTER_S for port in run):
+                continue
+            if _bindable(run):
+                _handed_out.update(dict.fromkeys(run, now))
+                return base
+        raise LaunchError(f"no free run of {n} loopback ports")
+
+
+def free_ports(n: int) -> list[int]:
+    """n loopback ports, each free now, picked as free_run picks them."""
+    return [free_run(1) for _ in range(n)]
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 5.0, api_key: str | None = None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,14 +28,14 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from procstat import cpu_seconds
 
+from cortexbench.launch import free_run
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_run(1)
 
 
 

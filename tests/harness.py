@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,31 +15,10 @@ from typing import Any
 import httpx
 import yaml
 
-from cortexbench.launch import free_ports, stop_groups
+from cortexbench.launch import free_ports, free_run, stop_groups
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 PY = [sys.executable, "-m", "cortexctl.cli"]
-
-
-def free_consecutive(n: int) -> int:
-    """A base port such that base .. base+n-1 are all free now."""
-    import random
-
-    for _ in range(200):
-        base = random.randint(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> Any:
@@ -257,7 +235,7 @@ def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc
             for i in range(n_sims)]
     base = 3 * n_sims
     # Process i listens on extproc_port + i: more than one process needs a free run of ports.
-    extproc_port = ports[base + 3] if extproc_processes == 1 else free_consecutive(extproc_processes)
+    extproc_port = ports[base + 3] if extproc_processes == 1 else free_run(extproc_processes)
     gw = Gateway(root=root, sims=sims, port=ports[base], admin_port=ports[base + 1], ingest_port=ports[base + 2],
                  extproc_port=extproc_port, extproc_processes=extproc_processes,
                  extra_config=extra_config or {}, model_extra=model_extra or {})
@@ -273,7 +251,7 @@ def pd_cluster(root: Path, specs: list[tuple[str, str, str, bool, tuple[str, ...
     dp = dp or {}
     ports = free_ports(2 * len(specs) + 4)
     # Rank r publishes on the KV port + r: a DP worker needs a free run of ports.
-    sims = [Sim(id=i, port=ports[2 * k], kv_port=ports[2 * k + 1] if dp.get(i, 1) == 1 else free_consecutive(dp[i]),
+    sims = [Sim(id=i, port=ports[2 * k], kv_port=ports[2 * k + 1] if dp.get(i, 1) == 1 else free_run(dp[i]),
                 events=ev, engine=eng, role=role, args=args, dp=dp.get(i, 1))
             for k, (i, eng, role, ev, args) in enumerate(specs)]
     base = 2 * len(specs)
@@ -300,9 +278,9 @@ def start_demo(runtime: Path, log: Path, workers: int = 2) -> Gateway:
     output to `log`, and return it as a Gateway (url, ingest_url, observe_url, sims, root = its runtime directory,
     proc, child_pids) without waiting for it."""
     gw_port, admin, ingest = free_ports(3)
-    extproc = free_consecutive(os.cpu_count() or 1)  # one extproc process per core, on consecutive ports
-    sim_base, kv_base, replay_base = (free_consecutive(workers) for _ in range(3))
-    observe = free_consecutive(2)
+    extproc = free_run(os.cpu_count() or 1)  # one extproc process per core, on consecutive ports
+    sim_base, kv_base, replay_base = (free_run(workers) for _ in range(3))
+    observe = free_run(2)
     proc = subprocess.Popen([*PY, "demo", "--workers", str(workers), "--port", str(gw_port),
                              "--sim-base-port", str(sim_base), "--kv-base-port", str(kv_base),
                              "--kv-replay-base-port", str(replay_base), "--runtime-dir", str(runtime),

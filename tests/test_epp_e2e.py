@@ -23,7 +23,7 @@ import yaml
 
 from cortex.envoy_config import envoy_binary
 from cortexbench.launch import free_ports
-from tests.harness import MODEL, PY, Sim, free_consecutive, start_sim, stop, wait_for
+from tests.harness import MODEL, PY, Sim, free_run, start_sim, stop, wait_for
 
 GIE_REFERENCE = """
 static_resources:
@@ -208,7 +208,7 @@ class Fleet:
         dp = extra.get("dp", 1)
         # Rank r of a data-parallel worker publishes on its KV port + r.
         specs = extra.get("sims") or [(f"sim-{i + 1}", "vllm", "both", ()) for i in range(2)]
-        self.sims = [Sim(id=i, port=ports[2 * k], kv_port=ports[2 * k + 1] if dp == 1 else free_consecutive(dp), dp=dp,
+        self.sims = [Sim(id=i, port=ports[2 * k], kv_port=ports[2 * k + 1] if dp == 1 else free_run(dp), dp=dp,
                          engine=engine, role=role, args=args) for k, (i, engine, role, args) in enumerate(specs)]
         self.listen, self.admin, self.extproc, self.ingest = ports[6:10]
         self.extra = extra

@@ -36,8 +36,8 @@ from tests.harness import (
     MODEL,
     Gateway,
     Sim,
-    free_consecutive,
     free_ports,
+    free_run,
     long_chat,
     serving,
     start_sim,
@@ -68,7 +68,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteGateway]:
     sims = [Sim(id=f"sim-{i + 1}", port=ports[3 * i], kv_port=ports[3 * i + 1], replay_port=ports[3 * i + 2])
             for i in range(3)]
     g = SuiteGateway(root=root, sims=sims, port=ports[9], admin_port=ports[10], ingest_port=ports[11],
-                     extproc_port=free_consecutive(2), extproc_processes=2,
+                     extproc_port=free_run(2), extproc_processes=2,
                      ingest_extra={"event_silence_s": SILENCE_BOUND_S})
     with serving(g):
         yield g

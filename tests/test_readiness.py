@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from cortex import grpc_health
-from tests.harness import MODEL, PY, Gateway, Sim, free_consecutive, free_ports, long_chat, start_sim, stop, wait_for
+from tests.harness import MODEL, PY, Gateway, Sim, free_ports, free_run, long_chat, start_sim, stop, wait_for
 
 
 @pytest.mark.timeout(240)
@@ -21,7 +21,7 @@ def test_ready_only_once_every_extproc_serves_and_envoy_routes(tmp_path: Path) -
     ports = free_ports(6)
     sim = Sim(id="sim-1", port=ports[0], kv_port=ports[1], replay_port=ports[2])
     gw = Gateway(root=tmp_path, sims=[sim], port=ports[3], admin_port=ports[4], ingest_port=ports[5],
-                 extproc_port=free_consecutive(2), extproc_processes=2)
+                 extproc_port=free_run(2), extproc_processes=2)
     ready_url = f"{gw.ingest_url}/health/ready"
     answers: list[tuple[int, dict[str, Any]]] = []
 

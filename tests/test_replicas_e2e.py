@@ -34,8 +34,8 @@ from tests.harness import (
     PY,
     Gateway,
     Sim,
-    free_consecutive,
     free_ports,
+    free_run,
     long_chat,
     start_gateway,
     start_sim,
@@ -85,7 +85,7 @@ def test_demo_with_two_replicas(tmp_path: Path) -> None:
     runtime, out_path = tmp_path / "demo", tmp_path / "demo.log"
     cores = os.cpu_count() or 1
     # One free run holds every port the demo will bind (separate picks could overlap each other).
-    base = free_consecutive(18 + 2 * cores)
+    base = free_run(18 + 2 * cores)
     gw, admin, ingest, sim1, kv1, replay1, observe = (base + 2 * i for i in range(7))
     extproc = base + 18  # two replicas' observers take observe .. observe + 3
     proc = subprocess.Popen([*PY, "demo", "--replicas", "2", "--port", str(gw), "--admin-port", str(admin),

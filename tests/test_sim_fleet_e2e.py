@@ -25,8 +25,8 @@ from tests.harness import (
     PY,
     Gateway,
     Sim,
-    free_consecutive,
     free_ports,
+    free_run,
     long_chat,
     start_gateway,
     stop,
@@ -74,7 +74,7 @@ def test_view_lag_histogram_and_window() -> None:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, subprocess.Popen[bytes], Path]]:
     root = tmp_path_factory.mktemp("sim-fleet")
-    base = free_consecutive(3 * N)
+    base = free_run(3 * N)
     log = root / "fleet.log"
     proc = subprocess.Popen([*PY, "sim", "--workers", str(N), "--base-port", str(base), "--model", MODEL],
                             stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from cortex.model_bundle import shipped_tokenizer_dir
+from cortexbench.launch import free_run
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed")
 pytestmark = pytest.mark.timeout(180)
@@ -29,9 +29,7 @@ MODEL = "Qwen/Qwen2.5-7B-Instruct"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_run(1)
 
 
 def wait_until(check: object, what: str, timeout: float = 60.0) -> None:
