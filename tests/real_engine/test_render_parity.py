@@ -3,7 +3,8 @@ Responses and Anthropic Messages requests equal the engine's own (its /render en
 conversations with tools (tests/agent_corpus.py), a second identical Responses or Messages request is an exact
 hit (the claim equals the engine's cached tokens), a Responses follow-up naming its previous response goes to
 the engine that stored it (the other answers 404 for a response it does not hold), and Anthropic's count_tokens is
-forwarded and answered with the length of the prompt the engine renders for the same Messages request.
+forwarded and answered with the length of the prompt the engine renders for the same Messages request, and the
+tokenizer endpoints reach an engine of the body's model.
 
 The engines run as agent deployments do: `--enable-auto-tool-choice --tool-call-parser hermes` (Qwen2.5's tool
 format; without it vLLM refuses tools with tool_choice auto), `--enable-scale-out` (the /render endpoints) and
@@ -126,3 +127,25 @@ def test_count_tokens_is_forwarded_and_counts_the_engines_render(fleet: tuple[Ga
     assert r.json() == {"input_tokens": n, "context_management": {"original_input_tokens": n}}
     assert n == len(engine_ids(engines[0], MESSAGES, doc)) > 0
     assert r.headers["x-cortex-route-reason"] == "token_count" and r.headers["x-cortex-cache-hit-tokens"] == "0"
+
+
+def test_the_tokenizer_endpoints_reach_an_engine_of_the_model_and_answer_as_it_does(
+        fleet: tuple[Gateway, list[VllmEngine]]) -> None:
+    """/tokenize and /detokenize through Cortex answer with the engine's own tokenizer (a worker of the body's
+    model); /v1/tokenize, which vLLM does not serve, is Cortex's 404 rather than a forwarded one."""
+    gw, engines = fleet
+    text = "Tokenize me, then give the words back: 東京, naïve, 42."
+    for doc in ({"model": MODEL, "prompt": text},
+                {"model": MODEL, "messages": [{"role": "user", "content": text}], "add_generation_prompt": True}):
+        r = _post(gw, "/tokenize", doc)
+        assert r.headers["x-cortex-assigned-worker"] in {e.id for e in engines}
+        own = httpx.post(f"{engines[0].url}/tokenize", json=doc, timeout=60)
+        assert r.json()["tokens"] == own.json()["tokens"] and r.json()["count"] > 0, (r.text, own.text)
+    ids = _post(gw, "/tokenize", {"model": MODEL, "prompt": text, "add_special_tokens": False}).json()["tokens"]
+    back = _post(gw, "/detokenize", {"model": MODEL, "tokens": ids})
+    assert back.json()["prompt"] == text
+    assert httpx.post(f"{engines[0].url}/v1/tokenize", json={"model": MODEL, "prompt": text},
+                      timeout=60).status_code == 404
+    refused = httpx.post(f"{gw.url}/v1/tokenize", json={"model": MODEL, "prompt": text}, timeout=60)
+    assert refused.status_code == 404 and "has no /v1/" in refused.json()["error"]["message"], refused.text
+    assert "x-cortex-assigned-worker" not in refused.headers
