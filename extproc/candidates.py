@@ -9,7 +9,7 @@ whatever the view says, so no policy can claim or follow a hit it cannot prove.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -22,23 +22,28 @@ from extproc.predictions import Predictions
 
 
 class Hysteresis:
-    """Each target's hot flags, carried from one decision to the next (the watermarks' hysteresis): by requests
-    (high/low_watermark) and, under the time model, by predicted prefill queue (high/low_queue_ms)."""
+    """Each target's hot flags, carried from one committed decision to the next (the watermarks' hysteresis): by
+    requests (high/low_watermark) and, under the time model, by predicted prefill queue (high/low_queue_ms).
+    `build` only reads them; the router carries a committed plan's candidates' flags (`carry`), so route explain,
+    which commits nothing, leaves them as they were."""
 
     def __init__(self) -> None:
         self._hot: dict[int, bool] = {}
         self._queue_hot: dict[int, bool] = {}
 
-    def update(self, slot: int, active: float, s: SchedulerConfig) -> bool:
-        hot = still_hot(self._hot.get(slot, False), active, s)
-        self._hot[slot] = hot
-        return hot
+    def hot(self, slot: int, active: float, s: SchedulerConfig) -> bool:
+        return still_hot(self._hot.get(slot, False), active, s)
 
-    def update_queue(self, slot: int, queue_ms: float, s: SchedulerConfig) -> bool:
-        was = self._queue_hot.get(slot, False)
-        hot = queue_ms > s.low_queue_ms if was else queue_ms >= s.high_queue_ms
-        self._queue_hot[slot] = hot
-        return hot
+    def queue_hot(self, slot: int, queue_ms: float, s: SchedulerConfig) -> bool:
+        if self._queue_hot.get(slot, False):
+            return queue_ms > s.low_queue_ms
+        return queue_ms >= s.high_queue_ms
+
+    def carry(self, cands: Iterable[Candidate]) -> None:
+        for c in cands:
+            self._hot[c.slot] = c.hot_requests
+            if c.hot_queue is not None:
+                self._queue_hot[c.slot] = c.hot_queue
 
 
 def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Sequence[int], inflight: np.ndarray,
@@ -49,7 +54,9 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
     the ledger did not answer); `lower`: per slot, the run a lower tier holds after that (extproc/engine_hits.py);
     `inflight`: Cortex's in-flight totals per slot; `alive`: ingest's view is live (else engine load is not
     trusted); `backlog_ms`: this replica's prefill work per slot not done yet; `calibration`: observed over
-    predicted TTFT per worker id. Under `scheduler.rule: ttft` a worker is hot by its predicted queue too."""
+    predicted TTFT per worker id. Under `scheduler.rule: ttft` a worker is hot by its predicted queue too.
+    Nothing is written: the hot flags read from `hysteresis` stay there until the caller carries them
+    (Hysteresis.carry)."""
     by_work = scoring.rule == "ttft"
     typical = typical_prefill_ms if typical_prefill_ms is not None else scoring.queued_request_ms
     live = [w for w in workers if w.healthy]
@@ -77,7 +84,7 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
             tier_credit=tier.credit if tier else 0.0, tier_media=tuple(tier.by_medium.items()) if tier else (),
             predicted_blocks=predictions.extend(keys, w.slot, matched) if trusted else 0,
             engine_load=engine_load, engine_waiting=waiting, inflight=n_inflight,
-            hot=hysteresis.update(w.slot, active, scoring), rank=w.rank,
+            hot=(by_requests := hysteresis.hot(w.slot, active, scoring)), hot_requests=by_requests, rank=w.rank,
             engine=w.engine, suspect=w.suspect, new=w.age_s is not None and w.age_s < scoring.cold_start_s,
             backlog_ms=float(backlog_ms[w.slot]) if backlog_ms is not None else 0.0,
             foreign_ms=max(0.0, (engine_load or 0.0) - n_inflight) * left,
@@ -87,9 +94,10 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
             last_sent=sent, uncounted_s=max(0.0, now - w.load_at) if w.load_at else 0.0,
             regret_share=regret_share(w.evicted_tokens_per_s, w.regretted_tokens_per_s),
         )
-        if by_work and hysteresis.update_queue(w.slot, queue_ms(c, typical), scoring):
+        if by_work:
             # Both flags are carried every decision, so neither loses its hysteresis while the other is set.
-            c = replace(c, hot=True)
+            by_queue = hysteresis.queue_hot(w.slot, queue_ms(c, typical), scoring)
+            c = replace(c, hot=c.hot or by_queue, hot_queue=by_queue)
         cands.append(c)
     return cands
 

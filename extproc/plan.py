@@ -3,8 +3,11 @@
 The plan is one value: the decision (the first attempt and its retry order), the PD pair or why the request
 skips it, the precomputed fallback for a pair that fails before the client got a byte, and the body changes.
 The server maps it onto Envoy's header and body mutations and runs the PD legs; it never asks for another
-decision. Apart from what a decision carries to the next request (the predictions a committed request
-records, the hot flags, the policies' rng), nothing here has side effects, and nothing does I/O.
+decision. Nothing here writes the state decisions share: what committing the plan would write into it (the
+prefill queued on the chosen worker, the blocks it is predicted to hold, the prompt's deferred tail, the hot
+flags) is part of the plan, `Effects`, and only the router's `commit` applies it, so route explain, which never
+commits, cannot change what the next request sees. Its random draws come from the rng it is given.
+Nothing does I/O.
 """
 
 from __future__ import annotations
@@ -27,20 +30,58 @@ from extproc.policies import Policies, ttft
 from extproc.policies.base import Candidate, Decision, Facts, Policy, by_activity
 from extproc.predictions import Predictions
 from extproc.prepare import Prepared, Timings
-from extproc.prompt_walk import DeferredTail
+from extproc.prompt_walk import Tail
 from extproc.snapshot import Snapshot
 
 
 class State(Protocol):
-    """What decisions carry from one request to the next (extproc/router.py owns it)."""
+    """What decisions read of the state carried from one request to the next (extproc/router.py owns and writes
+    it); `rng` is what route_any draws from (a plan draws from the rng it is given)."""
 
     predictions: Predictions
-    deferred: DeferredTail
     backlog: Backlog
     hysteresis: Hysteresis
     policies: Policies
     rng: random.Random
     breakers: Breakers
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    """`keys` were sent to `slot` (Predictions.record): the first `confirmed` the ledger shows held there."""
+
+    slot: int
+    keys: Sequence[int]
+    confirmed: int = 0
+    array: np.ndarray | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Effects:
+    """What committing a plan writes into the state decisions share (extproc/router.py: Router.commit)."""
+
+    queued: tuple[tuple[int, float], ...] = ()
+    """(slot, prefill ms): the chosen worker's prefill, queued behind what this process sent there (backlog.py)."""
+    predicted: tuple[Predicted, ...] = ()
+    tail: Tail | None = None
+    """The prompt past where the walk stopped, to become `tail_slot`'s predictions after the answer."""
+    tail_slot: int = -1
+    carried: tuple[Candidate, ...] = ()
+    """Every candidate the plan's decisions saw: their hot flags carry over (candidates.Hysteresis.carry)."""
+
+
+@dataclass(slots=True)
+class _Draft:
+    """Effects as a plan's decisions add to them."""
+
+    queued: list[tuple[int, float]] = field(default_factory=list)
+    predicted: list[Predicted] = field(default_factory=list)
+    tail: Tail | None = None
+    tail_slot: int = -1
+    carried: list[Candidate] = field(default_factory=list)
+
+    def freeze(self) -> Effects:
+        return Effects(tuple(self.queued), tuple(self.predicted), self.tail, self.tail_slot, tuple(self.carried))
 
 
 BREAKER_OPEN = "breaker_open"
@@ -129,10 +170,12 @@ class RoutePlan:
     prompt_hash: str = ""
     withheld: dict[int, int] = field(default_factory=dict)
     """Per hybrid slot: blocks its full-attention run held that its sliding windows did not (Prepared's)."""
+    effects: Effects = field(default_factory=Effects)
+    """What committing it writes (Router.commit); route explain leaves it unapplied."""
 
 
-def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
-            state: State) -> tuple[list[Candidate], Facts, Policy]:
+def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo], state: State,
+            fx: _Draft) -> tuple[list[Candidate], Facts, Policy]:
     matches, keys = prep.matches, prep.keys
     scoring = snap.cfg.scheduler
     typical = state.backlog.typical_ms
@@ -140,6 +183,7 @@ def _inputs(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo],
                              predictions=state.predictions, hysteresis=state.hysteresis, scoring=scoring,
                              backlog_ms=snap.backlog_ms, calibration=snap.calibration if scoring.calibrate else None,
                              typical_prefill_ms=typical, lower=prep.lower)
+    fx.carried.extend(cands)
     facts = Facts(block_size=snap.block_size, ledger_usable=matches is not None,
                   why_not_exact=candidates.why_not_exact(prep.why, workers, matches, cands), scoring=scoring,
                   home=home_key(keys, matches) if scoring.prompt_home else None, session=prep.session,
@@ -160,103 +204,109 @@ def home_key(keys: Sequence[int], matches: np.ndarray | None) -> int | None:
     return keys[min(held, len(keys) - 1)]
 
 
-def _queue(state: State, decision: Decision, facts: Facts) -> None:
-    """The chosen worker's prefill queues behind what was sent there: the time model's estimate, also for a
+def _queued(decision: Decision, facts: Facts) -> tuple[int, float]:
+    """The chosen worker's prefill, to queue behind what was sent there: the time model's estimate, also for a
     decision another policy made, so switching rules keeps the queue right."""
     est = decision.estimates.get(decision.chosen.id) or ttft.estimate(decision.chosen, facts)
-    state.backlog.commit(decision.chosen.slot, est.calibration * est.prefill_ms)
+    return decision.chosen.slot, est.calibration * est.prefill_ms
 
 
-def choose(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo], state: State, *, commit: bool,
-           queue: bool | None = None) -> Decision:
+def choose(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo], state: State, rng: random.Random,
+           fx: _Draft, *, answer: bool, queue: bool | None = None) -> Decision:
     """One pool's decision for a prepared prompt (a pool whose workers publish no events simply holds nothing in
-    the ledger, so it is chosen by load). `commit` records the chosen target's coming blocks as predicted and
-    queues its prefill (`queue`, default `commit`: a PD prefill leg queues work without being the answer)."""
+    the ledger, so it is chosen by load). For the request's `answer`, the effects name the chosen target's
+    coming blocks as predicted and queue its prefill (`queue`, default `answer`: a PD prefill leg queues work
+    without being the answer)."""
     t0 = time.perf_counter()
-    cands, facts, policy = _inputs(snap, prep, workers, state)
+    cands, facts, policy = _inputs(snap, prep, workers, state, fx)
     skip = state.breakers.skipped((c.address for c in cands), time.monotonic())
-    decision = decide(policy, cands, facts, state.rng, skip)
+    decision = decide(policy, cands, facts, rng, skip)
     prep.timings.score_s += time.perf_counter() - t0
-    if commit if queue is None else queue:
-        _queue(state, decision, facts)
+    if answer if queue is None else queue:
+        fx.queued.append(_queued(decision, facts))
     keys = prep.keys
-    if commit and keys and decision.chosen.ledger_trusted:
+    if answer and keys and decision.chosen.ledger_trusted:
         slot = decision.chosen.slot
-        state.predictions.record(slot, keys, int(prep.matches[slot]) if prep.matches is not None else 0,
-                                 prep.key_array)
+        fx.predicted.append(Predicted(slot, keys, int(prep.matches[slot]) if prep.matches is not None else 0,
+                                      prep.key_array))
         if prep.tail is not None and not prep.tail.done:
-            # The rest of the prompt becomes this target's predictions after the answer.
-            prep.tail.slot = slot
-            state.deferred.submit(prep.tail)
+            fx.tail, fx.tail_slot = prep.tail, slot  # the rest of the prompt, after the answer
     return decision
 
 
-def _pd(snap: Snapshot, prep: Prepared, pools: pd.Pools, state: State, *, commit: bool) -> pd.PdPlan:
+def _pd(snap: Snapshot, prep: Prepared, pools: pd.Pools, state: State, rng: random.Random, fx: _Draft
+        ) -> pd.PdPlan:
     """The PD planner step: the pair, or why one worker serves the request alone (docs/pd.md)."""
     cfg = snap.cfg.pd(prep.model)
     stream = isinstance(prep.body, dict) and prep.body.get("stream") is True
 
+    queued = len(fx.queued)
+
     def skip(why: str) -> pd.PdPlan:
+        del fx.queued[queued:]  # a pair that does not stand queues nothing on its prefill worker
         return pd.PdPlan(None, why, pools.engine, prep.model, cfg, stream)
     single = pools.single
     # The PD legs speak chat completions and completions only (extproc/pd_dispatch.py).
     shape = pd.request_shape_skip(prep.body, pools.engine) if prep.api in ("chat", "completion") else pd.SKIP_API
     if shape is not None and (single or shape == pd.SKIP_API):
         return skip(shape)
-    prefill = choose(snap, prep, pools.prefill, state, commit=False, queue=commit)
+    prefill = choose(snap, prep, pools.prefill, state, rng, fx, answer=False, queue=True)
     if single:
         # The uncached part is measured on the worker that would serve alone (the one the policy picks, load
         # included), not on the best holder: a skip to a cold worker computes the whole prompt again.
-        alone = choose(snap, prep, single, state, commit=False).chosen
+        alone = choose(snap, prep, single, state, rng, fx, answer=False).chosen
         bs = snap.block_size
         why = pd.skip_reason(prompt_tokens=prep.prompt_tokens,
                              prefill_cached_tokens=round(prefill.chosen.affinity_blocks * bs),
                              single_cached_tokens=round(alone.affinity_blocks * bs), cfg=cfg)
         if why is not None:
             return skip(why)
-    if commit and prep.keys and prefill.chosen.ledger_trusted:
-        state.predictions.record(prefill.chosen.slot, prep.keys)
-    decode = choose(snap, prep, pools.decode, state, commit=False)
+    if prep.keys and prefill.chosen.ledger_trusted:
+        fx.predicted.append(Predicted(prefill.chosen.slot, prep.keys))
+    decode = choose(snap, prep, pools.decode, state, rng, fx, answer=False)
     targets = {t.id: t for t in (*pools.prefill, *pools.decode)}
     return pd.PdPlan(pd.Pair(prefill, decode, targets), "", pools.engine, prep.model, cfg, stream)
 
 
-def _fallback(snap: Snapshot, prep: Prepared, pools: pd.Pools, state: State) -> Fallback | None:
+def _fallback(snap: Snapshot, prep: Prepared, pools: pd.Pools, state: State, rng: random.Random, fx: _Draft
+              ) -> Fallback | None:
     pool = pd.fallback_pool(pools)
     if not pool:
         return None
-    cands, facts, policy = _inputs(snap, prep, pool, state)
-    seed = state.rng.getrandbits(64)
+    cands, facts, policy = _inputs(snap, prep, pool, state, fx)
+    seed = rng.getrandbits(64)
     decision = policy.decide(cands, facts, random.Random(seed))
     return Fallback(tuple(pool), tuple(cands), facts, prep.why, prep.matches, policy, decision, tuple(prep.keys),
                     seed)
 
 
-def plan(snap: Snapshot, prep: Prepared, state: State, *, commit: bool) -> RoutePlan:
+def plan(snap: Snapshot, prep: Prepared, state: State, rng: random.Random) -> RoutePlan:
     pools = prep.pools
-    pd_plan = _pd(snap, prep, pools, state, commit=commit) if pools is not None and pools.pd_ready else None
+    fx = _Draft()
+    pd_plan = _pd(snap, prep, pools, state, rng, fx) if pools is not None and pools.pd_ready else None
     fallback = None
     if pd_plan is not None and pd_plan.pair is not None:
         assert pools is not None
         decision = pd_plan.pair.decode
-        fallback = _fallback(snap, prep, pools, state)
+        fallback = _fallback(snap, prep, pools, state, rng, fx)
     else:
         # No pair: the workers that serve a request alone (all of them in transparent mode).
         workers = prep.workers if pools is None else pools.single
         if not workers:
             assert pools is not None  # prepare() refused a model without healthy workers
             raise ClientError(503, pd.no_pool_message(prep.model, pools), "model", reason="no_worker")
-        decision = response_ids.pin(choose(snap, prep, workers, state, commit=commit), prep.response_holder)
+        decision = response_ids.pin(choose(snap, prep, workers, state, rng, fx, answer=True), prep.response_holder)
     # The worker serves the model, not the public alias; a Responses answer is named after its worker.
     changes: dict[str, object] = {"model": prep.model} if prep.alias is not None else {}
     if prep.mint_response_id:
-        changes["request_id"] = response_ids.mint(decision.chosen.address, state.rng)
+        changes["request_id"] = response_ids.mint(decision.chosen.address, rng)
     return RoutePlan(decision=decision, prompt_tokens=prep.prompt_tokens,
                      token_ids=None if prep.walked else prep.ids, timings=prep.timings, truncated=prep.truncated,
                      model=prep.model, alias=prep.alias, lora=prep.lora, pd=pd_plan,
                      prompt_tokens_estimated=prep.estimated, fallback=fallback,
                      changes=changes, generation=snap.gen.number,
-                     head_ids=prep.head_ids, prompt_hash=prep.prompt_hash, withheld=prep.withheld)
+                     head_ids=prep.head_ids, prompt_hash=prep.prompt_hash, withheld=prep.withheld,
+                     effects=fx.freeze())
 
 
 def route_any(snap: Snapshot, state: State, worker_tag: str | None = None, model: str | None = None) -> Decision | None:

@@ -1,10 +1,11 @@
 """Route explain: the decision a request would get, as JSON, nothing forwarded and nothing committed (the
-router's `route(commit=False)`). Asked on the ext_proc path (POST /v1/route/explain with
+router's `decide` without its `commit`). Asked on the ext_proc path (POST /v1/route/explain with
 extproc.public_route_explain, trusted tenants only) or on ingest's admin port (cortex/api_paths.py:
 explain_socket)."""
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
@@ -46,7 +47,8 @@ def explain(act: Acting, body: bytes, tenant: Tenant | None, session_key: str | 
     parsed = inference_paths.parse(path, body, act.source.current.registry)
     parsed.session_key = session_key
     isolation.isolate(parsed, tenant)
-    result = act.router.route(parsed, commit=False)
+    # Its own rng: an explain call draws nothing from the sequence real traffic's ties are broken with.
+    result = act.router.decide(parsed, full_tokens=True, rng=random.Random())
     d = result.decision
     why = explain_parts(d, act.cfg.scheduler.rule, act.cfg.scheduler, act.cluster.block_size)
     now = time.monotonic()

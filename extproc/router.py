@@ -1,11 +1,13 @@
 """The router: one routing decision per request, as a plan (extproc/plan.py), and the state decisions share.
 
-    route(req) = take a snapshot (snapshot.py) -> prepare (prepare.py) -> plan (plan.py: policy, PD planner)
+    decide(req) = take a snapshot (snapshot.py) -> prepare (prepare.py) -> plan (plan.py: policy, PD planner)
+    route(req)  = decide(req), then commit its plan's effects
 
-It owns what carries from one request to the next: the predictions of blocks just sent, the deferred prompt
-tails, the per-tokenizer encoders and their caches, the hot flags, the policies and their rng. The same
-`route` serves real traffic and POST /cortex/v1/route, so the explain endpoint can never disagree with what
-the gateway does.
+It owns what carries from one request to the next, and is its only writer here: the predictions of blocks just
+sent, the deferred prompt tails, the prefill queued per worker, the hot flags (all through `commit`), the
+per-tokenizer encoders and their caches, the policies and their rng. The same `decide` serves real traffic and
+route explain, which never commits: the explain endpoint can neither disagree with what the gateway does nor
+change it.
 """
 
 from __future__ import annotations
@@ -81,18 +83,36 @@ class Router:
         """The prompt's token ids, and whether they were cut short for routing (prepare.tokens)."""
         return prepare.tokens(self.snapshot(), req, bundle, self.segments)
 
-    def route(self, req: ParsedRequest, *, commit: bool = True, full_tokens: bool | None = None) -> RoutePlan:
-        """Decide. `commit` records the chosen target's coming blocks as predicted (real traffic only).
+    def route(self, req: ParsedRequest) -> RoutePlan:
+        """Decide a request of real traffic and commit the plan."""
+        result = self.decide(req)
+        self.commit(result)
+        return result
 
-        Real traffic stops tokenizing, hashing and looking up at the first block no worker holds or is
-        predicted to hold; the decision is the same as with the whole prompt, prompt_tokens is then estimated
-        and the rest becomes predictions after the answer. `full_tokens` (default: when not committing, as the
-        explain endpoint does) computes the whole prompt and returns its token ids.
-        """
+    def decide(self, req: ParsedRequest, *, full_tokens: bool = False, rng: random.Random | None = None
+               ) -> RoutePlan:
+        """The plan, nothing of it committed. By default it stops tokenizing, hashing and looking up at the first
+        block no worker holds or is predicted to hold, as real traffic does: the decision is the same as with the
+        whole prompt, prompt_tokens is then estimated, and the rest becomes predictions after the answer (the
+        plan's deferred tail). `full_tokens` computes the whole prompt and returns its token ids (route
+        explain). `rng`: where the decision's random draws come from (default: the router's own sequence)."""
         snap = self.snapshot()
-        prep = prepare.prepare(snap, req, full_tokens=not commit if full_tokens is None else full_tokens,
-                               segments=self.segments, predictions=self.predictions, deferred=self.deferred)
-        return plan.plan(snap, prep, self, commit=commit)
+        # Finishing deferred tails of earlier, committed requests is theirs to write, not this decision's.
+        prep = prepare.prepare(snap, req, full_tokens=full_tokens, segments=self.segments,
+                               predictions=self.predictions, deferred=self.deferred)
+        return plan.plan(snap, prep, self, self.rng if rng is None else rng)
+
+    def commit(self, result: RoutePlan) -> None:
+        """Write what the plan's decisions would carry to the next request (plan.Effects)."""
+        fx = result.effects
+        for slot, prefill_ms in fx.queued:
+            self.backlog.commit(slot, prefill_ms)
+        for p in fx.predicted:
+            self.predictions.record(p.slot, p.keys, p.confirmed, p.array)
+        if fx.tail is not None and not fx.tail.done:
+            fx.tail.slot = fx.tail_slot
+            self.deferred.submit(fx.tail)
+        self.hysteresis.carry(fx.carried)
 
     def route_any(self, worker_tag: str | None = None) -> Decision | None:
         """A request that is no inference: the least loaded worker of the whole fleet (None: there is none), or
@@ -116,3 +136,4 @@ class Router:
         if self.cluster.synced:
             self.breakers.forget(self.cluster.by_address)  # workers that left the fleet
             metrics.breakers_known(t.worker for t in self.cluster.by_address.values())
+

@@ -115,7 +115,10 @@ class Fleet:
         self.router.rng.seed(7)
         self.router.policies = Policies()
         random.seed(3)
-        return self.router.route(parse_body("chat", orjson.dumps(doc)), commit=commit, full_tokens=full)
+        result = self.router.decide(parse_body("chat", orjson.dumps(doc)), full_tokens=full)
+        if commit:
+            self.router.commit(result)
+        return result
 
 
 def summary(result: RouteResult) -> dict[str, Any]:
@@ -194,6 +197,32 @@ def test_all_new_text_stops_early_and_its_tail_becomes_predictions(fleet: Fleet)
     again = fleet.route(msgs, full=False)
     assert enc.misses == misses and not again.prompt_tokens_estimated
     assert again.prompt_tokens == len(fleet.route(msgs, full=True).token_ids or [])
+
+
+def test_a_decision_writes_nothing_until_it_is_committed(fleet: Fleet) -> None:
+    """Route explain is a decision without its commit: deciding leaves the predictions, the deferred tails, the
+    prefill queue, the typical prefill and the hot flags as they were, whatever it decided; committing the same
+    plan writes each of them."""
+    fleet.reset()
+    rng = random.Random(17)
+    msgs = [{"role": "system", "content": words(rng, 40)}, {"role": "user", "content": words(rng, 900)}]
+    keys = fleet.keys(msgs)
+    router = fleet.router
+    typical, hot = router.backlog.typical_ms, dict(router.hysteresis._hot)
+    for full in (False, True, False):
+        result = router.decide(parse_body("chat", orjson.dumps({"model": MODEL, "messages": msgs})),
+                               full_tokens=full)
+        slot = result.decision.chosen.slot
+        assert len(router.deferred) == 0 and router.predictions.extend(keys, slot, 0) == 0
+        assert not router.backlog.board.own.any() and router.backlog.typical_ms == typical
+        assert router.hysteresis._hot == hot
+    fx = result.effects
+    assert fx.tail is not None and fx.tail_slot == slot and fx.queued and fx.queued[0][0] == slot
+    assert [p.slot for p in fx.predicted] == [slot] and {c.slot for c in fx.carried} == set(range(WORKERS))
+    router.commit(result)
+    assert len(router.deferred) == 1 and router.predictions.extend(keys, slot, 0) > 0
+    assert router.backlog.board.own[slot] > 0 and router.backlog.typical_ms is not None
+    assert set(router.hysteresis._hot) == {c.slot for c in fx.carried}
 
 
 def test_a_sibling_finishes_the_unfinished_tail_it_depends_on(fleet: Fleet) -> None:
@@ -304,8 +333,8 @@ def test_completion_token_ids_stop_early(fleet: Fleet) -> None:
     fleet.writer.add(0, keys[:10])
     fleet.refresh()
     body = orjson.dumps({"model": MODEL, "prompt": ids})
-    full = fleet.router.route(parse_body("completion", body), commit=False)
-    early = fleet.router.route(parse_body("completion", body), commit=True, full_tokens=False)
+    full = fleet.router.decide(parse_body("completion", body), full_tokens=True)
+    early = fleet.router.route(parse_body("completion", body))
     assert summary(early) == summary(full) and early.decision.hit_tokens == 160
     assert early.prompt_tokens == len(ids) and full.token_ids == ids
     fleet.router.deferred.run_pending()
@@ -570,8 +599,8 @@ def test_a_request_the_engine_computes_whole_is_routed_by_load_and_never_claimed
     plain = fleet.route(msgs, full=False)
     assert (plain.decision.mode, plain.decision.chosen.id) == ("exact_kv_events", "w0")
     fleet.router.rng.seed(7)
-    skip = fleet.router.route(parse_body("chat", orjson.dumps({"model": MODEL, "messages": msgs, **extra})),
-                              commit=False)
+    skip = fleet.router.decide(parse_body("chat", orjson.dumps({"model": MODEL, "messages": msgs, **extra})),
+                               full_tokens=True)
     assert (skip.decision.mode, skip.decision.reason, skip.decision.hit_tokens) == \
         ("load_aware", "engine_skips_cache", 0)
 

@@ -82,15 +82,17 @@ def target(i: int, *, load: float | None = 0.0, exact_kv: bool = True, healthy: 
 def decide(policy: Policy, targets: Sequence[TargetInfo], held: dict[int, int], seed: int, *,
            hysteresis: candidates.Hysteresis | None = None, inflight: Sequence[int] | None = None,
            predictions: Predictions | None = None, sess: int | None = None) -> Decision:
-    """The production path: targets + the ledger's answer -> candidates -> facts -> the policy."""
+    """The production path: targets + the ledger's answer -> candidates -> facts -> the policy, and its hot flags
+    carried to the next decision as a committed plan's are."""
     n = max(t.slot for t in targets) + 1
     matches = np.zeros(n, dtype=np.int64)
     for slot, blocks in held.items():
         matches[slot] = blocks
+    hysteresis = hysteresis or candidates.Hysteresis()
     cands = candidates.build(targets, matches=matches, keys=KEYS,
                              inflight=np.array(inflight if inflight is not None else [0] * n),
-                             alive=True, predictions=predictions or Predictions(), scoring=S,
-                             hysteresis=hysteresis or candidates.Hysteresis())
+                             alive=True, predictions=predictions or Predictions(), scoring=S, hysteresis=hysteresis)
+    hysteresis.carry(cands)
     facts = Facts(BS, True, candidates.why_not_exact("no_cached_prefix", targets, matches, cands), S, None, sess,
                   prompt_tokens=len(KEYS) * BS)
     return policy.decide(cands, facts, random.Random(seed))

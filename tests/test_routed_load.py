@@ -74,6 +74,7 @@ def test_a_worker_whose_load_is_derived_between_readings_goes_hot_and_cool_on_ti
         cands = candidates.build([_target(reading, 100.4)], matches=np.array([0]), keys=[1],
                                  inflight=np.array([ours], dtype=np.int64), alive=True, predictions=Predictions(),
                                  hysteresis=hysteresis, scoring=s)
+        hysteresis.carry(cands)
         seen.append((cands[0].load, cands[0].hot))
     assert seen == [(40.0, False), (47.0, False), (48.0, True), (42.0, True), (33.0, True), (32.0, False)]
 

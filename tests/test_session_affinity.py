@@ -43,9 +43,11 @@ def build(targets: Sequence[TargetInfo], held: dict[int, int], *, predictions: P
     matches = np.zeros(n, dtype=np.int64)
     for slot, blocks in held.items():
         matches[slot] = blocks
-    return candidates.build(targets, matches=matches, keys=KEYS, inflight=np.zeros(n, dtype=np.int64), alive=True,
-                            predictions=predictions or Predictions(), scoring=S,
-                            hysteresis=hysteresis or candidates.Hysteresis())
+    hysteresis = hysteresis or candidates.Hysteresis()
+    cands = candidates.build(targets, matches=matches, keys=KEYS, inflight=np.zeros(n, dtype=np.int64), alive=True,
+                             predictions=predictions or Predictions(), scoring=S, hysteresis=hysteresis)
+    hysteresis.carry(cands)  # as a committed plan's flags are
+    return cands
 
 
 def decide(policy: Policy, targets: Sequence[TargetInfo], held: dict[int, int], key: str | None, seed: int = 0,

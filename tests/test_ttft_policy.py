@@ -164,6 +164,7 @@ def test_the_queue_watermark_has_hysteresis() -> None:
         cands = candidates.build([target(0), target(1)], matches=np.array([2000, 0]), keys=list(range(2000)),
                                  inflight=np.zeros(2, dtype=np.int64), alive=True, predictions=Predictions(),
                                  hysteresis=hysteresis, scoring=s, backlog_ms=np.array([queue, 0.0]))
+        hysteresis.carry(cands)
         picks.append(decide(cands, 32_000, s).chosen.id)
     assert picks == ["w0", "w1", "w1", "w0", "w0"]
 

@@ -44,7 +44,11 @@ class Candidate:
     engine_waiting: float = 0.0
     """The queued part of engine_load."""
     hot: bool = False
-    """Over the high watermark and not yet back under the low one."""
+    """Over the high watermark and not yet back under the low one (by requests, or by predicted queue)."""
+    hot_requests: bool = False
+    """The request-count flag alone, as a committed decision carries it to the next (candidates.Hysteresis)."""
+    hot_queue: bool | None = None
+    """The predicted-queue flag alone (None: the rule in force does not keep it)."""
     new: bool = False
     """Inside its cold-start window."""
     rank: int | None = None
