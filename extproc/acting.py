@@ -21,7 +21,6 @@ from extproc.admission import refusal
 from extproc.answers import EMPTY_BODY, EMPTY_HEADERS, error, header, set_body
 from extproc.cluster_view import ClusterView
 from extproc.pd_dispatch import PdDispatcher, splice
-from extproc.plan import RoutePlan
 from extproc.policies.base import LOAD_AWARE, Decision
 from extproc.prepare import NoWorker
 from extproc.router import Router
@@ -37,12 +36,9 @@ class Acting:
         """The config generation in force (the router reads the same reference)."""
         self.cluster = cluster
         self.router = router
-        # Acting on a plan reports what was sent where, as the in-flight board does: a fallback that serves
-        # records the prompt's blocks as predicted on its worker.
-        self.predictions = router.predictions
         # The answers it sees feed the workers' breakers, which the router's decisions read.
         self.breakers = router.breakers
-        self.pd = PdDispatcher(cluster.inflight, WorkerTls(self.cfg.upstream_tls))
+        self.pd = PdDispatcher(router.leg, WorkerTls(self.cfg.upstream_tls))
 
     @property
     def cfg(self) -> CortexConfig:
@@ -62,17 +58,8 @@ class Acting:
             set_body(response, splice(body, changes))
         return response
 
-    def predict(self, result: RoutePlan, decision: Decision) -> None:
-        """The fallback's worker is about to hold the prompt: siblings follow it (as a committed decision does)."""
-        fallback = result.fallback
-        if fallback is not None and fallback.keys and decision.chosen.ledger_trusted:
-            self.predictions.record(decision.chosen.slot, fallback.keys)
-
     def count(self, st: StreamState, slot: int) -> None:
-        if st.counted_slot is not None:
-            self.cluster.inflight.dec(st.counted_slot)
-        self.cluster.inflight.inc(slot)
-        st.counted_slot = slot
+        st.counted_slot = self.router.hold(slot, st.counted_slot)
 
     def route_any(self, st: StreamState) -> None:
         st.decision = self.router.route_any(response_ids.tag_of(response_ids.in_path(st.path)))

@@ -68,7 +68,7 @@ async def start_pair(act: Acting, st: StreamState, pending: PendingPair) -> pb.P
                      "model alone", reason="pd_prefill_failed"))
         # Nothing was sent to a decoder yet: Envoy serves the request on one worker, streaming as usual.
         decision = fallback.without(frozenset(pair.targets[c.id].worker for c in pair.prefill.order[:2]))
-        act.predict(result, decision)
+        act.router.served_alone(result, decision)
         return act.single(st, decision, result.model, body, changes)
     st.pd = started
     st.pd_pending = pending
@@ -176,7 +176,7 @@ async def decode_fallback(act: Acting, st: StreamState, req: Any, fb: DecodeFall
     st.pd_note = f"fallback:{fb.why}"
     metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
     decision = fb.decision
-    act.predict(pending.result, decision)
+    act.router.served_alone(pending.result, decision)
     timeout = aiohttp.ClientTimeout(total=plan.cfg.fallback_timeout_s, sock_connect=2.0)
     tried: set[str] = set()
     for cand in decision.order:

@@ -26,7 +26,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,6 @@ import orjson
 
 from cortex import engines
 from cortex.config import UpstreamTlsConfig
-from cortex.inflight import InflightBoard
 from cortex.upstream_tls import WorkerTls
 from extproc.cluster_view import TargetInfo
 from extproc.metrics import PD_FAILURES, PD_LEG_SECONDS
@@ -234,10 +233,10 @@ class PairLegs:
 
 
 class PdDispatcher:
-    def __init__(self, inflight: InflightBoard | None = None, tls: WorkerTls | None = None) -> None:
-        # A prefill leg counts as in flight on its worker like any routed request, so a burst spreads over the
-        # prefill pool instead of waiting for the engines' next load report.
-        self.inflight = inflight
+    def __init__(self, leg: Callable[[int], contextlib.AbstractContextManager[None]] | None = None,
+                 tls: WorkerTls | None = None) -> None:
+        self.leg = leg
+        """Counts a prefill leg as in flight on its worker while it runs (extproc/router.py: Router.leg)."""
         self.rng = random.Random()
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -330,15 +329,8 @@ class PdDispatcher:
                 await resp.read()
                 return resp.status
 
-    @contextlib.contextmanager
-    def _counted(self, target: TargetInfo) -> Iterator[None]:
-        if self.inflight is not None:
-            self.inflight.inc(target.slot)
-        try:
-            yield
-        finally:
-            if self.inflight is not None:
-                self.inflight.dec(target.slot)
+    def _counted(self, target: TargetInfo) -> contextlib.AbstractContextManager[None]:
+        return self.leg(target.slot) if self.leg is not None else contextlib.nullcontext()
 
     # -- vLLM -----------------------------------------------------------------------------------------------
 

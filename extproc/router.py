@@ -4,7 +4,8 @@
     route(req)  = decide(req), then commit its plan's effects
 
 It owns what carries from one request to the next, and is its only writer here: the predictions of blocks just
-sent, the deferred prompt tails, the prefill queued per worker, the hot flags (all through `commit`), the
+sent, the deferred prompt tails, the prefill queued per worker, the hot flags (all through `commit`; a PD
+fallback's predictions through `served_alone`), the in-flight counts (`hold`, `let_go`, `leg`), the
 per-tokenizer encoders and their caches, the policies and their rng. The same `decide` serves real traffic and
 route explain, which never commits: the explain endpoint can neither disagree with what the gateway does nor
 change it.
@@ -12,8 +13,10 @@ change it.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+from collections.abc import Iterator
 
 from cortex.config import CortexConfig
 from cortex.model_bundle import ModelBundle
@@ -113,6 +116,34 @@ class Router:
             fx.tail.slot = fx.tail_slot
             self.deferred.submit(fx.tail)
         self.hysteresis.carry(fx.carried)
+
+    def served_alone(self, result: RoutePlan, decision: Decision) -> None:
+        """A failed pair's fallback serves on `decision`'s worker: it is about to hold the prompt, so its siblings
+        follow it there (as a committed decision's do)."""
+        fallback = result.fallback
+        if fallback is not None and fallback.keys and decision.chosen.ledger_trusted:
+            self.predictions.record(decision.chosen.slot, fallback.keys)
+
+    def hold(self, slot: int, instead_of: int | None = None) -> int:
+        """A request counts as in flight on `slot` from now on (and no longer on `instead_of`): the counts every
+        process's decisions read (cortex/inflight.py). Returns `slot`."""
+        if instead_of is not None:
+            self.cluster.inflight.dec(instead_of)
+        self.cluster.inflight.inc(slot)
+        return slot
+
+    def let_go(self, slot: int) -> None:
+        self.cluster.inflight.dec(slot)
+
+    @contextlib.contextmanager
+    def leg(self, slot: int) -> Iterator[None]:
+        """A PD prefill leg in flight on `slot`: counted like any routed request, so a burst spreads over the
+        prefill pool instead of waiting for the engines' next load report."""
+        self.hold(slot)
+        try:
+            yield
+        finally:
+            self.let_go(slot)
 
     def route_any(self, worker_tag: str | None = None) -> Decision | None:
         """A request that is no inference: the least loaded worker of the whole fleet (None: there is none), or

@@ -271,7 +271,7 @@ class ExtProc:
         if st.waiting is not None and self.room.cancel(st.waiting):
             self.room_glue.changed()  # the client left while it waited
         if st.counted_slot is not None:
-            self.cluster.inflight.dec(st.counted_slot)
+            self.router.let_go(st.counted_slot)
         if st.pd is not None:
             st.pd.legs.release_abort()  # the client left while the decode's headers were held
             st.pd.legs.event("stream_end")

@@ -73,9 +73,30 @@ def test_the_server_imports_only_the_router_entry_point(module: str) -> None:
              and n.value.attr == "router"}
     # One decision per request (route, route_any, route_tokenizer), a reload; never a second choose after a failure.
     # Route explain decides and never commits (nor routes): it cannot change what real traffic sees.
+    # What a request holds while served is handed back to the router, the one writer of cross-request state.
     allowed = {"decide"} if module == "route_explain.py" else {"route", "route_any", "route_tokenizer", "reload",
-                                                                "predictions"}
+                                                                "hold", "let_go", "served_alone"}
     assert calls <= allowed, calls
+
+
+WRITES = {("inflight", "inc"), ("inflight", "dec"), ("predictions", "record"), ("deferred", "submit"),
+          ("backlog", "commit"), ("hysteresis", "carry")}
+"""Calls that write the state one request leaves for the next (`x.inflight.inc(...)` and so on)."""
+
+
+def test_the_router_is_the_only_writer_of_cross_request_state() -> None:
+    """In-flight counts, predictions, deferred tails, the prefill queue and the hot flags are written in
+    extproc/router.py only (DeferredTail finishes a committed plan's tail into predictions: its own job)."""
+    writers: dict[str, set[str]] = {}
+    for f in EXTPROC.rglob("*.py"):
+        for n in ast.walk(ast.parse(f.read_text())):
+            call = n.func if isinstance(n, ast.Call) else None
+            if isinstance(call, ast.Attribute) and isinstance(call.value, ast.Attribute) \
+                    and (call.value.attr, call.attr) in WRITES:
+                writers.setdefault(f"{call.value.attr}.{call.attr}", set()).add(f.name)
+    assert set(writers) == {f"{a}.{b}" for a, b in WRITES}  # the check sees every write it is about
+    assert writers.pop("predictions.record") == {"router.py", "prompt_walk.py"}
+    assert all(files == {"router.py"} for files in writers.values()), writers
 
 
 def _target(i: int, worker: str, *, load: float = 0.0, exact_kv: bool = True) -> TargetInfo:
