@@ -135,6 +135,11 @@ class BacklogBoard(SlotBoard):
         t = time.monotonic() if now is None else now
         self.own[slot] = max(float(self.own[slot]), t) + ms / 1000.0
 
+    def lower(self, slot: int, done_at: float) -> None:
+        """This process's work on `slot` is done by `done_at` at the latest (never later than it was)."""
+        if done_at < self.own[slot]:
+            self.own[slot] = done_at
+
     def backlog_ms(self, now: float | None = None, rows: int | None = None) -> np.ndarray:
         """Per slot, the milliseconds of prefill work every process (of the first `rows`) sent there that are not
         done yet."""

@@ -69,6 +69,11 @@ class Effects:
     carried: tuple[Candidate, ...] = ()
     """Every candidate the plan's decisions saw: their hot flags carry over (candidates.Hysteresis.carry)."""
 
+    def flags_only(self) -> Effects:
+        """These effects once the request goes to another worker than the plan chose (a gateway's subset): what
+        they say of the chosen worker is not true of it."""
+        return Effects(carried=self.carried)
+
 
 @dataclass(slots=True)
 class _Draft:

@@ -105,17 +105,23 @@ class Router:
                                predictions=self.predictions, deferred=self.deferred)
         return plan.plan(snap, prep, self, self.rng if rng is None else rng)
 
-    def commit(self, result: RoutePlan) -> None:
-        """Write what the plan's decisions would carry to the next request (plan.Effects)."""
+    def commit(self, result: RoutePlan) -> tuple[tuple[int, int], ...]:
+        """Write what the plan's decisions would carry to the next request (plan.Effects). Returns the prefill it
+        queued, (slot, receipt), for `settle` once the request has ended."""
         fx = result.effects
-        for slot, prefill_ms in fx.queued:
-            self.backlog.commit(slot, prefill_ms)
+        queued = tuple((slot, self.backlog.commit(slot, prefill_ms)) for slot, prefill_ms in fx.queued)
         for p in fx.predicted:
             self.predictions.record(p.slot, p.keys, p.confirmed, p.array)
         if fx.tail is not None and not fx.tail.done:
             fx.tail.slot = fx.tail_slot
             self.deferred.submit(fx.tail)
         self.hysteresis.carry(fx.carried)
+        return queued
+
+    def settle(self, queued: tuple[tuple[int, int], ...]) -> None:
+        """A committed request ended: the prefill its commit queued is done (Backlog.settle)."""
+        for slot, receipt in queued:
+            self.backlog.settle(slot, receipt)
 
     def served_alone(self, result: RoutePlan, decision: Decision) -> None:
         """A failed pair's fallback serves on `decision`'s worker: it is about to hold the prompt, so its siblings

@@ -272,6 +272,7 @@ class ExtProc:
             self.room_glue.changed()  # the client left while it waited
         if st.counted_slot is not None:
             self.router.let_go(st.counted_slot)
+        self.router.settle(st.queued)
         if st.pd is not None:
             st.pd.legs.release_abort()  # the client left while the decode's headers were held
             st.pd.legs.event("stream_end")
@@ -375,7 +376,7 @@ class ExtProc:
                                                                gen.registry)
             if not released and self.room.waiting(parsed.model) and gen.cfg.admission.waiting_room.enabled:
                 return self.room_glue.enter(st, parsed.model, body)  # behind the requests already waiting for it
-            result = self.router.route(parsed)
+            result = self.router.decide(parsed)  # committed below, once nothing holds or refuses it
         except NoWorker as exc:
             if released or not gen.cfg.admission.waiting_room.enabled:
                 return error(exc, st)
@@ -389,14 +390,18 @@ class ExtProc:
             metrics.INTERNAL_ERRORS.inc()
             st.fallback_reason = "extproc_error"
             return self.act.undecided(st, body)
-        # Whatever commits the request to a worker (counts, reservations) comes after this: a waiting request comes
-        # through here again when it is released.
+        # Whatever commits the request to a worker (the plan's effects, counts, reservations) comes after this: a
+        # waiting request comes through here again when it is released, a refused one never commits.
         if st.subset is not None and (result.pd is None or result.pd.pair is None):
             narrowed = epp.within(result.decision, st.subset)
             if narrowed is None:
                 return error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
                                      "None of the endpoints the gateway allows serves this model.", 1), st)
-            result = replace(result, decision=narrowed)  # a new plan: a plan is never changed
+            # A new plan (a plan is never changed); another worker than the one the effects name: only the hot
+            # flags are still true.
+            effects = result.effects if narrowed.chosen.slot == result.decision.chosen.slot else \
+                result.effects.flags_only()
+            result = replace(result, decision=narrowed, effects=effects)
         if not released and self.room_glue.must_wait(parsed.model, result):
             return self.room_glue.enter(st, parsed.model, body)
         metrics.observe_decision(result, time.perf_counter() - t0, self.cluster.block_size)
@@ -408,6 +413,7 @@ class ExtProc:
                                        output if output is not None else gen.cfg.admission.default_max_tokens)
             except ClientError as exc:
                 return error(exc, st)
+        st.queued = self.router.commit(result)
         changes = {**result.changes, **salted}  # every worker gets the salt: single, both PD legs, the fallback
         plan = result.pd
         if plan is not None and plan.pair is not None:

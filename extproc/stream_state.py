@@ -90,6 +90,8 @@ class StreamState:
     query: str = ""
     decision: Decision | None = None
     counted_slot: int | None = None
+    queued: tuple[tuple[int, int], ...] = ()
+    """The prefill its committed plan queued, (slot, receipt): settled when the request ends."""
     fallback_reason: str = ""
     pd: PairResult | None = None
     """The PD pair serving this request (its prefill leg is extproc's own)."""

@@ -170,7 +170,8 @@ def run(router: Router, writer: ViewWriter, timer: Timer, bodies: list[bytes],
         t0 = time.perf_counter()
         req = parse_body("chat", raw)
         t1 = time.perf_counter()
-        result = router.route(req, full_tokens=full)
+        result = router.decide(req, full_tokens=full)
+        router.commit(result)
         t2 = time.perf_counter()
         router.deferred.run_pending()
         t3 = time.perf_counter()
@@ -248,7 +249,7 @@ def main() -> int:
                 writer.heartbeat()
                 cluster.refresh()
                 # The turn before, routed as real traffic is (its tail finished after the answer).
-                router.route(parse_body("chat", body(base)), full_tokens=full)
+                router.commit(router.decide(parse_body("chat", body(base)), full_tokens=full))
                 router.deferred.run_pending()
                 run(router, writer, timer, seen[:10], full)  # warm-up: allocator, caches, branch predictors
                 samples, toks, hits = run(router, writer, timer, seen[10:], full)

@@ -71,16 +71,16 @@ def test_the_server_imports_only_the_router_entry_point(module: str) -> None:
     assert from_router <= {"Router"}
     calls = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
              and n.value.attr == "router"}
-    # One decision per request (route, route_any, route_tokenizer), a reload; never a second choose after a failure.
-    # Route explain decides and never commits (nor routes): it cannot change what real traffic sees.
+    # One decision per request (decide, route_any, route_tokenizer), a reload; never a second choose after a
+    # failure. Route explain decides and never commits: it cannot change what real traffic sees.
     # What a request holds while served is handed back to the router, the one writer of cross-request state.
-    allowed = {"decide"} if module == "route_explain.py" else {"route", "route_any", "route_tokenizer", "reload",
-                                                                "hold", "let_go", "served_alone"}
+    allowed = {"decide"} if module == "route_explain.py" else {"decide", "commit", "route_any", "route_tokenizer",
+                                                                "reload", "hold", "let_go", "served_alone", "settle"}
     assert calls <= allowed, calls
 
 
 WRITES = {("inflight", "inc"), ("inflight", "dec"), ("predictions", "record"), ("deferred", "submit"),
-          ("backlog", "commit"), ("hysteresis", "carry")}
+          ("backlog", "commit"), ("backlog", "settle"), ("hysteresis", "carry")}
 """Calls that write the state one request leaves for the next (`x.inflight.inc(...)` and so on)."""
 
 

@@ -98,6 +98,18 @@ def test_chat_is_routed_stamped_and_its_inflight_count_released(app: ExtProc) ->
     assert app.cluster.inflight.totals().sum() == 0  # the stream ended: nothing stays counted
 
 
+def test_a_finished_request_leaves_no_predicted_prefill_queued(tmp_path: Path) -> None:
+    """The time model queues a request's predicted prefill on its worker; when the request ends the prefill is
+    done, whatever was predicted (here ~100 s: 10 s per token), so the worker's queue is empty again."""
+    app, _ = _app(tmp_path, scheduler={"alpha_ms_per_token": 10_000.0})
+    commits = _commits(app)
+    out = _run(app, _chat(_body("hello there")))
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body", "response_headers"]
+    [(slot, predicted_ms)] = commits[0].effects.queued
+    assert predicted_ms > 10_000.0  # a prediction the test could not outlast
+    assert app.router.backlog.remaining_ms()[slot] == 0.0
+
+
 def test_bad_json_gets_an_openai_error_and_nothing_stays_counted(app: ExtProc) -> None:
     out = _run(app, _chat(b"{not json")[:2])
     assert out[0].WhichOneof("response") == "request_headers"
@@ -163,13 +175,29 @@ def _body(content: str) -> bytes:
     return orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]})
 
 
+def _commits(app: ExtProc) -> list[Any]:
+    """The plans the router commits from now on (Router.commit still runs)."""
+    seen: list[Any] = []
+    commit = app.router.commit
+
+    def counted(result: Any) -> Any:
+        seen.append(result)
+        return commit(result)
+    app.router.commit = counted  # type: ignore[method-assign]
+    return seen
+
+
 def test_waiting_then_released_is_routed_after_one_deadline_extension(busy: tuple[ExtProc, ViewWriter]) -> None:
+    """A waiting request commits nothing (no predictions, no queued prefill for a worker it has not gone to);
+    released, it is decided anew and that plan is committed once."""
     app, writer = busy
+    commits = _commits(app)
 
     async def go() -> list[pb.ProcessingResponse]:
         task, sent = await _parked(app, writer, _body("wait for me"))
         assert _kinds(sent) == ["request_headers", "extend"]
         assert sent[1].override_message_timeout.seconds == app.max_hold_s
+        assert commits == []
         _loads(app.cfg, writer, running=0)
         app.cluster.refresh()
         app.wake()
@@ -181,6 +209,8 @@ def test_waiting_then_released_is_routed_after_one_deadline_extension(busy: tupl
     out = asyncio.run(go())
     assert _kinds(out) == ["request_headers", "extend", "request_body"]
     assert H.ENDPOINTS in _set(out[2].request_body.response)
+    endpoints = _set(out[2].request_body.response)[H.ENDPOINTS].split(",")
+    assert len(commits) == 1 and commits[0].decision.chosen.address == endpoints[0]
     assert not app.room and app.cluster.inflight.totals().sum() == 0
 
 

@@ -191,6 +191,24 @@ def test_backlog_drains_with_the_clock_and_sums_over_processes(tmp_path: Path) -
     assert a.backlog_ms(now=200.0)[2] == pytest.approx(100.0)
 
 
+def test_a_request_that_ended_settles_its_prefill_and_what_was_queued_before_it(tmp_path: Path) -> None:
+    """A request's end settles its predicted prefill at once (a prediction that ran long leaves no phantom queue),
+    and the prefill of every request queued there before it (engines admit prompts in order); what was queued
+    after it stays queued, from now on. A request already settled by a later one's end changes nothing."""
+    q = Backlog(BacklogBoard(tmp_path, 0, 1, 4))
+    first, second, third = q.commit(1, 80_000.0), q.commit(1, 30_000.0), q.commit(1, 20_000.0)
+    assert q.remaining_ms()[1] == pytest.approx(130_000.0, rel=1e-3)
+    q.settle(1, second)  # the first two are done: the third's 20 s are left
+    assert q.remaining_ms()[1] == pytest.approx(20_000.0, rel=1e-3)
+    q.settle(1, first)  # done already
+    assert q.remaining_ms()[1] == pytest.approx(20_000.0, rel=1e-3)
+    q.settle(1, third)
+    assert q.remaining_ms()[1] == 0.0
+    other = q.commit(2, 50_000.0)
+    q.settle(3, other)  # another slot's receipt: nothing there
+    assert q.remaining_ms()[2] == pytest.approx(50_000.0, rel=1e-3)
+
+
 def test_backlog_learns_the_typical_request(tmp_path: Path) -> None:
     q = Backlog(BacklogBoard(tmp_path, 0, 1, 2))
     assert q.typical_ms is None
