@@ -8,7 +8,7 @@ tests listed in `E2E` below, which keeps the classification in one place instead
 The list cannot go stale quietly: while a test that is not marked `e2e` runs (its fixtures' set-up and tear-down
 included), starting a process fails it with a message naming this file.
 
-Under pytest-xdist (`-n 2`, the README's command) each file is one unit of work, so a module's gateway starts
+Under pytest-xdist (`-n 3`, the README's command) each file is one unit of work, so a module's gateway starts
 once, and the real-engine tier is one unit on one worker: its engines never start beside another worker's
 (xdist hands out the units with the most tests first, so it starts at once and does not end the run). Each
 worker picks ports from its own blocks below the ephemeral range (cortexbench/launch.py: share_ports, free_run).
