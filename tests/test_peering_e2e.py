@@ -7,6 +7,7 @@ decided and reported, never on how fast."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,11 @@ def fleet(root: Path) -> Iterator[tuple[Gateway, Gateway]]:
             stop(s.proc)
 
 
+def faults(sims: list[Sim], **kw: object) -> None:
+    for s in sims:
+        httpx.post(f"{s.url}/sim/faults", json=kw, timeout=5).raise_for_status()
+
+
 def metric(gw: Gateway, name: str, **labels: str) -> float:
     text = httpx.get(f"{gw.ingest_url}/metrics", timeout=10).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
@@ -75,18 +81,24 @@ def test_a_peers_work_is_in_the_queue_at_once_and_leaves_with_the_peer(tmp_path:
         wait_for(lambda: metric(a, "cortex_peers") == 1 and metric(b, "cortex_peers") == 1, timeout=30,
                  what="each replica hearing the other")
         assert queues(explain(b, long_chat(1000, seed=2))) == {"sim-1": 0.0, "sim-2": 0.0}
-        # A sends one ~1 000-token chat; it is answered at once (the simulated worker is fast), so no engine count
-        # holds it by the time B decides: only A's report can tell B of the 20 s A predicts it queued there.
-        r = httpx.post(f"{a.url}/v1/chat/completions", json={"model": MODEL, "messages": long_chat(1000, seed=1),
-                                                              "max_tokens": 1}, timeout=60)
-        assert r.status_code == 200, r.text
-        busy = r.headers["x-cortex-assigned-worker"]
-        idle = ({"sim-1", "sim-2"} - {busy}).pop()
+        # A sends one ~1 000-token chat whose first token its worker holds back for a minute: while it is in flight,
+        # only A's report can tell B of the 20 s of prefill A predicts it queued there (a request that has ended
+        # settles its queue, extproc/backlog.py).
+        faults(a.sims, slow_first_token_ms=60_000)
+
+        def send() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # cut short when A stops below
+                httpx.post(f"{a.url}/v1/chat/completions", json={"model": MODEL, "messages": long_chat(1000, seed=1),
+                                                                  "max_tokens": 1}, timeout=120)
+        threading.Thread(target=send, daemon=True).start()
 
         def carried() -> dict[str, Any] | None:
             d = explain(b, long_chat(1000, seed=3))
-            return d if queues(d)[busy] > 5000 else None
-        d = wait_for(carried, timeout=15, what=f"B's queue for {busy} to carry A's work")
+            return d if max(queues(d).values()) > 5000 else None
+        d = wait_for(carried, timeout=15, what="B's queue for A's worker to carry A's work")
+        faults(a.sims, slow_first_token_ms=0)
+        busy = max(queues(d), key=queues(d).__getitem__)
+        idle = ({"sim-1", "sim-2"} - {busy}).pop()
         assert queues(d)[idle] == 0.0 and d["chosen"] == idle, d
         assert metric(b, "cortex_peer_reports_total", outcome="applied") > 0
         # A goes away: B drops what A said once A is silent, long before A's predicted work would have drained.
