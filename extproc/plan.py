@@ -217,15 +217,16 @@ def _queued(decision: Decision, facts: Facts) -> tuple[int, float]:
 
 
 def choose(snap: Snapshot, prep: Prepared, workers: Sequence[TargetInfo], state: State, rng: random.Random,
-           fx: _Draft, *, answer: bool, queue: bool | None = None) -> Decision:
+           fx: _Draft, *, answer: bool, queue: bool | None = None, holder: str | None = None) -> Decision:
     """One pool's decision for a prepared prompt (a pool whose workers publish no events simply holds nothing in
     the ledger, so it is chosen by load). For the request's `answer`, the effects name the chosen target's
     coming blocks as predicted and queue its prefill (`queue`, default `answer`: a PD prefill leg queues work
-    without being the answer)."""
+    without being the answer). `holder`: the tag of the worker that stored the previous response, chosen first
+    when it is a candidate (response_ids.pin), before the effects name it."""
     t0 = time.perf_counter()
     cands, facts, policy = _inputs(snap, prep, workers, state, fx)
     skip = state.breakers.skipped((c.address for c in cands), time.monotonic())
-    decision = decide(policy, cands, facts, rng, skip)
+    decision = response_ids.pin(decide(policy, cands, facts, rng, skip), holder)
     prep.timings.score_s += time.perf_counter() - t0
     if answer if queue is None else queue:
         fx.queued.append(_queued(decision, facts))
@@ -300,7 +301,7 @@ def plan(snap: Snapshot, prep: Prepared, state: State, rng: random.Random) -> Ro
         if not workers:
             assert pools is not None  # prepare() refused a model without healthy workers
             raise ClientError(503, pd.no_pool_message(prep.model, pools), "model", reason="no_worker")
-        decision = response_ids.pin(choose(snap, prep, workers, state, rng, fx, answer=True), prep.response_holder)
+        decision = choose(snap, prep, workers, state, rng, fx, answer=True, holder=prep.response_holder)
     # The worker serves the model, not the public alias; a Responses answer is named after its worker.
     changes: dict[str, object] = {"model": prep.model} if prep.alias is not None else {}
     if prep.mint_response_id:

@@ -15,13 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cortex.api_paths import RESPONSES
 from cortex.blockkeys import chain_keys, root_key
 from cortex.config import CortexConfig, parse_config
 from cortex.ledger_view import ViewWriter
 from cortex.piecewise.piece_cache import SegmentMismatch
 from cortex.piecewise.segment_encoder import SegmentEncoder
 from cortex.piecewise.token_cursor import TokenCursor
-from extproc import prepare
+from extproc import inference_paths, prepare, response_ids
 from extproc.cluster_view import ClusterView
 from extproc.plan import RoutePlan as RouteResult
 from extproc.policies import Policies
@@ -223,6 +224,24 @@ def test_a_decision_writes_nothing_until_it_is_committed(fleet: Fleet) -> None:
     assert len(router.deferred) == 1 and router.predictions.extend(keys, slot, 0) > 0
     assert router.backlog.board.own[slot] > 0 and router.backlog.typical_ms is not None
     assert set(router.hysteresis._hot) == {c.slot for c in fx.carried}
+
+
+def test_a_responses_follow_up_commits_to_the_worker_holding_its_previous_response(fleet: Fleet) -> None:
+    """The follow-up goes first to the worker that stored the response it names, whatever holds its prompt: what
+    the plan commits (prefill queued, blocks predicted) names that worker, not the policy's own pick."""
+    fleet.reset()
+    rng = random.Random(23)
+    doc = {"model": MODEL, "input": words(rng, 400), "instructions": words(rng, 40)}
+    first = fleet.router.decide(inference_paths.parse(RESPONSES, orjson.dumps(doc), fleet.router.registry))
+    holder = next(w for w in fleet.cfg.workers if w.id != first.decision.chosen.id and
+                  fleet.cfg.workers.index(w) != UNTRUSTED)
+    follow = {**doc, "previous_response_id": response_ids.mint(holder.address(), rng)}
+    result = fleet.router.decide(inference_paths.parse(RESPONSES, orjson.dumps(follow), fleet.router.registry))
+    chosen = result.decision.chosen
+    assert chosen.id == holder.id and result.decision.reason == response_ids.REASON
+    assert [slot for slot, _ in result.effects.queued] == [chosen.slot]
+    assert {p.slot for p in result.effects.predicted} <= {chosen.slot}
+    assert result.effects.tail is None or result.effects.tail_slot == chosen.slot
 
 
 def test_a_sibling_finishes_the_unfinished_tail_it_depends_on(fleet: Fleet) -> None:
