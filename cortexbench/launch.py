@@ -122,10 +122,12 @@ def free_run(n: int) -> int:
         if not spans:
             raise LaunchError(f"no room for {n} consecutive ports between {PORT_FLOOR} and the kernel's ephemeral "
                               "range (net.ipv4.ip_local_port_range should start at 32768, Linux's default)")
-        for _ in range(1000):
+        for attempt in range(2000):
             base = _rng.choice(_rng.choice(spans))
             run = range(base, base + n)
-            if any(port in _handed_out and now - _handed_out[port] < REUSE_AFTER_S for port in run):
+            # Single ports handed out all over the share can leave no long run clear of them: after half the
+            # tries, a run only has to be free now (the oldest hand-outs are long bound or long gone).
+            if attempt < 1000 and any(port in _handed_out and now - _handed_out[port] < REUSE_AFTER_S for port in run):
                 continue
             if _bindable(run):
                 _handed_out.update(dict.fromkeys(run, now))
