@@ -44,6 +44,12 @@ class Acting:
     def cfg(self) -> CortexConfig:
         return self.source.current.cfg
 
+    def cfg_of(self, st: StreamState) -> CortexConfig:
+        """The config of the generation `st` was identified under (its stream pinned it at the headers): what a
+        request is told and where it may go follow the rules it came in under, whatever a reload swapped since.
+        The waiting room and the breakers are shared by every stream and follow the generation in force."""
+        return (st.gen or self.source.current).cfg
+
     def single(self, st: StreamState, decision: Decision, model: str, body: bytes,
                changes: dict[str, object]) -> pb.ProcessingResponse:
         st.decision = decision
@@ -62,7 +68,7 @@ class Acting:
         st.counted_slot = self.router.hold(slot, st.counted_slot)
 
     def route_any(self, st: StreamState) -> None:
-        st.decision = self.router.route_any(response_ids.tag_of(response_ids.in_path(st.path)))
+        st.decision = self.router.route_any(response_ids.tag_of(response_ids.in_path(st.path)), st.gen)
         if st.decision is not None:
             self.count(st, st.decision.chosen.slot)
 
@@ -74,7 +80,7 @@ class Acting:
         if st.decision is not None:
             # One entry per address: a retry must go to another worker, not another rank of the failed one.
             endpoints = epp.destination([c.address for c in st.decision.order],
-                                        self.cfg.epp.fallback_endpoints if self.picker else None)
+                                        self.cfg_of(st).epp.fallback_endpoints if self.picker else None)
             st.sent = endpoints.count(",") + 1
             headers += [header(H.POOL, pool), header(H.ENDPOINTS, endpoints)]
             chosen = st.decision.chosen
@@ -99,7 +105,7 @@ class Acting:
         InferencePool's failure mode says: FailOpen sends it to the least loaded endpoint, FailClose refuses it."""
         if not self.picker:
             return EMPTY_BODY
-        if self.cfg.epp.failure_mode == "FailClose":
+        if self.cfg_of(st).epp.failure_mode == "FailClose":
             return error(ClientError(503, "The endpoint picker could not decide for this request.",
                                      reason="picker_failed"), st)
         self.route_any(st)
@@ -126,8 +132,8 @@ class Acting:
         registry = (st.gen or self.source.current).registry
         try:
             salted = isolation.salt_unrouted(body, st.tenant) or {}
-            resolved, decision = self.router.route_tokenizer(st.path,
-                                                          inference_paths.tokenizer_model(body, registry))
+            resolved, decision = self.router.route_tokenizer(st.path, inference_paths.tokenizer_model(body, registry),
+                                                             st.gen)
         except ClientError as exc:
             return error(exc, st)
         if decision is None:

@@ -149,7 +149,7 @@ def pair_headers(act: Acting, st: StreamState, req: Any) -> pb.ProcessingRespons
     headers = [header(H.ASSIGNED_WORKER, f"prefill={pair.legs.prefill.id},decode={decode.id}"),
                header(H.CACHE_HIT_TOKENS, str(hit)), header(H.MATCH_MODE, mode),
                header(H.ROUTE_REASON, f"pd:{prefill.reason}"), header(H.PD, st.pd_note)]
-    response = headers_answer(st, req, headers, act.cfg.extproc.routing_headers)
+    response = headers_answer(st, req, headers, act.cfg_of(st).extproc.routing_headers)
     if pair.legs.failure and not status_of(req).startswith(b"2"):
         # The pair failed and no single worker took over: the error (often Envoy's, for the decode leg Cortex
         # cut) says why in the pair's terms, for every caller.
@@ -197,7 +197,7 @@ async def decode_fallback(act: Acting, st: StreamState, req: Any, fb: DecodeFall
             async with act.pd.post(target, st.path, data=splice(pending.body, changes),
                                    headers=headers, timeout=timeout) as resp:
                 status, resp_headers = resp.status, resp.headers
-                body = await _read_capped(resp, act.cfg.extproc.max_body_bytes)
+                body = await _read_capped(resp, act.cfg_of(st).extproc.max_body_bytes)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             log.warning("PD fallback on %s failed: %r", cand.id, exc)
             continue

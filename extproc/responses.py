@@ -78,9 +78,9 @@ def answered(act: Acting, st: StreamState, req: Any, served: str) -> None:
 
 def answer_headers(act: Acting, st: StreamState, req: Any, headers: list[HeaderValueOption],
                    served: str) -> pb.ProcessingResponse:
-    response = headers_answer(st, req, headers, act.cfg.extproc.routing_headers)
+    response = headers_answer(st, req, headers, act.cfg_of(st).extproc.routing_headers)
     observe_claim(response, headers)
-    if act.picker and act.cfg.epp.conformance_test:
+    if act.picker and act.cfg_of(st).epp.conformance_test:
         # The conformance suite checks where its request went (its verifier plugin's header).
         response.response_headers.response.header_mutation.set_headers.append(
             header(epp.TEST_SERVED, served or "fail: missing envoy lb metadata"))

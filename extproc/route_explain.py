@@ -21,6 +21,7 @@ from extproc.acting import Acting
 from extproc.answers import immediate
 from extproc.policies import session
 from extproc.policies.explain import parts as explain_parts
+from extproc.snapshot import Generation
 from extproc.stream_state import StreamState
 from extproc.tenants import Tenant
 
@@ -29,28 +30,30 @@ def answer(act: Acting, st: StreamState, body: bytes) -> pb.ProcessingResponse:
     if not isolation.sees_routing(st.tenant):
         raise ClientError(403, "Route explain is open only to tenants marked trusted.")
     query = dict(p.partition("=")[::2] for p in st.query.split("&"))
-    return immediate(200, explain(act, body, st.tenant, st.session, query.get("tokens") == "1", query.get("path")))
+    return immediate(200, explain(act, body, st.tenant, st.session, query.get("tokens") == "1", query.get("path"),
+                                  st.gen))
 
 
 def explain(act: Acting, body: bytes, tenant: Tenant | None, session_key: str | None, with_tokens: bool,
-            path: str | None = None) -> bytes:
+            path: str | None = None, gen: Generation | None = None) -> bytes:
     """The decision a request would get, as JSON, nothing forwarded: the same `route` real traffic takes, in
     the tenant's own view (its salted blocks). `path`: the inference path it would come on (`?path=`; default:
-    a chat completion when the body has messages, else a completion). Raises ClientError for a body that
-    would be refused."""
+    a chat completion when the body has messages, else a completion). `gen`: the generation its stream was
+    identified under (default: the one in force). Raises ClientError for a body that would be refused."""
+    gen = act.source.current if gen is None else gen
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError:
         raw = None
     if path not in inference_paths.PATHS:  # a chat or a completion, by its body
         path = api_paths.CHAT if isinstance(raw, dict) and "messages" in raw else api_paths.COMPLETIONS
-    parsed = inference_paths.parse(path, body, act.source.current.registry)
+    parsed = inference_paths.parse(path, body, gen.registry)
     parsed.session_key = session_key
     isolation.isolate(parsed, tenant)
     # Its own rng: an explain call draws nothing from the sequence real traffic's ties are broken with.
-    result = act.router.decide(parsed, full_tokens=True, rng=random.Random())
+    result = act.router.decide(parsed, full_tokens=True, rng=random.Random(), gen=gen)
     d = result.decision
-    why = explain_parts(d, act.cfg.scheduler.rule, act.cfg.scheduler, act.cluster.block_size)
+    why = explain_parts(d, gen.cfg.scheduler.rule, gen.cfg.scheduler, act.cluster.block_size)
     now = time.monotonic()
     doc: dict[str, Any] = {
         "prompt_tokens": result.prompt_tokens,
@@ -99,7 +102,7 @@ async def explain_http(act: Acting, request: web.Request) -> web.Response:
     key = next((k for n in gen.cfg.session.headers if (k := session.key_of(headers.get(n)))), None)
     try:
         doc = explain(act, await request.read(), tenant, key, request.query.get("tokens") == "1",
-                      request.query.get("path"))
+                      request.query.get("path"), gen)
     except ClientError as exc:
         return _json_error(exc)
     return web.Response(body=doc, content_type="application/json")

@@ -33,7 +33,7 @@ from extproc.predictions import Predictions
 from extproc.prompt_walk import DeferredTail
 from extproc.registry import ModelRegistry, Resolved
 from extproc.request import ParsedRequest
-from extproc.snapshot import Source
+from extproc.snapshot import Generation, Source
 
 
 class Router:
@@ -79,8 +79,11 @@ class Router:
         self.predictions.ttl_s = cfg.extproc.prediction_ttl_s
         self.breakers.cfg = cfg.breaker
 
-    def snapshot(self) -> snapshot.Snapshot:
-        return snapshot.take(self.source.current, self.cluster)
+    def snapshot(self, gen: Generation | None = None) -> snapshot.Snapshot:
+        """`gen`: the generation the request was identified under (its stream pinned it at its headers), so a
+        reload between its headers and its body cannot route it under rules it was not admitted by; default: the
+        one in force."""
+        return snapshot.take(self.source.current if gen is None else gen, self.cluster)
 
     def tokens(self, req: ParsedRequest, bundle: ModelBundle) -> tuple[list[int], bool]:
         """The prompt's token ids, and whether they were cut short for routing (prepare.tokens)."""
@@ -92,14 +95,15 @@ class Router:
         self.commit(result)
         return result
 
-    def decide(self, req: ParsedRequest, *, full_tokens: bool = False, rng: random.Random | None = None
-               ) -> RoutePlan:
+    def decide(self, req: ParsedRequest, *, full_tokens: bool = False, rng: random.Random | None = None,
+               gen: Generation | None = None) -> RoutePlan:
         """The plan, nothing of it committed. By default it stops tokenizing, hashing and looking up at the first
         block no worker holds or is predicted to hold, as real traffic does: the decision is the same as with the
         whole prompt, prompt_tokens is then estimated, and the rest becomes predictions after the answer (the
         plan's deferred tail). `full_tokens` computes the whole prompt and returns its token ids (route
-        explain). `rng`: where the decision's random draws come from (default: the router's own sequence)."""
-        snap = self.snapshot()
+        explain). `rng`: where the decision's random draws come from (default: the router's own sequence). `gen`: the
+        stream's pinned generation (`snapshot`)."""
+        snap = self.snapshot(gen)
         # Finishing deferred tails of earlier, committed requests is theirs to write, not this decision's.
         prep = prepare.prepare(snap, req, full_tokens=full_tokens, segments=self.segments,
                                predictions=self.predictions, deferred=self.deferred)
@@ -151,16 +155,17 @@ class Router:
         finally:
             self.let_go(slot)
 
-    def route_any(self, worker_tag: str | None = None) -> Decision | None:
+    def route_any(self, worker_tag: str | None = None, gen: Generation | None = None) -> Decision | None:
         """A request that is no inference: the least loaded worker of the whole fleet (None: there is none), or
         first the worker a stored response's id names."""
-        return plan.route_any(self.snapshot(), self, worker_tag)
+        return plan.route_any(self.snapshot(gen), self, worker_tag)
 
-    def route_tokenizer(self, path: str, name: str) -> tuple[Resolved, Decision | None]:
+    def route_tokenizer(self, path: str, name: str, gen: Generation | None = None
+                        ) -> tuple[Resolved, Decision | None]:
         """A tokenizer endpoint's request naming model `name` (or its alias): the model resolved, and the least
         loaded of its workers (None: it has none). A ClientError(404) for a model that does not exist or whose
         engine has no such path."""
-        snap = self.snapshot()
+        snap = self.snapshot(gen)
         resolved = snap.gen.registry.resolve(name, lambda m: bool(snap.candidates(m)))
         inference_paths.check_served(path, resolved.model, snap.gen.registry)
         return resolved, plan.route_any(snap, self, model=resolved.model)

