@@ -1,7 +1,8 @@
 """The waiting room's glue (docs/tenancy/waiting-room.md): when a routed request must wait (every worker it could
 go to is full), its seat in the room (extproc/waiting_room.py, pure), and the wake-up that expires seats past
-their time-to-live and releases them, pool by pool, while a pool has room. A released request is routed anew by
-the body phase it came from (`route_again`, ExtProc.on_request_body with released=True)."""
+their time-to-live and releases them, pool by pool, while a pool has room. A released request is decided anew and
+acted on (`route_again`: ExtProc.route with released=True) from what its body phase admitted, which is not
+parsed again."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from extproc.cluster_view import derived_load
 from extproc.plan import RoutePlan
 from extproc.policies.base import active_of
 from extproc.policies.transparent import REASON as TRANSPARENT
-from extproc.stream_state import PendingPair, PoolFacts, Seat, StreamState, Waiting
+from extproc.stream_state import Admitted, PendingPair, PoolFacts, Seat, StreamState, Waiting
 from extproc.waiting_room import Entry, WaitingRoom, full
 
 
 class RoomGlue:
     def __init__(self, act: Acting, max_hold_s: float,
-                 route_again: Callable[[StreamState, bytes], pb.ProcessingResponse | PendingPair | Waiting]) -> None:
+                 route_again: Callable[[StreamState, Admitted], pb.ProcessingResponse | PendingPair | Waiting]
+                 ) -> None:
         self.act = act
         wr = act.cfg.admission.waiting_room
         self.room: WaitingRoom[Seat] = WaitingRoom(wr.max_requests, wr.max_bytes)
@@ -34,7 +36,7 @@ class RoomGlue:
         self.max_hold_s = max_hold_s
         """Envoy's max_message_timeout, fixed when Envoy started: a reload cannot lengthen a wait past it."""
         self.route_again = route_again
-        """Routes a released request anew (the body phase, released=True: it is never sent back in)."""
+        """Decides a released request anew and acts on it (ExtProc.route, released=True: it is never sent back in)."""
         self._bands: set[int] = set()
 
     def _full(self, active: float, waiting: float) -> bool:
@@ -54,7 +56,7 @@ class RoomGlue:
                                      frozenset(t.slot for t in self.act.cluster.targets.get(result.model, ())))
         return True
 
-    def enter(self, st: StreamState, pool: str, body: bytes) -> pb.ProcessingResponse | Waiting:
+    def enter(self, st: StreamState, pool: str, admitted: Admitted) -> pb.ProcessingResponse | Waiting:
         gen = self.act.source.current
         wr = gen.cfg.admission.waiting_room
         tenant = st.tenant or gen.tenants.default
@@ -62,11 +64,11 @@ class RoomGlue:
         room.max_requests, room.max_bytes = wr.max_requests, wr.max_bytes
         # Envoy's deadline for the message was fixed at start: a TTL raised by a reload waits no longer than it.
         ttl = max(1.0, min(wr.ttl_s, self.max_hold_s - gen.cfg.longest_extproc_hold_s(waiting_room=False)))
-        seat = Seat(st, body, asyncio.get_running_loop().create_future())
+        seat = Seat(st, admitted, asyncio.get_running_loop().create_future())
         displaced: list[Entry[Seat]] = []
         now = time.monotonic()
         band = st.priority if st.priority is not None else tenant.priority  # an llm-d objective's, else its tenant's
-        entry = room.offer(pool, tenant.id, band, tenant.weight, len(body), now, ttl, seat, displaced)
+        entry = room.offer(pool, tenant.id, band, tenant.weight, len(admitted.body), now, ttl, seat, displaced)
         for gone in displaced:  # a full room made way for this one (extproc/waiting_room.py: victim)
             metrics.QUEUE_WAIT_SECONDS.labels(str(gone.band)).observe(now - gone.arrived)
             if not gone.payload.answer.done():
@@ -101,7 +103,7 @@ class RoomGlue:
                 seat.st.queued_s = time.monotonic() - e.arrived
                 metrics.QUEUE_WAIT_SECONDS.labels(str(e.band)).observe(seat.st.queued_s)
                 # Routed here, not once its stream resumes: the next one's check must see this one counted.
-                answer = self.route_again(seat.st, seat.body)
+                answer = self.route_again(seat.st, seat.admitted)
                 assert not isinstance(answer, Waiting)  # a released request is never sent back in
                 if not seat.answer.done():
                     seat.answer.set_result(answer)

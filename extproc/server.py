@@ -68,6 +68,7 @@ from extproc.room_glue import RoomGlue
 from extproc.router import Router
 from extproc.snapshot import Source
 from extproc.stream_state import (
+    Admitted,
     DecodeFallback,
     HoldHeaders,
     PendingPair,
@@ -104,7 +105,7 @@ class ExtProc:
         self.max_hold_s = self.cfg.longest_extproc_hold_s()
         """Envoy's max_message_timeout, fixed when Envoy started: a reload cannot lengthen a wait past it."""
         self.room_glue = RoomGlue(self.act, self.max_hold_s,
-                                  lambda st, body: self.on_request_body(st, body, released=True))
+                                  lambda st, admitted: self.route(st, admitted, released=True))
         self.room = self.room_glue.room
         """Requests waiting for a worker with room: this process's own (docs/tenancy/waiting-room.md)."""
 
@@ -345,9 +346,7 @@ class ExtProc:
             return self.act.routing_response(st, "request_headers")
         return EMPTY_HEADERS
 
-    def on_request_body(self, st: StreamState, body: bytes,
-                        released: bool = False) -> pb.ProcessingResponse | PendingPair | Waiting:
-        """`released`: it comes out of the waiting room (routed anew, and never sent back in)."""
+    def on_request_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse | PendingPair | Waiting:
         gen = st.gen or self.source.current  # pinned when the stream began
         explain = st.path == EXPLAIN_PATH and gen.cfg.extproc.public_route_explain
         spec = inference_paths.PATHS.get(st.path)
@@ -355,43 +354,66 @@ class ExtProc:
             if st.method == "POST" and st.path in TOKENIZER_PATHS:
                 return self.act.tokenizer_body(st, body)
             return self.act.unrouted_body(st, body)
-        t0 = time.perf_counter()
         if st.test_pick is not None:
             return self.act.test_pick(st, st.test_pick)
         try:
             if explain:
                 return self._explain(st, body)
             assert spec is not None
-            registry = gen.registry
+            admitted = self._admit(st, spec, body)
+        except ClientError as exc:
+            return error(exc, st)
+        except Exception:  # never fail the request because routing failed: Envoy's balancing takes it
+            return self._undecided(st, body)
+        model = admitted.parsed.model
+        if self.room.waiting(model) and gen.cfg.admission.waiting_room.enabled:
+            return self.room_glue.enter(st, model, admitted)  # behind the requests already waiting for it
+        return self.route(st, admitted)
+
+    def _admit(self, st: StreamState, spec: inference_paths.InferencePath, body: bytes) -> Admitted:
+        """Parse the body, apply llm-d's model rewrite and the tenant's isolation salt, check a structured-output
+        schema: once per request, whether it is routed now or after waiting."""
+        t0 = time.perf_counter()
+        gen = st.gen or self.source.current
+        registry = gen.registry
+        parsed = inference_paths.parse(spec.path, body, registry)
+        if st.llmd is not None and (target := st.llmd.get(epp.REWRITE)):
+            # llm-d's model rewrite: the body names the target from here on (what routing and the worker see).
+            body = splice(body, {"model": target})
             parsed = inference_paths.parse(spec.path, body, registry)
-            if st.llmd is not None and (target := st.llmd.get(epp.REWRITE)):
-                # llm-d's model rewrite: the body names the target from here on (what routing and the worker see).
-                body = splice(body, {"model": target})
-                parsed = inference_paths.parse(spec.path, body, registry)
-                st.llmd.pop(epp.REWRITE)  # once: a request released from the waiting room comes through again
-                st.rewritten = True
-            parsed.session_key = st.session
-            salted = isolation.isolate(parsed, st.tenant)  # before routing: Cortex's keys follow the salt
-            st.answer_schema = structured_output.check_request(gen.cfg.structured_output, parsed,
-                                                               gen.registry)
-            if not released and self.room.waiting(parsed.model) and gen.cfg.admission.waiting_room.enabled:
-                return self.room_glue.enter(st, parsed.model, body)  # behind the requests already waiting for it
+            st.rewritten = True
+        parsed.session_key = st.session
+        salted = isolation.isolate(parsed, st.tenant)  # before routing: Cortex's keys follow the salt
+        st.answer_schema = structured_output.check_request(gen.cfg.structured_output, parsed, registry)
+        return Admitted(spec, parsed, body, salted, time.perf_counter() - t0)
+
+    def _undecided(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
+        log.exception("routing failed; request continues on the fallback route")
+        metrics.INTERNAL_ERRORS.inc()
+        st.fallback_reason = "extproc_error"
+        return self.act.undecided(st, body)
+
+    def route(self, st: StreamState, admitted: Admitted,
+              released: bool = False) -> pb.ProcessingResponse | PendingPair | Waiting:
+        """Decide an admitted request and act on the decision. `released`: it comes out of the waiting room
+        (decided anew on the view as it is now, and never sent back in)."""
+        gen = st.gen or self.source.current
+        parsed, body = admitted.parsed, admitted.body
+        t0 = time.perf_counter()
+        try:
             result = self.router.decide(parsed, gen=gen)  # committed below, once nothing holds or refuses it
         except NoWorker as exc:
             if released or not gen.cfg.admission.waiting_room.enabled:
                 return error(exc, st)
             # Scale from zero: it waits for a worker to appear.
             self.room_glue.facts[parsed.model] = PoolFacts(exc.model, frozenset(), frozenset())
-            return self.room_glue.enter(st, parsed.model, body)
+            return self.room_glue.enter(st, parsed.model, admitted)
         except ClientError as exc:
             return error(exc, st)
         except Exception:  # never fail the request because routing failed: Envoy's balancing takes it
-            log.exception("routing failed; request continues on the fallback route")
-            metrics.INTERNAL_ERRORS.inc()
-            st.fallback_reason = "extproc_error"
-            return self.act.undecided(st, body)
+            return self._undecided(st, body)
         # Whatever commits the request to a worker (the plan's effects, counts, reservations) comes after this: a
-        # waiting request comes through here again when it is released, a refused one never commits.
+        # waiting request is decided again when it is released, a refused one never commits.
         if st.subset is not None and (result.pd is None or result.pd.pair is None):
             narrowed = epp.within(result.decision, st.subset)
             if narrowed is None:
@@ -403,8 +425,8 @@ class ExtProc:
                 result.effects.flags_only()
             result = replace(result, decision=narrowed, effects=effects)
         if not released and self.room_glue.must_wait(parsed.model, result):
-            return self.room_glue.enter(st, parsed.model, body)
-        metrics.observe_decision(result, time.perf_counter() - t0, self.cluster.block_size)
+            return self.room_glue.enter(st, parsed.model, admitted)
+        metrics.observe_decision(result, admitted.parse_s + time.perf_counter() - t0, self.cluster.block_size)
         if st.ticket is not None:
             try:
                 output = parsed.max_output
@@ -414,7 +436,8 @@ class ExtProc:
             except ClientError as exc:
                 return error(exc, st)
         st.queued = self.router.commit(result)
-        changes = {**result.changes, **salted}  # every worker gets the salt: single, both PD legs, the fallback
+        # Every worker gets the salt: single, both PD legs, the fallback.
+        changes = {**result.changes, **admitted.salted}
         plan = result.pd
         if plan is not None and plan.pair is not None:
             return PendingPair(result, plan, parsed.body or {}, body, changes, plan.cfg.start_budget_s(plan.engine))
@@ -423,7 +446,7 @@ class ExtProc:
             metrics.PD_DECISIONS.labels(plan.engine, st.pd_note).inc()
         injected = None
         observe = gen.cfg.observe
-        if spec is not None and spec.stream_options and observe.enabled and observe.stream_usage:
+        if admitted.spec.stream_options and observe.enabled and observe.stream_usage:
             injected = usage_options(parsed.stream, parsed.body)
         if injected is not None:
             changes = {**changes, "stream_options": injected}

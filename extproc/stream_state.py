@@ -13,13 +13,30 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc import structured_output
 from extproc.admission import Ticket
 from extproc.breaker import Trial
+from extproc.inference_paths import InferencePath
 from extproc.pd import PdPlan
 from extproc.pd_dispatch import PairResult
 from extproc.plan import RoutePlan
 from extproc.policies.base import Decision
+from extproc.request import ParsedRequest
 from extproc.snapshot import Generation
 from extproc.tenants import Tenant
 from extproc.waiting_room import Entry
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request body parsed, rewritten (llm-d's model rewrite), salted and checked, once: what routing it needs,
+    now or when the waiting room releases it (routed anew then, never parsed again)."""
+
+    spec: InferencePath
+    parsed: ParsedRequest
+    body: bytes
+    """The body as it goes on (after a model rewrite)."""
+    salted: dict[str, object]
+    """The isolation salt's changes to the body (extproc/isolation.py)."""
+    parse_s: float
+    """How long parsing and checking took (part of the decision time observed)."""
 
 
 @dataclass(slots=True)
@@ -40,7 +57,7 @@ class Seat:
     """A request in the waiting room: what acting on it needs once released, and where its answer goes."""
 
     st: StreamState
-    body: bytes
+    admitted: Admitted
     answer: asyncio.Future[pb.ProcessingResponse | PendingPair]
 
 

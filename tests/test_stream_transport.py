@@ -20,6 +20,7 @@ from cortex.api_paths import HEALTH_PATH
 from cortex.config import parse_config
 from cortex.ledger_view import ViewWriter
 from cortex.tenancy.board import TenancyBoard
+from extproc import inference_paths
 from extproc.admission import Admission
 from extproc.cluster_view import ClusterView
 from extproc.registry import ModelRegistry
@@ -217,11 +218,20 @@ def _commits(app: ExtProc) -> list[Any]:
     return seen
 
 
-def test_waiting_then_released_is_routed_after_one_deadline_extension(busy: tuple[ExtProc, ViewWriter]) -> None:
+def test_waiting_then_released_is_routed_after_one_deadline_extension(busy: tuple[ExtProc, ViewWriter],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A waiting request commits nothing (no predictions, no queued prefill for a worker it has not gone to);
-    released, it is decided anew and that plan is committed once."""
+    released, it is decided anew from what its body phase admitted (its body is parsed once) and that plan is
+    committed once."""
     app, writer = busy
     commits = _commits(app)
+    parses: list[str] = []
+    parse = inference_paths.parse
+
+    def counted(path: str, body: bytes, registry: Any) -> Any:
+        parses.append(path)
+        return parse(path, body, registry)
+    monkeypatch.setattr(inference_paths, "parse", counted)
 
     async def go() -> list[pb.ProcessingResponse]:
         task, sent = await _parked(app, writer, _body("wait for me"))
@@ -241,6 +251,7 @@ def test_waiting_then_released_is_routed_after_one_deadline_extension(busy: tupl
     assert H.ENDPOINTS in _set(out[2].request_body.response)
     endpoints = _set(out[2].request_body.response)[H.ENDPOINTS].split(",")
     assert len(commits) == 1 and commits[0].decision.chosen.address == endpoints[0]
+    assert parses == ["/v1/chat/completions"]
     assert not app.room and app.cluster.inflight.totals().sum() == 0
 
 
