@@ -20,6 +20,7 @@ from extproc import epp, inference_paths, isolation, response_ids
 from extproc.admission import refusal
 from extproc.answers import EMPTY_BODY, EMPTY_HEADERS, error, header, set_body
 from extproc.cluster_view import ClusterView
+from extproc.gateway_mode import EnvoyMode, GatewayMode
 from extproc.pd_dispatch import PdDispatcher, splice
 from extproc.policies.base import LOAD_AWARE, Decision
 from extproc.prepare import NoWorker
@@ -29,9 +30,9 @@ from extproc.stream_state import StreamState
 
 
 class Acting:
-    def __init__(self, source: Source, cluster: ClusterView, router: Router, picker: bool = False) -> None:
-        self.picker = picker
-        """`cortex epp`: the endpoint picker of a gateway Cortex did not configure (extproc/epp.py)."""
+    def __init__(self, source: Source, cluster: ClusterView, router: Router, mode: GatewayMode | None = None) -> None:
+        self.mode = mode or EnvoyMode()
+        """The gateway it answers: Cortex's own Envoy or, `cortex epp`, one it did not configure."""
         self.source = source
         """The config generation in force (the router reads the same reference)."""
         self.cluster = cluster
@@ -73,41 +74,36 @@ class Acting:
             self.count(st, st.decision.chosen.slot)
 
     def routing_response(self, st: StreamState, phase: str, pool: str = ANY_CLUSTER) -> pb.ProcessingResponse:
-        if st.decision is None and not self.picker:
+        if st.decision is None and not self.mode.answers_undecided:
             return EMPTY_HEADERS if phase == "request_headers" else EMPTY_BODY
         headers: list[HeaderValueOption] = []
         endpoints = ""
         if st.decision is not None:
             # One entry per address: a retry must go to another worker, not another rank of the failed one.
-            endpoints = epp.destination([c.address for c in st.decision.order],
-                                        self.cfg_of(st).epp.fallback_endpoints if self.picker else None)
+            endpoints = self.mode.destination([c.address for c in st.decision.order], self.cfg_of(st))
             st.sent = endpoints.count(",") + 1
             headers += [header(H.POOL, pool), header(H.ENDPOINTS, endpoints)]
             chosen = st.decision.chosen
             if chosen.rank is not None:
                 ranked = engines.adapter(chosen.engine).rank_headers(chosen.rank)
                 headers.extend(header(k, v) for k, v in ranked.items())
-        mutation = pb.HeaderMutation(set_headers=headers)
-        if self.picker:
-            # A gateway Cortex did not configure forwards a client's own copies of these.
-            mutation.remove_headers.extend(epp.reserved_removals(headers))
+        mutation = pb.HeaderMutation(set_headers=headers, remove_headers=self.mode.removals(headers))
         common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
         if phase == "request_headers":
             response = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
         else:
             response = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
-        if self.picker and endpoints:
-            response.dynamic_metadata.update({epp.LB_NAMESPACE: {epp.DESTINATION: endpoints}})
+        self.mode.dress(response, endpoints)
         return response
 
     def undecided(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
-        """Routing failed inside Cortex. Behind its own Envoy, Envoy balances the request. As a picker, the
-        InferencePool's failure mode says: FailOpen sends it to the least loaded endpoint, FailClose refuses it."""
-        if not self.picker:
-            return EMPTY_BODY
-        if self.cfg_of(st).epp.failure_mode == "FailClose":
-            return error(ClientError(503, "The endpoint picker could not decide for this request.",
-                                     reason="picker_failed"), st)
+        """Routing failed inside Cortex: the gateway mode says what becomes of the request."""
+        match self.mode.undecided(self.cfg_of(st)):
+            case "gateway":
+                return EMPTY_BODY
+            case "refuse":
+                return error(ClientError(503, "The endpoint picker could not decide for this request.",
+                                         reason="picker_failed"), st)
         self.route_any(st)
         return self.routing_response(st, "request_body")
 

@@ -39,9 +39,9 @@ def on_response_headers(act: Acting, st: StreamState,
     else:
         chosen = d.chosen
         worker = chosen
-        if not served and act.picker:
+        if act.mode.unconfirmed(served):
             # A gateway that says neither which endpoint served nor sends one endpoint only: the hit is not
-            # proven (a retry may have gone to a fallback).
+            # proven.
             headers += [header(H.ASSIGNED_WORKER, chosen.id), header(H.CACHE_HIT_TOKENS, "0"),
                         header(H.MATCH_MODE, d.mode), header(H.ROUTE_REASON, f"unconfirmed:{d.reason}")]
             return answer_headers(act, st, req, headers, served)
@@ -80,8 +80,5 @@ def answer_headers(act: Acting, st: StreamState, req: Any, headers: list[HeaderV
                    served: str) -> pb.ProcessingResponse:
     response = headers_answer(st, req, headers, act.cfg_of(st).extproc.routing_headers)
     observe_claim(response, headers)
-    if act.picker and act.cfg_of(st).epp.conformance_test:
-        # The conformance suite checks where its request went (its verifier plugin's header).
-        response.response_headers.response.header_mutation.set_headers.append(
-            header(epp.TEST_SERVED, served or "fail: missing envoy lb metadata"))
+    act.mode.stamp(response, served, act.cfg_of(st))
     return response

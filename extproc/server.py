@@ -38,6 +38,7 @@ from cortex.errors import ClientError
 from cortex.piecewise.segment_encoder import SegmentEncoder
 from extproc import (
     epp,
+    gateway_mode,
     inference_paths,
     isolation,
     metrics,
@@ -89,10 +90,10 @@ UPKEEP_S = 0.1
 class ExtProc:
     def __init__(self, source: Source, cluster: ClusterView, router: Router, admission: Admission,
                  picker: bool = False) -> None:
-        self.act = Acting(source, cluster, router, picker)
+        self.mode = gateway_mode.of(picker)
+        """The gateway it answers (extproc/gateway_mode.py): `picker`, `cortex epp`'s, one Cortex did not configure."""
+        self.act = Acting(source, cluster, router, self.mode)
         """Commits a request to a worker and maps its plan onto Envoy's answer (shared with the phases beside)."""
-        self.picker = picker
-        """`cortex epp`: the endpoint picker of a gateway Cortex did not configure (extproc/epp.py)."""
         self.source = source
         """The config generation in force (the router reads the same reference)."""
         self.cluster = cluster
@@ -157,8 +158,7 @@ class ExtProc:
         which = req.WhichOneof("request")
         if which == "request_headers":
             duplex, duplex_out = epp.duplex_modes(req)
-            if self.picker:
-                st.subset = epp.subset_of(req.metadata_context)
+            st.subset = self.mode.subset(req)
             answer = self.on_request_headers(st, req.request_headers)
             return stream.RequestHeaders(as_answer(answer), req.request_headers.end_of_stream, duplex, duplex_out)
         if which == "request_body":
@@ -310,7 +310,7 @@ class ExtProc:
                 if st.llmd is None:
                     st.llmd = {}
                 epp.llmd_value(st.llmd, key, (h.raw_value or h.value.encode()).decode("utf-8", "replace").strip())
-            elif key == epp.TEST_SELECTION and self.picker and gen.cfg.epp.conformance_test:
+            elif key == epp.TEST_SELECTION and self.mode.test_selection(gen.cfg):
                 st.test_pick = (h.raw_value or h.value.encode()).decode("latin-1")
         if st.llmd is not None and tenant_value is None:
             tenant_value = epp.fairness_tenant(st.llmd, tenant_header)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,13 +15,14 @@ import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import text_format
 
 from cortex import headers as H
 from cortex.api_paths import HEALTH_PATH
 from cortex.config import parse_config
 from cortex.ledger_view import ViewWriter
 from cortex.tenancy.board import TenancyBoard
-from extproc import inference_paths
+from extproc import epp, inference_paths
 from extproc.admission import Admission
 from extproc.cluster_view import ClusterView
 from extproc.registry import ModelRegistry
@@ -309,3 +311,39 @@ def test_picker_full_duplex_holds_the_pick_for_the_whole_body_and_echoes_the_ans
     echoed = [r.response_body.response.body_mutation.streamed_response for r in out[-2:]]
     assert [(c.body, c.end_of_stream) for c in echoed] == [(b"data: 1", False), (b"", True)]
     assert app.cluster.inflight.totals().sum() == 0
+
+
+# -- golden messages: each gateway mode's answers to one scripted stream, byte for byte ------------------------
+
+GOLDEN = Path(__file__).parent / "vectors" / "transport"
+
+
+def _scripted(picker: bool) -> list[pb.ProcessingRequest]:
+    """A chat stream as each gateway sends it: the picker's carries the gateway's subset hint, a client's own
+    endpoint header and the served endpoint in the response's metadata."""
+    first, body, response = _chat(_body("the golden request"))
+    if picker:
+        first.request_headers.headers.headers.append(HeaderValue(key=H.ENDPOINTS, raw_value=b"10.9.9.9:80"))
+        hint = first.metadata_context.filter_metadata[epp.SUBSET_NAMESPACE]
+        hint.update({epp.SUBSET: "127.0.0.1:21101,127.0.0.1:21102"})
+        response.metadata_context.filter_metadata[epp.LB_NAMESPACE].update({epp.SERVED: "127.0.0.1:21102"})
+    return [first, body, response]
+
+
+@pytest.mark.parametrize("mode", ["envoy", "picker"])
+def test_each_gateway_mode_answers_a_scripted_stream_as_its_golden_messages(tmp_path: Path, mode: str) -> None:
+    """What `cortex run`'s Envoy and a GIE gateway (`cortex epp`) are sent for the same request, pinned: the
+    endpoint list (the picker's cut to its fallbacks, also as `envoy.lb` metadata, the client's own copy removed),
+    the claim headers for the worker that served, the observation facts. Regenerate after a deliberate change with
+    CORTEX_UPDATE_GOLDEN=1 and read the diff."""
+    # A view never stale: however slowly a loaded machine gets from the heartbeat to the decision, the ledger counts.
+    app, _ = _app(tmp_path, picker=mode == "picker", epp={"fallback_endpoints": 0},
+                  extproc={"view_stale_after_s": 3600.0})
+    app.router.rng.seed(7)
+    out = _run(app, _scripted(mode == "picker"))
+    text = "\n".join(f"# message {i}\n{text_format.MessageToString(r, as_utf8=True)}" for i, r in enumerate(out))
+    golden = GOLDEN / f"{mode}_chat.txt"
+    if os.environ.get("CORTEX_UPDATE_GOLDEN") == "1":
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(text)
+    assert text == golden.read_text()
