@@ -69,6 +69,9 @@ ALL_ENGINES = frozenset(engines.ENGINE_NAMES)
 BUDGET_S = 0.1
 """Longest a schema check or an answer check may run: both run client-chosen regular expressions on extproc's
 event loop, and Python's `re` backtracks without bound. Past it the check gives up (never a refusal)."""
+REPEAT_S = 0.005
+"""Past the budget the timer fires again every REPEAT_S of CPU: a signal that lands in a gc callback or a
+finalizer, where Python drops what the handler raises, is followed by one that stops the check."""
 
 SCHEMA_CACHE = Counter("cortex_structured_output_schema_cache", "schema checks answered from the cache (hit) or "
                        "computed (miss)", ["result"])
@@ -199,7 +202,7 @@ def bounded(fn: Callable[[], _T], budget_s: float | None = None) -> _T:
     started = time.process_time()
     try:
         _armed.on = True  # before the timer starts: a budget shorter than this call still counts
-        old_delay, old_interval = signal.setitimer(signal.ITIMER_PROF, budget_s or BUDGET_S)
+        old_delay, old_interval = signal.setitimer(signal.ITIMER_PROF, budget_s or BUDGET_S, REPEAT_S)
         return fn()
     finally:
         # Disarmed before the timer stops: a signal already on its way is then ignored, not raised out of here.

@@ -5,6 +5,7 @@ counted valid / invalid / not_json without ever being changed."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -307,6 +308,39 @@ def test_bounded_puts_back_the_timer_it_found() -> None:
         signal.setitimer(signal.ITIMER_PROF, *old)
         signal.signal(signal.SIGPROF, previous)
 
+
+
+def test_a_budget_signal_a_gc_callback_swallowed_fires_again() -> None:
+    """The timer's signal can land while a gc callback runs, where Python reports the raised _OverBudget as
+    unraisable and drops it: the check must still be stopped, by the next signal, not run unbounded."""
+    import gc
+
+    def slow_callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":  # 50 ms of CPU: the 10 ms budget's signal lands in here
+            end = time.process_time() + 0.05
+            while time.process_time() < end:
+                pass
+
+    def runaway() -> str:
+        gc.callbacks.append(slow_callback)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(slow_callback)
+        end = time.process_time() + 3.0
+        while time.process_time() < end:
+            pass
+        return "ran past its budget"
+
+    unraisable: list[Any] = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        with pytest.raises(so._OverBudget):
+            so.bounded(runaway, budget_s=0.01)
+    finally:
+        sys.unraisablehook = hook
+    # Signals that landed in the callback were dropped (and reported), one after it stopped the check.
+    assert unraisable and all(type(u.exc_value) is so._OverBudget for u in unraisable)
 
 # -- asking Envoy for the body ----------------------------------------------------------------------------------------
 
