@@ -1,14 +1,14 @@
 """The waiting room's glue (docs/tenancy/waiting-room.md): when a routed request must wait (every worker it could
 go to is full), its seat in the room (extproc/waiting_room.py, pure), and the wake-up that expires seats past
-their time-to-live and releases them, pool by pool, while a pool has room. A released request is decided anew and
-acted on (`route_again`: ExtProc.route with released=True) from what its body phase admitted, which is not
-parsed again."""
+their time-to-live and releases them, pool by pool, while a pool has room. It routes nothing: `releases` yields
+each request to let go, and its caller (ExtProc.wake) decides it anew from what its body phase admitted and sends
+back what that came to, before the next one is weighed."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Generator
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -25,9 +25,7 @@ from extproc.waiting_room import Entry, WaitingRoom, full
 
 
 class RoomGlue:
-    def __init__(self, act: Acting, max_hold_s: float,
-                 route_again: Callable[[StreamState, Admitted], pb.ProcessingResponse | PendingPair | Waiting]
-                 ) -> None:
+    def __init__(self, act: Acting, max_hold_s: float) -> None:
         self.act = act
         wr = act.cfg.admission.waiting_room
         self.room: WaitingRoom[Seat] = WaitingRoom(wr.max_requests, wr.max_bytes)
@@ -35,8 +33,6 @@ class RoomGlue:
         self.facts: dict[str, PoolFacts] = {}
         self.max_hold_s = max_hold_s
         """Envoy's max_message_timeout, fixed when Envoy started: a reload cannot lengthen a wait past it."""
-        self.route_again = route_again
-        """Decides a released request anew and acts on it (ExtProc.route, released=True: it is never sent back in)."""
         self._bands: set[int] = set()
 
     def _full(self, active: float, waiting: float) -> bool:
@@ -77,13 +73,13 @@ class RoomGlue:
             return self._dropped(st, "queue_full")
         st.waiting = entry
         self.changed()
-        self.wake()  # load may have fallen since the last wake: the head (maybe this one) goes at once
         return Waiting(entry)
 
-    def wake(self) -> None:
-        """Expire what waited too long, then release, pool by pool, as long as the pool has room: each released
-        request is routed anew, with the ledger and loads as they are now, and answered. Runs from the upkeep loop
-        (every UPKEEP_S while requests wait), when a stream ends and when a request enters."""
+    def releases(self) -> Generator[Seat, pb.ProcessingResponse | PendingPair | Waiting, None]:
+        """Expire what waited too long, then yield, pool by pool and as long as the pool has room, each request to
+        release; the caller routes it anew, with the ledger and loads as they are now, and sends back the outcome,
+        which answers the seat. Routed before the next is weighed: its check must see this one counted. Driven
+        from the upkeep loop (every UPKEEP_S while requests wait), when a stream ends and when a request enters."""
         room = self.room
         if not room:
             return
@@ -102,8 +98,8 @@ class RoomGlue:
                 seat = e.payload
                 seat.st.queued_s = time.monotonic() - e.arrived
                 metrics.QUEUE_WAIT_SECONDS.labels(str(e.band)).observe(seat.st.queued_s)
-                # Routed here, not once its stream resumes: the next one's check must see this one counted.
-                answer = self.route_again(seat.st, seat.admitted)
+                # Routed now, not once its stream resumes: the next one's check must see this one counted.
+                answer = yield seat
                 assert not isinstance(answer, Waiting)  # a released request is never sent back in
                 if not seat.answer.done():
                     seat.answer.set_result(answer)

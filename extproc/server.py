@@ -105,8 +105,7 @@ class ExtProc:
         self.admission = admission
         self.max_hold_s = self.cfg.longest_extproc_hold_s()
         """Envoy's max_message_timeout, fixed when Envoy started: a reload cannot lengthen a wait past it."""
-        self.room_glue = RoomGlue(self.act, self.max_hold_s,
-                                  lambda st, admitted: self.route(st, admitted, released=True))
+        self.room_glue = RoomGlue(self.act, self.max_hold_s)
         self.room = self.room_glue.room
         """Requests waiting for a worker with room: this process's own (docs/tenancy/waiting-room.md)."""
 
@@ -367,7 +366,7 @@ class ExtProc:
             return self._undecided(st, body)
         model = admitted.parsed.model
         if self.room.waiting(model) and gen.cfg.admission.waiting_room.enabled:
-            return self.room_glue.enter(st, model, admitted)  # behind the requests already waiting for it
+            return self._wait(st, model, admitted)  # behind the requests already waiting for it
         return self.route(st, admitted)
 
     def _admit(self, st: StreamState, spec: inference_paths.InferencePath, body: bytes) -> Admitted:
@@ -407,7 +406,7 @@ class ExtProc:
                 return error(exc, st)
             # Scale from zero: it waits for a worker to appear.
             self.room_glue.facts[parsed.model] = PoolFacts(exc.model, frozenset(), frozenset())
-            return self.room_glue.enter(st, parsed.model, admitted)
+            return self._wait(st, parsed.model, admitted)
         except ClientError as exc:
             return error(exc, st)
         except Exception:  # never fail the request because routing failed: Envoy's balancing takes it
@@ -425,7 +424,7 @@ class ExtProc:
                 result.effects.flags_only()
             result = replace(result, decision=narrowed, effects=effects)
         if not released and self.room_glue.must_wait(parsed.model, result):
-            return self.room_glue.enter(st, parsed.model, admitted)
+            return self._wait(st, parsed.model, admitted)
         metrics.observe_decision(result, admitted.parse_s + time.perf_counter() - t0, self.cluster.block_size)
         if st.ticket is not None:
             try:
@@ -467,6 +466,23 @@ class ExtProc:
     async def explain_http(self, request: web.Request) -> web.Response:
         return await route_explain.explain_http(self.act, request)
 
+    def _wait(self, st: StreamState, pool: str, admitted: Admitted) -> pb.ProcessingResponse | Waiting:
+        """Seat the request in the waiting room, then wake it: load may have fallen since the last wake, so the
+        head (maybe this one) goes at once."""
+        seated = self.room_glue.enter(st, pool, admitted)
+        if isinstance(seated, Waiting):
+            self.wake()
+        return seated
+
     def wake(self) -> None:
-        """Expire and release what waits in the room (extproc/room_glue.py: RoomGlue.wake)."""
-        self.room_glue.wake()
+        """Expire what waits in the room and route what it releases (RoomGlue.releases), each decided anew from its
+        seat's `Admitted` (released: never sent back in)."""
+        releases = self.room_glue.releases()
+        with contextlib.suppress(StopIteration):
+            seat = next(releases)
+            while True:
+                try:
+                    answer = self.route(seat.st, seat.admitted, released=True)
+                except Exception:  # released from the room, it is answered whatever failed: the gateway's fallback
+                    answer = self._undecided(seat.st, seat.admitted.body)
+                seat = releases.send(answer)
