@@ -25,7 +25,7 @@ from extproc.pd_dispatch import PdDispatcher, splice
 from extproc.policies.base import LOAD_AWARE, Decision
 from extproc.prepare import NoWorker
 from extproc.router import Router
-from extproc.snapshot import Source
+from extproc.snapshot import Generation, Source
 from extproc.stream_state import StreamState
 
 
@@ -45,11 +45,14 @@ class Acting:
     def cfg(self) -> CortexConfig:
         return self.source.current.cfg
 
+    def gen_of(self, st: StreamState) -> Generation:
+        """The generation `st` was identified under (its stream pinned it at the headers): what a request is told
+        and where it may go follow the rules it came in under, whatever a reload swapped since. The waiting room
+        and the breakers are shared by every stream and follow the generation in force."""
+        return st.gen or self.source.current
+
     def cfg_of(self, st: StreamState) -> CortexConfig:
-        """The config of the generation `st` was identified under (its stream pinned it at the headers): what a
-        request is told and where it may go follow the rules it came in under, whatever a reload swapped since.
-        The waiting room and the breakers are shared by every stream and follow the generation in force."""
-        return (st.gen or self.source.current).cfg
+        return self.gen_of(st).cfg
 
     def single(self, st: StreamState, decision: Decision, model: str, body: bytes,
                changes: dict[str, object]) -> pb.ProcessingResponse:
@@ -125,7 +128,7 @@ class Acting:
         """A tokenizer endpoint (api_paths.TOKENIZER_PATHS): no inference, but only a worker of the body's model
         tokenizes as that model does, so it goes to the least loaded of them (an alias named as the model it
         resolved to), salted as any unrouted body is."""
-        registry = (st.gen or self.source.current).registry
+        registry = self.gen_of(st).registry
         try:
             salted = isolation.salt_unrouted(body, st.tenant) or {}
             resolved, decision = self.router.route_tokenizer(st.path, inference_paths.tokenizer_model(body, registry),

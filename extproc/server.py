@@ -287,7 +287,7 @@ class ExtProc:
     # -- phases ---------------------------------------------------------------------------------------------
 
     def on_request_headers(self, st: StreamState, headers: Any) -> pb.ProcessingResponse:
-        gen = st.gen or self.source.current  # pinned when the stream began
+        gen = self.act.gen_of(st)  # pinned when the stream began
         tenant_header = gen.tenants.header
         authorization = tenant_value = None
         session_headers = gen.cfg.session.headers
@@ -346,7 +346,7 @@ class ExtProc:
         return EMPTY_HEADERS
 
     def on_request_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse | PendingPair | Waiting:
-        gen = st.gen or self.source.current  # pinned when the stream began
+        gen = self.act.gen_of(st)  # pinned when the stream began
         explain = st.path == EXPLAIN_PATH and gen.cfg.extproc.public_route_explain
         spec = inference_paths.PATHS.get(st.path)
         if spec is None and not explain:
@@ -373,7 +373,7 @@ class ExtProc:
         """Parse the body, apply llm-d's model rewrite and the tenant's isolation salt, check a structured-output
         schema: once per request, whether it is routed now or after waiting."""
         t0 = time.perf_counter()
-        gen = st.gen or self.source.current
+        gen = self.act.gen_of(st)
         registry = gen.registry
         parsed = inference_paths.parse(spec.path, body, registry)
         if st.llmd is not None and (target := st.llmd.get(epp.REWRITE)):
@@ -396,7 +396,7 @@ class ExtProc:
               released: bool = False) -> pb.ProcessingResponse | PendingPair | Waiting:
         """Decide an admitted request and act on the decision. `released`: it comes out of the waiting room
         (decided anew on the view as it is now, and never sent back in)."""
-        gen = st.gen or self.source.current
+        gen = self.act.gen_of(st)
         parsed, body = admitted.parsed, admitted.body
         t0 = time.perf_counter()
         try:
