@@ -64,7 +64,7 @@ class Acting:
         chosen = decision.chosen
         if chosen.rank is not None and (placed := engines.adapter(chosen.engine).rank_body(chosen.rank)):
             changes = {**changes, **placed}  # an engine that pins a DP rank from the body only (SGLang)
-        if changes or st.rewritten:
+        if changes or (st.admitted is not None and st.admitted.rewritten):
             set_body(response, splice(body, changes))
         return response
 
@@ -72,7 +72,7 @@ class Acting:
         st.counted_slot = self.router.hold(slot, st.counted_slot)
 
     def route_any(self, st: StreamState) -> None:
-        st.decision = self.router.route_any(response_ids.tag_of(response_ids.in_path(st.path)), st.gen)
+        st.decision = self.router.route_any(response_ids.tag_of(response_ids.in_path(st.head.path)), st.gen)
         if st.decision is not None:
             self.count(st, st.decision.chosen.slot)
 
@@ -131,8 +131,8 @@ class Acting:
         registry = self.gen_of(st).registry
         try:
             salted = isolation.salt_unrouted(body, st.tenant) or {}
-            resolved, decision = self.router.route_tokenizer(st.path, inference_paths.tokenizer_model(body, registry),
-                                                             st.gen)
+            resolved, decision = self.router.route_tokenizer(
+                st.head.path, inference_paths.tokenizer_model(body, registry), st.gen)
         except ClientError as exc:
             return error(exc, st)
         if decision is None:

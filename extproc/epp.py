@@ -21,7 +21,7 @@ are read the same way in either mode: LLMD_HEADERS.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from envoy.config.core.v3.base_pb2 import HeaderValueOption
@@ -64,14 +64,14 @@ def llmd_value(found: dict[str, str], name: str, value: str) -> None:
         found[meaning] = value
 
 
-def priority_of(found: dict[str, str], objectives: dict[str, int]) -> int | None:
+def priority_of(found: Mapping[str, str], objectives: dict[str, int]) -> int | None:
     """The band an llm-d objective names (admission.objectives), or None: the tenant's band (no objective, or one
     that is not configured, as llm-d's own picker falls back to the default priority)."""
     objective = found.get(OBJECTIVE)
     return None if objective is None else objectives.get(objective)
 
 
-def fairness_tenant(found: dict[str, str], tenant_header: str | None) -> str | None:
+def fairness_tenant(found: Mapping[str, str], tenant_header: str | None) -> str | None:
     """The tenant named by llm-d's fairness id under its deprecated name, when the trusted tenant header is the
     fairness header (auth.tenant_header) and the current name was not sent."""
     return found.get(FAIRNESS) if tenant_header in FAIRNESS_HEADERS else None

@@ -50,9 +50,9 @@ async def start_pair(act: Acting, st: StreamState, pending: PendingPair) -> pb.P
     assert pair is not None
     try:
         if engines.adapter(plan.engine).pd_legs == "concurrent":
-            started = await act.pd.sglang(plan, pair, body, st.path, changes)
+            started = await act.pd.sglang(plan, pair, body, st.head.path, changes)
         else:
-            started = await act.pd.vllm(plan, pair, body, pending.doc, st.path, changes)
+            started = await act.pd.vllm(plan, pair, body, pending.doc, st.head.path, changes)
     except Exception:  # never fail the request because orchestration raised: a single worker takes it
         log.exception("PD dispatch failed")
         metrics.INTERNAL_ERRORS.inc()
@@ -194,7 +194,7 @@ async def decode_fallback(act: Acting, st: StreamState, req: Any, fb: DecodeFall
         if target is None:  # left the fleet meanwhile: how to reach it (TLS or not) is no longer known
             continue
         try:
-            async with act.pd.post(target, st.path, data=splice(pending.body, changes),
+            async with act.pd.post(target, st.head.path, data=splice(pending.body, changes),
                                    headers=headers, timeout=timeout) as resp:
                 status, resp_headers = resp.status, resp.headers
                 body = await _read_capped(resp, act.cfg_of(st).extproc.max_body_bytes)

@@ -29,8 +29,8 @@ from extproc.tenants import Tenant
 def answer(act: Acting, st: StreamState, body: bytes) -> pb.ProcessingResponse:
     if not isolation.sees_routing(st.tenant):
         raise ClientError(403, "Route explain is open only to tenants marked trusted.")
-    query = dict(p.partition("=")[::2] for p in st.query.split("&"))
-    return immediate(200, explain(act, body, st.tenant, st.session, query.get("tokens") == "1", query.get("path"),
+    query = dict(p.partition("=")[::2] for p in st.head.query.split("&"))
+    return immediate(200, explain(act, body, st.tenant, st.head.session, query.get("tokens") == "1", query.get("path"),
                                   st.gen))
 
 

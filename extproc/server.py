@@ -43,6 +43,7 @@ from extproc import (
     isolation,
     metrics,
     pd_act,
+    request_head,
     responses,
     route_explain,
     stream,
@@ -62,7 +63,6 @@ from extproc.answers import (
 )
 from extproc.cluster_view import ClusterView
 from extproc.pd_dispatch import splice
-from extproc.policies import session
 from extproc.prepare import NoWorker
 from extproc.registry import ModelRegistry
 from extproc.room_glue import RoomGlue
@@ -157,8 +157,7 @@ class ExtProc:
         which = req.WhichOneof("request")
         if which == "request_headers":
             duplex, duplex_out = epp.duplex_modes(req)
-            st.subset = self.mode.subset(req)
-            answer = self.on_request_headers(st, req.request_headers)
+            answer = self.on_request_headers(st, req.request_headers, self.mode.subset(req))
             return stream.RequestHeaders(as_answer(answer), req.request_headers.end_of_stream, duplex, duplex_out)
         if which == "request_body":
             return stream.RequestBody(req.request_body.body, req.request_body.end_of_stream)
@@ -286,48 +285,25 @@ class ExtProc:
 
     # -- phases ---------------------------------------------------------------------------------------------
 
-    def on_request_headers(self, st: StreamState, headers: Any) -> pb.ProcessingResponse:
+    def on_request_headers(self, st: StreamState, headers: Any,
+                           subset: tuple[str, ...] | None = None) -> pb.ProcessingResponse:
         gen = self.act.gen_of(st)  # pinned when the stream began
-        tenant_header = gen.tenants.header
-        authorization = tenant_value = None
-        session_headers = gen.cfg.session.headers
-        sessions: dict[str, str] = {}
-        for h in headers.headers.headers:
-            key = h.key
-            if key == ":path":
-                path = (h.raw_value or h.value.encode()).decode("latin-1")
-                st.path, _, st.query = path.partition("?")
-            elif key == ":method":
-                st.method = (h.raw_value or h.value.encode()).decode("latin-1")
-            elif key == "authorization":
-                authorization = (h.raw_value or h.value.encode()).decode("latin-1")
-            elif key == tenant_header:
-                tenant_value = (h.raw_value or h.value.encode()).decode("latin-1")
-            elif key in session_headers:
-                sessions[key] = (h.raw_value or h.value.encode()).decode("utf-8", "replace")
-            elif key in epp.LLMD_HEADERS:
-                if st.llmd is None:
-                    st.llmd = {}
-                epp.llmd_value(st.llmd, key, (h.raw_value or h.value.encode()).decode("utf-8", "replace").strip())
-            elif key == epp.TEST_SELECTION and self.mode.test_selection(gen.cfg):
-                st.test_pick = (h.raw_value or h.value.encode()).decode("latin-1")
-        if st.llmd is not None and tenant_value is None:
-            tenant_value = epp.fairness_tenant(st.llmd, tenant_header)
-        if st.method == "GET" and st.path == HEALTH_PATH:
+        st.head = head = request_head.read(
+            ((h.key, h.raw_value or h.value.encode()) for h in headers.headers.headers), gen.tenants.header,
+            gen.cfg.session.headers, self.mode.test_selection(gen.cfg), subset)
+        if head.method == "GET" and head.path == HEALTH_PATH:
             # Answered here, so a 200 proves the whole chain Envoy -> extproc works.
             return immediate(200, orjson.dumps({"status": "ok", "ledger_view": self.cluster.synced}))
         try:
-            st.tenant = gen.tenants.identify(authorization, tenant_value)
-            if st.llmd is not None:
-                st.priority = epp.priority_of(st.llmd, gen.cfg.admission.objectives)
+            st.tenant = gen.tenants.identify(head.authorization, head.tenant_value)
+            if head.llmd is not None:
+                st.priority = epp.priority_of(head.llmd, gen.cfg.admission.objectives)
         except ClientError as exc:  # before any routing work
             metrics.ADMISSION_REJECTIONS.labels("", "unauthenticated").inc()
             return error(exc, st)
-        if sessions:  # the first configured header present and not blank
-            st.session = next((k for n in session_headers if (k := session.key_of(sessions.get(n)))), None)
-        if st.method == "GET" and st.path == MODELS_PATH:
+        if head.method == "GET" and head.path == MODELS_PATH:
             return immediate(200, gen.registry.models_body)
-        inference = st.method == "POST" and st.path in inference_paths.PATHS
+        inference = head.method == "POST" and head.path in inference_paths.PATHS
         # Every request a worker will see is admitted, before Envoy has even buffered a body: the rate and
         # concurrency limits hold on /tokenize, stored responses and the rest as on the inference paths (a limit
         # that held only there would be one a client walks around). Token limits settle on inference usage.
@@ -335,8 +311,8 @@ class ExtProc:
             st.ticket = self.admission.admit(st.tenant)
         except ClientError as exc:
             return error(exc, st)
-        wants_body = inference or (st.method == "POST" and st.path in TOKENIZER_PATHS) or (
-            st.method == "POST" and st.path == EXPLAIN_PATH and gen.cfg.extproc.public_route_explain)
+        wants_body = inference or (head.method == "POST" and head.path in TOKENIZER_PATHS) or (
+            head.method == "POST" and head.path == EXPLAIN_PATH and gen.cfg.extproc.public_route_explain)
         if wants_body and headers.end_of_stream:
             return error(ClientError(400, "request body is required"), st)
         if not wants_body:
@@ -347,19 +323,19 @@ class ExtProc:
 
     def on_request_body(self, st: StreamState, body: bytes) -> pb.ProcessingResponse | PendingPair | Waiting:
         gen = self.act.gen_of(st)  # pinned when the stream began
-        explain = st.path == EXPLAIN_PATH and gen.cfg.extproc.public_route_explain
-        spec = inference_paths.PATHS.get(st.path)
+        explain = st.head.path == EXPLAIN_PATH and gen.cfg.extproc.public_route_explain
+        spec = inference_paths.PATHS.get(st.head.path)
         if spec is None and not explain:
-            if st.method == "POST" and st.path in TOKENIZER_PATHS:
+            if st.head.method == "POST" and st.head.path in TOKENIZER_PATHS:
                 return self.act.tokenizer_body(st, body)
             return self.act.unrouted_body(st, body)
-        if st.test_pick is not None:
-            return self.act.test_pick(st, st.test_pick)
+        if st.head.test_pick is not None:
+            return self.act.test_pick(st, st.head.test_pick)
         try:
             if explain:
                 return self._explain(st, body)
             assert spec is not None
-            admitted = self._admit(st, spec, body)
+            st.admitted = admitted = self._admit(st, spec, body)
         except ClientError as exc:
             return error(exc, st)
         except Exception:  # never fail the request because routing failed: Envoy's balancing takes it
@@ -376,15 +352,16 @@ class ExtProc:
         gen = self.act.gen_of(st)
         registry = gen.registry
         parsed = inference_paths.parse(spec.path, body, registry)
-        if st.llmd is not None and (target := st.llmd.get(epp.REWRITE)):
+        rewritten = False
+        if st.head.llmd is not None and (target := st.head.llmd.get(epp.REWRITE)):
             # llm-d's model rewrite: the body names the target from here on (what routing and the worker see).
             body = splice(body, {"model": target})
             parsed = inference_paths.parse(spec.path, body, registry)
-            st.rewritten = True
-        parsed.session_key = st.session
+            rewritten = True
+        parsed.session_key = st.head.session
         salted = isolation.isolate(parsed, st.tenant)  # before routing: Cortex's keys follow the salt
-        st.answer_schema = structured_output.check_request(gen.cfg.structured_output, parsed, registry)
-        return Admitted(spec, parsed, body, salted, time.perf_counter() - t0)
+        schema = structured_output.check_request(gen.cfg.structured_output, parsed, registry)
+        return Admitted(spec, parsed, body, salted, rewritten, schema, time.perf_counter() - t0)
 
     def _undecided(self, st: StreamState, body: bytes) -> pb.ProcessingResponse:
         log.exception("routing failed; request continues on the fallback route")
@@ -413,8 +390,8 @@ class ExtProc:
             return self._undecided(st, body)
         # Whatever commits the request to a worker (the plan's effects, counts, reservations) comes after this: a
         # waiting request is decided again when it is released, a refused one never commits.
-        if st.subset is not None and (result.pd is None or result.pd.pair is None):
-            narrowed = epp.within(result.decision, st.subset)
+        if st.head.subset is not None and (result.pd is None or result.pd.pair is None):
+            narrowed = epp.within(result.decision, st.head.subset)
             if narrowed is None:
                 return error(refusal(st.tenant.id if st.tenant else "", "no_endpoints", 503,
                                      "None of the endpoints the gateway allows serves this model.", 1), st)

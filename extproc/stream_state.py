@@ -19,6 +19,7 @@ from extproc.pd_dispatch import PairResult
 from extproc.plan import RoutePlan
 from extproc.policies.base import Decision
 from extproc.request import ParsedRequest
+from extproc.request_head import NO_HEAD, RequestHead
 from extproc.snapshot import Generation
 from extproc.tenants import Tenant
 from extproc.waiting_room import Entry
@@ -35,6 +36,10 @@ class Admitted:
     """The body as it goes on (after a model rewrite)."""
     salted: dict[str, object]
     """The isolation salt's changes to the body (extproc/isolation.py)."""
+    rewritten: bool
+    """Its body names another model than the client's (llm-d's model rewrite): the new body goes upstream."""
+    schema: structured_output.Expected | None
+    """The schema a whole (non-streamed) answer is checked against (structured_output.validate_responses)."""
     parse_s: float
     """How long parsing and checking took (part of the decision time observed)."""
 
@@ -98,18 +103,47 @@ class DecodeFallback:
     """The plan's fallback decision, without the pair's workers that failed (while others exist)."""
 
 
-
-
 @dataclass(slots=True)
 class StreamState:
-    method: str = ""
-    path: str = ""
-    query: str = ""
+    """What one stream keeps between its messages, grouped by the phase that writes it: the stream's start and
+    its request headers (once), its body (once), the waiting room, the commitment to a worker (extproc/acting.py),
+    a PD pair (extproc/pd_act.py), its end."""
+
+    # -- the stream's start and its request headers: written once
+    gen: Generation | None = None
+    """The config generation in force when its stream began: its request phases read this one, so a reload
+    between its headers and its body cannot identify it under one generation and route it under the next."""
+    head: RequestHead = NO_HEAD
+    """What its headers said (extproc/request_head.py)."""
+    tenant: Tenant | None = None
+    """Who sent it (extproc/tenants.py), known from the request headers on."""
+    priority: int | None = None
+    """Its band when an llm-d objective named one (admission.objectives); None: its tenant's."""
+    ticket: Ticket | None = None
+    """What it holds of its tenant's limits until it ends (extproc/admission.py)."""
+
+    # -- its body: written once, when it is admitted
+    admitted: Admitted | None = None
+
+    # -- the waiting room
+    waiting: Entry[Seat] | None = None
+    """Its place in the waiting room, once it had to wait."""
+    queued_s: float | None = None
+    """How long it waited there before it was released (None: it never waited)."""
+
+    # -- its commitment to a worker
     decision: Decision | None = None
     counted_slot: int | None = None
     queued: tuple[tuple[int, int], ...] = ()
     """The prefill its committed plan queued, (slot, receipt): settled when the request ends."""
+    trial: Trial | None = None
+    """The slot it took of its first choice's half-open breaker (extproc/breaker.py), given back when it ends."""
+    sent: int = 0
+    """Endpoints named in x-gateway-destination-endpoint: with one, the one that served is known without Envoy
+    saying it (no retry can go elsewhere)."""
     fallback_reason: str = ""
+
+    # -- a PD pair
     pd: PairResult | None = None
     """The PD pair serving this request (its prefill leg is extproc's own)."""
     pd_note: str = ""
@@ -118,38 +152,15 @@ class StreamState:
     pd_pending: PendingPair | None = None
     """The request as the client sent it, kept while a pair serves it: a pair that fails before the first byte
     is served again by one worker."""
-    tenant: Tenant | None = None
-    """Who sent it (extproc/tenants.py), known from the request headers on."""
-    ticket: Ticket | None = None
-    """What it holds of its tenant's limits until it ends (extproc/admission.py)."""
-    session: str | None = None
-    """Its session key (cfg.session.headers, extproc/policies/session.py), known from the request headers on."""
-    answer_schema: structured_output.Expected | None = None
-    """The schema a whole (non-streamed) answer is checked against (structured_output.validate_responses)."""
-    waiting: Entry[Seat] | None = None
-    """Its place in the waiting room, once it had to wait."""
-    queued_s: float | None = None
-    """How long it waited there before it was released (None: it never waited)."""
-    priority: int | None = None
-    """Its band when an llm-d objective named one (admission.objectives); None: its tenant's."""
-    llmd: dict[str, str] | None = None
-    """llm-d's request headers it carried, by meaning (extproc/epp.py: LLMD_HEADERS)."""
-    subset: tuple[str, ...] | None = None
-    """The endpoints the gateway allows it (picker mode: envoy.lb.subset_hint); None: any."""
-    test_pick: str | None = None
-    """The conformance suite's endpoint selection (picker mode with epp.conformance_test only)."""
-    rewritten: bool = False
-    """Its body names another model than the client's (llm-d's model rewrite): the new body goes upstream."""
-    sent: int = 0
-    """Endpoints named in x-gateway-destination-endpoint: with one, the one that served is known without Envoy
-    saying it (no retry can go elsewhere)."""
-    trial: Trial | None = None
-    """The slot it took of its first choice's half-open breaker (extproc/breaker.py), given back when it ends."""
-    gen: Generation | None = None
-    """The config generation in force when its stream began: its request phases read this one, so a reload
-    between its headers and its body cannot identify it under one generation and route it under the next."""
+
+    # -- its end
     released: bool = False
     """What it held was let go (once)."""
+
+    @property
+    def answer_schema(self) -> structured_output.Expected | None:
+        """The schema its whole answer is checked against, if any."""
+        return self.admitted.schema if self.admitted is not None else None
 
 
 @dataclass(slots=True)

@@ -467,21 +467,28 @@ def collapse(s: Stack) -> None:
 
 def breaker(s: Stack) -> None:
     """sim-2 answers 500 to every request while its health probe passes: Envoy retries each on sim-1 (every answer
-    is a 200), sim-2's breaker opens, and each trial after `open_s` opens it again."""
-    gw, start = s.gw, time.time()
+    is a 200), sim-2's breaker opens, and each trial after `open_s` opens it again.
+
+    A half-open worker gets a trial only when the policy picks it on its merits, so each request carries a prompt
+    planted on sim-2 alone (sent to it directly): its cached prefix makes sim-2 the first choice whenever its
+    breaker lets it be one, whatever the two workers' learned rates (the retry then plants it on sim-1 too)."""
+    gw, sim2, start = s.gw, s.gw.sims[1], time.time()
+    planted = [long_chat(200, seed=9100 + i) for i in range(8)]
+    for prompt in planted:
+        direct(sim2, prompt)
+    wait_for(lambda: all(next(w for w in explain(gw, p)["workers"] if w["id"] == "sim-2")["matched_tokens"]
+                         for p in planted), what="sim-2's blocks of every planted prompt in the ledger")
     probe = 'sum(increase(cortex_breaker_transitions_total{worker="sim-2", to_state="open"}[15m])) >= 3'
-    faults([gw.sims[1]], http_5xx_rate=1.0)
+    faults([sim2], http_5xx_rate=1.0)
     try:
-        deadline = time.monotonic() + 90
-        seed = 9000
-        while not s.prom.has(probe) and time.monotonic() < deadline:
-            r = chat(gw, short(seed))
+        # Two failures open it; each later request comes after `open_s`, when its breaker is half-open: 4 opens.
+        for prompt in planted[:6]:
+            r = chat(gw, prompt)
             assert r.status_code == 200, r.text
-            seed += 1
-            time.sleep(0.2)
+            time.sleep(1.3)
         settle(s, "breaker", start, probe)
     finally:
-        faults([gw.sims[1]], http_5xx_rate=0.0)
+        faults([sim2], http_5xx_rate=0.0)
 
 
 def restarts(s: Stack) -> None:
