@@ -140,7 +140,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 _running: list[str] = []  # the unit-tier test now running, for the refusal's message
 
 
-class _Refused(subprocess.Popen):  # type: ignore[type-arg]
+class _Refused(subprocess.Popen):
     """`subprocess.Popen` while a unit-tier test runs (asyncio's subprocesses and `subprocess.run` go through it):
     still the class for `isinstance` and annotations, but it starts nothing."""
 

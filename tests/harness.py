@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,7 +244,7 @@ def cluster(root: Path, n_sims: int = 2, sim_args: tuple[str, ...] = (), extproc
 
 
 @contextlib.contextmanager
-def pd_cluster(root: Path, specs: list[tuple[str, str, str, bool, tuple[str, ...]]],
+def pd_cluster(root: Path, specs: Sequence[tuple[str, str, str, bool, tuple[str, ...]]],
                model_extra: dict[str, Any] | None = None, dp: dict[str, int] | None = None,
                extra_config: dict[str, Any] | None = None) -> Iterator[Gateway]:
     """specs: (id, engine, role, events, extra sim flags); dp: data-parallel ranks per worker id."""

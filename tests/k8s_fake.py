@@ -98,7 +98,7 @@ class FakeKube:
     def _do(self, fn: Callable[[], T]) -> T:
         async def run() -> T:
             return fn()
-        return self._call(run)  # type: ignore[no-any-return]
+        return self._call(run)
 
     # -- what the tests change (each returns once served) --
 

@@ -196,16 +196,17 @@ def test_goodput_table_shows_the_bracket() -> None:
     run_ok = {"rate": 8.0, "ok": True, "ttft_ms": 250.0, "itl_ms": 20.0, "hit_ratio": 0.5, "errors": 0,
               "requests": 24}
     run_bad = {**run_ok, "rate": 16.0, "ok": False, "ttft_ms": 2500.0}
-    block = {"workload": "shared-prefix", "params": {"requests": 24, "working_set_tokens": 5},
-             "rate_unit": "requests/s", "fleet": {"workers": 2, "kv_tokens_per_worker": 12288, "kv_fill": 0.8},
-             "results": {
-                 "a": {"goodput": 8.0, "bound": "bracketed", "fails_at": 16.0, "passed_run": run_ok,
-                       "failed_run": run_bad, "runs": [run_ok, run_bad]},
-                 "b": {"goodput": 16.0, "bound": "at least", "fails_at": None, "passed_run": run_bad,
-                       "failed_run": None, "runs": [run_ok]},
-                 "c": {"goodput": None, "bound": "below", "fails_at": 8.0, "passed_run": None, "failed_run": run_ok,
-                       "runs": [run_ok]},
-                 "d": {"failed": "boom", "runs": []}, "e": {"unavailable": "not installed"}}}
+    block: dict[str, Any] = {
+        "workload": "shared-prefix", "params": {"requests": 24, "working_set_tokens": 5},
+        "rate_unit": "requests/s", "fleet": {"workers": 2, "kv_tokens_per_worker": 12288, "kv_fill": 0.8},
+        "results": {
+            "a": {"goodput": 8.0, "bound": "bracketed", "fails_at": 16.0, "passed_run": run_ok,
+                  "failed_run": run_bad, "runs": [run_ok, run_bad]},
+            "b": {"goodput": 16.0, "bound": "at least", "fails_at": None, "passed_run": run_bad,
+                  "failed_run": None, "runs": [run_ok]},
+            "c": {"goodput": None, "bound": "below", "fails_at": 8.0, "passed_run": None, "failed_run": run_ok,
+                  "runs": [run_ok]},
+            "d": {"failed": "boom", "runs": []}, "e": {"unavailable": "not installed"}}}
     # A run saved before SLOs were per workload: its blocks name none, the run's one fixed SLO holds.
     text = goodput.table(block, {"percentile": 90.0, "ttft_ms": 2000.0})
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}

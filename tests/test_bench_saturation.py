@@ -58,8 +58,10 @@ def test_stop_rule() -> None:
     assert saturation.stop_reason(row(25, None), limit) == "no request completed"
     # The direct path failing or the client falling behind its schedule is the harness's limit, whatever the
     # gateway did; a client late by less than twice the limit is not.
-    assert saturation.stop_reason(row(25, 50.0, direct_errors=1), limit).startswith(saturation.HARNESS)
-    assert saturation.stop_reason(row(25, 50.0, lag=25.0), limit).startswith(saturation.HARNESS)
+    direct = saturation.stop_reason(row(25, 50.0, direct_errors=1), limit)
+    assert direct is not None and direct.startswith(saturation.HARNESS)
+    lagging = saturation.stop_reason(row(25, 50.0, lag=25.0), limit)
+    assert lagging is not None and lagging.startswith(saturation.HARNESS)
     assert saturation.stop_reason(row(25, 5.0, lag=15.0), limit) is None
     assert saturation.stop_reason({"rate": 25, "failed": "LaunchError: x"}, limit) == "failed: LaunchError: x"
     # Only a latency breach is sent again, once.
@@ -100,10 +102,10 @@ def test_summary(rows: list[dict[str, Any]], expected: dict[str, Any]) -> None:
 
 
 def test_ratios_say_when_a_side_is_only_a_bound() -> None:
-    s = {"cortex": {"max_rate": 100, "lower_bound": False},
-         "smg-cache-aware": {"max_rate": 400, "lower_bound": False},
-         "envoy-alone": {"max_rate": 800, "lower_bound": True},
-         "other": {"max_rate": None, "lower_bound": False}}
+    s: dict[str, dict[str, Any]] = {"cortex": {"max_rate": 100, "lower_bound": False},
+                                    "smg-cache-aware": {"max_rate": 400, "lower_bound": False},
+                                    "envoy-alone": {"max_rate": 800, "lower_bound": True},
+                                    "other": {"max_rate": None, "lower_bound": False}}
     assert saturation.ratios(s) == {"cortex/smg-cache-aware": {"value": 0.25, "exact": True, "bound": "="},
                                     "cortex/envoy-alone": {"value": 0.12, "exact": False, "bound": "≤"},
                                     "cortex/other": {"value": None, "exact": False, "bound": None}}
@@ -112,8 +114,8 @@ def test_ratios_say_when_a_side_is_only_a_bound() -> None:
     assert saturation.ratios(s)["cortex/envoy-alone"]["bound"] == "?"
     assert saturation.ratios({"envoy-alone": {"max_rate": 800, "lower_bound": True}}) == {}
     # Cortex broke the limit at the first rung (10/s): below 10 over the other's figure.
-    first = {"cortex": {"max_rate": None, "stopped_at": 10, "lower_bound": False},
-             "smg-cache-aware": {"max_rate": 200, "lower_bound": True}}
+    first: dict[str, dict[str, Any]] = {"cortex": {"max_rate": None, "stopped_at": 10, "lower_bound": False},
+                                        "smg-cache-aware": {"max_rate": 200, "lower_bound": True}}
     assert saturation.ratios(first) == {"cortex/smg-cache-aware": {"value": 0.05, "exact": False, "bound": "<"}}
 
 

@@ -56,6 +56,7 @@ def test_zipf_is_sized_to_evict_on_its_fleet_while_the_head_fits() -> None:
     for quick in (True, False):
         w = build("zipf-prefix", quick=quick, seed=1)
         assert (w.workers, w.kv_tokens) == (8, 6144)
+        assert w.workers is not None and w.kv_tokens is not None
         fleet = w.workers * w.kv_tokens
         p = w.params
         # Every prompt in the catalogue: several times the fleet's KV.
@@ -103,6 +104,7 @@ def test_agentic_contexts_grow_by_a_tool_result_each_turn() -> None:
         assert all(lo + p["max_tokens"] <= d <= hi + p["max_tokens"] + 3 for d in steps), steps
         assert sizes[-1] <= p["longest_prompt_tokens"]
     # The longest context fits twice in one worker's KV (with room for the chat template).
+    assert w.kv_tokens is not None
     assert p["longest_prompt_tokens"] <= w.kv_tokens / 2 - 500
     assert (w.workers, w.kv_tokens) == (8, 16384)
 
@@ -110,7 +112,7 @@ def test_agentic_contexts_grow_by_a_tool_result_each_turn() -> None:
 def test_agentic_bursts_share_one_system_prompt_and_arrive_together() -> None:
     w = build("agentic", quick=False, seed=1)
     groups: dict[int, list[Session]] = collections.defaultdict(list)
-    solos = []
+    solos: list[Session] = []
     for s in w.sessions:
         (groups[s.group] if s.group >= 0 else solos).append(s)
     assert groups and solos
@@ -229,6 +231,7 @@ def test_committed_trace_loads_and_is_what_the_generator_writes(tmp_path: Path) 
     quick = build("trace", quick=True, seed=1, trace_path=str(SMALL_TRACE))
     full = build("trace", quick=False, seed=1, trace_path=str(SMALL_TRACE))
     assert len(full.sessions) == len(lines) and max(s.start for s in quick.sessions) < 40.0
+    assert full.workers is not None and full.kv_tokens is not None
     assert max(ln.input_length for ln in lines) < full.kv_tokens  # every prompt fits one worker
     assert full.kv_fill(full.workers, full.kv_tokens) > 2
 

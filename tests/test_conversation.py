@@ -67,10 +67,10 @@ def test_the_billing_header_line_is_dropped_from_system_text() -> None:
 
 
 def test_developer_becomes_system_for_a_template_that_does_not_know_it() -> None:
-    dev = [{"role": "developer", "content": "D", "tools": None}, {"role": "user", "content": "u"}]
+    dev: list[dict[str, Any]] = [{"role": "developer", "content": "D", "tools": None}, {"role": "user", "content": "u"}]
     assert developer_as_system(dev, QWEN_LIKE) == [{"role": "system", "content": "D"},
                                                    {"role": "user", "content": "u"}]
-    both = [{"role": "system", "content": "S"}, *dev]
+    both: list[dict[str, Any]] = [{"role": "system", "content": "S"}, *dev]
     assert developer_as_system(both, QWEN_LIKE) == [{"role": "system", "content": "S\n\nD"},
                                                     {"role": "user", "content": "u"}]
     assert developer_as_system(both, QWEN_LIKE + "{# 'developer' #}") == both  # the template knows the role
@@ -195,7 +195,8 @@ def test_anthropic_tools_and_bad_structures() -> None:
 
 
 def test_for_template_applies_the_engines_style() -> None:
-    msgs = [{"role": "developer", "content": "d", "tools": None}, {"role": "user", "content": "u"}]
+    msgs: list[dict[str, Any]] = [{"role": "developer", "content": "d", "tools": None},
+                                  {"role": "user", "content": "u"}]
     vllm_msgs, vllm_tools = for_template(msgs, [TOOL], None, QWEN_LIKE, "vllm")
     sglang_msgs, sglang_tools = for_template(msgs, [TOOL], None, QWEN_LIKE, "sglang")
     assert vllm_msgs[0]["role"] == "system" and sglang_msgs is msgs

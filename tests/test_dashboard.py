@@ -539,7 +539,7 @@ def test_a_restart_shows_as_a_new_start_time(gw: Gateway, exposed: dict[str, str
     """The series CortexExtprocRestarting and CortexIngestRestarting watch move when the supervisor restarts
     a child (and only the restarted child's)."""
     ext = ("cortex_extproc_start_time_seconds", {"process": "0"})
-    ing = ("cortex_ingest_start_time_seconds", {})
+    ing: tuple[str, dict[str, str]] = ("cortex_ingest_start_time_seconds", {})
     watched, other = (ext, ing) if child == "extproc" else (ing, ext)
     before = _value(gw, watched[0], **watched[1])
     other_before = _value(gw, other[0], **other[1])

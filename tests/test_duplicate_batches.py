@@ -184,7 +184,7 @@ def batch(*events: BlockStored | BlockRemoved) -> bytes:
     return encode_batch(KVEventBatch(ts=time.time(), events=list(events)))
 
 
-def stored(hashes: list[int], tokens: list[int], parent: int | None = None) -> BlockStored:
+def stored(hashes: list[int | bytes], tokens: list[int], parent: int | None = None) -> BlockStored:
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, lora_id=None,
                        medium="GPU", lora_name=None)
 

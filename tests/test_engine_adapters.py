@@ -16,7 +16,7 @@ import pytest
 from cortex import engines
 from cortex.config import ConfigError, ModelConfig, PdConfig, WorkerConfig, parse_config
 from cortex.engine_hashes import LoraRef, vllm_event_extra_keys, vllm_extra_keys
-from cortex.engines import ENGINE_NAMES, EngineAdapter, NotReproducible, adapter, all_adapters
+from cortex.engines import ENGINE_NAMES, EngineAdapter, NotReproducible, RankLoad, adapter, all_adapters
 from cortex.kv_events import TIER_GPU, TIERS
 from cortex.media import MediaSpan
 from cortexsim.config import ENGINES as SIM_ENGINES
@@ -225,7 +225,7 @@ def test_load_parser_and_rank_placement_against_the_simulator(name: str) -> None
     eng = adapter(name)
 
     async def scenario(server: Any, http: aiohttp.ClientSession) -> None:
-        async def load() -> dict[int, tuple[float, float, float]]:
+        async def load() -> dict[int, RankLoad]:
             async with http.get(eng.load_path) as resp:
                 assert resp.status == 200
                 return eng.parse_load(await resp.read())

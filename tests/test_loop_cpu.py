@@ -72,7 +72,7 @@ def test_cancellation_and_exceptions_pass_through() -> None:
 
 def test_the_label_set_is_fixed() -> None:
     with pytest.raises(ValueError, match="unknown loop"):
-        timed("per-worker-name", asyncio.sleep(0))
+        _ = timed("per-worker-name", asyncio.sleep(0))
     snap = snapshot()
     assert set(snap) == {*LOOPS, "other"}
     assert all(v >= 0 for v in snap.values())

@@ -23,7 +23,7 @@ from cortex import engines, media, template_format
 from cortex.blockkeys import chain_keys, chain_keys_with, content_extras, event_suffixes, extras_suffix, root_key
 from cortex.config import ModelConfig
 from cortex.conversation.content_parts import MediaRef, media_refs, template_messages
-from cortex.engines.base import MediaSpan
+from cortex.media import MediaSpan
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 from extproc import media_prompt
 from extproc.prepare import prompt_text
@@ -238,12 +238,13 @@ def test_a_uuid_names_the_item_and_kwargs_change_every_key(vl: tuple[ModelBundle
 
 
 def test_openai_content_parts_are_what_vllm_hands_the_template() -> None:
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": ["plain ", {"type": "text", "text": "typed", "cache_control": 1},
-                                             {"type": "input_image", "image_url": "data:x", "detail": "high"},
-                                             {"type": "refusal", "refusal": None}]},
-                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a"},
-                                                                   {"type": "text", "text": "b"}]}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": ["plain ", {"type": "text", "text": "typed", "cache_control": 1},
+                                     {"type": "input_image", "image_url": "data:x", "detail": "high"},
+                                     {"type": "refusal", "refusal": None}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a"},
+                                                           {"type": "text", "text": "b"}]}]
     out = template_messages(messages, "openai")
     assert out[0]["content"] == [{"type": "text", "text": "Be brief."}]
     assert out[1]["content"] == [{"type": "text", "text": "plain "}, {"type": "text", "text": "typed",

@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -61,7 +62,7 @@ def sse_events(raw: bytes) -> list[str]:
     return [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e.startswith("data: ")]
 
 
-def observed(gw: Gateway, n: int) -> None:
+def observed(gw: Gateway, n: float) -> None:
     """Wait until the observer has read n more routed entries (Envoy flushes its access log every 100 ms)."""
     wait_for(lambda: total(scrape(gw.ingest_url), "cortex_observer_entries_total", outcome="ok") >= n,
              timeout=20, what=f"{n} observed requests")
@@ -71,7 +72,7 @@ def test_twenty_requests_move_every_series_by_what_the_engines_did(gw: Gateway) 
     before, eng_before = scrape(gw.ingest_url), engines(gw)
     ok_before = total(before, "cortex_observer_entries_total", outcome="ok")
     chats = [long_chat(200 + 60 * i, seed=i) for i in range(5)]
-    usages: list[dict[str, int]] = []  # what clients saw
+    usages: list[dict[str, Any]] = []  # what clients saw
     claims = 0
     streams = plain_streams = 0
     for i in range(20):

@@ -81,8 +81,8 @@ GENERATE_STREAM = [event('{"text":"' + "x" * k + '","meta_info":{"id":"r","finis
                          f',"prompt_tokens":1042,"completion_tokens":{k},"cached_tokens":1024}}}}')
                    for k in range(1, 6)]
 
-CASES: dict[str, tuple[str, list[str], str, bool]] = {
-    # name: (content type, chunks written, what the client must get, usage injected by Cortex)
+CASES: dict[str, tuple[str, list[str], str | None, bool]] = {
+    # name: (content type, chunks written, what the client must get (None: all of it), usage injected by Cortex)
     "whole events": ("text/event-stream", [ROLE, TOKEN, TRICK, USAGE, DONE], KEPT, True),
     "byte by byte": ("text/event-stream", byte_by_byte(STREAM), KEPT, True),
     "usage key split": ("text/event-stream", split_in_usage_key(STREAM), KEPT, True),

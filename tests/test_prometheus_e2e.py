@@ -342,9 +342,9 @@ def baseline(s: Stack) -> None:
     unknown = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": "no-such-model", "messages": short(2)},
                          timeout=30)
     assert unknown.status_code == 404
-    auth = {"authorization": f"Bearer {RATE_KEY}"}
-    assert chat(gw, short(3), **auth).status_code == 200
-    assert chat(gw, short(4), **auth).status_code == 429
+    auth = f"Bearer {RATE_KEY}"
+    assert chat(gw, short(3), authorization=auth).status_code == 200
+    assert chat(gw, short(4), authorization=auth).status_code == 429
     sent += 2
     wait_for(lambda: scraped_requests(s.prom) >= sent, timeout=30, interval=0.5, what="the baseline scraped")
     time.sleep(2 * SCRAPE_S)

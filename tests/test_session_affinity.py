@@ -111,7 +111,7 @@ def test_sessions_spread_over_the_workers() -> None:
 
 def test_the_reason_names_session_affinity_only_where_it_decided() -> None:
     targets = [target(i) for i in range(4)]
-    reasons = Counter()
+    reasons: Counter[str] = Counter()
     for i in range(64):
         key = f"conv-{i}"
         d = decide(LoadAware(), targets, {}, key, seed=i)

@@ -33,7 +33,7 @@ OLD2 = list(range(1100, 1116))
 NEW = list(range(2000, 2016))  # the restarted engine's
 
 
-def batch(hashes: list[int], tokens: list[int], parent: int | None = None) -> bytes:
+def batch(hashes: list[int | bytes], tokens: list[int], parent: int | None = None) -> bytes:
     """One vLLM 0.33 batch with one BlockStored (cortex/kv_events.py: the engine's own schema)."""
     return encode_batch(KVEventBatch(ts=time.time(), events=[BlockStored(
         block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=16, lora_id=None,

@@ -315,6 +315,7 @@ def test_decisions_keep_only_the_contract_fields() -> None:
     assert "secret" not in out and "prompt_token_ids" not in out
     (weird,) = sp.decisions({"decisions": [decision(claimed_hit_tokens="lots", status=True, reason="x" * 500)]})
     assert weird["claimed_hit_tokens"] is None and weird["status"] is None and len(weird["reason"]) == sp.MAX_TEXT
+    bad: object
     for bad in (None, [], {"decisions": {}}, {"points": []}):
         with pytest.raises(ValueError):
             sp.decisions(bad)
@@ -347,8 +348,8 @@ def test_hit_ratio_buckets_and_totals() -> None:
 
 
 def test_chart_leaves_empty_buckets_empty() -> None:
-    pts = [{"ratio": 0.5, "claimed_ratio": 0.25}, {"ratio": 1.0, "claimed_ratio": 1.0},
-           {"ratio": None, "claimed_ratio": None}, {"ratio": 0.0, "claimed_ratio": 0.0}]
+    pts: list[dict[str, Any]] = [{"ratio": 0.5, "claimed_ratio": 0.25}, {"ratio": 1.0, "claimed_ratio": 1.0},
+                                 {"ratio": None, "claimed_ratio": None}, {"ratio": 0.0, "claimed_ratio": 0.0}]
     svg = sp.hit_ratio_chart(pts, width=108, height=108)
     # Slots of 25 px, bars of 17.5: a bucket without traffic draws nothing; a zero hit keeps a 1 px baseline.
     assert svg.count('class="bucket"') == 3 and svg.count('class="claim"') == 3

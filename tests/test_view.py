@@ -165,7 +165,7 @@ def test_validation(path: Path) -> None:
     for kwargs in ({"max_workers": 0}, {"capacity": 0}, {"max_load": 0.0}, {"max_load": 0.95},
                    {"meta_bytes": 1}):
         with pytest.raises(ValueError):
-            ViewWriter(path.with_name("bad"), **kwargs)  # type: ignore[arg-type]
+            ViewWriter(path.with_name("bad"), **kwargs)
 
 
 def test_capacity_rounds_up_to_power_of_two(path: Path) -> None:
@@ -529,6 +529,7 @@ class ViewMachine(RuleBasedStateMachine):
     @rule(worker=WORKERS, data=st.data())
     def add(self, worker: int, data: st.DataObject) -> None:
         keys = self._keys(data)
+        assert self.writer is not None
         self.writer.add(worker, keys)
         self._note(keys)
         for k in keys:
@@ -537,6 +538,7 @@ class ViewMachine(RuleBasedStateMachine):
     @rule(worker=WORKERS, data=st.data())
     def remove(self, worker: int, data: st.DataObject) -> None:
         keys = self._keys(data)
+        assert self.writer is not None
         self.writer.remove(worker, keys)
         self._note(keys)
         for k in keys:
@@ -547,6 +549,7 @@ class ViewMachine(RuleBasedStateMachine):
 
     @rule(worker=WORKERS)
     def clear_worker(self, worker: int) -> None:
+        assert self.writer is not None
         self.writer.clear_worker(worker)
         for k in list(self.model):
             self.model[k].discard(worker)
@@ -556,6 +559,7 @@ class ViewMachine(RuleBasedStateMachine):
     @rule(a=WORKERS, b=WORKERS, data=st.data())
     def batch(self, a: int, b: int, data: st.DataObject) -> None:
         add_keys, remove_keys = self._keys(data), self._keys(data)
+        assert self.writer is not None
         with self.writer.batch():
             self.writer.add(a, add_keys)
             self.writer.remove(b, remove_keys)
@@ -570,6 +574,7 @@ class ViewMachine(RuleBasedStateMachine):
 
     @rule()
     def reopen_reader(self) -> None:
+        assert self.reader is not None
         self.reader.close()
         self.reader = ViewReader(self.path)
 
@@ -578,6 +583,7 @@ class ViewMachine(RuleBasedStateMachine):
         if not self.seen:
             return
         chain = data.draw(st.lists(st.sampled_from(self.seen), min_size=1, max_size=20))
+        assert self.reader is not None
         got = self.reader.match(chain).tolist()
         assert got == model_match(self.model, chain, self.MAX_WORKERS)
 
@@ -585,6 +591,7 @@ class ViewMachine(RuleBasedStateMachine):
     def agrees_with_model(self) -> None:
         if self.writer is None:
             return
+        assert self.reader is not None
         self.writer._check()
         assert self.reader.size == self.writer.size == len(self.model)
         for k in self.seen:

@@ -77,7 +77,7 @@ def vllm_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _cases() -> list[dict[str, Any]]:
-    cases = []
+    cases: list[dict[str, Any]] = []
     for algo in ALGOS:
         for seed in (None, "0", "vllm-none-hash"):
             for tokens, bs in (([1, 2, 3, 4, 5, 6, 7, 8], 4), (LONG, 16)):

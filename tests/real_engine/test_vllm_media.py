@@ -82,7 +82,7 @@ def turn(*parts: Any, system: str = SYSTEM) -> list[dict[str, Any]]:
 
 def ask(gw: Gateway, messages: list[dict[str, Any]]) -> dict[str, Any]:
     settle(gw)
-    headers, usage = chat(gw, messages)  # type: ignore[arg-type]
+    headers, usage = chat(gw, messages)
     return {"claim": claimed(headers), "cached": cached(usage), "prompt": usage["prompt_tokens"],
             "worker": headers["x-cortex-assigned-worker"], "reason": headers["x-cortex-route-reason"]}
 

@@ -10,7 +10,14 @@ import aiohttp
 import pytest
 import zmq
 
-from cortex.kv_events import BlockRemoved, KVEventBatch, decode_batch, decode_sglang_batch
+from cortex.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    SglBlockStored,
+    decode_batch,
+    decode_sglang_batch,
+)
 from cortexsim.faults import FaultError, Faults
 from cortexsim.kv_events import ZmqEventPublisher
 from cortexsim.server import SimServer
@@ -28,9 +35,16 @@ def batch(n: int) -> KVEventBatch:
     return KVEventBatch(ts=float(n), events=[BlockRemoved(block_hashes=[n], medium="GPU", group_idx=0)])
 
 
+def removal(payload: bytes) -> BlockRemoved:
+    """The one event of a batch made by `batch`."""
+    event = decode_batch(payload).events[0]
+    assert isinstance(event, BlockRemoved)
+    return event
+
+
 def marker(frames: list[bytes]) -> int:
     """The batch's id (the hash it carries) and, separately, its seq."""
-    return int(decode_batch(frames[2]).events[0].block_hashes[0])  # type: ignore[arg-type]
+    return int(removal(frames[2]).block_hashes[0])
 
 
 def seq(frames: list[bytes]) -> int:
@@ -61,7 +75,7 @@ class Live:
             self.sub.recv_multipart()
 
     def take(self, n: int) -> list[list[bytes]]:
-        out = []
+        out: list[list[bytes]] = []
         for _ in range(n):
             assert self.sub.poll(5000), f"expected {n} messages, got {len(out)}"
             out.append(self.sub.recv_multipart())
@@ -87,7 +101,7 @@ def test_drop_consumes_the_seq_and_stays_replayable(ctx: zmq.Context[zmq.Socket[
         assert pub.replay_endpoint is not None
         (replayed, _) = replay(pub.replay_endpoint, dropped_seq)
         assert replayed[0] == dropped_seq
-        assert decode_batch(replayed[1]).events[0].block_hashes == [1]
+        assert removal(replayed[1]).block_hashes == [1]
     finally:
         pub.close()
 
@@ -154,7 +168,7 @@ def test_restart_rebinds_with_seq_zero_and_empty_buffer(ctx: zmq.Context[zmq.Soc
         assert replay_endpoint is not None
         seqs = [s for s, _ in replay(replay_endpoint, 0)]
         assert seqs[0] == 0 and seqs == list(range(len(seqs)))
-        assert all(decode_batch(p).events[0].block_hashes[0] >= 20_000 for _, p in replay(replay_endpoint, 0))
+        assert all(int(removal(p).block_hashes[0]) >= 20_000 for _, p in replay(replay_endpoint, 0))
     finally:
         pub.close()
 
@@ -330,7 +344,7 @@ def test_restart_publisher_starts_cold(engine: str) -> None:
         payloads = [p for _, p in replay(srv.kv_replay_endpoint)]
         stored = [e for p in payloads for e in (decode_batch(p).events if engine == "vllm"
                                                  else decode_sglang_batch(p).events)
-                  if type(e).__name__ in ("BlockStored", "SglBlockStored")]
+                  if isinstance(e, BlockStored | SglBlockStored)]
         assert stored and stored[0].parent_block_hash is None
 
     serve(scenario, config(engine=engine, block_size=16))

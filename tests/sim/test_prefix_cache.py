@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,7 +33,7 @@ def run(cache: PrefixCache, rid: str, prompt: list[int], max_new: int = 1) -> in
     return admission.num_cached_tokens
 
 
-def removed(events: list[object]) -> list[int]:
+def removed(events: Sequence[object]) -> list[int]:
     out: list[int] = []
     for e in events:
         if isinstance(e, BlockRemoved):
@@ -241,6 +243,7 @@ def test_report_mode_full_announces_the_hit_again_at_every_lookup() -> None:
     run(cache, "a", prompt)
     stored_first = cache.take_events()
     assert [type(e) for e in stored_first] == [BlockStored]
+    assert isinstance(stored_first[0], BlockStored)
     hog = cache.admit("hog", toks(80, start=5000))  # pins 5 blocks: "b" fits only once "hog" is done
     assert hog is not None
     cache.take_events()

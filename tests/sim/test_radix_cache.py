@@ -61,6 +61,7 @@ def test_branch_splits_silently_and_links_the_parent_page() -> None:
     cache.take_events()
     assert run(cache, "b", [1, 2, 3, 4, 11, 12, 13, 14, 15]) == 4
     (stored,) = cache.take_events()  # the split of [1..8] itself emitted nothing
+    assert isinstance(stored, SglBlockStored)
     assert stored.block_hashes == [BRANCH] and stored.parent_block_hash == P0
     assert stored.token_ids == [11, 12, 13, 14]
     assert cache.num_cached_blocks == 3
@@ -81,6 +82,7 @@ def test_page_size_one_hashes_every_token() -> None:
     cache.take_events()
     run(cache, "a", [1, 2, 3], outputs=[9])
     (stored,) = cache.take_events()
+    assert isinstance(stored, SglBlockStored)
     assert stored.block_hashes == [7470307888890966271, -1634645291211865391, 7325169757385981536]
     assert stored.block_size == 1
 
@@ -92,6 +94,7 @@ def test_decode_tokens_enter_the_tree_only_at_release() -> None:
     assert cache.admit("a", prompt, max_new_tokens=6) is not None
     cache.commit("a", 8)
     (prefill,) = cache.take_events()
+    assert isinstance(prefill, SglBlockStored)
     assert prefill.token_ids == prompt
     outputs = [50, 51, 52, 53, 54]
     for i, tok in enumerate(outputs):
@@ -100,6 +103,7 @@ def test_decode_tokens_enter_the_tree_only_at_release() -> None:
     assert cache.take_events() == []  # nothing while decoding
     cache.free("a")
     (release,) = cache.take_events()
+    assert isinstance(release, SglBlockStored)
     # 8 prompt + 5 computed outputs = 13 tokens: one more full page, the partial tail is dropped.
     assert release.token_ids == [50, 51, 52, 53]
     assert release.block_hashes == wires([*prompt, 50, 51, 52, 53], 4)[2:]
@@ -161,6 +165,7 @@ def test_parent_becomes_a_leaf_after_its_children_go() -> None:
     cache.take_events()
     assert cache.admit("big", list(range(900, 920))) is not None  # 5 pages: everything goes
     (removed,) = cache.take_events()
+    assert isinstance(removed, SglBlockRemoved)
     h_x, h_y = wires([*stem, 20, 21, 22, 23], 4), wires([*stem, 30, 31, 32, 33], 4)
     # Leaves first (x then y by recency), then the stem once it became a leaf; one coalesced event.
     assert removed.block_hashes == [h_x[2], h_y[2], h_x[0], h_x[1]]
@@ -175,6 +180,7 @@ def test_salt_and_lora_namespaces() -> None:
     cache.commit("s", 9)
     cache.free("s")
     (salted,) = cache.take_events()
+    assert isinstance(salted, SglBlockStored)
     assert salted.block_hashes[0] == 8751685944416650314  # kv-events.md §9.3 salt vector
     assert salted.cache_salt == "s1" and salted.parent_block_hash is None
     assert run(cache, "plain", prompt) == 0  # another namespace: no hit
@@ -183,6 +189,7 @@ def test_salt_and_lora_namespaces() -> None:
     cache.commit("l", 9)
     cache.free("l")
     (adapted,) = cache.take_events()
+    assert isinstance(adapted, SglBlockStored)
     extra_key = sglang_extra_key(None, lora)
     assert extra_key == uuid.uuid5(uuid.NAMESPACE_URL, "sql-lora\0/adapters/sql").hex == sglang_lora_id(lora)
     seed = sglang_namespace_seed(extra_key, None)
@@ -193,6 +200,7 @@ def test_salt_and_lora_namespaces() -> None:
     cache.commit("e", 9)
     cache.free("e")
     (extra,) = cache.take_events()
+    assert isinstance(extra, SglBlockStored)
     assert extra.block_hashes == [P0, P1] and extra.lora_name is None
 
 
@@ -203,6 +211,7 @@ def test_dynamo_format_namespaces_salt_too() -> None:
     cache.commit("s", 9)
     cache.free("s")
     (ev,) = cache.take_events()
+    assert isinstance(ev, SglBlockStored)
     salted_chain = wires(list(range(1, 9)), 4, cache_salt="s1")
     seed = sglang_namespace_seed(None, "s1")
     assert ev.block_hashes == [sglang_namespaced_hash(h, seed) for h in salted_chain]

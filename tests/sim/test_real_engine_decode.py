@@ -82,7 +82,7 @@ def _sglang_payloads() -> list[bytes]:
     out = [encode_batch(now_batch(cache.take_events(), 0))]
     lora = LoraRef("sql", "/adapters/sql")
     for rid, kw in (("a", {"cache_salt": "s1"}), ("b", {"lora": lora}), ("c", {})):
-        assert cache.admit(rid, list(range(1, 10)), **kw) is not None  # type: ignore[arg-type]
+        assert cache.admit(rid, list(range(1, 10)), **kw) is not None
         cache.commit(rid, 9)
         cache.free(rid)
     out.append(encode_batch(now_batch(cache.take_events(), 0)))

@@ -130,7 +130,7 @@ def replay_events(srv: SimServer) -> list[Any]:
         ctx.destroy(linger=0)
 
 
-def stored_hashes(events: list[Any]) -> list[int]:
+def stored_hashes(events: list[Any]) -> list[int | bytes]:
     return [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
 
 
@@ -495,7 +495,7 @@ def test_cli_ready_line_serves_and_stops_gracefully(sig: signal.Signals) -> None
         # The store is published before the response, but the replay thread may not have sent it yet.
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            hashes: list[int] = []
+            hashes: list[int | bytes] = []
             for _ in range(100):
                 dealer = ctx.socket(zmq.DEALER)
                 dealer.connect(fields["kv_replay"])

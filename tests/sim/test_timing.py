@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 
@@ -105,8 +106,9 @@ def test_new_terms_are_plumbed_through_config_and_cli() -> None:
                                      max_num_batched_tokens=512, attention_ms_per_ktoken2=4.5,
                                      kv_read_ms_per_ktoken=0.125)
     for name in ("attention_ms_per_ktoken2", "kv_read_ms_per_ktoken"):
+        kwargs: dict[str, Any] = {name: -1.0}
         with pytest.raises(ValueError, match=name):
-            SimConfig(**{name: -1.0}).validate()
+            SimConfig(**kwargs).validate()
 
 
 # --- the engine's schedule, step by step ---------------------------------------------------------------------

@@ -36,7 +36,8 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_ID = "/models/qwen2-vl-tiny"
-PROCESSOR = {"min_pixels": 3136, "max_pixels": 50176, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}
+PROCESSOR: dict[str, Any] = {"min_pixels": 3136, "max_pixels": 50176, "patch_size": 14, "merge_size": 2,
+                             "temporal_patch_size": 2}
 
 
 def _encoded(im: Image.Image, fmt: str, **save: Any) -> bytes:
