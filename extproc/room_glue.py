@@ -20,7 +20,7 @@ from extproc.cluster_view import derived_load
 from extproc.plan import RoutePlan
 from extproc.policies.base import active_of
 from extproc.policies.transparent import REASON as TRANSPARENT
-from extproc.stream_state import Admitted, PendingPair, PoolFacts, Seat, StreamState, Waiting
+from extproc.stream_state import PendingPair, PoolFacts, Seat, StreamState, Waiting
 from extproc.waiting_room import Entry, WaitingRoom, full
 
 
@@ -52,7 +52,7 @@ class RoomGlue:
                                      frozenset(t.slot for t in self.act.cluster.targets.get(result.model, ())))
         return True
 
-    def enter(self, st: StreamState, pool: str, admitted: Admitted) -> pb.ProcessingResponse | Waiting:
+    def enter(self, st: StreamState, pool: str) -> pb.ProcessingResponse | Waiting:
         gen = self.act.source.current
         wr = gen.cfg.admission.waiting_room
         tenant = st.tenant or gen.tenants.default
@@ -60,11 +60,12 @@ class RoomGlue:
         room.max_requests, room.max_bytes = wr.max_requests, wr.max_bytes
         # Envoy's deadline for the message was fixed at start: a TTL raised by a reload waits no longer than it.
         ttl = max(1.0, min(wr.ttl_s, self.max_hold_s - gen.cfg.longest_extproc_hold_s(waiting_room=False)))
-        seat = Seat(st, admitted, asyncio.get_running_loop().create_future())
+        assert st.admitted is not None  # only an admitted request waits
+        seat = Seat(st, asyncio.get_running_loop().create_future())
         displaced: list[Entry[Seat]] = []
         now = time.monotonic()
         band = st.priority if st.priority is not None else tenant.priority  # an llm-d objective's, else its tenant's
-        entry = room.offer(pool, tenant.id, band, tenant.weight, len(admitted.body), now, ttl, seat, displaced)
+        entry = room.offer(pool, tenant.id, band, tenant.weight, len(st.admitted.body), now, ttl, seat, displaced)
         for gone in displaced:  # a full room made way for this one (extproc/waiting_room.py: victim)
             metrics.QUEUE_WAIT_SECONDS.labels(str(gone.band)).observe(now - gone.arrived)
             if not gone.payload.answer.done():

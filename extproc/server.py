@@ -342,8 +342,8 @@ class ExtProc:
             return self._undecided(st, body)
         model = admitted.parsed.model
         if self.room.waiting(model) and gen.cfg.admission.waiting_room.enabled:
-            return self._wait(st, model, admitted)  # behind the requests already waiting for it
-        return self.route(st, admitted)
+            return self._wait(st, model)  # behind the requests already waiting for it
+        return self.route(st)
 
     def _admit(self, st: StreamState, spec: inference_paths.InferencePath, body: bytes) -> Admitted:
         """Parse the body, apply llm-d's model rewrite and the tenant's isolation salt, check a structured-output
@@ -369,10 +369,11 @@ class ExtProc:
         st.fallback_reason = "extproc_error"
         return self.act.undecided(st, body)
 
-    def route(self, st: StreamState, admitted: Admitted,
-              released: bool = False) -> pb.ProcessingResponse | PendingPair | Waiting:
-        """Decide an admitted request and act on the decision. `released`: it comes out of the waiting room
-        (decided anew on the view as it is now, and never sent back in)."""
+    def route(self, st: StreamState, released: bool = False) -> pb.ProcessingResponse | PendingPair | Waiting:
+        """Decide an admitted request (`st.admitted`) and act on the decision. `released`: it comes out of the
+        waiting room (decided anew on the view as it is now, and never sent back in)."""
+        admitted = st.admitted
+        assert admitted is not None  # the body phase admits before it routes
         gen = self.act.gen_of(st)
         parsed, body = admitted.parsed, admitted.body
         t0 = time.perf_counter()
@@ -383,7 +384,7 @@ class ExtProc:
                 return error(exc, st)
             # Scale from zero: it waits for a worker to appear.
             self.room_glue.facts[parsed.model] = PoolFacts(exc.model, frozenset(), frozenset())
-            return self._wait(st, parsed.model, admitted)
+            return self._wait(st, parsed.model)
         except ClientError as exc:
             return error(exc, st)
         except Exception:  # never fail the request because routing failed: Envoy's balancing takes it
@@ -401,7 +402,7 @@ class ExtProc:
                 result.effects.flags_only()
             result = replace(result, decision=narrowed, effects=effects)
         if not released and self.room_glue.must_wait(parsed.model, result):
-            return self._wait(st, parsed.model, admitted)
+            return self._wait(st, parsed.model)
         metrics.observe_decision(result, admitted.parse_s + time.perf_counter() - t0, self.cluster.block_size)
         if st.ticket is not None:
             try:
@@ -443,23 +444,23 @@ class ExtProc:
     async def explain_http(self, request: web.Request) -> web.Response:
         return await route_explain.explain_http(self.act, request)
 
-    def _wait(self, st: StreamState, pool: str, admitted: Admitted) -> pb.ProcessingResponse | Waiting:
+    def _wait(self, st: StreamState, pool: str) -> pb.ProcessingResponse | Waiting:
         """Seat the request in the waiting room, then wake it: load may have fallen since the last wake, so the
         head (maybe this one) goes at once."""
-        seated = self.room_glue.enter(st, pool, admitted)
+        seated = self.room_glue.enter(st, pool)
         if isinstance(seated, Waiting):
             self.wake()
         return seated
 
     def wake(self) -> None:
-        """Expire what waits in the room and route what it releases (RoomGlue.releases), each decided anew from its
-        seat's `Admitted` (released: never sent back in)."""
+        """Expire what waits in the room and route what it releases (RoomGlue.releases), each decided anew from what its
+        stream admitted, `st.admitted` (released: never sent back in)."""
         releases = self.room_glue.releases()
         with contextlib.suppress(StopIteration):
             seat = next(releases)
             while True:
                 try:
-                    answer = self.route(seat.st, seat.admitted, released=True)
+                    answer = self.route(seat.st, released=True)
                 except Exception:  # released from the room, it is answered whatever failed: the gateway's fallback
-                    answer = self._undecided(seat.st, seat.admitted.body)
+                    answer = self._undecided(seat.st, seat.st.admitted.body if seat.st.admitted else b"")
                 seat = releases.send(answer)

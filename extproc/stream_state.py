@@ -59,10 +59,10 @@ class PendingPair:
 
 @dataclass(slots=True)
 class Seat:
-    """A request in the waiting room: what acting on it needs once released, and where its answer goes."""
+    """A request in the waiting room: its stream's state (routed once released from what it admitted,
+    `st.admitted`) and where its answer goes."""
 
     st: StreamState
-    admitted: Admitted
     answer: asyncio.Future[pb.ProcessingResponse | PendingPair]
 
 
