@@ -207,11 +207,16 @@ def test_a_burst_of_new_siblings_does_not_scatter(gw: Gateway) -> None:
         results = list(pool.map(lambda _: chat(gw, messages), range(6)))
     # Every sibling saw the first one's predicted blocks: it followed them, or the scorer sent it elsewhere
     # because the holder was loaded (the trade-off issue 5 defines), never for want of a known prefix.
+    # A sibling spread to a second worker leaves its prediction there, so a later one may follow it
+    # (predicted_prefix): allowed only on a worker some sibling was spread to.
     first = Counter(h["x-cortex-assigned-worker"] for h, _ in results).most_common(1)[0][0]
+    spread = ("holder_too_loaded", "holder_slower", "holder_over_high_watermark")
+    spread_to = {h["x-cortex-assigned-worker"] for h, _ in results if h["x-cortex-route-reason"] in spread}
     for h, _ in results:
         if h["x-cortex-assigned-worker"] != first:
-            assert h["x-cortex-route-reason"] in ("holder_too_loaded", "holder_slower",
-                                                  "holder_over_high_watermark"), dict(h)
+            reason = h["x-cortex-route-reason"]
+            assert reason in spread or (reason == "predicted_prefix" and h["x-cortex-assigned-worker"] in spread_to), \
+                dict(h)
     assert sum(h["x-cortex-assigned-worker"] == first for h, _ in results) >= 4
     for h, usage in results:  # never a claim beyond what the worker itself reports
         assert int(h["x-cortex-cache-hit-tokens"]) <= usage["prompt_tokens_details"]["cached_tokens"]

@@ -6,26 +6,34 @@ with `CORTEX_REAL_ENGINE=required` (CI's .ci/run) a missing engine fails instead
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.real_engine import models
-from tests.real_engine.vllm_engine import required, venv_missing
+from tests.real_engine.vllm_engine import SETUP_WAIT_S, await_setup, required, venv_missing
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
-    for item in items:
-        if here in Path(item.path).parents:
-            item.add_marker(pytest.mark.real_engine)
+    tier = [item for item in items if here in Path(item.path).parents]
+    for item in tier:
+        item.add_marker(pytest.mark.real_engine)
+    if tier and os.environ.get("CORTEX_VLLM_SETUP_STATUS"):
+        # The tier runs in collection order on one worker (tests/conftest.py), so its first test is the one that
+        # waits for an install running beside the suite: its timeout has room for that wait too.
+        first = tier[0]
+        marker = first.get_closest_marker("timeout")
+        own = float(marker.args[0]) if marker is not None and marker.args else config.getini("timeout")
+        first.add_marker(pytest.mark.timeout(float(own or 0) + SETUP_WAIT_S))
 
 
 @pytest.fixture(scope="session")
 def vllm_available() -> None:
     """Skips (or, when required, fails) the test when no real vLLM can run here."""
-    reason = venv_missing()
+    reason = await_setup() or venv_missing()
     if reason is None:
         return
     if required():

