@@ -104,7 +104,7 @@ def _as_chat(req: ParsedRequest, messages: list[dict[str, Any]], param: str) -> 
 def parse_responses(raw: bytes) -> ParsedRequest:
     """POST /v1/responses: `instructions` and `input` (a string or items: messages, function calls and their
     outputs, reasoning) as chat messages, its function tools as chat tools."""
-    body = load_object(raw)
+    body = load_object(raw, "input")
     model = model_of(body)
     assert model is not None
     fields = validated(_Responses, body, _EXPECTED_RESPONSES)
@@ -136,7 +136,7 @@ def parse_responses(raw: bytes) -> ParsedRequest:
 def parse_messages(raw: bytes) -> ParsedRequest:
     """POST /v1/messages: Anthropic's `system`, `messages` (text, tool uses and results, thinking) and `tools` as
     the chat request vLLM makes of them."""
-    body = load_object(raw)
+    body = load_object(raw, "messages")
     model = model_of(body)
     assert model is not None
     if body.get("max_tokens") is None:
@@ -169,7 +169,7 @@ def parse_count_tokens(raw: bytes) -> ParsedRequest:
     routed by load among its model's workers with no claim (no prompt is rendered here, no prediction recorded),
     and it costs no tokens under the tenant's token limits: its answer carries no usage, and the routed prompt is
     0 tokens. Its rate and concurrency limits hold as on every path."""
-    body = load_object(raw)
+    body = load_object(raw, "messages")
     model = model_of(body)
     assert model is not None
     fields = validated(_CountTokens, body, _EXPECTED_COUNT_TOKENS)

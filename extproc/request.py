@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cortex.conversation.chat import TEXT_PARTS, chat_messages
 from cortex.conversation.template_args import reasoning_kwargs
 from cortex.errors import ClientError
+from extproc import json_items
 
 Kind = Literal["chat", "completion"]
 """The prompt's form: chat messages rendered by the model's template, or a text / token-id prompt."""
@@ -215,11 +216,12 @@ def _fields(kind: Kind, body: dict[str, Any]) -> _Chat | _Completion:
     return validated(_Completion, body, _EXPECTED_COMPLETION)
 
 
-def load_object(raw: bytes) -> dict[str, Any]:
+def load_object(raw: bytes, items: str | None = None) -> dict[str, Any]:
     """The body as a JSON object: strict RFC 8259 (UTF-8 only, no NaN/Infinity, no lone surrogates, at most 1024
-    levels deep); orjson's message gives the position, never the document."""
+    levels deep); orjson's message gives the position, never the document. `items` names the conversation's
+    array, whose elements a next turn repeats: those are decoded once (extproc/json_items.py)."""
     try:
-        body = orjson.loads(raw)
+        body = orjson.loads(raw) if items is None else json_items.load(raw, items)
     except orjson.JSONDecodeError as exc:
         raise ClientError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -322,7 +324,7 @@ def _tools(tools: list[Any]) -> None:
 
 def parse_body(kind: Kind, raw: bytes) -> ParsedRequest:
     """A chat completions (`kind` chat) or completions request."""
-    body = load_object(raw)
+    body = load_object(raw, "messages" if kind == "chat" else None)
     model = model_of(body)
     assert model is not None
     fields = _fields(kind, body)
