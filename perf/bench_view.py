@@ -1,7 +1,8 @@
 """Benchmark of the shared ledger view (cortex/ledger_view/): writer throughput, match latency, memory per key, and
 match latency while another process storms the writer side.
 
-Run from the repository root: `python perf/bench_view.py` (`--small`: only the writer's rows). Files go to a
+Run from the repository root: `python perf/bench_view.py` (`--small`: only the writer's rows; `--fleet`: those and
+the match at fleet scale, 8-256 workers). Files go to a
 temporary directory (under /dev/shm when available, like the real view) that is removed at the end. Runtime is
 bounded to well under a minute.
 """
@@ -166,6 +167,42 @@ def bench_match(tmp: Path) -> None:
         w.close(unlink=True)
 
 
+def bench_fleet_match(tmp: Path) -> None:
+    """Issue 28's lookup goal: 512 blocks matched against a fleet's view, every worker holding the whole chain (the
+    bitset rows as wide as the fleet). Wall time is what a request waits; the thread's CPU time leaves out the
+    preemptions of a shared machine."""
+    print("\n== match at fleet scale (512-key chains held by every worker; a table at load ~0.4)")
+    row("workers", "wall p50 us", "wall p99 us", "CPU p50 us", "CPU p99 us", "result ok")
+    for workers in (8, 64, 256):
+        path = tmp / f"fleet{workers}"
+        w = ViewWriter(path, max_workers=workers, capacity=1 << 18)
+        bg = random_keys(100_000)
+        for i in range(0, bg.size, 4096):
+            w.add(i // 4096 % workers, bg[i:i + 4096])
+        chains = [random_keys(512) for _ in range(16)]
+        with w.batch():
+            for c in chains:
+                for worker in range(workers):
+                    w.add(worker, c)
+        r = ViewReader(path)
+        ok = all(r.match(c).tolist()[:workers] == [512] * workers for c in chains)
+        wall: list[int] = []
+        cpu: list[int] = []
+        deadline = time.perf_counter() + 2.0
+        i = 0
+        while time.perf_counter() < deadline and len(wall) < 20_000:
+            q = chains[i % len(chains)]
+            i += 1
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            r.match(q)
+            cpu.append(time.thread_time_ns() - c0)
+            wall.append(time.perf_counter_ns() - t0)
+        row(str(workers), f"{pct(wall, 50):.1f}", f"{pct(wall, 99):.1f}", f"{pct(cpu, 50):.1f}",
+            f"{pct(cpu, 99):.1f}", str(ok))
+        r.close()
+        w.close(unlink=True)
+
+
 def bench_memory(tmp: Path) -> None:
     print("\n== memory (table bytes; the file adds a 128 B header and the meta region, 1 MiB by default)")
     row("workers", "B/slot", "B/key @0.5", "B/key @0.25", "file B/key @0.5")
@@ -262,6 +299,9 @@ def main() -> None:
         bench_writer(tmp)
         bench_small_writes(tmp)
         if "--small" in sys.argv:
+            return
+        bench_fleet_match(tmp)
+        if "--fleet" in sys.argv:
             return
         bench_match(tmp)
         bench_memory(tmp)
