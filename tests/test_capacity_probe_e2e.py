@@ -1,10 +1,12 @@
 """`cortex capacity --probe` against a real simulated worker process on loopback.
 
-The worker runs at most 4 requests at once (--max-running 4) and a decode step costs 20 ms, so up to 4
+The worker runs at most 4 requests at once (--max-running 4) and a decode step costs 40 ms, so up to 4
 concurrent requests scale (they share decode steps) and an 8th-concurrency step only queues: throughput stays
-flat while the queued requests wait ~16 x 20 ms for a slot before their first token. That gap is far larger
-than a loaded machine's noise, so the knee is 4 and the recommendation 3, every run. Bounded: four steps of
-20 requests of 16 tokens (~15 s), a 90 s budget it does not come near.
+flat while the queued requests wait ~16 x 40 ms for a slot before their first token. The knee is 4 and the
+recommendation 3. A step's time is modelled (slept), so the simulator's own CPU per token is what a loaded machine
+can delay: at 20 ms a step, the whole suite beside two CPU hogs once starved it enough at concurrency 4 (throughput
+or TTFT) to put the knee at 2; at 40 ms it needs half the CPU share to keep pace. Bounded: four steps of 20
+requests of 16 tokens (~30 s), a 90 s budget it does not come near.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tests.harness import PY, stop
 @pytest.fixture
 def worker() -> Iterator[str]:
     proc = subprocess.Popen([*PY, "sim", "--port", "0", "--kv-events-port", "0", "--worker-id", "capacity-probe",
-                             "--max-running", "4", "--decode-ms-per-token", "20"],
+                             "--max-running", "4", "--decode-ms-per-token", "40"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         assert proc.stdout is not None
