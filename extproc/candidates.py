@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from cortex.config import SchedulerConfig
-from extproc.cluster_view import TargetInfo, derived_load
+from extproc.cluster_view import TargetInfo, derived_load, derived_waiting
 from extproc.engine_hits import LowerHit
 from extproc.policies.base import Candidate, queue_ms, still_hot
 from extproc.predictions import Predictions
@@ -76,7 +76,7 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
         n_inflight = int(inflight[w.slot])
         engine_load = derived_load(w.engine_load, w.load_inflight, n_inflight) if alive else None
         active = max(engine_load or 0.0, float(n_inflight))
-        waiting = w.engine_waiting if engine_load is not None else 0.0
+        waiting = 0.0 if engine_load is None else derived_waiting(w.engine_waiting, w.engine_load, w.load_inflight)
         c = Candidate(
             id=w.id, slot=w.slot, address=w.address, ledger_trusted=trusted,
             matched_blocks=matched + (tier.claimed if tier else 0),

@@ -69,6 +69,19 @@ def derived_load(reading: float | None, inflight_at_read: float | None, inflight
     return max(reading - inflight_at_read, 0.0) + inflight_now
 
 
+def derived_waiting(waiting: float, reading: float | None, inflight_at_read: float | None) -> float:
+    """The engine's waiting count at its last reading less the share of it that must have been this replica's:
+    those of ours in flight then beyond all the engine ran must have been waiting. This replica's own queued work
+    is its backlog (extproc/backlog.py), counted now, not as read, so a reading taken while a request of ours
+    waited does not queue the worker behind that request after it ended (a conversation's next turn, sent within
+    the poll interval, would otherwise leave the worker holding its prefix). An upper bound on the others'
+    waiting requests, as `derived_load` is on their load: ours may have been running while theirs waited."""
+    if reading is None or inflight_at_read is None:
+        return waiting
+    ours_waiting = max(inflight_at_read - max(reading - waiting, 0.0), 0.0)
+    return max(waiting - ours_waiting, 0.0)
+
+
 @dataclass(frozen=True, slots=True)
 class TargetInfo:
     """One routing target: a worker, or one data-parallel rank of it."""

@@ -16,7 +16,7 @@ from extproc import metrics
 from extproc.acting import Acting
 from extproc.admission import refusal
 from extproc.answers import error
-from extproc.cluster_view import derived_load
+from extproc.cluster_view import derived_load, derived_waiting
 from extproc.plan import RoutePlan
 from extproc.policies.base import active_of
 from extproc.policies.transparent import REASON as TRANSPARENT
@@ -121,7 +121,8 @@ class RoomGlue:
             if t.healthy and (t.slot in facts.slots or t.slot not in facts.known):
                 load = derived_load(t.engine_load, t.load_inflight, float(totals[t.slot])) if alive else None
                 active = max(load or 0.0, float(totals[t.slot]))
-                if not self._full(active, t.engine_waiting if load is not None else 0.0):
+                waiting = derived_waiting(t.engine_waiting, t.engine_load, t.load_inflight) if load is not None else 0.0
+                if not self._full(active, waiting):
                     return True
         return False
 

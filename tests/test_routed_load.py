@@ -6,6 +6,7 @@ as the reading said until the next one, within the reading's age bound."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,9 @@ from cortex.contract import LoadReading
 from cortex.engines import RankLoad
 from cortex.inflight import BacklogBoard
 from extproc import candidates
-from extproc.cluster_view import TargetInfo, derived_load, engine_load_of, load_max_age_s
+from extproc.cluster_view import TargetInfo, derived_load, derived_waiting, engine_load_of, load_max_age_s
+from extproc.policies import Ttft
+from extproc.policies.base import Facts
 from extproc.predictions import Predictions
 from ingest.workers import load_poll_interval
 from tests.test_contract import config, ingest_target
@@ -33,6 +36,42 @@ from tests.test_contract import config, ingest_target
 ])
 def test_derived_load(reading: float | None, at_read: float | None, now: float, expected: float | None) -> None:
     assert derived_load(reading, at_read, now) == expected
+
+
+@pytest.mark.parametrize(("waiting", "reading", "at_read", "expected"), [
+    (3.0, None, 2.0, 3.0),     # no reading: as it is
+    (3.0, 5.0, None, 3.0),     # a reading that does not say this replica's share then: as it is
+    (1.0, 1.0, 1.0, 0.0),      # the one waiting request was ours (nothing ran): none of the others' waits
+    (2.0, 4.0, 2.0, 2.0),      # two ran, two of ours in flight: ours may all have been running, theirs waiting
+    (3.0, 4.0, 3.0, 1.0),      # one ran, three of ours: at least two of ours waited
+    (1.0, 1.0, 3.0, 0.0),      # ours beyond the engine's count were on their way: never below 0
+    (0.0, 6.0, 4.0, 0.0),
+])
+def test_derived_waiting(waiting: float, reading: float | None, at_read: float | None, expected: float) -> None:
+    assert derived_waiting(waiting, reading, at_read) == expected
+
+
+def test_a_reading_taken_while_our_request_waited_does_not_queue_the_holder_after_it_ended() -> None:
+    """A conversation's turn was read waiting on the worker that now holds its prefix (running 0, waiting 1, this
+    replica's 1 in flight); the turn ended before the next reading. Its next turn, sent at once, goes back to the
+    holder: the ended request is no queue there. A waiting request of someone else's still is."""
+    s = SchedulerConfig(alpha_ms_per_token=0.05, attention_ms_per_token2=0.0, step_ms=10.0, running_ms_per_request=0.0)
+    facts = Facts(16, True, "no_cached_prefix", s, prompt_tokens=800, typical_prefill_ms=2000.0)
+
+    def pick(reading: LoadReading) -> tuple[str, float]:
+        holder = _target(reading, 100.2)
+        other = TargetInfo(id="w1", worker="w1", rank=None, slot=1, model="m", engine="vllm",
+                           address="127.0.0.1:9001", exact_kv=True, healthy=True, engine_load=0.0)
+        cands = candidates.build([holder, other], matches=np.array([40, 0]), keys=list(range(50)),
+                                 inflight=np.zeros(2, dtype=np.int64), alive=True, predictions=Predictions(),
+                                 hysteresis=candidates.Hysteresis(), scoring=s, backlog_ms=np.zeros(2))
+        d = Ttft().decide(cands, facts, random.Random(1))
+        return d.chosen.id, d.estimates["w0"].queue_ms
+
+    ours = pick(LoadReading(running=0.0, waiting=1.0, at=100.0, every_s=0.5, inflight=1.0))
+    assert ours == ("w0", 0.0)
+    theirs = pick(LoadReading(running=0.0, waiting=1.0, at=100.0, every_s=0.5, inflight=0.0))
+    assert theirs == ("w1", 2000.0)
 
 
 def test_poll_interval_by_who_keeps_the_worker_busy() -> None:

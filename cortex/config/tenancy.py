@@ -85,7 +85,9 @@ class WaitingRoomConfig(Strict):
     max_bytes: int = Field(64 << 20, ge=1 << 20)
     """Request bytes waiting per extproc process (the bodies Envoy holds for them); past it, `queue_full`."""
     queue_depth: int | None = Field(None, ge=0)
-    """A worker whose engine queue (waiting requests) is over this also counts as full. None: watermark only."""
+    """A worker whose engine queue (waiting requests) is over this also counts as full: the others' waiting
+    requests as last read (`cluster_view.derived_waiting`); this replica's own count through the watermark.
+    None: watermark only."""
 
 
 class ChargeWeights(Strict):
