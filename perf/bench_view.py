@@ -2,7 +2,8 @@
 match latency while another process storms the writer side.
 
 Run from the repository root: `python perf/bench_view.py` (`--small`: only the writer's rows; `--fleet`: those and
-the match at fleet scale, 8-256 workers). Files go to a
+the match at fleet scale, 8-256 workers; `--staged`: with the numpy staging instead of the compiled probe,
+cortex/ledger_view/_native.pyx, for a before/after in one window). Files go to a
 temporary directory (under /dev/shm when available, like the real view) that is removed at the end. Runtime is
 bounded to well under a minute.
 """
@@ -22,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without installing the package
 
-from cortex.ledger_view import ViewBusy, ViewReader, ViewWriter
+from cortex.ledger_view import ViewBusy, ViewReader, ViewWriter, layout
 
 RNG = np.random.default_rng(20240601)
 
@@ -295,7 +296,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="cortex-bench-view-", dir=base))
     started = time.perf_counter()
     try:
-        print(f"numpy {np.__version__}, {os.cpu_count()} CPUs, files in {tmp}")
+        if "--staged" in sys.argv:
+            layout._native = None  # type: ignore[assignment]
+        probe = "compiled" if layout._native is not None else "numpy staging"
+        print(f"numpy {np.__version__}, {os.cpu_count()} CPUs, probe: {probe}, files in {tmp}")
         bench_writer(tmp)
         bench_small_writes(tmp)
         if "--small" in sys.argv:

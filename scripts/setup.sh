@@ -7,6 +7,20 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "setup: Python 3.11+ is required (found $("$PY" --version 2>&1))" >&2; exit 1
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# A C compiler and Python's headers for the view's compiled probe (cortex/ledger_view/_native.pyx). Without them
+# the install goes on, Cortex runs on the probe's numpy staging, and tests/test_view.py fails to say so.
+need=()
+command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
+.venv/bin/python -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+  || need+=(python3-dev)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        "${need[@]}" >/dev/null; } || echo "setup: warning: ${need[*]} could not be installed (see above)" >&2
+  else
+    echo "setup: ${need[*]} not found; the compiled probe needs them: apt-get install ${need[*]}" >&2
+  fi
+fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test,bench]'
 # Real tokenizer bundles (Qwen2.5 tokenizer.json + chat template; Llama 3.2 tokenizer.json), used by the

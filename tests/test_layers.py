@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -33,10 +34,11 @@ RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
 
 def modules(root: Path, packages: Iterable[str]) -> dict[str, Path]:
-    """Dotted module name -> file, for every .py file under the given top-level packages."""
+    """Dotted module name -> file, for every .py file under the given top-level packages, and every Cython one
+    (.pyx: compiled at install, imported like any module)."""
     found: dict[str, Path] = {}
     for pkg in packages:
-        for path in sorted((root / pkg).rglob("*.py")):
+        for path in sorted([*(root / pkg).rglob("*.py"), *(root / pkg).rglob("*.pyx")]):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
@@ -82,7 +84,22 @@ def imports(name: str, path: Path, mods: Mapping[str, Path]) -> dict[str, int]:
 
 def graph(root: Path, packages: Iterable[str]) -> dict[str, dict[str, int]]:
     mods = modules(root, packages)
-    return {name: imports(name, path, mods) for name, path in mods.items()}
+    return {name: (imports if path.suffix == ".py" else cython_imports)(name, path, mods)
+            for name, path in mods.items()}
+
+
+_CYTHON_IMPORT = re.compile(r"^\s*(?:from|import|cimport)\s+([\w.]+)", re.MULTILINE)
+
+
+def cython_imports(name: str, path: Path, mods: Mapping[str, Path]) -> dict[str, int]:
+    """A Cython module's project imports, by the statements' leading names (its syntax is not Python's)."""
+    text = path.read_text()
+    out: dict[str, int] = {}
+    for m in _CYTHON_IMPORT.finditer(text):
+        target = _owner(m.group(1), mods)
+        if target is not None and target != name:
+            out.setdefault(target, text.count("\n", 0, m.start()) + 1)
+    return out
 
 
 def upward(edges: Mapping[str, Mapping[str, int]]) -> list[str]:

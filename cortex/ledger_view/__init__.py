@@ -20,10 +20,11 @@ costs 8 + 8 * words bytes per slot, i.e. 32 bytes per key for up to 64 workers w
 64 right after it doubles.
 
 Consistency: a seqlock. The writer makes the counter odd before it mutates and even after; a reader reads
-the counter (retrying while it is odd), copies what it needs (numpy fancy indexing copies), re-reads the
-counter and retries if it moved, up to `ViewReader.RETRIES` times before raising `ViewBusy`. Readers never
-write to the mapping, so any number of them cost the writer nothing. Torn reads are harmless until the
-counter check throws them away: every slot index is masked, and probes are bounded.
+the counter (retrying while it is odd), computes its answer from the mapping (the compiled match, `_native.pyx`,
+reads the rows in place; the numpy paths copy them), re-reads the counter and retries if it moved, up to
+`ViewReader.RETRIES` times before raising `ViewBusy`. Readers never write to the mapping, so any number of them
+cost the writer nothing. Torn reads are harmless until the counter check throws them away: every slot index is
+masked, and probes are bounded.
 
 A seqlock favours the writer: a reader only succeeds if no section opens during its ~20-60 us read. So the
 writer keeps sections short: each op does its probing, insert placement and backward-shift deletion

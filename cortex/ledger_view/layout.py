@@ -15,6 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
+try:
+    import cortex.ledger_view._native as _native
+except ImportError:  # built where a C compiler was found at install (pyproject.toml); the numpy staging otherwise
+    _native = None  # type: ignore[assignment]
+NATIVE = _native is not None
+"""The compiled probe and prefix count (`_native.pyx`) are in use."""
+
 _MAGIC = int.from_bytes(b"CTXVIEW1", sys.byteorder)
 _LAYOUT_VERSION = 1
 
@@ -148,7 +155,7 @@ def _as_keys(keys: Iterable[int] | np.ndarray) -> np.ndarray:
     """Keys as a 1-D uint64 array; values outside [0, 2**64) are a ValueError."""
     if isinstance(keys, np.ndarray):
         if keys.dtype == np.uint64:
-            return keys.reshape(-1)
+            return np.ascontiguousarray(keys.reshape(-1))
         if keys.dtype.kind == "u":
             return keys.reshape(-1).astype(np.uint64)
         if keys.dtype.kind == "i":
@@ -171,7 +178,18 @@ def _lookup(m: _Mapping, q: np.ndarray, prefix: bool) -> np.ndarray:
     """Slots of the nonzero keys `q` (a contiguous uint64 array).
 
     prefix=False: one slot per key, -1 where the key is absent. prefix=True: only the slots of the leading
-    run of present keys (past the first absent key nothing counts, so those probes are skipped).
+    run of present keys (past the first absent key nothing counts, so those probes are skipped)."""
+    if _native is None or not q.size:
+        return _lookup_staged(m, q, prefix) if q.size else np.zeros(0, dtype=np.int64)
+    out = np.empty(q.size, dtype=np.int64)
+    n = (_native.leading_slots if prefix else _native.slots_of)(m.keys, q, out)
+    if n < 0:
+        raise _Torn
+    return out[:n]
+
+
+def _lookup_staged(m: _Mapping, q: np.ndarray, prefix: bool) -> np.ndarray:
+    """`_lookup` in numpy, where `_native` is not built.
 
     Every numpy call costs about a microsecond here whatever its size, so the probe is staged to use few of
     them: all keys look at their home slot in one gather; the ones that collided look at the next
@@ -255,8 +273,28 @@ def _probe(m: _Mapping, key: int) -> int:
     raise _Torn
 
 
+def _leading_counts(m: _Mapping, q: np.ndarray) -> np.ndarray:
+    """Per worker, how many leading keys of the chain `q` it holds (int32[max_workers]); raises _Torn."""
+    slots = _lookup(m, q, prefix=True)
+    if _native is None:
+        return _prefix_counts(m.bits[slots], m.max_workers)
+    out = np.empty(m.max_workers, dtype=np.int32)
+    _native.prefix_counts(m.bits, slots, np.empty(m.words, dtype=np.uint64), out)
+    return out
+
+
 def _prefix_counts(b: np.ndarray, max_workers: int) -> np.ndarray:
     """For rows b[i] = holders of key i (bitsets), how many leading rows each worker appears in."""
+    if _native is not None:
+        rows = np.ascontiguousarray(b if b.ndim == 2 else b.reshape(-1, 1), dtype=np.uint64)
+        out = np.empty(max_workers, dtype=np.int32)
+        _native.prefix_counts(rows, np.arange(rows.shape[0], dtype=np.int64), np.empty(rows.shape[1], np.uint64), out)
+        return out
+    return _prefix_counts_staged(b, max_workers)
+
+
+def _prefix_counts_staged(b: np.ndarray, max_workers: int) -> np.ndarray:
+    """`_prefix_counts` in numpy and Python, where `_native` is not built."""
     n = b.shape[0]
     words = b.shape[1] if b.ndim == 2 else 1
     if n and words > 1 and _LITTLE_ENDIAN:

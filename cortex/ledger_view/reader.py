@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -21,6 +21,7 @@ from cortex.ledger_view.layout import (
     _STALE_WRITER_S,
     ViewBusy,
     _as_keys,
+    _leading_counts,
     _lookup,
     _Mapping,
     _NotReady,
@@ -28,6 +29,8 @@ from cortex.ledger_view.layout import (
     _probe,
     _Torn,
 )
+
+T = TypeVar("T")
 
 
 class ViewReader:
@@ -72,26 +75,24 @@ class ViewReader:
 
     def match(self, keys: Sequence[int] | np.ndarray) -> np.ndarray:
         """int32[max_workers]: per worker, how many leading keys of the chain it holds."""
-        rows, workers = self._leading_rows(keys)
-        return _prefix_counts(rows, workers)
+        q = _chain(keys)
+        return self._consistent(lambda m: _leading_counts(m, q))
 
     def match_detail(self, keys: Sequence[int] | np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`match`, plus which of the leading keys present in the view each of `slots` holds: bool[n, len(slots)]
         for the n leading keys some slot holds (past them no slot holds any key of the chain). What a hybrid
         model's sliding-window groups and a target's lower tiers need (cortex/hit_rule.py); `match` stays the
         common path."""
-        rows, workers = self._leading_rows(keys)
+        q = _chain(keys)
+        # The rows are copied under the seqlock (numpy's gather copies), then read at leisure.
+        rows, workers = self._consistent(lambda m: (m.bits[_lookup(m, q, prefix=True)], m.max_workers))
         s = np.asarray(slots, dtype=np.intp)
         bits = ((rows[:, s // 64] >> (s % 64).astype(np.uint64)) & np.uint64(1)).astype(bool)
         return _prefix_counts(rows, workers), bits
 
-    def _leading_rows(self, keys: Sequence[int] | np.ndarray) -> tuple[np.ndarray, int]:
-        """The bitset rows of the chain's leading keys present in the view (a copy, taken under the seqlock), and
-        the view's worker count."""
-        q = _as_keys(keys)
-        if q.size and not q.all():
-            # A zero key is never stored, so the chain is matched only up to it.
-            q = q[:int(np.argmin(q != 0))]
+    def _consistent(self, read: Callable[[_Mapping], T]) -> T:
+        """`read(mapping)` as of one moment of the view: retried while the writer is mid-update or moved
+        meanwhile (the seqlock), ViewBusy after RETRIES attempts."""
         m = self._live()
         for attempt in range(self.RETRIES):
             hdr = m.hdr
@@ -100,12 +101,11 @@ class ViewReader:
                 m = self._wait(m, attempt)
                 continue
             try:
-                slots = _lookup(m, q, prefix=True) if q.size else q.astype(np.intp)
-                rows = m.bits[slots]
+                got = read(m)
             except _Torn:
                 continue
             if hdr[_H_SEQ] == seq:
-                return rows, m.max_workers
+                return got
         raise ViewBusy(f"view at {self._path} stayed mid-update through {self.RETRIES} attempts")
 
     def holders(self, key: int) -> list[int]:
@@ -231,3 +231,11 @@ class ViewReader:
         if 0 < attempt < self.RETRIES - 1:
             time.sleep(self._BACKOFF_S * (1 << (attempt - 1)))
         return m
+
+
+def _chain(keys: Sequence[int] | np.ndarray) -> np.ndarray:
+    q = _as_keys(keys)
+    if q.size and not q.all():
+        # A zero key is never stored, so the chain is matched only up to it.
+        q = q[:int(np.argmin(q != 0))]
+    return q
