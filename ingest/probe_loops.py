@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -55,6 +56,8 @@ class ProbeLoops:
     _backlog: BacklogBoard
     _meta_dirty: bool
     """The target list changed since it was last written to the view (setting it wakes the publication)."""
+    _active_n = 0
+    _active_counted_at = -math.inf
 
     def _check_routed(self, tick: int) -> None:
         """A worker with requests in flight from this replica's extproc processes is active: wake its polling."""
@@ -99,7 +102,8 @@ class ProbeLoops:
             if any(t.load.at and (t.load.running > 0 or t.load.waiting > 0) for t in worker.targets):
                 worker.active_until = max(worker.active_until, now + self._active_hold_s())
             worker.idle = now >= worker.active_until
-            every = load_poll_interval(not worker.idle, self._routed_here(worker, now, own), icfg)
+            every = load_poll_interval(not worker.idle, self._routed_here(worker, now, own), icfg,
+                                       self._active_workers(now))
             if every != worker.poll_every:
                 worker.poll_every = every
                 self._meta_dirty = True
@@ -111,6 +115,14 @@ class ProbeLoops:
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(worker.wake.wait(), every)
+
+    def _active_workers(self, now: float) -> int:
+        """Workers on an active cadence (the read budget's divisor), counted at most every 0.1 s: every load loop
+        asks, and counting is O(workers)."""
+        if now - self._active_counted_at >= 0.1:
+            self._active_counted_at = now
+            self._active_n = sum(1 for w in self.workers.values() if not w.idle)
+        return self._active_n
 
     def _own_inflight(self) -> np.ndarray | None:
         """This replica's requests in flight per slot, from its extproc processes' board (None: unreadable)."""

@@ -72,14 +72,19 @@ def eviction_rate(rate: float, evicted_tokens: float, dt: float) -> float:
     return rate + (1.0 - math.exp(-dt / tau)) * (now - rate)
 
 
-def load_poll_interval(active: bool, routed: bool, icfg: IngestConfig) -> float:
+def load_poll_interval(active: bool, routed: bool, icfg: IngestConfig, active_workers: int = 1) -> float:
     """How often a worker's load is read. Idle: `idle_load_poll_interval_s`. Active and sent requests by this
     replica: `routed_load_poll_interval_s`, since extproc adds this replica's own in-flight change to the reading
     between two (cortex.contract LoadReading.inflight), so only the other replicas' and clients' share waits for
-    the next one. Active by others' traffic only: `load_poll_interval_s`."""
+    the next one. Active by others' traffic only: `load_poll_interval_s`. Either active cadence stretches so that
+    `active_workers` read at it stay within `load_reads_per_s` (a large fleet's reads cost what a mid-sized one's
+    do, each reading older in proportion)."""
     if not active:
         return icfg.idle_load_poll_interval_s
-    return icfg.routed_load_poll_interval_s if routed else icfg.load_poll_interval_s
+    every = icfg.routed_load_poll_interval_s if routed else icfg.load_poll_interval_s
+    if icfg.load_reads_per_s is not None:
+        every = max(every, active_workers / icfg.load_reads_per_s)
+    return every
 
 
 @dataclass

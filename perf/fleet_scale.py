@@ -95,13 +95,16 @@ def start_fleet(procs: launch.Procs, n: int) -> list[dict[str, str]]:
 
 
 def start_replica(procs: launch.Procs, workers: list[dict[str, str]], name: str,
-                  load_poll_interval_s: float | None = None) -> tuple[str, str, Path]:
+                  load_poll_interval_s: float | None = None,
+                  load_reads_per_s: float | None = None) -> tuple[str, str, Path]:
     port, admin, ingest, extproc, observe, observe_http = launch.free_ports(6)
     max_workers = max(64, -(-len(workers) // 64) * 64)
     cfg: dict[str, Any] = {
         "listen": {"host": HOST, "port": port}, "admin": {"host": HOST, "port": admin},
         "ingest": {"host": HOST, "port": ingest, "max_workers": max_workers,
-                   **({"load_poll_interval_s": load_poll_interval_s} if load_poll_interval_s else {})},
+                   **({"load_poll_interval_s": load_poll_interval_s} if load_poll_interval_s else {}),
+                   # 0 on the command line: no budget (the cadence alone, as before the budget existed)
+                   **({"load_reads_per_s": load_reads_per_s or None} if load_reads_per_s is not None else {})},
         "extproc": {"host": HOST, "base_port": extproc, "processes": 1},
         "observe": {"host": HOST, "port": observe, "http_port": observe_http},
         "runtime_dir": str(procs.root / f"{name}-rt"),
@@ -128,6 +131,17 @@ def wait_replica(procs: launch.Procs, name: str, url: str, ingest_url: str, n: i
 
     procs.wait(name, ready, timeout=timeout)
     procs.wait(name, lambda: launch.chat_ok(url), timeout=60)
+
+
+def recoveries(ingest_url: str) -> dict[str, int]:
+    """Replica's event-stream repairs so far, summed over its targets: a lagging view is either slow to apply or
+    waiting on replay for batches it lost (docs/ledger.md, "Windows")."""
+    _, doc = launch.http("GET", f"{ingest_url}/cortex/workers", timeout=20)
+    keys = ("gaps", "replays", "tail_checks", "tail_recoveries", "resyncs")
+    if not isinstance(doc, dict):
+        return dict.fromkeys(keys, 0)
+    targets = [t for w in doc["workers"] for t in w["targets"]]
+    return {k: sum(int(t.get(k) or 0) for t in targets) for k in keys}
 
 
 def scrape(ingest_url: str) -> dict[str, float]:
@@ -227,7 +241,7 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
         replicas = [launch.Procs(root) for _ in range(r)]
         try:
             workers = start_fleet(fleet, n)
-            started = [start_replica(p, workers, f"cortex-{i}", args.load_poll_interval_s)
+            started = [start_replica(p, workers, f"cortex-{i}", args.load_poll_interval_s, args.load_reads_per_s)
                        for i, p in enumerate(replicas)]
             for i, (p, (url, ingest_url, _)) in enumerate(zip(replicas, started, strict=True)):
                 try:
@@ -271,24 +285,32 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
                 per_worker = rate / n
                 sub0 = drive_all(workers, {"rate": per_worker, "prompt_tokens": 256, "seed": rate})
                 time.sleep(args.settle)
+                repairs0 = recoveries(started[0][1])
+                t_before = time.monotonic()
                 before = [scrape(s[1]) for s in started]
+                t_sub1 = time.monotonic()
                 sub1 = drive_all(workers, {"rate": per_worker, "prompt_tokens": 256, "seed": rate})
                 rows, fleet_cores, wall = cpu_window(replicas, fleet, args.window)
+                t_sub2 = time.monotonic()
                 sub2 = drive_all(workers, {"rate": 0})
                 after = [scrape(s[1]) for s in started]
-                # Requests the engines took in the window (drive restarts keep the count: it is per worker).
-                offered = (sub2 - sub1) / wall
+                # Counts are rates over the time between their two readings, not over the CPU window: one
+                # drive_all call asks every worker in turn and takes seconds when the fleet process is busy.
+                span = time.monotonic() - t_before
+                # Requests the engines took (drive restarts keep the count: it is per worker), each worker's
+                # count read at the same offset into both calls.
+                offered = (sub2 - sub1) / (t_sub2 - t_sub1)
                 applied, events, p99s, maxes = [], [], [], []
                 for b, a in zip(before, after, strict=True):
                     q99, batches = lag_quantile(b, a, 0.99)
-                    applied.append(batches / wall)
-                    events.append((a.get("events", 0.0) - b.get("events", 0.0)) / wall)
+                    applied.append(batches / span)
+                    events.append((a.get("events", 0.0) - b.get("events", 0.0)) / span)
                     p99s.append(q99)
                     maxes.append(a.get("cortex_ingest_view_lag_max_seconds", 0.0))
                 totals = [row["total"] for row in rows]
                 ingest = [row.get("ingest", 0.0) for row in rows]
                 # Where ingest's CPU went, replica 0: decoding and applying events vs polling busy workers' load.
-                split = " ".join(f"{k[5:]} {(after[0].get(k, 0.0) - before[0].get(k, 0.0)) / wall:.3f}"
+                split = " ".join(f"{k[5:]} {(after[0].get(k, 0.0) - before[0].get(k, 0.0)) / span:.3f}"
                                  for k in ("loop:events", "loop:load", "loop:health", "loop:other"))
                 print(f"events {rate:>5} req/s offered ({offered:6.0f} submitted/s): applied "
                       f"{statistics.mean(applied):6.0f} batches/s ({statistics.mean(events):6.0f} events/s) per "
@@ -296,6 +318,9 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
                       f"{statistics.mean(totals):.3f} cores (ingest {statistics.mean(ingest):.3f}: {split}), worst "
                       f"{max(totals):.3f} | lag p99 <= {max(p99s):g} s, max {max(maxes):.3f} s | fleet process "
                       f"{fleet_cores:.2f} cores | load {loadavg()}", flush=True)
+                repairs = recoveries(started[0][1])
+                print("  replica 0's stream repairs in the step: " + ", ".join(
+                    f"{k} {repairs[k] - repairs0[k]}" for k in repairs), flush=True)
                 # CPU time is CPU time on a loaded machine too (wall-clock lag is not): what one ingest process
                 # spends per applied batch, and the rate that makes a whole core at this fleet size.
                 per_batch = statistics.mean(ingest) / max(statistics.mean(applied), 1e-9)
@@ -326,6 +351,8 @@ def main() -> None:
     ap.add_argument("--load-poll-interval-s", type=float, default=None,
                     help="ingest.load_poll_interval_s of the replicas (default: Cortex's, 0.1 s): how often a busy "
                          "worker's load is read, the largest cost of a busy fleet")
+    ap.add_argument("--load-reads-per-s", type=float, default=None,
+                    help="ingest.load_reads_per_s of the replicas (default: Cortex's, 250; 0: no budget)")
     ap.add_argument("--ready-timeout-s", type=float, default=None,
                     help="seconds each replica may take to be ready (default 120 + workers)")
     ap.add_argument("--lag-limit", type=float, default=0.25, help="lag p99 (s) above which the view lags")

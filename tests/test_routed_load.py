@@ -83,6 +83,22 @@ def test_poll_interval_by_who_keeps_the_worker_busy() -> None:
     assert load_poll_interval(active=True, routed=True, icfg=icfg) == 0.5    # this replica fills in its own share
 
 
+@pytest.mark.parametrize(("active", "routed", "workers", "expected"), [
+    (True, False, 25, 0.1),       # 25 active workers at 0.1 s: 250 reads/s, the default budget
+    (True, False, 50, 0.2),       # twice as many: each read half as often
+    (True, False, 256, 1.024),
+    (True, True, 100, 0.5),       # the routed cadence is slower than the budget asks
+    (True, True, 256, 1.024),
+    (False, False, 256, 1.0),     # idle workers are not budgeted
+])
+def test_active_reads_stay_within_the_budget(active: bool, routed: bool, workers: int, expected: float) -> None:
+    icfg = IngestConfig()
+    assert icfg.load_reads_per_s == 250.0
+    assert load_poll_interval(active, routed, icfg, workers) == pytest.approx(expected)
+    assert load_poll_interval(active, routed, IngestConfig(load_reads_per_s=None), workers) == \
+        (0.5 if routed else 0.1) if active else 1.0
+
+
 def test_backlog_latest_is_the_last_end_over_processes(tmp_path: Path) -> None:
     """Ingest tells the workers this replica sends requests to by when their last queued work is done."""
     a = BacklogBoard(tmp_path, 0, 2, 4)

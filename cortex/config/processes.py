@@ -41,6 +41,12 @@ class IngestConfig(Strict):
     CPU against SMG at 4 replicas"). An active worker this replica does not send to is read every
     `load_poll_interval_s`. Between `load_poll_interval_s` and `idle_load_poll_interval_s` (when not set, clamped
     into that range)."""
+    load_reads_per_s: float | None = Field(250.0, gt=0)
+    """Most load reads per second this replica spends on its active workers: where more are active than this
+    allows at their cadence (`load_poll_interval_s`, `routed_load_poll_interval_s`), each is read every (active
+    workers / this) seconds instead, so a fleet of 256 busy workers costs a replica what 25 cost at 0.1 s
+    (docs/performance.md, "Fleet scale"). The readings are older in proportion (this replica's own traffic is
+    still seen at once); idle workers' reads are not counted. None: no bound."""
     event_silence_s: float = Field(10.0, gt=0)
     """A worker busy with requests for this long without a single event batch is suspected of losing
     events: its ledger goes STALE and is re-checked through replay (idle workers publish nothing)."""
