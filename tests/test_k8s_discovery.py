@@ -352,10 +352,12 @@ def test_discovered_workers_join_and_leave_through_membership(tmp_path: Path) ->
                 fake.put(pod("pod-a", "10.9.0.5"))  # moved: a new worker (fresh ledger) at the new IP
                 await until(lambda: ingest.workers.get("pod-a") not in (None, a), "pod-a replaced")
                 assert ingest.workers["pod-a"].address == "10.9.0.5:8000"
-                assert "10.9.0.5" in eds(cfg) and "10.9.0.1" not in eds(cfg)
+                # Envoy's endpoints are written once the worker's tasks are stopped, a few awaits after the worker list
+                # changed: waited for, as an Envoy watching the file would.
+                await until(lambda: "10.9.0.5" in eds(cfg) and "10.9.0.1" not in eds(cfg), "the move in EDS")
                 fake.delete("pod-a")
                 await until(lambda: "pod-a" not in ingest.workers, "pod-a removed")
-                assert "10.9.0.5" not in eds(cfg)
+                await until(lambda: "10.9.0.5" not in eds(cfg), "pod-a out of EDS")
                 assert set(ingest.workers) == {"cfg-1", "api-1"}
             finally:
                 await ingest.stop()
