@@ -148,9 +148,11 @@ def test_prefix_counts_compiled_and_staged_match_the_definition(data: st.DataObj
                                min_size=words, max_size=words)) for _ in range(n)]
     b = np.array(rows, dtype=np.uint64).reshape(n, words)
     expect = _prefix_counts_by_definition(b, max_workers)
-    assert view_mod._prefix_counts(b, max_workers).tolist() == expect
+    if view_mod.NATIVE:
+        assert view_mod._prefix_counts(b, max_workers).tolist() == expect
     if max_workers % 64:  # the staging takes the writer's word for it that no bit past max_workers is set
         b[:, -1] &= np.uint64((1 << (max_workers % 64)) - 1)
+    assert view_mod._prefix_counts(b, max_workers).tolist() == expect
     assert view_mod._prefix_counts_staged(b, max_workers).tolist() == expect
 
 
