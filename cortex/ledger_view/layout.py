@@ -179,8 +179,10 @@ def _lookup(m: _Mapping, q: np.ndarray, prefix: bool) -> np.ndarray:
 
     prefix=False: one slot per key, -1 where the key is absent. prefix=True: only the slots of the leading
     run of present keys (past the first absent key nothing counts, so those probes are skipped)."""
-    if _native is None or not q.size:
-        return _lookup_staged(m, q, prefix) if q.size else np.zeros(0, dtype=np.int64)
+    if not q.size:
+        return np.zeros(0, dtype=np.int64)
+    if _native is None:
+        return _lookup_staged(m, q, prefix)
     out = np.empty(q.size, dtype=np.int64)
     n = (_native.leading_slots if prefix else _native.slots_of)(m.keys, q, out)
     if n < 0:
