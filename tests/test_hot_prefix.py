@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ def flood(gw: Gateway, requests: list[list[dict[str, str]]]) -> dict[str, Any]:
         stop.set()
         watcher.join()
     slots = {t["id"]: t["slot"] for t in gw.targets().values()}
-    return {"results": results, "peak": {wid: int(peak[s]) for wid, s in slots.items()},
+    return {"requests": requests, "results": results, "peak": {wid: int(peak[s]) for wid, s in slots.items()},
             "hit_ratio": sum(r[2] for r in results) / sum(r[3] for r in results)}
 
 
@@ -89,9 +90,14 @@ def test_hot_prefix_spills_at_the_watermark_and_beats_load_balancing(tmp_path: P
     baseline = run(tmp_path / "load-only", events=False)
     print(f"\nhit ratio cortex={cortex['hit_ratio']:.3f} load-only={baseline['hit_ratio']:.3f} peaks={cortex['peak']}")
     assert max(cortex["peak"].values()) <= HIGH, cortex["peak"]
-    reasons = [r[1] for r in cortex["results"]]
-    # The flood spilled off the hot prefix's holder: at the watermark, or earlier, where the time model
+    # The flood spilled off the hot prefix's first home: at the watermark, or earlier, where the time model
     # (the default rule) predicted the holder's queue would cost more than computing the prefix elsewhere.
-    assert {"holder_over_high_watermark", "holder_slower"} & set(reasons), reasons
+    # Asserted on where the hot requests went, not on the label of the first spill: which one that is
+    # (holder_over_high_watermark, holder_slower, or a worker that a cold-start share or an earlier spill
+    # had already given the prefix) depends on the threads' timing.
+    hot = long_chat(900, seed=1)[0]
+    hot_workers = Counter(r[0] for m, r in zip(cortex["requests"], cortex["results"], strict=True) if m[0] == hot)
+    print(f"hot prefix served by {dict(hot_workers)}")
+    assert len(hot_workers) >= 2, (hot_workers, [r[1] for r in cortex["results"]])
     assert len({r[0] for r in cortex["results"]}) == 4  # every worker took part
     assert cortex["hit_ratio"] > baseline["hit_ratio"] * 1.1, (cortex["hit_ratio"], baseline["hit_ratio"])
