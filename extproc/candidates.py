@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from cortex.config import SchedulerConfig
-from extproc.cluster_view import TargetInfo, derived_load, derived_waiting
+from extproc.cluster_view import TargetInfo
 from extproc.engine_hits import LowerHit
 from extproc.policies.base import Candidate, queue_ms, still_hot
 from extproc.predictions import Predictions
@@ -74,9 +74,8 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
         tier = lower.get(w.slot) if trusted and lower else None
         sent = predictions.last_sent(w.slot, keys[matched - 1]) if 0 < matched <= len(keys) else None
         n_inflight = int(inflight[w.slot])
-        engine_load = derived_load(w.engine_load, w.load_inflight, n_inflight) if alive else None
+        engine_load, waiting = w.load_now(n_inflight, alive)
         active = max(engine_load or 0.0, float(n_inflight))
-        waiting = 0.0 if engine_load is None else derived_waiting(w.engine_waiting, w.engine_load, w.load_inflight)
         c = Candidate(
             id=w.id, slot=w.slot, address=w.address, ledger_trusted=trusted,
             matched_blocks=matched + (tier.claimed if tier else 0),
@@ -114,8 +113,7 @@ def whole_workers(targets: Sequence[TargetInfo], *, inflight: np.ndarray, alive:
     rank, so the worker's own DP balancing places it. No cache facts, and neither the hot nor the cold-start
     guard: they protect cache affinity and warm-up, which such a request has nothing to do with."""
     return [Candidate(id=t.worker, slot=t.slot, address=t.address, inflight=int(inflight[t.slot]), suspect=t.suspect,
-                      engine_load=derived_load(t.engine_load, t.load_inflight, int(inflight[t.slot])) if alive
-                      else None)
+                      engine_load=t.load_now(int(inflight[t.slot]), alive)[0])
             for t in targets if t.healthy and t.rank in (None, 0)]
 
 

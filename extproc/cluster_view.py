@@ -130,6 +130,14 @@ class TargetInfo:
     lookahead_blocks: int = 0
     """Blocks a hit gives up to the engine's lookahead hashing (extproc/engine_hits.py)."""
 
+    def load_now(self, inflight_now: float, alive: bool) -> tuple[float | None, float]:
+        """Its running + waiting and its waiting count now, as routing and the waiting room read them
+        (`derived_load`, `derived_waiting`): (None, 0) when its load is unknown or the view is not alive."""
+        load = derived_load(self.engine_load, self.load_inflight, inflight_now) if alive else None
+        if load is None:
+            return None, 0.0
+        return load, derived_waiting(self.engine_waiting, self.engine_load, self.load_inflight)
+
     @property
     def age_s(self) -> float | None:
         """Time since ingest added it (None until ingest has spoken)."""

@@ -16,7 +16,6 @@ from extproc import metrics
 from extproc.acting import Acting
 from extproc.admission import refusal
 from extproc.answers import error
-from extproc.cluster_view import derived_load, derived_waiting
 from extproc.plan import RoutePlan
 from extproc.policies.base import active_of
 from extproc.policies.transparent import REASON as TRANSPARENT
@@ -119,9 +118,8 @@ class RoomGlue:
         alive = self.act.cluster.alive
         for t in self.act.cluster.targets.get(facts.model, ()):
             if t.healthy and (t.slot in facts.slots or t.slot not in facts.known):
-                load = derived_load(t.engine_load, t.load_inflight, float(totals[t.slot])) if alive else None
+                load, waiting = t.load_now(float(totals[t.slot]), alive)
                 active = max(load or 0.0, float(totals[t.slot]))
-                waiting = derived_waiting(t.engine_waiting, t.engine_load, t.load_inflight) if load is not None else 0.0
                 if not self._full(active, waiting):
                     return True
         return False

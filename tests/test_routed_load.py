@@ -51,6 +51,20 @@ def test_derived_waiting(waiting: float, reading: float | None, at_read: float |
     assert derived_waiting(waiting, reading, at_read) == expected
 
 
+@pytest.mark.parametrize(("load", "waiting", "at_read", "now", "alive", "expected"), [
+    (4.0, 3.0, 3.0, 1.0, True, (2.0, 1.0)),   # two of ours ended since; at least two of ours were waiting then
+    (4.0, 3.0, None, 1.0, True, (4.0, 3.0)),  # the reading does not say our share: as read
+    (None, 0.0, 3.0, 1.0, True, (None, 0.0)),  # no reading: unknown, and no waits priced
+    (4.0, 3.0, 3.0, 1.0, False, (None, 0.0)),  # the view is not alive: nothing read is trusted
+])
+def test_a_targets_load_now_pairs_both_derivations(load: float | None, waiting: float, at_read: float | None,
+                                                   now: float, alive: bool,
+                                                   expected: tuple[float | None, float]) -> None:
+    t = TargetInfo(id="w0", worker="w0", rank=None, slot=0, model="m", engine="vllm", address="127.0.0.1:9000",
+                   exact_kv=True, healthy=True, engine_load=load, engine_waiting=waiting, load_inflight=at_read)
+    assert t.load_now(now, alive) == expected
+
+
 def test_a_reading_taken_while_our_request_waited_does_not_queue_the_holder_after_it_ended() -> None:
     """A conversation's turn was read waiting on the worker that now holds its prefix (running 0, waiting 1, this
     replica's 1 in flight); the turn ended before the next reading. Its next turn, sent at once, goes back to the
