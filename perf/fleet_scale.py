@@ -1,9 +1,9 @@
 """Fleet scale (issue 28): what one Cortex replica costs and how fast its view is at 16..256 workers, 1..4 replicas.
 
-One `cortex sim --workers N` process serves the whole fleet (each worker with its own HTTP, KV-event and replay
-ports, cache and event stream: cortexsim/fleet.py), and R `cortex run` replicas each watch all N workers, as
-replicas behind a balancer do. For each (N, R) it prints, per replica (the mean over the R replicas, and the
-worst):
+One `cortex sim --workers N` process serves the whole fleet (or `--sim-processes K` of them, a share each; each
+worker with its own HTTP, KV-event and replay ports, cache and event stream: cortexsim/fleet.py), and R `cortex
+run` replicas each watch all N workers, as replicas behind a balancer do. For each (N, R) it prints, per replica
+(the mean over the R replicas, and the worst):
 
 * idle CPU, in cores, over a fixed window: nothing routed, the workers idle (health probes, load polls, Envoy's
   health checks, the view's upkeep);
@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,18 +79,29 @@ def free_block(n: int) -> int:
     raise RuntimeError("no free block of ports")
 
 
-def start_fleet(procs: launch.Procs, n: int) -> list[dict[str, str]]:
+def start_fleet(procs: launch.Procs, n: int, processes: int = 1) -> list[dict[str, str]]:
+    """The fleet, in `processes` simulator processes (each serving its share of the N workers under a worker-id
+    prefix of its own, on its own block of ports): one process is one GIL, and with four replicas probing 256
+    workers one process cannot answer in time on this machine (docs/performance.md, "256 x 4")."""
     base = free_block(3 * n)
-    # Pool of 2048 blocks per worker (the simulator's default): the 512-block lookup prompt fits with room. No
-    # modelled compute: the engines' step time must not cap the event rate (the simulator's CPU still does).
-    procs.start("fleet", [sys.executable, "-m", "cortexctl.cli", "sim", "--workers", str(n), "--base-port", str(base),
-                          "--model", MODEL, *ZERO_COST_ARGS])
-    log = procs.root / "fleet.log"
-    procs.wait("fleet", lambda: f"sim fleet workers={n}" in log.read_text(errors="replace"),
-               timeout=60 + n * 0.5)
+    sizes = [n // processes + (1 if j < n % processes else 0) for j in range(processes)]
+    at = base
+    for j, size in enumerate(sizes):
+        # Pool of 2048 blocks per worker (the simulator's default): the 512-block lookup prompt fits with room. No
+        # modelled compute: the engines' step time must not cap the event rate (the simulator's CPU still does).
+        procs.start(f"fleet-{j}", [sys.executable, "-m", "cortexctl.cli", "sim", "--workers", str(size),
+                                   "--base-port", str(at), "--worker-id", f"sim{j}" if processes > 1 else "sim",
+                                   "--model", MODEL, *ZERO_COST_ARGS])
+        at += 3 * size
+    def announced(log: Path, size: int) -> Callable[[], bool]:
+        return lambda: f"sim fleet workers={size}" in log.read_text(errors="replace")
+
     workers = []
-    for m in READY.finditer(log.read_text(errors="replace")):
-        workers.append({"id": m[1], "url": f"http://{m[2]}", "kv_events": m[3], "kv_replay": m[4] or ""})
+    for j, size in enumerate(sizes):
+        log = procs.root / f"fleet-{j}.log"
+        procs.wait(f"fleet-{j}", announced(log, size), timeout=60 + size * 0.5)
+        for m in READY.finditer(log.read_text(errors="replace")):
+            workers.append({"id": m[1], "url": f"http://{m[2]}", "kv_events": m[3], "kv_replay": m[4] or ""})
     assert len(workers) == n, f"fleet announced {len(workers)} of {n} workers"
     return workers
 
@@ -240,7 +252,7 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
     with launch.Procs(root) as fleet:
         replicas = [launch.Procs(root) for _ in range(r)]
         try:
-            workers = start_fleet(fleet, n)
+            workers = start_fleet(fleet, n, args.sim_processes)
             started = [start_replica(p, workers, f"cortex-{i}", args.load_poll_interval_s, args.load_reads_per_s)
                        for i, p in enumerate(replicas)]
             for i, (p, (url, ingest_url, _)) in enumerate(zip(replicas, started, strict=True)):
@@ -355,14 +367,18 @@ def main() -> None:
                     help="ingest.load_reads_per_s of the replicas (default: Cortex's, 250; 0: no budget)")
     ap.add_argument("--ready-timeout-s", type=float, default=None,
                     help="seconds each replica may take to be ready (default 120 + workers)")
+    ap.add_argument("--sim-processes", type=int, default=1,
+                    help="simulator processes the fleet is split over (default 1); more answer several replicas' "
+                         "probes of a large fleet in time")
     ap.add_argument("--lag-limit", type=float, default=0.25, help="lag p99 (s) above which the view lags")
     ap.add_argument("--config-budget-s", type=float, default=240.0, help="per configuration, after which its "
                     "remaining rates are skipped (default 240)")
     ap.add_argument("--budget-s", type=float, default=1500.0, help="whole run; configurations left are skipped")
     args = ap.parse_args()
     if not (1 <= args.window <= 120 and all(1 <= n <= 512 for n in args.workers)
-            and all(1 <= r <= 8 for r in args.replicas) and all(0 < x <= 5000 for x in args.rates)):
-        ap.error("window 1..120 s, workers 1..512, replicas 1..8, rates 0..5000 req/s")
+            and all(1 <= r <= 8 for r in args.replicas) and all(0 < x <= 5000 for x in args.rates)
+            and 1 <= args.sim_processes <= min(args.workers)):
+        ap.error("window 1..120 s, workers 1..512, replicas 1..8, rates 0..5000 req/s, sim processes 1..workers")
     # SIGTERM unwinds like Ctrl-C, so the fleet and the replicas (each in a session of its own) are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
