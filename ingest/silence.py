@@ -8,9 +8,11 @@ names such a worker: `events: "silent"` with a reason in `/cortex/workers`, `cor
 and a warning in the log; a silent target is also out of exact-KV routing (never a claimed hit on it).
 
 Evidence, not guesses: an idle engine publishes nothing by design (both engines publish only when their
-cache changes), and an engine serving only fully cached prompts stores no block. So a target is silent only
-when the engine has been seen working (its activity counter moved or requests ran, from the load poll) and,
-for at least `bound_s` since both the work and the current link state began, either
+cache changes), an engine serving only fully cached prompts stores no block, and neither does one serving
+only prompts shorter than a block (a readiness probe's "hello", a gateway's warm-up request). So a target is
+silent only when the engine has been seen doing work that must have stored a block (`stored_a_block`, where
+the engine reports the counts it needs; otherwise its activity counter moved or requests ran) and, for at
+least `bound_s` since both the work and the current link state began, either
 
 1. its KV-event endpoint is not connected (nothing accepts the TCP connection: a live engine's publisher
    always does, within ZMQ's 100 ms reconnect interval), or
@@ -46,6 +48,14 @@ class Observation:
     work_at: float
     """When the engine was first seen working since the newest batch (0: not seen)."""
     bound_s: float
+
+
+def stored_a_block(uncached: float, finished: float, active: float, page: int) -> bool:
+    """Whether `uncached` prompt tokens computed over a window must have filled at least one new KV block of
+    `page` tokens: by pigeonhole over the requests that can have contributed them (`finished` in the window plus
+    `active`, the engine's running and waiting now, an upper bound), some request computed at least `page`, and
+    a request's computed tokens start at a block boundary (hits are whole blocks), so they fill one whole."""
+    return uncached > (finished + active) * (page - 1)
 
 
 def verdict(o: Observation) -> tuple[str, str]:

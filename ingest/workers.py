@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,16 @@ def eviction_rate(rate: float, evicted_tokens: float, dt: float) -> float:
     return rate + (1.0 - math.exp(-dt / tau)) * (now - rate)
 
 
+def _computed(readings: Iterable[RankLoad]) -> tuple[float, float] | None:
+    """(uncached tokens, finished requests) summed over the ranks read; None when any rank does not report them."""
+    uncached = finished = 0.0
+    for r in readings:
+        if r.uncached is None or r.finished is None:
+            return None
+        uncached, finished = uncached + r.uncached, finished + r.finished
+    return uncached, finished
+
+
 def load_poll_interval(active: bool, routed: bool, icfg: IngestConfig, active_workers: int = 1) -> float:
     """How often a worker's load is read. Idle: `idle_load_poll_interval_s`. Active and sent requests by this
     replica: `routed_load_poll_interval_s`, since extproc adds this replica's own in-flight change to the reading
@@ -101,6 +112,9 @@ class Target:
     busy_since: float = 0.0
     activity: float = 0.0
     """The engine's own cumulative work counter, from the load poll."""
+    computed: tuple[float, float] | None = None
+    """(uncached prompt tokens, finished requests), the engine's cumulative counts from the load poll (None: not
+    reported): what proves a stored block (ingest/silence.py)."""
     kv_usage: float | None = None
     """Share of its KV-cache pool in use (0..1) at the last load reading; None: not reported."""
     kv_capacity_tokens: float | None = None
@@ -131,6 +145,7 @@ class Target:
     work_at: float = 0.0
     """When the engine was first seen working since the newest batch (0: not seen)."""
     activity_base: float | None = None
+    computed_base: tuple[float, float] | None = None
     batch_at: float = 0.0
     """When ingest.silence last saw a batch arrive (live or replayed); 0: never."""
     received_base: int = 0
@@ -233,11 +248,13 @@ class Target:
         if received != self.received_base:
             # A batch (live or replayed) arrived: whatever work came before is accounted for.
             self.received_base, self.batch_at = received, now
-            self.work_at, self.activity_base = 0.0, self.activity if self.load.at else None
+            self.work_at = 0.0
+            self.activity_base, self.computed_base = (self.activity, self.computed) if self.load.at else (None, None)
         elif self.load.at:
             if self.activity_base is None or self.activity < self.activity_base:
-                self.activity_base = self.activity  # first reading, or a restarted engine's counter
-            if not self.work_at and (self.activity > self.activity_base or self.load.running > 0):
+                # first reading, or a restarted engine's counters
+                self.activity_base, self.computed_base = self.activity, self.computed
+            if not self.work_at and self._stored_blocks():
                 self.work_at = now
         status, reason = silence.verdict(silence.Observation(
             now=now, healthy=self.worker.healthy, connected=self.events.link_up, link_since=self.events.link_since,
@@ -245,6 +262,16 @@ class Target:
         before = self.events_status
         self.events_status, self.silence_reason = status, reason
         return before
+
+    def _stored_blocks(self) -> bool:
+        """The engine did work since the base that must have stored a KV block: proved from its counts where it
+        reports them (silence.stored_a_block), else any work at all (its activity counter moved, or requests ran)."""
+        now, base = self.computed, self.computed_base
+        if now is None or base is None or now[0] < base[0] or now[1] < base[1]:
+            assert self.activity_base is not None
+            return self.activity > self.activity_base or self.load.running > 0
+        return silence.stored_a_block(now[0] - base[0], now[1] - base[1], self.load.running + self.load.waiting,
+                                      self.events.parity.page_size)
 
     def routable_meta(self) -> TargetMeta:
         """The slice extproc reads on the hot path (cortex.contract; kept small: it is re-parsed on every
@@ -388,18 +415,21 @@ class Worker:
                 running = sum(v.running for v in readings)
                 waiting = sum(v.waiting for v in readings)
                 activity = sum(v.activity for v in readings)
+                computed = _computed(readings)
                 # The ranks' pools are alike: the worker's usage is their mean.
                 usages = [v.kv_usage for v in per_rank.values() if v.kv_usage is not None]
                 kv_usage = sum(usages) / len(usages) if usages else None
                 pools = [v.kv_capacity_tokens for v in per_rank.values() if v.kv_capacity_tokens is not None]
                 capacity = sum(pools) if pools else None
             else:
-                running, waiting, activity, kv_usage, capacity = per_rank.get(target.rank,
-                                                                              RankLoad(0.0, 0.0, 0.0))
+                rank_load = per_rank.get(target.rank, RankLoad(0.0, 0.0, 0.0))
+                running, waiting, activity, kv_usage, capacity = rank_load[:5]
+                computed = _computed([rank_load])
             target.load = Load(running=running, waiting=waiting, at=now)
             target.inflight_at_read = (float(inflight[target.slot])
                                        if inflight is not None and 0 <= target.slot < inflight.size else None)
             target.activity = activity
+            target.computed = computed
             target.kv_usage = kv_usage
             target.kv_capacity_tokens = capacity
             target.note_evictions(now)

@@ -57,8 +57,10 @@ NOT_REPRODUCIBLE: dict[str, list[tuple[str | None, str | None, str]]] = {
 # The fixture's readings: (running, waiting, activity, KV usage) per DP rank.
 LOADS = {
     # The pool: vLLM's cache_config_info labels every DP rank with the sum of their blocks (54 000 x 16 / 2).
-    "vllm": {0: (3.0, 2.0, 48213.0, 0.4212, 432000.0), 1: (1.0, 0.0, 1607.0, 0.0815, 432000.0)},
-    "sglang": {0: (5.0, 7.0, 902211.0, 0.197, 412345.0), 1: (0.0, 0.0, 31.0, 0.0, 412345.0)},
+    # Then the tokens computed (queries less hits) and the requests finished for any reason (None: not reported).
+    "vllm": {0: (3.0, 2.0, 48213.0, 0.4212, 432000.0, 48213.0 - 30112.0, 54.0),
+             1: (1.0, 0.0, 1607.0, 0.0815, 432000.0, 1607.0 - 640.0, 3.0)},
+    "sglang": {0: (5.0, 7.0, 902211.0, 0.197, 412345.0, None, None), 1: (0.0, 0.0, 31.0, 0.0, 412345.0, None, None)},
 }
 RANK = {"vllm": ({"x-data-parallel-rank": "3"}, {}), "sglang": ({}, {"routed_dp_rank": 3})}
 LORA = {"vllm": (True, False, False), "sglang": (False, True, True)}  # as model, as suffix, lora_path

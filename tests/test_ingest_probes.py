@@ -237,6 +237,29 @@ def test_a_working_engine_whose_events_never_arrive_turns_silent() -> None:
     assert t.observe_publisher(now=13.0, bound_s=10.0) == "silent" and t.events_status == "flowing"
 
 
+def test_an_engine_serving_only_prompts_shorter_than_a_block_is_not_silent() -> None:
+    """Ten-token requests (a readiness probe, a gateway's warm-up) store no KV block, so no event is owed: the
+    engine's counts (tokens computed, requests finished) prove no stored block and the target stays waiting
+    however long it serves them. One request that computes a whole block is work that owes a batch."""
+    vllm = WorkerConfig(id="w1", url="http://127.0.0.1:21002", model=MODEL, engine="vllm")
+    t = worker(vllm, [None]).targets[0]
+    t.worker.apply_health(HealthReading(ok=True), failures=3)
+    t.events.link_up, t.events.link_since = True, 0.0
+    t.worker.apply_load({0: L(0.0, 0.0, 0.0, None, None, 0.0, 0.0)}, now=1.0)
+    assert t.observe_publisher(now=1.0, bound_s=10.0) == "waiting"
+    for i in range(1, 30):  # a warm-up request a second, each 10 tokens, none cached
+        t.worker.apply_load({0: L(0.0, 0.0, 10.0 * i, None, None, 10.0 * i, float(i))}, now=1.0 + i)
+        t.observe_publisher(now=1.0 + i, bound_s=10.0)
+    assert t.events_status == "waiting" and not t.silence_reason
+    # Then a 500-token prompt, computed: 790 tokens over 30 requests is more than 15 each, so a block was stored
+    t.worker.apply_load({0: L(0.0, 0.0, 790.0, None, None, 790.0, 30.0)}, now=31.0)
+    t.observe_publisher(now=31.0, bound_s=10.0)
+    assert t.events_status == "waiting"  # ... and the bound starts from that work
+    t.worker.apply_load({0: L(0.0, 0.0, 790.0, None, None, 790.0, 30.0)}, now=41.5)
+    t.observe_publisher(now=41.5, bound_s=10.0)
+    assert t.events_status == "silent" and "no KV-event batch" in t.silence_reason
+
+
 def test_eviction_rate_vectors() -> None:
     assert eviction_rate(0.0, 0.0, 1.0) == 0.0
     # 5 000 tokens over 0.5 s after nothing: a rise, followed at the 1 s time constant (1 - e^-0.5 of the way).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingest.silence import FLOWING, SILENT, WAITING, Observation, verdict
+from ingest.silence import FLOWING, SILENT, WAITING, Observation, stored_a_block, verdict
 
 BOUND = 10.0
 
@@ -45,3 +45,18 @@ def test_verdict(o: Observation, status: str, needle: str) -> None:
     assert got == status
     assert needle in reason
     assert bool(reason) == (status == SILENT)
+
+
+@pytest.mark.parametrize(("uncached", "finished", "active", "page", "stored"), [
+    (0.0, 0.0, 0.0, 16, False),       # nothing computed
+    (10.0, 1.0, 0.0, 16, False),      # one ten-token warm-up request: a partial block, never stored
+    (15.0, 1.0, 0.0, 16, False),
+    (16.0, 1.0, 0.0, 16, True),       # one whole block computed from a block boundary: stored
+    (30.0, 2.0, 0.0, 16, False),      # two requests of up to 15 each could make 30
+    (31.0, 2.0, 0.0, 16, True),       # ... not 31: one of them computed a whole block
+    (30.0, 1.0, 1.0, 16, False),      # a request still running (or waiting) may be the other contributor
+    (1.0, 0.0, 1.0, 1, True),         # page size 1 (SGLang's default): any computed token is a block
+    (900.0, 50.0, 10.0, 16, False),   # sixty short requests of 15 tokens: a readiness probe's traffic
+])
+def test_stored_a_block(uncached: float, finished: float, active: float, page: int, stored: bool) -> None:
+    assert stored_a_block(uncached, finished, active, page) is stored

@@ -45,6 +45,13 @@ class RankLoad(NamedTuple):
     kv_capacity_tokens: float | None = None
     """The rank's KV pool in tokens (vLLM `vllm:cache_config_info` num_gpu_blocks x block_size, per rank; SGLang
     `max_total_num_tokens`); None when not reported."""
+    uncached: float | None = None
+    """Cumulative prompt tokens the rank had to compute (vLLM: prefix-cache queries less hits, counted once per
+    admission; hits are whole blocks, so a request's uncached tokens start at a block boundary). None: not
+    reported. With `finished`, proof that a block was stored (ingest/silence.py, `stored_a_block`)."""
+    finished: float | None = None
+    """Cumulative requests finished, for any reason (vLLM `request_success`, every `finished_reason`); None: not
+    reported."""
 
 PdLegs = Literal["sequential", "concurrent"]
 

@@ -29,20 +29,24 @@ DP_RANK_HEADER = headers.DP_RANK
 """vLLM's selector of the engine inside a DP deployment (one API server, `--data-parallel-size` engines)."""
 
 _SERIES = ((b"vllm:num_requests_running", 0), (b"vllm:num_requests_waiting", 1),
-           (b"vllm:prefix_cache_queries_total", 2), (b"vllm:kv_cache_usage_perc", 3))
-"""The only series Cortex reads, and where each lands in a RankLoad."""
+           (b"vllm:prefix_cache_queries_total", 2), (b"vllm:kv_cache_usage_perc", 3),
+           (b"vllm:prefix_cache_hits_total", 4), (b"vllm:request_success_total", 5))
+"""The only series Cortex reads, and where each lands (summed per rank over their other labels)."""
 _LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 
 def parse_metrics(text: bytes) -> dict[int, RankLoad]:
-    """(running, waiting, activity, KV usage) per DP rank (vLLM's `engine` label; 0 when absent). Activity is a
-    cumulative counter (prompt tokens looked up in the prefix cache) that moves whenever a request ran.
+    """(running, waiting, activity, KV usage, pool, uncached, finished) per DP rank (vLLM's `engine` label; 0
+    when absent). Activity is a cumulative counter (prompt tokens looked up in the prefix cache) that moves
+    whenever a request ran; uncached is that less the hits, finished the requests ended for any reason (None
+    where the engine does not report them).
 
     A real vLLM's exposition is mostly histograms (tens of families, buckets per model and rank): this looks
     for the four names with bytes.find and reads only their sample lines, so the cost is a few passes of
     C-speed search over the body plus a few lines of Python, not a parse of every family (issue 14)."""
     out: dict[int, list[float]] = {}
     usage: dict[int, float] = {}
+    seen: set[int] = set()
     for name, index in _SERIES:
         at = text.find(name)
         while at >= 0:
@@ -54,13 +58,16 @@ def parse_metrics(text: bytes) -> dict[int, RankLoad]:
                 sample = _sample(text[at + len(name):end])
                 if sample is not None:
                     rank, value = sample
+                    seen.add(index)
                     if index == 3:  # a ratio: one per rank, never summed
                         usage[rank] = value
                     else:
-                        out.setdefault(rank, [0.0, 0.0, 0.0])[index] += value
+                        out.setdefault(rank, [0.0] * 6)[index] += value
             at = text.find(name, end)
     pool = _pool_tokens(text)
-    return {r: RankLoad(v[0], v[1], v[2], usage.get(r), pool) for r, v in out.items()}
+    counted = {2, 4, 5} <= seen  # queries, hits and finished requests, or no proof of a stored block from them
+    return {r: RankLoad(v[0], v[1], v[2], usage.get(r), pool, v[2] - v[4] if counted else None,
+                        v[5] if counted else None) for r, v in out.items()}
 
 
 _CACHE_INFO = b"vllm:cache_config_info"

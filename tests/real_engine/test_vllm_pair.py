@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from cortex.engines import vllm
+from ingest.silence import stored_a_block
 from tests.harness import MODEL, Gateway, long_chat, wait_for
 from tests.real_engine.vllm_engine import (
     BLOCK,
@@ -125,6 +127,40 @@ def test_a_prompt_of_whole_blocks_claims_one_block_less(gw: Gateway, pair: list[
     h, usage = chat(gw, messages)
     assert usage["prompt_tokens"] % BLOCK == 0
     assert claimed(h) == cached(usage) == usage["prompt_tokens"] - BLOCK, (dict(h), usage)
+
+
+def test_the_engines_counts_prove_a_stored_block_only_when_one_was(pair: list[VllmEngine]) -> None:
+    """ingest/silence.py names a worker a silent publisher only after work that must have stored a KV block,
+    proved from the engine's `/metrics` (tokens computed = prefix-cache queries less hits, requests finished).
+    Read from a real engine: a warm-up request shorter than a block proves nothing (and stores nothing); a prompt
+    of several blocks does; the tokens computed are the prompt less the engine's own cached tokens."""
+    e = pair[1]
+
+    def counts() -> tuple[float, float]:
+        load = vllm.parse_metrics(httpx.get(f"{e.url}/metrics", timeout=30).content)[0]
+        assert load.uncached is not None and load.finished is not None, load
+        return load.uncached, load.finished
+
+    def complete(prompt: str) -> dict[str, Any]:
+        before = counts()
+        r = httpx.post(f"{e.url}/v1/completions", timeout=120,
+                       json={"model": e.served_model_name, "prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        usage = dict(r.json()["usage"])
+        after = wait_for(lambda: (c if (c := counts())[1] == before[1] + 1 else None), what="the request counted")
+        usage["computed"] = after[0] - before[0]
+        return usage
+
+    warm_up = complete("Hello there")
+    assert warm_up["prompt_tokens"] + 2 < BLOCK
+    assert warm_up["computed"] == warm_up["prompt_tokens"]
+    assert not stored_a_block(warm_up["computed"], 1, 0, BLOCK)
+    prompt = " ".join(f"word{i}" for i in range(300))
+    long = complete(prompt)
+    assert long["computed"] == long["prompt_tokens"] - cached(long) >= 3 * BLOCK, long
+    assert stored_a_block(long["computed"], 1, 0, BLOCK)
+    again = complete(prompt)  # served from the cache but for its last partial block: the hits are taken out
+    assert cached(again) > 0 and again["computed"] == again["prompt_tokens"] - cached(again) < BLOCK, again
 
 
 @pytest.mark.parametrize("extra", [{"prompt_logprobs": 1}, {"echo": True}])
