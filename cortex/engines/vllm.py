@@ -42,7 +42,7 @@ def parse_metrics(text: bytes) -> dict[int, RankLoad]:
     where the engine does not report them).
 
     A real vLLM's exposition is mostly histograms (tens of families, buckets per model and rank): this looks
-    for the four names with bytes.find and reads only their sample lines, so the cost is a few passes of
+    for the six names with bytes.find and reads only their sample lines, so the cost is a few passes of
     C-speed search over the body plus a few lines of Python, not a parse of every family (issue 14)."""
     out: dict[int, list[float]] = {}
     usage: dict[int, float] = {}
