@@ -41,6 +41,17 @@ class ContractError(ValueError):
     """A meta document this process cannot read: a version it was not written for, or a malformed field."""
 
 
+LOAD_MAX_AGE_S = 2.0
+"""An engine load reading older than this (or than two poll intervals in force, if longer) is unknown."""
+
+
+def load_max_age_s(every_s: float) -> float:
+    """How old a reading taken every `every_s` may get before it is unknown: two missed readings in a row
+    (an idle worker polled every ingest.idle_load_poll_interval_s is not flagged for being idle). Extproc ages
+    the readings it routes by with it, and ingest the busy state its silence check judges by."""
+    return max(LOAD_MAX_AGE_S, 2 * every_s)
+
+
 class LoadReading(msgspec.Struct, frozen=True):
     """One engine load reading (running and waiting requests of one target)."""
 

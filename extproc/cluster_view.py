@@ -19,7 +19,16 @@ from prometheus_client import Counter
 
 from cortex.calibration import CALIBRATION_FILE, Calibration
 from cortex.config import UNRESOLVED, CortexConfig
-from cortex.contract import ContractError, GroupSlot, LoadReading, TargetMeta, TierSlot, decode_meta, target_id
+from cortex.contract import (
+    ContractError,
+    GroupSlot,
+    LoadReading,
+    TargetMeta,
+    TierSlot,
+    decode_meta,
+    load_max_age_s,
+    target_id,
+)
 from cortex.inflight import BacklogBoard, InflightBoard, TouchBoard
 from cortex.ledger_view import ViewBusy, ViewReader
 from cortex.peering import board_rows
@@ -33,16 +42,6 @@ VIEW_REFUSED = Counter("cortex_ledger_view_refused", "meta documents of the ledg
 
 FILES_EVERY_S = 1.0
 """How often refresh() stats the files it follows (the view's path, the calibration, the peers' board rows)."""
-LOAD_MAX_AGE_S = 2.0
-"""An engine load reading older than this (or than two poll intervals in force, if longer) is unknown."""
-
-
-def load_max_age_s(every_s: float) -> float:
-    """How old a reading taken every `every_s` may get before it is unknown: two missed readings in a row
-    (an idle worker polled every ingest.idle_load_poll_interval_s is not flagged for being idle)."""
-    return max(LOAD_MAX_AGE_S, 2 * every_s)
-
-
 def engine_load_of(load: LoadReading, now: float) -> tuple[float | None, float]:
     """(running + waiting, or None when unknown; the time at which this reading turns unknown, inf if never
     or already). `at` is the reading's monotonic time (ingest's clock is this host's); older documents

@@ -161,9 +161,7 @@ class ProbeLoops:
         limit = self.cfg.ingest.event_silence_s
         for t in w.targets:
             ev = t.events
-            quiet_since = max(t.busy_since, ev.last_event_at)
-            running = t.id in self._sources
-            if running and t.busy_since and ev.sync.state is SyncState.READY and now - quiet_since > limit:
+            if t.id in self._sources and ev.sync.state is SyncState.READY and t.quiet_while_busy(now, limit):
                 ev.silent(f"no event batch for {limit:.0f}s while the worker was busy", now)
 
     def _check_publishers(self, w: Worker, now: float) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from cortex import engines
 from cortex.config import IngestConfig, WorkerConfig
-from cortex.contract import LoadReading, TargetMeta, target_id
+from cortex.contract import LoadReading, TargetMeta, load_max_age_s, target_id
 from cortex.engines import RankLoad
 from ingest import silence
 from ingest.probes import HealthReading, LoadByRank
@@ -239,6 +239,15 @@ class Target:
             self.activity_checked = self.activity
         self.was_busy = busy
         return due
+
+    def quiet_while_busy(self, now: float, limit_s: float) -> bool:
+        """Busy by a current reading, and no batch for `limit_s` since it became busy or since the last batch: its
+        events may be getting lost. A reading too old to route by (contract.load_max_age_s: the worker stopped
+        answering its load reads, as an engine whose event loop tokenizes a 10 MB body does) is no evidence of
+        work, and neither is the busy state it left."""
+        if not self.busy_since or not self.load.at or now - self.load.at > load_max_age_s(self.worker.poll_every):
+            return False
+        return now - max(self.busy_since, self.events.last_event_at) > limit_s
 
     def observe_publisher(self, now: float, bound_s: float) -> str:
         """After a load reading: does this target serve requests but publish no KV events (ingest.silence)?

@@ -20,10 +20,10 @@ import msgspec
 import pytest
 
 from cortex.config import ConfigError, load_config
-from cortex.contract import LoadReading
+from cortex.contract import LOAD_MAX_AGE_S, LoadReading, load_max_age_s
 from cortex.ledger_view import ViewReader
 from cortexbench.launch import free_ports
-from extproc.cluster_view import LOAD_MAX_AGE_S, engine_load_of, load_max_age_s
+from extproc.cluster_view import engine_load_of
 from tests.harness import MODEL, Gateway, Sim, long_chat, serving, wait_for
 
 FAST_S = 0.1

@@ -237,6 +237,25 @@ def test_a_working_engine_whose_events_never_arrive_turns_silent() -> None:
     assert t.observe_publisher(now=13.0, bound_s=10.0) == "silent" and t.events_status == "flowing"
 
 
+def test_a_busy_worker_is_judged_quiet_only_by_a_current_reading() -> None:
+    """Busy at a reading, then no batch for the limit: its events may be lost (the sync replays). A worker
+    whose load reads then failed (an engine whose event loop is busy tokenizing a 10 MB body answers nothing for
+    seconds) gives no evidence that it is still busy: the reading it left ages out and proves nothing."""
+    t = worker(WCFG, [None]).targets[0]
+    t.worker.poll_every = 0.5
+    t.events.last_event_at = 0.0
+    t.worker.apply_load({0: L(1.0, 0.0, 10.0)}, now=1.0)  # busy from 1.0
+    assert not t.quiet_while_busy(now=2.5, limit_s=10.0)  # not quiet for long enough yet
+    t.worker.apply_load({0: L(1.0, 0.0, 10.0)}, now=11.5)
+    assert t.quiet_while_busy(now=11.6, limit_s=10.0)  # busy at a current reading, no batch since 1.0
+    t.events.last_event_at = 11.0
+    assert not t.quiet_while_busy(now=11.6, limit_s=10.0)  # a batch arrived meanwhile
+    t.events.last_event_at = 0.0
+    assert not t.quiet_while_busy(now=13.6, limit_s=10.0)  # the last reading is 2.1 s old: reads are failing
+    t.worker.apply_load({0: L(0.0, 0.0, 10.0)}, now=14.0)
+    assert not t.quiet_while_busy(now=14.0, limit_s=10.0)  # idle: nothing owed
+
+
 def test_an_engine_serving_only_prompts_shorter_than_a_block_is_not_silent() -> None:
     """Ten-token requests (a readiness probe, a gateway's warm-up) store no KV block, so no event is owed: the
     engine's counts (tokens computed, requests finished) prove no stored block and the target stays waiting

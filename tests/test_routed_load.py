@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from cortex.config import IngestConfig, SchedulerConfig
-from cortex.contract import LoadReading
+from cortex.contract import LoadReading, load_max_age_s
 from cortex.engines import RankLoad
 from cortex.inflight import BacklogBoard
 from extproc import candidates
-from extproc.cluster_view import TargetInfo, derived_load, derived_waiting, engine_load_of, load_max_age_s
+from extproc.cluster_view import TargetInfo, derived_load, derived_waiting, engine_load_of
 from extproc.policies import Ttft
 from extproc.policies.base import Facts
 from extproc.predictions import Predictions
