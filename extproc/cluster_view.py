@@ -42,6 +42,8 @@ VIEW_REFUSED = Counter("cortex_ledger_view_refused", "meta documents of the ledg
 
 FILES_EVERY_S = 1.0
 """How often refresh() stats the files it follows (the view's path, the calibration, the peers' board rows)."""
+
+
 def engine_load_of(load: LoadReading, now: float) -> tuple[float | None, float]:
     """(running + waiting, or None when unknown; the time at which this reading turns unknown, inf if never
     or already). `at` is the reading's monotonic time (ingest's clock is this host's); older documents
