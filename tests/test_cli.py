@@ -270,6 +270,12 @@ def test_demo_runs_routes_and_stops_cleanly(tmp_path: Path) -> None:
         assert all(t["subscription"]["state"] == "live" and t["subscription"]["replay"] for t in targets), targets
         body = {"model": MODEL, "messages": long_chat(300, seed=5), "max_tokens": 4}
         first = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", json=body, timeout=30)
+        # The engine publishes the first chat's blocks after its step, not with the response: a repeat sent at
+        # once follows their prediction (same worker, nothing claimed); one sent after they reached the ledger,
+        # as the demo's user does with a second curl, is an exact hit. Route explain (admin port) says when.
+        wait_for(lambda: httpx.post(f"http://127.0.0.1:{ingest}/cortex/v1/route", json=body,
+                                    timeout=10).json()["mode"] == "exact_kv_events",
+                 what="the first chat's blocks in the ledger")
         second = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", json=body, timeout=30)
         assert first.status_code == second.status_code == 200
         assert second.headers["x-cortex-match-mode"] == "exact_kv_events"
