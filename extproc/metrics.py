@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from prometheus_client import Counter, Gauge, Histogram
 
 from cortex.chain_cache import ChainCache
+from cortex.gc_pauses import BUCKETS as gc_pause_buckets
 from extproc.breaker import LEVEL, State
 from extproc.plan import RoutePlan
 
@@ -34,6 +35,12 @@ WINDOW_WITHHELD_TOKENS = Counter("cortex_window_withheld_tokens",
                                  "not in the blocks its sliding windows need: never claimed (a full-attention-only "
                                  "match would have)")
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+GC_PAUSE_SECONDS = Histogram("cortex_extproc_gc_pause_seconds", "garbage-collector pauses of the extproc processes, "
+                             "by generation (2: a full collection; cortex/gc_pauses.py)", ["generation"],
+                             buckets=gc_pause_buckets)
+GC_FROZEN_OBJECTS = Gauge("cortex_extproc_gc_frozen_objects", "objects the extproc processes keep out of the "
+                          "collector's walk since start-up or the last reload (the fewest of the live processes: 0 "
+                          "means one did not settle its heap)", multiprocess_mode="livemin")
 DECISION_SECONDS = Histogram("cortex_route_decision_seconds", "time to route one request inside extproc",
                              buckets=_BUCKETS)
 STAGE_SECONDS = Histogram("cortex_route_stage_seconds", "time per routing stage", ["stage"], buckets=_BUCKETS)
@@ -145,3 +152,9 @@ def observe_decision(result: RoutePlan, total_s: float, block_size: int) -> None
     DECISION_SECONDS.observe(total_s)
     for stage in ("tokenize", "hash", "lookup", "score"):
         STAGE_SECONDS.labels(stage).observe(getattr(result.timings, f"{stage}_s"))
+
+
+def gc_pauses(pauses: Iterable[tuple[int, float]]) -> None:
+    """The collections since the last call (`cortex.gc_pauses.Pauses.drain`), taken outside the collector."""
+    for generation, seconds in pauses:
+        GC_PAUSE_SECONDS.labels(str(generation)).observe(seconds)

@@ -15,7 +15,7 @@ import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from cortex import breaker_status, extproc_tls, grpc_health
+from cortex import breaker_status, extproc_tls, gc_pauses, grpc_health
 from cortex.api_paths import EXPLAIN_PATH, explain_socket
 from cortex.config import CortexConfig
 from cortex.config_watch import ConfigWatcher
@@ -39,6 +39,7 @@ IDLE_AFTER_S = 2.0
 
 
 async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, picker: bool = False) -> None:
+    pauses = gc_pauses.watch()
     cluster = ClusterView(cfg, cfg.view_path(), index)
     cluster.refresh()
     registry = ModelRegistry(cfg)
@@ -104,6 +105,8 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
         local.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         local.unlink(missing_ok=True)
         server.add_insecure_port(f"unix:{local}")
+    # What start-up loaded, out of every full collection's walk (cortex/gc_pauses.py).
+    metrics.GC_FROZEN_OBJECTS.set(gc_pauses.settle())
     await server.start()
     # A restarted process finds ingest's view at once: it serves from here, and says so as a first start does.
     (log.info if served else log.debug)("extproc %d %s on %s:%d (%d models)", index,
@@ -130,6 +133,8 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
                     change = await watcher.poll()
                     if change is not None:
                         app.reload(*change)
+                        metrics.GC_FROZEN_OBJECTS.set(gc_pauses.settle())
+                metrics.gc_pauses(pauses.drain())
             except Exception:
                 log.exception("extproc upkeep failed")
 

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
-from cortex import admin_auth
+from cortex import admin_auth, gc_pauses
 from cortex.api_paths import EXPLAIN_PATH, TENANT_VIEW_HEADER, explain_socket
 from cortex.config import WorkerConfig
 from cortex.errors import error_body
@@ -154,6 +154,16 @@ class IngestCollector(Collector):
         yield GaugeMetricFamily("cortex_ingest_view_lag_max_seconds",
                                 f"largest lag of the batches applied in the last {WINDOW_S:g}-{2 * WINDOW_S:g} s "
                                 "(0 when none)", value=VIEW_LAG.recent_max())
+        pauses = HistogramMetricFamily("cortex_ingest_gc_pause_seconds", "garbage-collector pauses of this ingest "
+                                       "process, by generation (2: a full collection; cortex/gc_pauses.py)",
+                                       labels=["generation"])
+        for generation in range(gc_pauses.GENERATIONS):
+            pauses.add_metric([str(generation)], gc_pauses.PAUSES.buckets(generation),
+                              gc_pauses.PAUSES.sums[generation])
+        yield pauses
+        yield GaugeMetricFamily("cortex_ingest_gc_frozen_objects", "objects this ingest process keeps out of the "
+                                "collector's walk since start-up or the last reload (0: not settled yet)",
+                                value=self.ingest.frozen_objects)
         cpu = CounterMetricFamily("cortex_ingest_loop_cpu_seconds",
                                   "CPU seconds spent in each ingest loop's tasks (other: the rest of the process)",
                                   labels=["loop"])

@@ -15,6 +15,8 @@ from __future__ import annotations
 import bisect
 import time
 
+from cortex.shared_metrics import cumulative_buckets
+
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Upper bounds in seconds (plus +Inf): an idle loop applies a batch within a millisecond, a falling-behind one
 drifts into seconds."""
@@ -53,11 +55,7 @@ class ViewLag:
 
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative (le, count) pairs as Prometheus histograms take them."""
-        out, total = [], 0
-        for bound, n in zip((*(str(b) for b in BUCKETS), "+Inf"), self.counts, strict=True):
-            total += n
-            out.append((bound, float(total)))
-        return out
+        return cumulative_buckets(BUCKETS, self.counts)
 
 
 VIEW_LAG = ViewLag()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from cortex import gc_pauses
 from cortex.config import CortexConfig
 from ingest.admin import build_app
 from ingest.service import Ingest
@@ -18,10 +19,12 @@ log = logging.getLogger("cortex.ingest")
 
 
 async def serve(cfg: CortexConfig, config_path: Path | None = None, picker: bool = False) -> None:
+    gc_pauses.watch()
     ingest = Ingest(cfg, config_path)
     await ingest.start()
     runner = web.AppRunner(build_app(ingest, picker), access_log=None)
     await runner.setup()
+    ingest.frozen_objects = gc_pauses.settle()  # start-up's heap, out of every full collection's walk
     site = web.TCPSite(runner, cfg.ingest.host, cfg.ingest.port, reuse_address=True)
     await site.start()
     log.info("ingest listening on http://%s:%d (%d workers)", cfg.ingest.host, cfg.ingest.port, len(ingest.workers))

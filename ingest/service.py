@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import zmq.asyncio
 
-from cortex import breaker_status, engines
+from cortex import breaker_status, engines, gc_pauses
 from cortex.config import UNRESOLVED, CortexConfig, WorkerConfig
 from cortex.config_watch import ConfigWatcher
 from cortex.contract import ClusterMeta, encode_meta, target_id
@@ -78,6 +78,8 @@ class Ingest(ProbeLoops, Discovery):
         self._probe_tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._parity_tasks: dict[str, asyncio.Task[None]] = {}
         self._background: list[asyncio.Task[None]] = []
+        self.frozen_objects = 0
+        """Objects kept out of the collector's walk (cortex/gc_pauses.py: settled after start-up and each reload)."""
         self._session: aiohttp.ClientSession | None = None
         # https workers' probes check certificates with this, built once (a bad file stops ingest at start).
         self.tls = WorkerTls(cfg.upstream_tls)
@@ -163,6 +165,7 @@ class Ingest(ProbeLoops, Discovery):
         self._meta_dirty = True
         if rediscover:
             self._start_discovery()
+        self.frozen_objects = gc_pauses.settle()
         log.info("config reloaded: %d models, %d workers", len(cfg.models), len(self.workers))
 
     def _save_state(self) -> None:

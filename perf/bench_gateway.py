@@ -42,6 +42,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decision import Text, conversation, next_turn
+from gc_report import full_collections, summary
 from procstat import cpu_seconds
 
 from cortex import headers as H
@@ -191,6 +192,7 @@ def main() -> int:
     sim_args = SIM_ARGS + (("--max-model-len", "262144", "--num-blocks", "32768") if max(sizes) > 30000 else ())
     with tempfile.TemporaryDirectory() as tmp, cluster(Path(tmp), n_sims=1, sim_args=sim_args) as gw:
         sim = gw.sims[0]
+        gc_before = full_collections(httpx.get(f"{gw.ingest_url}/metrics", timeout=5).text, "extproc")
         with plain_envoy(Path(tmp), sim.port) as envoy_url:
             paths = {"direct": sim.url, "envoy": envoy_url, "cortex": gw.url}
             # The floor: a completions request of 21 token ids, so extproc parses, hashes one block and
@@ -211,6 +213,7 @@ def main() -> int:
                     result = compare(gw, paths, lambda k, b=base, z=size: bodies_for(text, b, z, k), n, conc,
                                      PATH)
                     rows.append((str(tokens), conc, result))
+        gc_after = full_collections(httpx.get(f"{gw.ingest_url}/metrics", timeout=5).text, "extproc")
         # Saturate the one extproc process: short seen conversations, many in flight.
         assert sim.proc is not None
         extproc_pid = gw.child_pids("extproc")[0]
@@ -245,6 +248,7 @@ def main() -> int:
               f"{front:>11} {decision:>8.2f} | {rps:>15}")
     print("adds = p50 difference to direct (ext_proc: Cortex minus Envoy alone); front = p50 of latency minus "
           "Envoy's upstream service time; decision = extproc's mean cortex_route_decision_seconds (parse + route)")
+    print(f"extproc's garbage collector during the rows: {summary(gc_before, gc_after)} (cortex/gc_pauses.py)")
     print("\none extproc process saturated (32 streams through Envoy, next turns of a seen conversation):")
     print(f"{'chat':>6} {'requests':>8} {'req/s':>7} {'p50 ms':>7} | {'extproc CPU ms/req':>18} "
           f"{'=> req/s per extproc core':>25} | {'envoy CPU ms/req':>16} {'sim CPU ms/req':>14}")

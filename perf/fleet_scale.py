@@ -46,6 +46,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without installing the package
 
+from gc_report import full_collections, summary
+
 from cortex.blockkeys import chain_keys, root_key
 from cortex.ledger_view import ViewReader
 from cortexbench import launch
@@ -177,6 +179,7 @@ def scrape(ingest_url: str) -> dict[str, float]:
         elif m := re.match(r'cortex_ingest_loop_cpu_seconds_total\{loop="(\w+)"\} (\S+)', line):
             out[f"loop:{m[1]}"] = float(m[2])
     out["events"] = events
+    out.update({f"gc:{k}": v for k, v in full_collections(text, "ingest").items()})
     return out
 
 
@@ -343,6 +346,8 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
                 # CPU time is CPU time on a loaded machine too (wall-clock lag is not): what one ingest process
                 # spends per applied batch, and the rate that makes a whole core at this fleet size.
                 per_batch = statistics.mean(ingest) / max(statistics.mean(applied), 1e-9)
+                gc = [{k[3:]: v for k, v in s.items() if k.startswith("gc:")} for s in (before[0], after[0])]
+                print(f"  replica 0's ingest: {summary(*gc)} in the step (cortex/gc_pauses.py)", flush=True)
                 print(f"  ingest CPU {per_batch * 1e3:.2f} ms per applied batch -> one dedicated core would apply "
                       f"~{1 / per_batch:,.0f} batches/s here (load polls of busy workers included)", flush=True)
                 del sub0

@@ -183,3 +183,27 @@ def test_drive_rejects_bad_input(fleet: tuple[Gateway, subprocess.Popen[bytes], 
                  what="the drive to submit")
     finally:
         assert httpx.post(url, json={"rate": 0}, timeout=5).status_code == 200
+
+
+def test_ingest_and_extproc_settle_their_heaps_and_report_their_pauses(
+        fleet: tuple[Gateway, subprocess.Popen[bytes], Path]) -> None:
+    """Both settled the heap start-up left (cortex/gc_pauses.py: kept out of every full collection's walk) and
+    export their collector's pauses by generation; extproc's arrive with its upkeep."""
+    gw, _, _ = fleet
+
+    def exported() -> str | None:
+        text = httpx.get(f"{gw.ingest_url}/metrics", timeout=10).text
+        count = metric(text, 'cortex_extproc_gc_pause_seconds_count{generation="2"}')
+        return text if count is not None and count >= 1 else None
+
+    text = wait_for(exported, timeout=30, what="extproc's pauses in /metrics")
+    for process in ("ingest", "extproc"):
+        frozen = metric(text, f"cortex_{process}_gc_frozen_objects")
+        assert frozen is not None and frozen > 10_000, (process, frozen)  # the modules, tokenizers and config
+        for generation in "012":
+            labels = f'generation="{generation}"'
+            count = metric(text, f"cortex_{process}_gc_pause_seconds_count{{{labels}}}")
+            assert count is not None, (process, generation)
+            assert metric(text, f'cortex_{process}_gc_pause_seconds_bucket{{{labels},le="+Inf"}}') == count
+        # The settle's own full collection at least.
+        assert (metric(text, f'cortex_{process}_gc_pause_seconds_count{{generation="2"}}') or 0) >= 1
