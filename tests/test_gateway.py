@@ -57,6 +57,15 @@ def reset_worker(gw: Gateway, worker_id: str) -> None:
     wait_for(lambda: gw.targets()[worker_id]["cached_blocks"] == 0, what="ledger to see the reset")
 
 
+def wait_in_ledger(gw: Gateway, messages: list[dict[str, str]]) -> None:
+    """Until route explain finds the chat's blocks in the ledger. The engine publishes them after its step, not with
+    the answer: a repeat sent at once follows their prediction (same worker, nothing claimed; docs/ledger.md's
+    window 2), one sent after them is an exact hit."""
+    body = {"model": MODEL, "messages": messages}
+    wait_for(lambda: httpx.post(gw.explain_url, json=body, timeout=10).json()["mode"] == "exact_kv_events",
+             what="the chat's blocks in the ledger")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_repeated_chat_sticks_to_the_worker_that_caches_it(gw: Gateway, stream: bool) -> None:
     messages = long_chat(1500, seed=11 if stream else 7)
@@ -64,6 +73,7 @@ def test_repeated_chat_sticks_to_the_worker_that_caches_it(gw: Gateway, stream: 
     assert usage["prompt_tokens"] > 1900
     holder = first["x-cortex-assigned-worker"]
     assert first["x-cortex-cache-hit-tokens"] == "0"
+    wait_in_ledger(gw, messages)
     for _ in range(19):
         h, usage = chat(gw, messages, stream)
         assert h["x-cortex-assigned-worker"] == holder
@@ -75,6 +85,7 @@ def test_repeated_chat_sticks_to_the_worker_that_caches_it(gw: Gateway, stream: 
     assert h["x-cortex-cache-hit-tokens"] == "0"
     assert h["x-cortex-match-mode"] != "exact_kv_events"
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    wait_in_ledger(gw, messages)
     again, usage = chat(gw, messages, stream)
     assert again["x-cortex-assigned-worker"] == h["x-cortex-assigned-worker"]
     assert again["x-cortex-match-mode"] == "exact_kv_events"
@@ -84,6 +95,7 @@ def test_repeated_chat_sticks_to_the_worker_that_caches_it(gw: Gateway, stream: 
 def test_route_explain_runs_the_same_decision(gw: Gateway) -> None:
     messages = long_chat(400, seed=21)
     h, _ = chat(gw, messages)
+    wait_in_ledger(gw, messages)
     body = {"model": MODEL, "messages": messages}
     r = httpx.post(f"{gw.explain_url}?tokens=1", json=body, timeout=30)
     assert r.status_code == 200
