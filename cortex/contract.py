@@ -3,8 +3,8 @@
 Ingest owns the fleet (which targets exist, their health, load and whether their ledger can be trusted);
 extproc routes on it. The only thing that crosses the process boundary besides the key bitsets is this
 document, so it is written down once, here, as msgspec Structs that ingest encodes (`encode_meta`) and
-extproc decodes (`decode_meta`); extproc also builds the same structs from its config while ingest has not
-spoken yet (extproc/cluster_view.py).
+extproc decodes (`read_meta`, from the view's bytes); extproc also builds the same structs from its config while
+ingest has not spoken yet (extproc/cluster_view.py).
 
 Versioning: `version` is a major version. Adding an optional field with a default does not change it (an
 older reader ignores a field it does not know; a newer reader fills in the default when an older writer
@@ -176,10 +176,52 @@ def encode_meta(meta: ClusterMeta) -> bytes:
     return _encoder.encode(meta)
 
 
+class _Peek(msgspec.Struct):
+    """A document's version and whether it names a fleet, read without decoding its targets."""
+
+    version: Any = msgspec.UNSET
+    targets: msgspec.Raw = msgspec.Raw()
+    """Left undecoded (empty: absent)."""
+
+
+_peek = msgspec.json.Decoder(_Peek)
+_typed = msgspec.json.Decoder(ClusterMeta)
+
+
+def _check_version(version: object) -> None:
+    if type(version) is not int or version not in READABLE:
+        raise ContractError(f"meta document has schema version {version!r}; this process reads versions "
+                            f"{', '.join(map(str, READABLE))} only (a newer or older ingest is running: finish the "
+                            "rolling restart so both sides run the same release)")
+
+
+def read_meta(raw: bytes) -> ClusterMeta | None:
+    """extproc's side, from the view's bytes: the document as a ClusterMeta, decoded into the structs in one pass
+    (no intermediate dicts: at 256 targets a third of the time of parsing, then converting). None for a document
+    that names no fleet yet (neither `targets` nor `version`: an empty view). Raises ContractError as
+    `decode_meta` does, the version checked first."""
+    if not raw:
+        return None
+    try:
+        peek = _peek.decode(raw)
+    except msgspec.ValidationError:
+        raise ContractError("meta document is not an object") from None
+    except msgspec.DecodeError as exc:
+        raise ContractError(f"meta document is not JSON: {exc}") from None
+    if peek.version is msgspec.UNSET and not len(peek.targets):
+        return None
+    version = 1 if peek.version is msgspec.UNSET else peek.version
+    _check_version(version)
+    try:
+        return _typed.decode(raw)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise ContractError(f"meta document (schema version {version}) is malformed: {exc}") from None
+
+
 def decode_meta(doc: dict[str, Any] | bytes) -> ClusterMeta:
-    """extproc's side: a published document (parsed JSON, or its bytes) as a ClusterMeta. Raises
-    ContractError, naming the reason, for a version this code was not written for or a malformed document;
-    the version is checked first, so a newer layout is reported as such rather than as a bad field."""
+    """A published document (parsed JSON, or its bytes) as a ClusterMeta. Raises ContractError, naming the
+    reason, for a version this code was not written for or a malformed document; the version is checked first,
+    so a newer layout is reported as such rather than as a bad field."""
     if isinstance(doc, bytes | bytearray | memoryview):
         try:
             doc = msgspec.json.decode(doc)
@@ -188,10 +230,7 @@ def decode_meta(doc: dict[str, Any] | bytes) -> ClusterMeta:
     if not isinstance(doc, dict):
         raise ContractError(f"meta document is a {type(doc).__name__}, not an object")
     version = doc.get("version", 1)
-    if type(version) is not int or version not in READABLE:
-        raise ContractError(f"meta document has schema version {version!r}; this process reads versions "
-                            f"{', '.join(map(str, READABLE))} only (a newer or older ingest is running: finish the "
-                            "rolling restart so both sides run the same release)")
+    _check_version(version)
     try:
         return msgspec.convert(doc, ClusterMeta)
     except msgspec.ValidationError as exc:

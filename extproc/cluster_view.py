@@ -25,8 +25,8 @@ from cortex.contract import (
     LoadReading,
     TargetMeta,
     TierSlot,
-    decode_meta,
     load_max_age_s,
+    read_meta,
     target_id,
 )
 from cortex.inflight import BacklogBoard, InflightBoard, TouchBoard
@@ -170,6 +170,8 @@ class ClusterView:
         self.block_size = cfg.block_size
         self._meta_version = -1
         self._published: list[TargetMeta] = []
+        self._built: dict[str, tuple[TargetMeta, TargetInfo, float]] = {}
+        """Per target id: the entry last published, the TargetInfo built from it, when its reading ages out."""
         self._refused_version = -1
         """The meta version last refused (cortex.contract): not decoded again until ingest writes a new one."""
         self._refused_reason = ""
@@ -203,24 +205,18 @@ class ClusterView:
         by_address: dict[str, TargetInfo] = {}
         now = time.monotonic()
         expires_first = math.inf
+        built = {}
         for t in targets:
-            engine_load, expires = engine_load_of(t.load, now)
+            kept = self._built.get(t.id)
+            # Ingest republishes the whole list when one reading moves: a target whose entry is unchanged, and
+            # whose reading has not aged out since, keeps the TargetInfo built for it (at 256 targets, building
+            # them all again was most of each version's cost; docs/performance.md, "The worker document").
+            if kept is not None and kept[0] == t and now < kept[2]:
+                info, expires = kept[1], kept[2]
+            else:
+                info, expires = self._target_info(t, now)
+            built[t.id] = (t, info, expires)
             expires_first = min(expires_first, expires)
-            added_at = t.added_at
-            if added_at is None and t.age_s is not None:
-                added_at = now - t.age_s
-            why = t.why if t.why is not None else "" if t.exact_kv else "ledger_unknown"
-            info = TargetInfo(id=t.id, worker=t.worker or t.id, rank=t.rank, slot=t.slot, model=t.model,
-                              engine=t.engine, address=t.address, exact_kv=t.exact_kv, healthy=t.healthy,
-                              engine_load=engine_load, engine_waiting=t.load.waiting, added_at=added_at, why=why,
-                              kv_usage=t.load.kv_usage if engine_load is not None else None,
-                              kv_capacity_tokens=t.load.kv_capacity_tokens,
-                              evicted_tokens_per_s=t.load.evicted_tokens_per_s,
-                              regretted_tokens_per_s=t.load.regretted_tokens_per_s, load_at=t.load.at,
-                              load_inflight=t.load.inflight,
-                              role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect,
-                              tls_name=t.tls_name, groups=t.groups, tiers=t.tiers,
-                              lookahead_blocks=t.lookahead_blocks)
             if t.load.evicted_tokens is not None:
                 self.touches.note_evicted(t.slot, t.load.evicted_tokens)
             by_model.setdefault(info.model, []).append(info)
@@ -228,7 +224,29 @@ class ClusterView:
         self.targets = by_model
         self.by_address = by_address
         self._published = targets
+        self._built = built
         self._load_expires = expires_first
+
+    @staticmethod
+    def _target_info(t: TargetMeta, now: float) -> tuple[TargetInfo, float]:
+        """The routing view of one published target, and when its load reading turns unknown."""
+        engine_load, expires = engine_load_of(t.load, now)
+        added_at = t.added_at
+        if added_at is None and t.age_s is not None:
+            added_at = now - t.age_s
+        why = t.why if t.why is not None else "" if t.exact_kv else "ledger_unknown"
+        info = TargetInfo(id=t.id, worker=t.worker or t.id, rank=t.rank, slot=t.slot, model=t.model,
+                          engine=t.engine, address=t.address, exact_kv=t.exact_kv, healthy=t.healthy,
+                          engine_load=engine_load, engine_waiting=t.load.waiting, added_at=added_at, why=why,
+                          kv_usage=t.load.kv_usage if engine_load is not None else None,
+                          kv_capacity_tokens=t.load.kv_capacity_tokens,
+                          evicted_tokens_per_s=t.load.evicted_tokens_per_s,
+                          regretted_tokens_per_s=t.load.regretted_tokens_per_s, load_at=t.load.at,
+                          load_inflight=t.load.inflight,
+                          role=t.role, bootstrap_port=t.bootstrap_port, suspect=t.suspect,
+                          tls_name=t.tls_name, groups=t.groups, tiers=t.tiers,
+                          lookahead_blocks=t.lookahead_blocks)
+        return info, expires
 
     def refresh(self) -> None:
         """Background upkeep; cheap enough to run every 100-250 ms, and before a request when it has not."""
@@ -265,16 +283,18 @@ class ClusterView:
         if self.reader.heartbeat_age() > self.stale_after:
             self._mark(False, "ingest heartbeat stopped")
             return
-        version, doc = self.reader.meta()
+        version, raw = self.reader.meta_raw()
         if version == self._refused_version:
             self._mark(False, self._refused_reason)
             return
-        if version != self._meta_version and (doc.get("targets") is not None or "version" in doc):
+        meta = None
+        if version != self._meta_version:
             try:
-                meta = decode_meta(doc)
+                meta = read_meta(raw)
             except ContractError as exc:
                 self._refuse(version, str(exc))
                 return
+        if meta is not None:
             self._meta_version, self._refused_reason = version, ""
             self.block_size = meta.block_size
             self._set_targets(meta.targets)

@@ -8,6 +8,7 @@ what extproc decodes, and a document of a version extproc was not written for ma
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import msgspec
@@ -26,10 +27,12 @@ from cortex.contract import (
     TierSlot,
     decode_meta,
     encode_meta,
+    load_max_age_s,
+    read_meta,
     version_of,
 )
 from cortex.ledger_view import ViewWriter
-from extproc.cluster_view import VIEW_REFUSED, ClusterView
+from extproc.cluster_view import VIEW_REFUSED, ClusterView, TargetInfo
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
 from ingest.source import EventSource
@@ -69,7 +72,8 @@ def test_encode_decode_vector() -> None:
     assert SCHEMA_VERSION == 2
     assert encode_meta(META) == WIRE  # no target has groups: written as version 1, which older readers take
     assert decode_meta(WIRE) == META
-    assert decode_meta(msgspec.json.decode(WIRE)) == META  # as the view reader hands it over (parsed JSON)
+    assert decode_meta(msgspec.json.decode(WIRE)) == META  # parsed JSON
+    assert read_meta(WIRE) == META  # the view's bytes, as extproc reads them
 
 
 @pytest.mark.parametrize("version", [3, 0, "1", None])
@@ -78,6 +82,8 @@ def test_other_versions_are_refused_with_the_reason(version: object) -> None:
     doc["version"] = version
     with pytest.raises(ContractError, match=rf"schema version {version!r}; this process reads versions 1, 2"):
         decode_meta(doc)
+    with pytest.raises(ContractError, match=rf"schema version {version!r}; this process reads versions 1, 2"):
+        read_meta(msgspec.json.encode(doc))
 
 
 def test_a_newer_layout_is_refused_as_a_version_not_a_bad_field() -> None:
@@ -85,6 +91,8 @@ def test_a_newer_layout_is_refused_as_a_version_not_a_bad_field() -> None:
     doc = {"version": 3, "block_size": 16, "workers": [{"name": "w0"}]}
     with pytest.raises(ContractError, match="schema version 3"):
         decode_meta(doc)
+    with pytest.raises(ContractError, match="schema version 3"):
+        read_meta(msgspec.json.encode(doc))
 
 
 def test_a_hybrid_target_makes_the_document_version_2() -> None:
@@ -104,6 +112,7 @@ def test_a_document_from_before_versioning_and_new_fields_reads_with_the_default
     old = {"block_size": 32, "targets": [{"id": "w0", "slot": 0, "model": "m", "address": "h:1",
                                           "load": {"running": 1, "waiting": 0, "age_s": 0.05}, "age_s": 60.0}]}
     meta = decode_meta(old)
+    assert read_meta(msgspec.json.encode(old)) == meta
     assert meta.version == 1 and meta.block_size == 32
     t = meta.targets[0]
     assert (t.worker, t.rank, t.engine, t.healthy, t.suspect, t.exact_kv, t.why, t.role, t.bootstrap_port) == \
@@ -118,6 +127,7 @@ def test_unknown_fields_are_ignored_within_a_version() -> None:
     doc["replicas"] = 3
     doc["targets"][0]["hbm_gb"] = 80
     assert decode_meta(doc) == META
+    assert read_meta(msgspec.json.encode(doc)) == META
 
 
 @pytest.mark.parametrize("doc", [
@@ -128,6 +138,14 @@ def test_unknown_fields_are_ignored_within_a_version() -> None:
 def test_malformed_documents_are_refused(doc: object) -> None:
     with pytest.raises(ContractError):
         decode_meta(doc)  # type: ignore[arg-type]
+    with pytest.raises(ContractError):
+        read_meta(doc if isinstance(doc, bytes) else msgspec.json.encode(doc))
+
+
+@pytest.mark.parametrize("raw", [b"", b"{}", b'{"note": "no fleet yet"}'])
+def test_a_document_that_names_no_fleet_reads_as_none(raw: bytes) -> None:
+    """An empty view (or one without `targets` and `version`) is not refused: there is nothing to route by yet."""
+    assert read_meta(raw) is None
 
 
 def config(tmp_path: Path) -> CortexConfig:
@@ -210,5 +228,39 @@ def test_a_newer_ingest_makes_the_view_unusable_never_misread(tmp_path: Path,
         writer.heartbeat()
         view.refresh()
         assert view.synced and view.match(keys) is not None
+    finally:
+        writer.close(unlink=True)
+
+
+def test_an_unchanged_target_keeps_what_extproc_built_for_it(tmp_path: Path) -> None:
+    """Ingest republishes the whole list when one reading moves: extproc rebuilds only the targets that changed, and
+    an unchanged one whose reading has aged out since (its load is unknown now, not what it was)."""
+    cfg = config(tmp_path)
+    now = time.monotonic()
+    ages_out_soon = now - load_max_age_s(0.1) + 0.3
+
+    def target(i: int, running: float, at: float) -> TargetMeta:
+        return TargetMeta(id=f"w{i}", slot=i, model=MODEL, address=f"127.0.0.1:{21001 + i}", exact_kv=True, why="",
+                          load=LoadReading(running=running, at=at, every_s=0.1))
+
+    writer = ViewWriter(cfg.view_path(), max_workers=cfg.ingest.max_workers)
+    try:
+        def publish(*targets: TargetMeta) -> dict[str, TargetInfo]:
+            writer.set_meta(encode_meta(ClusterMeta(block_size=cfg.block_size, targets=list(targets))))
+            writer.heartbeat()
+            view.refresh()
+            return {t.id: t for t in view.all_candidates()}
+
+        view = ClusterView(cfg, cfg.view_path(), 0)
+        first = publish(target(0, 2, ages_out_soon), target(1, 1, now))
+        second = publish(target(0, 2, ages_out_soon), target(1, 5, now))
+        assert second["w0"] is first["w0"]  # the same entry: the same TargetInfo
+        assert second["w1"] is not first["w1"] and second["w1"].engine_load == 5
+        assert second["w0"].engine_load == 2
+        time.sleep(0.5)  # past w0's reading's age limit; ingest publishes nothing new
+        writer.heartbeat()
+        view.refresh()
+        aged = {t.id: t for t in view.all_candidates()}
+        assert aged["w0"].engine_load is None and aged["w1"].engine_load == 5
     finally:
         writer.close(unlink=True)

@@ -47,7 +47,8 @@ class ViewReader:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._path = os.fspath(path)
         self._m: _Mapping | None = _Mapping.open(self._path)
-        self._meta_cache: tuple[int, int, dict[str, Any]] | None = None
+        self._raw_cache: tuple[int, int, bytes] | None = None
+        self._meta_cache: tuple[bytes, dict[str, Any]] | None = None
         self._followed = False
 
     @classmethod
@@ -129,8 +130,8 @@ class ViewReader:
                 return [w * 64 + b for w, word in enumerate(row) for b in range(64) if word >> b & 1]
         raise ViewBusy(f"view at {self._path} stayed mid-update through {self.RETRIES} attempts")
 
-    def meta(self) -> tuple[int, dict[str, Any]]:
-        """(version, document); the document is parsed once per version and shared -- do not mutate it."""
+    def meta_raw(self) -> tuple[int, bytes]:
+        """(version, the document's bytes), read once per version."""
         m = self._live()
         for attempt in range(self.RETRIES):
             hdr = m.hdr
@@ -139,17 +140,26 @@ class ViewReader:
                 m = self._wait(m, attempt)
                 continue
             version = hdr[_H_META_VERSION]
-            cached = self._meta_cache
+            cached = self._raw_cache
             # Growth copies the document and keeps epoch and version, so the cache survives it.
             if cached is not None and cached[0] == m.epoch and cached[1] == version:
                 return version, cached[2]
             length = hdr[_H_META_LEN]
             raw = bytes(m.meta[:length])
             if hdr[_H_SEQ] == seq:
-                doc = orjson.loads(raw) if length else {}
-                self._meta_cache = (m.epoch, version, doc)
-                return version, doc
+                self._raw_cache = (m.epoch, version, raw)
+                return version, raw
         raise ViewBusy(f"view at {self._path} stayed mid-update through {self.RETRIES} attempts")
+
+    def meta(self) -> tuple[int, dict[str, Any]]:
+        """(version, document); the document is parsed once per version and shared -- do not mutate it."""
+        version, raw = self.meta_raw()
+        cached = self._meta_cache
+        if cached is not None and cached[0] is raw:
+            return version, cached[1]
+        doc = orjson.loads(raw) if raw else {}
+        self._meta_cache = (raw, doc)
+        return version, doc
 
     def heartbeat_age(self) -> float:
         """Seconds since the writer last proved it was alive."""
