@@ -1,4 +1,5 @@
-"""What gateway replicas tell each other: the prefill work and the requests each has in flight per worker.
+"""What gateway replicas tell each other: the prefill work and the requests each has in flight per worker, and the
+workers' load readings each took.
 
 Independent replicas over one fleet see the engines alike but each other only through the engines' counts,
 read every half second and priced at an average request: on traffic whose prompts span two orders of magnitude
@@ -8,19 +9,26 @@ processes have queued on each worker (the backlog's milliseconds still to prefil
 each replica's ingest writes what its peers said into extra rows of its own boards (cortex/inflight.py), so the
 time model reads the fleet's whole backlog as it reads its own processes' (docs/replicas.md).
 
-Sans-IO: the message codec and the table of peers (which board row each peer owns, when it was last heard) are
-pure; ingest/peers.py moves the bytes.
+A worker's load (its engine's `/metrics` or `/v1/loads`) is the same whoever reads it, so peered replicas split
+the reading: each worker has one reader among the live replicas (`reader_of`, a rendezvous hash every replica
+computes alike), which sends each reading it takes in its next report; the others apply it and stop reading that
+worker while such readings keep arriving (`reads_itself`), so N replicas read the fleet once, not N times.
+
+Sans-IO: the message codec, the choice of reader and the table of peers (which board row each peer owns, when it
+was last heard) are pure; ingest/peers.py moves the bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+import xxhash
 
 from cortex.config import CortexConfig
+from cortex.engines.base import RankLoad
 
 VERSION = 1
 
@@ -29,6 +37,15 @@ def board_rows(cfg: CortexConfig) -> int:
     """Rows of each shared board (cortex/inflight.py): one per extproc process, then, when peered, one per peer
     (written by ingest from the peer's reports)."""
     return cfg.extproc.process_count() + (cfg.peers.max_peers if cfg.peers.enabled else 0)
+
+
+class Reading(msgspec.Struct, frozen=True, array_like=True):
+    """One load reading the sender took of a worker (by worker id), as its engine answered it."""
+
+    worker: str
+    age_ms: float
+    """How long before the report was sent the reading was taken (a duration: hosts' clocks are not comparable)."""
+    ranks: dict[int, RankLoad]
 
 
 class Report(msgspec.Struct, frozen=True, array_like=True):
@@ -40,6 +57,10 @@ class Report(msgspec.Struct, frozen=True, array_like=True):
     seq: int
     targets: dict[str, tuple[float, int]]
     """Target id -> (milliseconds of prefill it sent there that are predicted not done yet, requests in flight)."""
+    readings: tuple[Reading, ...] = ()
+    """The load readings the sender took since its last report. Last and defaulted, so a report from a replica
+    that predates them still decodes (with none), and one that carries them decodes in such a replica too (msgpack
+    arrays' extra trailing items are skipped): replicas of both kinds peer during a rolling upgrade."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -61,15 +82,37 @@ def decode(data: bytes) -> Report | None:
 
 
 def own_report(replica: str, seq: int, slots: Mapping[str, int], backlog_ms: np.ndarray,
-               inflight: np.ndarray) -> Report:
-    """This replica's report from its own processes' rows (never its peers': a report is not relayed)."""
+               inflight: np.ndarray, readings: tuple[Reading, ...] = ()) -> Report:
+    """This replica's report from its own processes' rows (never its peers': a report is not relayed) and the
+    load readings it took itself since the last one."""
     targets: dict[str, tuple[float, int]] = {}
     for tid, slot in slots.items():
         if 0 <= slot < backlog_ms.size:
             ms, n = float(backlog_ms[slot]), int(inflight[slot])
             if ms > 0.0 or n > 0:
                 targets[tid] = (round(ms, 1), n)
-    return Report(VERSION, replica, seq, targets)
+    return Report(VERSION, replica, seq, targets, readings)
+
+
+def reader_of(worker: str, replicas: Iterable[str]) -> str:
+    """The replica that reads `worker`'s load for all of them (highest random weight): every replica computes
+    the same one from the same ids, and a replica joining or leaving moves only the workers it gains or had."""
+    return max(replicas, key=lambda r: (xxhash.xxh3_64_intdigest(f"{r}\x00{worker}".encode()), r))
+
+
+def reads_itself(me: str, worker: str, peers: Iterable[str], shared_at: float, now: float, patience_s: float) -> bool:
+    """Whether this replica reads the worker's load now: it is the worker's reader among itself and its live
+    `peers`, or a peer's reading of it last arrived more than `patience_s` ago (the reader died, has not heard of
+    this worker, predates shared readings, or its reports are lost: this replica reads it itself, as unpeered)."""
+    if now - shared_at > patience_s:
+        return True
+    return reader_of(worker, [me, *peers]) == me
+
+
+def patience(every_s: float, interval_s: float) -> float:
+    """How long a worker may go without a peer's reading before this replica reads it itself: two of its reads
+    at the cadence in force, plus two report intervals (the reader sends a reading with its next report)."""
+    return 2.0 * every_s + 2.0 * interval_s
 
 
 def rows_of(report: Report, slots: Mapping[str, int], width: int, now: float) -> tuple[np.ndarray, np.ndarray]:

@@ -5,8 +5,9 @@ target id) every `peers.interval_s` when it changed and every `peers.heartbeat_s
 connected to every address the `peers.connect` entries resolve to, re-resolved every `peers.resolve_interval_s`
 (a headless Service's name lists every gateway pod, this one included: its own reports are ignored by id). Each
 report received is written into the peer's own rows of the backlog and in-flight boards, which extproc sums with
-its processes' rows; a peer silent for `peers.stale_after_s` has its rows cleared. A bad message is counted and
-dropped; nothing here can stop ingest's other work.
+its processes' rows; a peer silent for `peers.stale_after_s` has its rows cleared. The load readings this replica
+took ride in its next report, and those a peer's report carries are handed to ingest (`peers.share_load_readings`,
+cortex/peering.py). A bad message is counted and dropped; nothing here can stop ingest's other work.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -25,6 +27,7 @@ from prometheus_client import Counter, Gauge
 from cortex import peering
 from cortex.config import CortexConfig
 from cortex.inflight import BacklogBoard, InflightBoard
+from ingest.loop_cpu import timed
 
 log = logging.getLogger("cortex.ingest.peers")
 
@@ -34,6 +37,18 @@ REFRESH_TICKS = 50
 """Ticks between two checks that the replica's extproc processes still write the rows this link read (1 s at the
 default interval)."""
 PEERS = Gauge("cortex_peers", "Peer replicas heard from within peers.stale_after_s", multiprocess_mode="livemax")
+
+
+class Readings(Protocol):
+    """Ingest's side of shared load readings."""
+
+    def take_readings(self, now: float) -> tuple[peering.Reading, ...]:
+        """The readings this replica took since the last call, to send (then forgotten)."""
+        ...
+
+    def apply_readings(self, peer: str, readings: tuple[peering.Reading, ...], now: float) -> None:
+        """A peer's readings, received at `now`."""
+        ...
 
 
 def resolve(entry: str) -> set[str]:
@@ -47,12 +62,14 @@ def resolve(entry: str) -> set[str]:
 
 
 class PeerLink:
-    def __init__(self, cfg: CortexConfig, ctx: zmq.asyncio.Context, slots: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, cfg: CortexConfig, ctx: zmq.asyncio.Context, slots: Callable[[], Mapping[str, int]],
+                 readings: Readings | None = None) -> None:
         pcfg = cfg.peers
         assert pcfg.host is not None
         self.cfg = pcfg
         self.ctx = ctx
         self.slots = slots
+        self.readings = readings if pcfg.share_load_readings else None
         self.own_rows = cfg.extproc.process_count()
         self.width = cfg.ingest.max_workers
         self.replica = pcfg.replica_id or f"{socket.gethostname()}:{pcfg.port}"
@@ -79,17 +96,24 @@ class PeerLink:
         sub.setsockopt(zmq.RCVHWM, 1000)
         pub.bind(f"tcp://{self.cfg.host}:{self.cfg.port}")
         try:
-            await asyncio.gather(self._publish(pub), self._receive(sub), self._resolve(sub))
+            # gather runs each in a task of its own: each is charged to the peers loop (ingest/loop_cpu.py).
+            await asyncio.gather(timed("peers", self._publish(pub)), timed("peers", self._receive(sub)),
+                                 timed("peers", self._resolve(sub)))
         finally:
             pub.close(0)
             sub.close(0)
 
-    def report(self, refresh: bool = False) -> peering.Report:
+    def live_peers(self) -> list[str]:
+        """The peers heard from within `stale_after_s`."""
+        return list(self.table.owner)
+
+    def report(self, refresh: bool = False, now: float | None = None) -> peering.Report:
         if refresh:  # an extproc process restarted: follow its new rows (a stat per row: not every tick)
             self.inflight.refresh()
             self.backlog.refresh()
+        readings = self.readings.take_readings(time.monotonic() if now is None else now) if self.readings else ()
         return peering.own_report(self.replica, self.seq, self.slots(), self.backlog.backlog_ms(rows=self.own_rows),
-                                  self.inflight.totals(rows=self.own_rows))
+                                  self.inflight.totals(rows=self.own_rows), readings)
 
     async def _publish(self, pub: zmq.asyncio.Socket) -> None:
         last: dict[str, tuple[float, int]] | None = None
@@ -99,10 +123,10 @@ class PeerLink:
             now = time.monotonic()
             tick += 1
             try:
-                rep = self.report(refresh=tick % REFRESH_TICKS == 0)
+                rep = self.report(refresh=tick % REFRESH_TICKS == 0, now=now)
                 # Backlog drains with the clock: "changed" is a change of in-flight counts or of what is queued
-                # beyond what the clock alone explains, so an idle replica sends heartbeats only.
-                changed = last is None or {t: n for t, (_, n) in rep.targets.items()} != {
+                # beyond what the clock alone explains, so an idle replica sends heartbeats (and readings) only.
+                changed = bool(rep.readings) or last is None or {t: n for t, (_, n) in rep.targets.items()} != {
                     t: n for t, (_, n) in last.items()} or _grew(last, rep.targets, (now - sent_at) * 1000.0)
                 if changed or now - sent_at >= self.cfg.heartbeat_s:
                     await pub.send(peering.encode(rep), zmq.NOBLOCK)
@@ -135,6 +159,11 @@ class PeerLink:
             self.peer_backlog[row].own[:] = done
             self.peer_inflight[row].own[:] = inflight
             REPORTS.labels("applied").inc()
+            if rep.readings and self.readings is not None:
+                try:
+                    self.readings.apply_readings(rep.replica, rep.readings, now)
+                except Exception:  # an extra signal only: the worker is read by this replica instead
+                    log.warning("peer load readings not applied", exc_info=True)
 
     async def _resolve(self, sub: zmq.asyncio.Socket) -> None:
         while True:

@@ -6,6 +6,9 @@ own readings, never the others' (issue 11); one tokenizer parity loop starts a c
 The reads themselves are ingest/probes.py's and applying a reading is ingest/workers.py's; this module decides
 when they run. The load cadence adapts (workers.load_poll_interval): a worker at work is read often, an idle one
 rarely, and a sign of work (events arriving, requests this replica routes there) wakes the idle wait at once.
+Peered replicas split the reads (cortex/peering.py): a worker another live replica reads is not read here while its
+readings keep arriving in that replica's reports (`apply_readings`); those this replica takes go out in its own
+(`take_readings`).
 
 Part of the Ingest (ingest/service.py), which owns the state this part reads and starts its tasks.
 """
@@ -21,18 +24,24 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from prometheus_client import Counter
 
+from cortex import peering
 from cortex.config import CortexConfig
 from cortex.inflight import BacklogBoard, InflightBoard
 from cortex.ledger_view import ViewWriter
 from cortex.upstream_tls import WorkerTls
 from ingest import silence, tokenizer_parity
 from ingest.loop_cpu import timed
-from ingest.probes import check_tokens, probe_health, read_load
+from ingest.peers import PeerLink
+from ingest.probes import LoadByRank, check_tokens, probe_health, read_load
 from ingest.sync import SyncState
 from ingest.workers import Worker, load_poll_interval
 
 log = logging.getLogger("cortex.ingest")
+
+READINGS = Counter("cortex_ingest_load_readings_total", "Workers' load readings applied, by source: read (this "
+                   "replica read the engine) or peer (a peer replica's reading, from its report)", ["source"])
 
 ROUTED_HOLD_S = 30.0
 """A worker this replica sent requests to within this long is read at the routed cadence while active (a replica
@@ -56,11 +65,15 @@ class ProbeLoops:
     _backlog: BacklogBoard
     _meta_dirty: bool
     """The target list changed since it was last written to the view (setting it wakes the publication)."""
+    _peer_link: PeerLink | None
+    _outbox: dict[str, tuple[float, LoadByRank]]
+    """The readings this replica took since its last peer report, by worker id (the latest of each)."""
     _active_n = 0
     _active_counted_at = -math.inf
 
     def _check_routed(self, tick: int) -> None:
-        """A worker with requests in flight from this replica's extproc processes is active: wake its polling."""
+        """A worker with requests in flight from this replica's extproc processes, or its peers' (their rows of the
+        board), is active and routed to: wake its polling, and note when (`_routed_here`)."""
         try:
             if tick % 8 == 0:
                 self._board.refresh()  # an extproc process restarted: follow its new row
@@ -74,6 +87,7 @@ class ProbeLoops:
         now = time.monotonic()
         for w in self.workers.values():
             if any(0 <= t.slot < totals.size and totals[t.slot] > 0 for t in w.targets):
+                w.routed_at = now
                 self._wake(w, now)
 
     async def _poll_load(self, worker: Worker) -> None:
@@ -88,7 +102,8 @@ class ProbeLoops:
         while True:
             worker.wake.clear()
             own = None
-            if worker.healthy:
+            worker.reads_here = self._reads_itself(worker, time.monotonic())
+            if worker.healthy and worker.reads_here:
                 try:
                     per_rank = await read_load(self._session, worker.cfg, timeout=max(icfg.load_poll_interval_s * 5,
                                                                                       0.5),
@@ -97,7 +112,12 @@ class ProbeLoops:
                     log.debug("load read failed for %s: %s", worker.id, exc)
                 else:
                     own = self._own_inflight()
-                    worker.apply_load(per_rank, time.monotonic(), own)
+                    at = time.monotonic()
+                    worker.apply_load(per_rank, at, own)
+                    worker.read_by = ""
+                    READINGS.labels("read").inc()
+                    if self._peer_link is not None:
+                        self._outbox[worker.id] = (at, per_rank)
             now = time.monotonic()
             if any(t.load.at and (t.load.running > 0 or t.load.waiting > 0) for t in worker.targets):
                 worker.active_until = max(worker.active_until, now + self._active_hold_s())
@@ -107,21 +127,65 @@ class ProbeLoops:
             if every != worker.poll_every:
                 worker.poll_every = every
                 self._meta_dirty = True
-            self._check_worker(worker, now)
-            if any(t.load_news(now, worker.poll_every) for t in worker.targets):
-                self._meta_dirty = True
+            self._after_reading(worker, now)
             if not worker.idle:
                 await asyncio.sleep(every)
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(worker.wake.wait(), every)
 
+    def _after_reading(self, worker: Worker, now: float) -> None:
+        self._check_worker(worker, now)
+        if any(t.load_news(now, worker.poll_every) for t in worker.targets):
+            self._meta_dirty = True
+
+    def _reads_itself(self, worker: Worker, now: float) -> bool:
+        """This replica reads the worker's load itself (cortex/peering.py reads_itself): not peered, sharing off,
+        no live peer, it is the worker's reader, or its reader's readings stopped arriving."""
+        link = self._peer_link
+        if link is None or link.readings is None:
+            return True
+        peers = link.live_peers()
+        if not peers:
+            return True
+        every = max(worker.poll_every, self.cfg.ingest.load_poll_interval_s)
+        return peering.reads_itself(link.replica, worker.id, peers, worker.shared_at, now,
+                                    peering.patience(every, link.cfg.interval_s))
+
+    def take_readings(self, now: float) -> tuple[peering.Reading, ...]:
+        """The readings this replica took since its last report, for the report (ingest/peers.py)."""
+        if not self._outbox:
+            return ()
+        out = tuple(peering.Reading(wid, round(max(now - at, 0.0) * 1000.0, 1), per_rank)
+                    for wid, (at, per_rank) in self._outbox.items())
+        self._outbox.clear()
+        return out
+
+    def apply_readings(self, peer: str, readings: tuple[peering.Reading, ...], now: float) -> None:
+        """A peer's readings (ingest/peers.py), applied as this replica's own would be, with this replica's
+        in-flight counts as of now: each only when newer than the worker's latest reading here, and not for a
+        worker this replica does not know or holds down (its own health probes decide that)."""
+        own = self._own_inflight()
+        for r in readings:
+            w = self.workers.get(r.worker)
+            if w is None or not w.healthy:
+                continue
+            at = now - max(r.age_ms, 0.0) / 1000.0
+            if any(t.load.at >= at for t in w.targets):
+                continue
+            w.apply_load(r.ranks, at, own)
+            w.read_by, w.shared_at = peer, now
+            READINGS.labels("peer").inc()
+            if any(t.load.running > 0 or t.load.waiting > 0 for t in w.targets):
+                self._wake(w, now)
+            self._after_reading(w, now)
+
     def _active_workers(self, now: float) -> int:
-        """Workers on an active cadence (the read budget's divisor), counted at most every 0.1 s: every load loop
-        asks, and counting is O(workers)."""
+        """Workers on an active cadence that this replica reads itself (the read budget's divisor: a worker a peer
+        reads costs nothing here), counted at most every 0.1 s: every load loop asks, and counting is O(workers)."""
         if now - self._active_counted_at >= 0.1:
             self._active_counted_at = now
-            self._active_n = sum(1 for w in self.workers.values() if not w.idle)
+            self._active_n = sum(1 for w in self.workers.values() if not w.idle and w.reads_here)
         return self._active_n
 
     def _own_inflight(self) -> np.ndarray | None:
@@ -133,8 +197,12 @@ class ProbeLoops:
             return None
 
     def _routed_here(self, worker: Worker, now: float, own: np.ndarray | None) -> bool:
-        """This replica sends the worker requests: some in flight now, or work sent there predicted done within
-        the last ROUTED_HOLD_S (the backlog board's latest end)."""
+        """This replica, or a peer, sends the worker requests: some in flight now or at a heartbeat within the last
+        ROUTED_HOLD_S (the board's rows are this replica's processes' and its peers': extproc adds the change in
+        both to a reading), or work this replica sent there predicted done within that time (the backlog board's
+        latest end)."""
+        if now - worker.routed_at < ROUTED_HOLD_S:
+            return True
         try:
             latest = self._backlog.latest()
         except Exception:

@@ -45,6 +45,7 @@ from ingest.loop_cpu import timed
 from ingest.membership import MembershipError
 from ingest.peers import PeerLink
 from ingest.probe_loops import ProbeLoops
+from ingest.probes import LoadByRank
 from ingest.regret import Regret
 from ingest.source import EventSource, cancel_quietly, rank_endpoint
 from ingest.subscription import subscription
@@ -97,6 +98,8 @@ class Ingest(ProbeLoops, Discovery):
         # Read-only: when the work this replica last sent each worker is predicted done; a worker sent requests
         # lately has its load read at the routed cadence (extproc fills in its own share between readings).
         self._backlog = BacklogBoard(cfg.runtime_path() / "backlog", None, board_rows(cfg), cfg.ingest.max_workers)
+        self._peer_link: PeerLink | None = None
+        self._outbox: dict[str, tuple[float, LoadByRank]] = {}
         self._membership = asyncio.Lock()
         """Held by the changes that await (discovery, re-resolution), so two never interleave."""
         self._pool_tasks: list[asyncio.Task[None]] = []
@@ -116,8 +119,8 @@ class Ingest(ProbeLoops, Discovery):
                             asyncio.create_task(timed("config", self._config_loop())),
                             asyncio.create_task(timed("config", self._resolve_loop()))]
         if self.cfg.peers.enabled:
-            link = PeerLink(self.cfg, self.zmq, lambda: {t.id: t.slot for w in self.workers.values()
-                                                         for t in w.targets})
+            link = self._peer_link = PeerLink(self.cfg, self.zmq, lambda: {t.id: t.slot for w in self.workers.values()
+                                                                           for t in w.targets}, readings=self)
             self._background.append(asyncio.create_task(timed("peers", link.run()), name="peers"))
         self._start_discovery()
 

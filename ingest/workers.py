@@ -312,7 +312,7 @@ class Target:
                      "evicted_tokens": self.evicted_tokens,
                      "evicted_tokens_per_s": round(self.evicted_tokens_per_s, 1),
                      "regretted_tokens_per_s": round(self.regretted_tokens_per_s, 1),
-                     "inflight": self.inflight_at_read},
+                     "inflight": self.inflight_at_read, "read_by": self.worker.read_by or "self"},
             "age_s": round(now - self.worker.added_at, 1),
             "kv_events": self.endpoint(self.worker.cfg.kv_events),
             "kv_replay": self.endpoint(self.worker.cfg.kv_replay),
@@ -368,6 +368,14 @@ class Worker:
     """Set to cut an idle-cadence wait short (a KV event arrived, or this replica routed to it)."""
     tls_name: str | None = None
     """An https worker: the name its certificate must carry (cortex/upstream_tls.py verify_name); None: http."""
+    read_by: str = ""
+    """Who took its latest load reading: "" this replica, else the peer whose report carried it."""
+    shared_at: float = -math.inf
+    """When a peer's reading of it last arrived (monotonic; cortex/peering.py reads_itself)."""
+    routed_at: float = -math.inf
+    """When requests of this replica or its peers were last seen in flight there (ingest's heartbeat)."""
+    reads_here: bool = True
+    """This replica reads its load itself (not a peer): counted in `ingest.load_reads_per_s`' budget."""
 
     def __post_init__(self) -> None:
         self.bootstrap_port = self.cfg.bootstrap_port

@@ -8,6 +8,9 @@ waits until the simulated workers have served a few requests of the run, then re
 * the `/metrics` reads the workers answered per second (the simulator counts its own requests: all replicas' load
   readings);
 * the first replica's event batches and blocks stored and removed per second (`/cortex/workers`);
+* the load readings the replicas applied per second by source (`cortex_ingest_load_readings_total`: read
+  themselves, or a peer's), and at the window's end each of the first replica's targets' poll interval and who
+  read its latest reading;
 * the requests the workers served per second.
 
 Numbers only, nothing asserted. Bounded: the bench runs a fixed number of requests; every wait has a deadline; the
@@ -69,15 +72,30 @@ def _replica_configs(root: int) -> list[dict[str, Any]]:
     return configs
 
 
-def _loops(ports: list[int]) -> dict[str, float]:
+def _sum_by(ports: list[int], series: str, label: str) -> dict[str, float]:
+    """One labelled series of every replica's ingest, summed over the replicas by `label`."""
     out: dict[str, float] = {}
     for port in ports:
         for line in _get(f"http://127.0.0.1:{port}/metrics").decode().splitlines():
-            if line.startswith("cortex_ingest_loop_cpu_seconds_total{"):
+            if line.startswith(series + "{"):
                 name, value = line.rsplit(" ", 1)
-                loop = name.split('loop="')[1].split('"')[0]
-                out[loop] = out.get(loop, 0.0) + float(value)
+                key = name.split(f'{label}="')[1].split('"')[0]
+                out[key] = out.get(key, 0.0) + float(value)
     return out
+
+
+def _loops(ports: list[int]) -> dict[str, float]:
+    return _sum_by(ports, "cortex_ingest_loop_cpu_seconds_total", "loop")
+
+
+def _readings(ports: list[int]) -> dict[str, float]:
+    return _sum_by(ports, "cortex_ingest_load_readings_total", "source")
+
+
+def _cadence(port: int) -> str:
+    doc = json.loads(_get(f"http://127.0.0.1:{port}/cortex/workers"))
+    return ", ".join(f"{t['id']} every {t['load'].get('every_s', 0):.2f} s by {t['load'].get('read_by', '?')}"
+                     for w in doc["workers"] for t in w["targets"])
 
 
 def _served(workers: list[str]) -> tuple[int, int]:
@@ -126,14 +144,20 @@ def main() -> None:
                 raise SystemExit("replica_loops: no traffic reached the workers")
             time.sleep(0.5)
         time.sleep(args.settle)
+        g0 = _readings(ports)
         l0, (r0, c0), s0, t0 = _loops(ports), _served(workers), _stream(ports[0]), time.monotonic()
         time.sleep(args.window)
         l1, (r1, c1), s1, t1 = _loops(ports), _served(workers), _stream(ports[0]), time.monotonic()
+        g1 = _readings(ports)
         el = t1 - t0
         print(f"{len(ports)} replica(s), {len(workers)} workers, window {el:.1f} s; requests served "
               f"{(c1 - c0) / el:.2f}/s; /metrics reads {(r1 - r0) / el:.1f}/s (all replicas)")
         print("replica 1: batches {:.1f}/s, blocks stored {:.1f}/s, removed {:.1f}/s".format(
             *((b - a) / el for a, b in zip(s0, s1, strict=True))))
+        if g1:
+            print("load readings applied /s, all replicas: " + ", ".join(
+                f"{k} {(g1[k] - g0.get(k, 0.0)) / el:.1f}" for k in sorted(g1)))
+        print(f"replica 1's targets: {_cadence(ports[0])}")
         per = {k: 1000 * (l1[k] - l0[k]) / el for k in l1}
         print("ingest CPU ms/s, summed over replicas: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items())
               + f"; total {sum(per.values()):.1f}")

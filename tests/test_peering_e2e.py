@@ -1,7 +1,8 @@
 """Peered replicas through the real stack (docs/replicas.md): two `cortex run` gateways over the same two
 simulated vLLM workers, each publishing its own work to the other (`peers`). What one replica sends a worker is
 in the other's queue for that worker at once, before any engine count could say so, and it routes around it;
-when the peer dies its work leaves the survivor's view within `peers.stale_after_s`. Assertions are on what was
+when the peer dies its work leaves the survivor's view within `peers.stale_after_s`. Each worker's load is read by
+one of them and shared with the other, until that one goes. Assertions are on what was
 decided and reported, never on how fast."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cortex import peering
 from tests.harness import MODEL, Gateway, Sim, free_ports, long_chat, start_gateway, start_sim, stop, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -109,3 +111,32 @@ def test_a_peers_work_is_in_the_queue_at_once_and_leaves_with_the_peer(tmp_path:
         r = httpx.post(f"{b.url}/v1/chat/completions", json={"model": MODEL, "messages": long_chat(50, seed=4),
                                                               "max_tokens": 1}, timeout=60)
         assert r.status_code == 200, r.text
+
+
+def test_each_workers_load_is_read_by_one_replica_until_it_goes(tmp_path: Path) -> None:
+    """Shared load readings (docs/replicas.md, "Load readings, read once"): each worker's `/metrics` is read by its
+    reader among the live replicas, whose readings the other applies instead of reading it; when the reader goes,
+    the survivor reads every worker itself again."""
+    with fleet(tmp_path) as (a, b):
+        wait_for(lambda: metric(a, "cortex_peers") == 1 and metric(b, "cortex_peers") == 1, timeout=30,
+                 what="each replica hearing the other")
+        reader = {w: peering.reader_of(w, ["a", "b"]) for w in ("sim-1", "sim-2")}
+        gateways = {"a": a, "b": b}
+
+        def read_by(gw: Gateway) -> dict[str, str]:
+            return {tid: t["load"]["read_by"] for tid, t in gw.targets().items()}
+
+        def shared() -> bool:
+            return all(read_by(gateways[r])[w] == "self" and read_by(gateways[({"a", "b"} - {r}).pop()])[w] == r
+                       for w, r in reader.items())
+        wait_for(shared, timeout=30, what=f"each worker read by its reader only ({reader})")
+        for name, gw in gateways.items():
+            mine = sum(1 for r in reader.values() if r == name)
+            assert metric(gw, "cortex_ingest_load_readings_total", source="peer") > 0 or mine == 2, name
+        # b goes: a reads every worker itself again once b's readings stop (patience, then b's silence).
+        stop(b.proc)
+        wait_for(lambda: metric(a, "cortex_peers") == 0, timeout=15, what="a noticing b gone")
+        wait_for(lambda: set(read_by(a).values()) == {"self"}, timeout=15, what="a reading every worker itself")
+        before = metric(a, "cortex_ingest_load_readings_total", source="read")
+        wait_for(lambda: metric(a, "cortex_ingest_load_readings_total", source="read") >= before + 2, timeout=15,
+                 what="a's own reads going on")

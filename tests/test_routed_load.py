@@ -2,7 +2,8 @@
 every `ingest.routed_load_poll_interval_s`, and extproc fills in between readings with the change in this replica's
 own in-flight count there (cluster_view.derived_load). Pure rules with vectors, and the candidates built from them:
 a worker whose load is derived between readings still goes hot and cool on time, and other replicas' traffic stays
-as the reading said until the next one, within the reading's age bound."""
+as the reading said until the next one, within the reading's age bound. And a peer's reading (cortex/peering.py),
+applied in place of one this replica would have taken."""
 
 from __future__ import annotations
 
@@ -12,16 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cortex.config import IngestConfig, SchedulerConfig
+from cortex import peering
+from cortex.config import CortexConfig, IngestConfig, SchedulerConfig
 from cortex.contract import LoadReading, load_max_age_s
 from cortex.engines import RankLoad
-from cortex.inflight import BacklogBoard
+from cortex.inflight import BacklogBoard, InflightBoard
 from extproc import candidates
 from extproc.cluster_view import TargetInfo, derived_load, derived_waiting, engine_load_of
 from extproc.policies import Ttft
 from extproc.policies.base import Facts
 from extproc.predictions import Predictions
-from ingest.workers import load_poll_interval
+from ingest.probe_loops import ProbeLoops
+from ingest.workers import Target, load_poll_interval
 from tests.test_contract import config, ingest_target
 
 
@@ -179,3 +182,46 @@ def test_a_reading_carries_this_replicas_share_to_extproc(tmp_path: Path) -> Non
     cands = candidates.build([_target(reading, 101.2)], matches=None, keys=[], inflight=np.array([7]), alive=True,
                              predictions=Predictions(), hysteresis=candidates.Hysteresis(), scoring=SchedulerConfig())
     assert cands[0].engine_load == 10.0  # the others' 3 as read, and our 7 now
+
+
+class Loops(ProbeLoops):
+    """The probe loops' state as the Ingest sets it up (ingest/service.py), without the process around it."""
+
+    def __init__(self, cfg: CortexConfig, targets: list[Target]) -> None:
+        self.cfg = cfg
+        self.workers = {t.worker.id: t.worker for t in targets}
+        self._sources = {}
+        self._board = InflightBoard(cfg.runtime_path() / "inflight", 0, 1, cfg.ingest.max_workers)
+        self._meta_dirty = False
+        self._peer_link = None
+        self._outbox = {}
+
+
+def test_a_peers_reading_is_applied_as_an_own_one_only_when_newer(tmp_path: Path) -> None:
+    """Shared load readings (cortex/peering.py): ingest applies a peer's reading of a worker it knows and holds up,
+    aged by what the report says, with this replica's in-flight counts now, unless its own reading is newer; one
+    showing work wakes an idle worker's cadence; and the readings this replica took go out once, aged at sending."""
+    cfg = config(tmp_path)
+    w0, w1 = (ingest_target(w, i, cfg.block_size) for i, w in enumerate(cfg.workers))
+    loops = Loops(cfg, [w0, w1])
+    loops._board.inc(0)
+    loops._board.inc(0)
+    w1.worker.healthy = False
+    w0.worker.apply_load({0: RankLoad(1.0, 0.0, 0.0)}, 100.0, None)  # its own reading, taken at 100.0
+    busy = {0: RankLoad(4.0, 2.0, 5.0)}
+    readings = (peering.Reading("w0", 300.0, busy),  # taken at 99.9 here: older than ours, ignored
+                peering.Reading("w1", 0.0, busy),    # held down here: ignored
+                peering.Reading("gone", 0.0, busy))  # not a worker here: ignored
+    loops.apply_readings("gw-b", readings, 100.2)
+    assert (w0.load.running, w0.load.at, w0.worker.read_by) == (1.0, 100.0, "")
+    assert w1.load.at == 0.0 and not loops._meta_dirty
+    assert w0.worker.idle and not w0.worker.wake.is_set()
+    loops.apply_readings("gw-b", (peering.Reading("w0", 50.0, busy),), 100.3)
+    assert (w0.load.running, w0.load.waiting, w0.worker.read_by, w0.worker.shared_at) == (4.0, 2.0, "gw-b", 100.3)
+    assert w0.load.at == pytest.approx(100.25) and w0.inflight_at_read == 2.0  # our two in flight, now
+    assert w0.worker.wake.is_set() and w0.worker.active_until > 100.3  # work seen: polled actively from now
+    assert loops._meta_dirty  # published to extproc like an own reading
+    # Readings this replica took: sent once, each aged from when it was taken.
+    loops._outbox = {"w0": (10.0, busy), "w1": (10.4, busy)}
+    assert loops.take_readings(10.5) == (peering.Reading("w0", 500.0, busy), peering.Reading("w1", 100.0, busy))
+    assert loops.take_readings(10.6) == ()

@@ -35,10 +35,11 @@ class IngestConfig(Strict):
     (when not set, a larger `load_poll_interval_s` is used for both)."""
     routed_load_poll_interval_s: float = Field(0.5, gt=0, le=60)
     """How often the load of an active worker that this replica itself sends requests to is read: one with requests
-    of this replica in flight, or sent some within the last 30 s. Between two readings
-    extproc adds the change in this replica's own in-flight count there to the reading, so its own traffic is seen
-    at once; other replicas' and clients' traffic there is seen at most this late (docs/performance.md, "Gateway
-    CPU against SMG at 4 replicas"). An active worker this replica does not send to is read every
+    of this replica (or, peered, of a peer) in flight, or sent some within the last 30 s. Between two readings
+    extproc adds the change in this replica's own in-flight count there (and its peers', as their reports said) to
+    the reading, so that traffic is seen at once; other replicas' and clients' traffic there is seen at most this
+    late (docs/performance.md, "Gateway CPU against SMG at 4 replicas"). An active worker nobody peered sends to is
+    read every
     `load_poll_interval_s`. Between `load_poll_interval_s` and `idle_load_poll_interval_s` (when not set, clamped
     into that range)."""
     load_reads_per_s: float | None = Field(250.0, gt=0)
@@ -196,6 +197,11 @@ class PeersConfig(Strict):
     not the 20 ms it was: four replicas spent 9-24 % less CPU for the same or a better hit ratio and TTFT
     (docs/performance.md, "Peer reports every 100 ms")."""
     heartbeat_s: float = Field(0.5, gt=0, le=10)
+    share_load_readings: bool = True
+    """Peered replicas split the reading of the workers' load: each worker is read by one live replica (a
+    rendezvous hash of the ids), which sends its readings in its reports; the others apply them and read that
+    worker themselves only when none arrived for two of its reads plus two report intervals. False: every
+    replica reads every worker (docs/replicas.md, "Load readings, read once")."""
     stale_after_s: float = Field(2.0, gt=0)
     """A peer silent this long is taken as gone: what it said is dropped."""
     max_peers: int = Field(16, ge=1, le=256)
