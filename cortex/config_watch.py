@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from cortex.config import ConfigError, CortexConfig, check_models, load_config
-from cortex.model_bundle import BundleError
+from cortex.model_bundle import BundleCache, BundleError
 
 log = logging.getLogger("cortex.config")
 
@@ -29,9 +29,13 @@ class ConfigWatcher(Generic[T]):
     `prepare` runs in a worker thread (tokenizers take a while to load) and may raise ConfigError or
     BundleError to refuse the edit."""
 
-    def __init__(self, path: Path | None, prepare: Callable[[CortexConfig], T]) -> None:
+    def __init__(self, path: Path | None, prepare: Callable[[CortexConfig], T],
+                 bundles: BundleCache | None = None) -> None:
+        """`bundles`: the process's loaded model bundles (shared with `prepare`), so an edit that changes no
+        model's files loads no tokenizer: a load holds the GIL for ~0.6 s, thread or not."""
         self.path = path
         self._prepare = prepare
+        self.bundles = bundles if bundles is not None else BundleCache()
         self._mtime = self._stat()
 
     def _stat(self) -> int:
@@ -42,7 +46,7 @@ class ConfigWatcher(Generic[T]):
 
     def _load(self, path: Path) -> T:
         cfg = load_config(path)
-        check_models(cfg)  # the checks `cortex run` makes at start
+        check_models(cfg, self.bundles)  # the checks `cortex run` makes at start
         return self._prepare(cfg)
 
     async def poll(self) -> T | None:

@@ -348,10 +348,12 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
         # the Python process ~1 ms of CPU, so every second, not twice (docs/performance.md, "What an idle replica
         # costs"); meanwhile a dead process's streams fail open onto Envoy's own balancing, none fails. A live
         # process busy for a moment must not be dropped: marked unhealthy, its streams would skip Cortex
-        # altogether (no validation, no routing), so an answer gets a whole second; a dead process refuses the
-        # connection at once and is dropped at its first failed check. Not two checks in a row: a process the
-        # supervisor restarts between them would take streams before it has read ingest's view.
-        "health_checks": [{"timeout": "1s", "interval": "1s", "unhealthy_threshold": 1,
+        # altogether (no validation, no routing, no tenant limits), so an answer gets three seconds: a config
+        # reload that adds a model stops the process for its tokenizer's load (~0.6 s idle, over 1 s on a busy
+        # host: docs/configuration.md, "Live reload"), and its streams wait meanwhile rather than skip it. A dead
+        # process refuses the connection at once and is dropped at its first failed check. Not two checks in a
+        # row: a process the supervisor restarts between them would take streams before it has read ingest's view.
+        "health_checks": [{"timeout": "3s", "interval": "1s", "unhealthy_threshold": 1,
                            "healthy_threshold": 1, "no_traffic_interval": "1s", "grpc_health_check": {}}],
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
         "load_assignment": {"cluster_name": EXTPROC_CLUSTER, "endpoints": [{"lb_endpoints": [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -161,6 +162,59 @@ class ModelBundle:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class BundleCache:
+    """The bundles a process has loaded, by the files they came from, so a config reload loads only what changed.
+
+    A tokenizer takes ~0.6 s to load and holds the GIL all that time (tokenizers' `from_file` never releases it),
+    so a reload that loaded every model again stopped the process's event loop for that long, even from the
+    watcher's thread: extproc's gRPC health answers and requests waited, and Envoy, finding the health check
+    late, skipped Cortex for a moment (docs/configuration.md, "Live reload"). A bundle is reused while its
+    tokenizer's directory and its chat template file are unchanged (every file's name, size and mtime), so an
+    edited `tokenizer.json` is loaded again; one no model names any more is dropped by `load_all`.
+
+    Not thread-safe: one thread at a time (the config watcher's)."""
+
+    def __init__(self) -> None:
+        self._by_source: dict[tuple[str, str | None], tuple[tuple[Any, ...], ModelBundle]] = {}
+
+    def load(self, name: str, tokenizer_path: str | Path, chat_template_path: str | Path | None = None
+             ) -> ModelBundle:
+        key = (str(tokenizer_path), None if chat_template_path is None else str(chat_template_path))
+        stamp = _files_stamp(Path(tokenizer_path), chat_template_path)
+        held = self._by_source.get(key)
+        if held is not None and held[0] == stamp:
+            return held[1]
+        bundle = ModelBundle.load(name, tokenizer_path, chat_template_path)
+        self._by_source[key] = (stamp, bundle)
+        return bundle
+
+    def load_all(self, models: Sequence[tuple[str, Path, str | Path | None]]) -> dict[str, ModelBundle]:
+        """(name, tokenizer path, chat template path) -> the bundle by name; bundles of other sources are dropped.
+        Models sharing a tokenizer and template share one bundle."""
+        bundles = {name: self.load(name, path, template) for name, path, template in models}
+        keep = {(str(path), None if template is None else str(template)) for _, path, template in models}
+        self._by_source = {k: v for k, v in self._by_source.items() if k in keep}
+        return bundles
+
+
+def _files_stamp(tokenizer_path: Path, chat_template_path: str | Path | None) -> tuple[Any, ...]:
+    """What ModelBundle.load reads, as (name, size, mtime) per file: the tokenizer's directory (tokenizer.json,
+    tokenizer_config.json, chat_template.jinja, the media rule's configs) and the chat template file."""
+    directory = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
+    paths = [*directory.iterdir()] if directory.is_dir() else []
+    if chat_template_path is not None:
+        paths.append(Path(chat_template_path))
+    stamp = []
+    for path in sorted(paths):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            stamp.append((str(path), st.st_size, st.st_mtime_ns))
+    return tuple(stamp)
 
 
 PROBE_CHAT = ({"role": "system", "content": "You are a helpful assistant."},

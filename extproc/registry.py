@@ -14,7 +14,7 @@ the body is forwarded unchanged: the worker needs the adapter's name, and Cortex
 blocks (docs/ledger.md).
 
 A registry is immutable; a config reload builds a new one off the request path (reusing bundles whose
-files did not change) and swaps it in whole.
+files did not change: cortex/model_bundle.py, BundleCache) and swaps it in whole.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import xxhash
 from cortex import engines
 from cortex.config import CortexConfig
 from cortex.errors import ClientError
-from cortex.model_bundle import ModelBundle
+from cortex.model_bundle import BundleCache, ModelBundle
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,15 +56,10 @@ class Resolved:
 
 
 class ModelRegistry:
-    def __init__(self, cfg: CortexConfig, previous: ModelRegistry | None = None) -> None:
-        reuse = previous._bundles_by_source if previous is not None else {}
-        self.bundles: dict[str, ModelBundle] = {}
-        self._bundles_by_source: dict[tuple[str, str | None], ModelBundle] = {}
-        for m in cfg.models:
-            key = (str(m.tokenizer_dir()), m.chat_template)
-            bundle = reuse.get(key) or ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template)
-            self.bundles[m.name] = bundle
-            self._bundles_by_source[key] = bundle
+    def __init__(self, cfg: CortexConfig, bundles: BundleCache | None = None) -> None:
+        """`bundles`: the process's loaded bundles, so a reload loads only the models whose files changed."""
+        self.bundles: dict[str, ModelBundle] = (bundles or BundleCache()).load_all(
+            [(m.name, m.tokenizer_dir(), m.chat_template) for m in cfg.models])
         self.aliases = {a.name: Alias([t.model for t in a.targets], [t.weight for t in a.targets], a.fallback,
                                       a.draw == "session") for a in cfg.aliases}
         self.engines = {m.name: engines.adapter(m.engine) for m in cfg.models}

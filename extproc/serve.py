@@ -19,6 +19,7 @@ from cortex import breaker_status, extproc_tls, gc_pauses, grpc_health
 from cortex.api_paths import EXPLAIN_PATH, explain_socket
 from cortex.config import CortexConfig
 from cortex.config_watch import ConfigWatcher
+from cortex.model_bundle import BundleCache
 from cortex.piecewise.segment_encoder import SegmentEncoder
 from cortex.tenancy.board import TenancyBoard
 from extproc import metrics
@@ -42,7 +43,8 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
     pauses = gc_pauses.watch()
     cluster = ClusterView(cfg, cfg.view_path(), index)
     cluster.refresh()
-    registry = ModelRegistry(cfg)
+    bundles = BundleCache()
+    registry = ModelRegistry(cfg, bundles)
     source = Source(cfg, registry)
     status_file = breaker_status.path(cfg.runtime_path(), index)
 
@@ -66,11 +68,11 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
     app = ExtProc(source, cluster, router, Admission(cfg, board), picker=picker)
     # A bad edit is logged and ignored; listener, port and process-count changes need a restart.
     def prepare(c: CortexConfig) -> tuple[CortexConfig, ModelRegistry, dict[int, SegmentEncoder]]:
-        # In the watcher's thread: tokenizers load and new encoders prove themselves off the event loop.
-        registry = ModelRegistry(c, source.current.registry)
+        # In the watcher's thread: new tokenizers load and new encoders prove themselves off the event loop.
+        registry = ModelRegistry(c, bundles)
         return c, registry, router.segments.build(registry.bundles.values())
 
-    watcher = ConfigWatcher(config_path, prepare)
+    watcher = ConfigWatcher(config_path, prepare, bundles)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", cfg.extproc.max_body_bytes + (1 << 20)),
         ("grpc.max_send_message_length", cfg.extproc.max_body_bytes + (1 << 20)),

@@ -34,7 +34,7 @@ from cortex.config_watch import ConfigWatcher
 from cortex.contract import ClusterMeta, encode_meta, target_id
 from cortex.inflight import BacklogBoard, InflightBoard
 from cortex.ledger_view import ViewWriter
-from cortex.model_bundle import ModelBundle
+from cortex.model_bundle import BundleCache
 from cortex.peering import board_rows
 from cortex.upstream_tls import WorkerTls, verify_name
 from ingest import membership, silence, tokenizer_parity
@@ -65,7 +65,9 @@ class Ingest(ProbeLoops, Discovery):
     def __init__(self, cfg: CortexConfig, config_path: Path | None = None) -> None:
         self.cfg = cfg
         self.config_path = config_path
-        self._config = ConfigWatcher(config_path, lambda c: (c, self._load_probes(c)))
+        self._bundles = BundleCache()
+        """The models' bundles, kept so a config reload loads only the tokenizers whose files changed."""
+        self._config = ConfigWatcher(config_path, lambda c: (c, self._load_probes(c, self._bundles)), self._bundles)
         self.view = ViewWriter(cfg.view_path(), max_workers=cfg.ingest.max_workers,
                                capacity=cfg.ingest.view_capacity)
         self.regret = Regret(self.view, cfg.block_size)
@@ -91,7 +93,7 @@ class Ingest(ProbeLoops, Discovery):
         self.heartbeat_at = 0.0
         """When the view was last stamped (monotonic; 0 before the first): /health/ready's "ledger view live"."""
         # Cortex's own ids for the tokenizer parity probes, per model (rendered once, at start).
-        self._probes = self._load_probes(cfg)
+        self._probes = self._load_probes(cfg, self._bundles)
         # Read-only: where this replica's extproc processes have requests in flight, so a worker this replica
         # routes to is polled at the active cadence from the first request on.
         self._board = InflightBoard(cfg.runtime_path() / "inflight", None, board_rows(cfg), cfg.ingest.max_workers)
@@ -133,11 +135,11 @@ class Ingest(ProbeLoops, Discovery):
         self.view.close()
 
     @staticmethod
-    def _load_probes(cfg: CortexConfig) -> dict[str, list[Any]]:
+    def _load_probes(cfg: CortexConfig, bundles: BundleCache) -> dict[str, list[Any]]:
         if cfg.ingest.token_parity == "off":
             return {}
-        return {m.name: tokenizer_parity.expected(ModelBundle.load(m.name, m.tokenizer_dir(), m.chat_template),
-                                                  engines.adapter(m.engine).tool_style)
+        loaded = bundles.load_all([(m.name, m.tokenizer_dir(), m.chat_template) for m in cfg.models])
+        return {m.name: tokenizer_parity.expected(loaded[m.name], engines.adapter(m.engine).tool_style)
                 for m in cfg.models}
 
     async def _config_loop(self) -> None:

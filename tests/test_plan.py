@@ -187,7 +187,7 @@ def test_reload_swaps_one_generation_and_a_taken_snapshot_keeps_its_own(tmp_path
     router = Router(cfg, ClusterView(cfg, cfg.view_path(), 0), ModelRegistry(cfg))
     before = router.snapshot()
     new_cfg = _config(tmp_path, prompt_home=False)
-    router.reload(new_cfg, ModelRegistry(new_cfg, router.registry))
+    router.reload(new_cfg, ModelRegistry(new_cfg))
     after = router.snapshot()
     assert before.gen.number == 0 and before.cfg is cfg and before.cfg.scheduler.prompt_home
     assert after.gen.number == 1 and after.cfg is new_cfg and not after.cfg.scheduler.prompt_home

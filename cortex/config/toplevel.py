@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -26,6 +26,9 @@ from cortex.config.processes import (
 )
 from cortex.config.scheduler import SchedulerConfig, SessionConfig
 from cortex.config.tenancy import AdmissionConfig, AuthConfig, TenantConfig
+
+if TYPE_CHECKING:  # loaded when first used: reading a config does not need jinja2 or tokenizers
+    from cortex.model_bundle import BundleCache, ModelBundle
 
 
 class CortexConfig(Strict):
@@ -188,18 +191,22 @@ def load_config(path: str | os.PathLike[str]) -> CortexConfig:
     return parse_config(data, str(p))
 
 
-def check_models(cfg: CortexConfig) -> None:
+def check_models(cfg: CortexConfig, bundles: BundleCache | None = None) -> dict[str, ModelBundle]:
     """Load and exercise every model's bundle (tokenizer files, chat template, page size); raises BundleError
-    with one line naming the model and the path. `cortex check` and `cortex run` call it before anything starts."""
-    from cortex.model_bundle import BundleError, ModelBundle, verify_bundle
+    with one line naming the model and the path. `cortex check` and `cortex run` call it before anything starts,
+    the config watcher on each edit, with the process's `bundles` so that only changed files load again."""
+    from cortex.model_bundle import BundleCache, BundleError, verify_bundle
 
+    sources = []
     for m in cfg.models:
         try:
-            where = m.tokenizer_dir()
+            sources.append((m.name, m.tokenizer_dir(), m.chat_template))
         except BundleError as exc:
             raise BundleError(f"model {m.name!r}: tokenizer {m.tokenizer}: {exc}") from None
-        bundle = ModelBundle.load(m.name, where, m.chat_template)
-        verify_bundle(bundle, m.engine_page_size(), m.chat_template)
+    loaded = (bundles or BundleCache()).load_all(sources)
+    for m in cfg.models:
+        verify_bundle(loaded[m.name], m.engine_page_size(), m.chat_template)
+    return loaded
 
 
 def dump_config(cfg: CortexConfig) -> str:
