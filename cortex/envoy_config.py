@@ -7,8 +7,9 @@ Layout (measured reasons in ../shared/reference/envoy-extproc.md):
   pass through untouched) answers the body message with `x-cortex-pool` (cluster) and
   `x-gateway-destination-endpoint` (ordered ip:port list), clearing the route cache;
 - route 1 takes the pool from `x-cortex-pool`; inside a pool the override_host policy walks the endpoint
-  list, so a retry lands on the next-best worker; route 2 (no pool header: extproc down and
-  failure_mode_allow) sends to `cortex_any`, all workers under least_request, so requests keep flowing;
+  list, so a retry lands on the next-best worker; route 2 (no pool header: extproc down and failing open,
+  extproc.failure_mode) sends to `cortex_any`, all workers under least_request, so requests keep flowing;
+  failing closed, Envoy answers 503 `extproc_unavailable` instead;
 - membership lives in CDS/EDS files replaced by atomic rename (in-place writes are never picked up);
 - Envoy's own local replies (413 body too large, 503 no upstream, ...) are rewritten as OpenAI-style JSON;
 - timeouts come from `timeouts:` (docs/configuration.md): every route sets its own idle_timeout (none by
@@ -101,14 +102,30 @@ def _rewrite(message: str, status: int | str, kind: str) -> dict[str, Any]:
         "content_type": "application/json"}}
 
 
+EXTPROC_DOWN = "extproc_unavailable"
+"""The dropped reason of a request refused because no extproc process answered (extproc.failure_mode closed)."""
+
+
 def local_reply_mappers(max_body_bytes: int) -> list[dict[str, Any]]:
     too_large = {"status_code_filter": {"comparison": {
         "op": "EQ", "value": {"default_value": 413, "runtime_key": "cortex.local_reply.413"}}}}
     server_error = {"status_code_filter": {"comparison": {
         "op": "GE", "value": {"default_value": 500, "runtime_key": "cortex.local_reply.5xx"}}}}
+    # Envoy's ext_proc filter, failing closed, answers 503 (a stream that failed: status_on_error) or 504 (a
+    # message past its deadline) with details `ext_proc_error_*` and no response flag: told apart by those
+    # details, and always 503 with a Retry-After, a state a retry outlives (a process restarting, a reload).
+    extproc_down = {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+        "expression": "response.code_details.startsWith('ext_proc_error')"}}}
     mappers = [{"filter": too_large, **_rewrite(f"request body exceeds the {max_body_bytes} byte limit", 413,
                                                 "invalid_request_error"),
-                "headers_to_add": dropped_reason_headers("body_too_large")}]
+                "headers_to_add": dropped_reason_headers("body_too_large")},
+               {"filter": extproc_down, "status_code": 503,
+                **_rewrite("the gateway's routing service (Cortex extproc) did not answer; retry shortly", 503,
+                           "service_unavailable_error"),
+                "headers_to_add": [*dropped_reason_headers(EXTPROC_DOWN),
+                                   {"header": {"key": "retry-after", "value": "1"},
+                                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}]
     for reason, flags, message in _FLAG_REPLIES:
         flagged = {"response_flag_filter": {"flags": list(flags)} if flags else {}}
         mappers.append({"filter": {"and_filter": {"filters": [server_error, flagged]}},
@@ -242,8 +259,10 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
             "message_timeout": f"{ep.message_timeout_ms / 1000:.3f}s",
             # extproc may extend one message's deadline up to this: a vLLM PD prefill leg runs inside it.
             "max_message_timeout": f"{max_message_timeout_s(cfg)}s",
-            # ext_proc down: keep serving through route 2 (Envoy's own balancing) instead of failing requests.
-            "failure_mode_allow": True,
+            # No extproc answer: serve through route 2 (Envoy's own balancing), unless that would skip an API-key
+            # check or a tenant's limit (extproc.failure_mode): then refuse (local_reply_mappers: EXTPROC_DOWN).
+            "failure_mode_allow": not cfg.fails_closed(),
+            **({"status_on_error": {"code": 503}} if cfg.fails_closed() else {}),
             "route_cache_action": "CLEAR",
             # Envoy 1.40 ignores a mode_override while this is on (ext_proc.cc onReceiveMessage): checking answers
             # against their JSON schema (extproc/structured_output.py) asks for one answer's body with an override,
@@ -346,9 +365,9 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
         # streams. The gRPC health check (not a bare TCP connect) also keeps a restarted process out until it
         # has read ingest's view: one that merely listens would route without knowing the fleet. Each check costs
         # the Python process ~1 ms of CPU, so every second, not twice (docs/performance.md, "What an idle replica
-        # costs"); meanwhile a dead process's streams fail open onto Envoy's own balancing, none fails. A live
-        # process busy for a moment must not be dropped: marked unhealthy, its streams would skip Cortex
-        # altogether (no validation, no routing, no tenant limits), so an answer gets three seconds: a config
+        # costs"); meanwhile a dead process's streams go as extproc.failure_mode says (Envoy's own balancing, or
+        # a 503). A live process busy for a moment must not be dropped: marked unhealthy, its streams would skip
+        # Cortex (no routing, no tenant limits) or be refused, so an answer gets three seconds: a config
         # reload that adds a model stops the process for its tokenizer's load (~0.6 s idle, over 1 s on a busy
         # host: docs/configuration.md, "Live reload"), and its streams wait meanwhile rather than skip it. A dead
         # process refuses the connection at once and is dropped at its first failed check. Not two checks in a

@@ -156,6 +156,14 @@ class Ingest(ProbeLoops, Discovery):
             # Read once per process (ingest, extproc and Envoy must agree): kept until the restart.
             log.warning("upstream_tls changed: it takes effect when the gateway restarts")
             cfg = cfg.model_copy(update={"upstream_tls": self.cfg.upstream_tls})
+        if cfg.fails_closed() != self.cfg.fails_closed():
+            # Envoy's bootstrap holds it (cortex/envoy_config.py): an edit that adds the first tenant must not
+            # look as if keys and limits now held while extproc is down.
+            log.warning("extproc.failure_mode: %s", (
+                "requests no extproc process answers are refused from the gateway's next restart; until then Envoy "
+                "serves them without Cortex (no key check, no tenant limit)" if cfg.fails_closed() else
+                "requests no extproc process answers are served without Cortex from the gateway's next restart; "
+                "until then Envoy refuses them"))
         remove, add = membership.config_change(self.cfg, cfg, self.workers)
         rediscover = cfg.discovery.kubernetes != self.cfg.discovery.kubernetes
         self.cfg, self._probes = cfg, probes

@@ -79,6 +79,13 @@ def test_config_edits_apply_live_without_dropping_requests(gw: Gateway) -> None:
                        json={"model": MODEL, "messages": messages, "max_tokens": 2})), what="traffic on sim-3")
         assert h["x-cortex-match-mode"] == "exact_kv_events"
         assert joined < 5.0
+
+        # 4. The first tenant makes the gateway fail closed when extproc does not answer: Envoy's bootstrap holds
+        # that, so the log says it waits for the restart rather than pretend it holds now.
+        cfg["tenants"] = [{"id": "team-a", "api_keys": ["sha256:" + "a" * 64]}]
+        (gw.root / "cortex.yaml").write_text(yaml.safe_dump(cfg))
+        wait_for(lambda: "extproc.failure_mode: requests no extproc process answers are refused from the "
+                 "gateway's next restart" in gw.log.read_text(), timeout=15, what="the restart warning")
     finally:
         stop_traffic.set()
         t.join(30)

@@ -132,7 +132,12 @@ class ExtprocConfig(Strict):
     """Process i listens on base_port + i."""
     message_timeout_ms: int = Field(5000, ge=200)
     """Envoy's per-message ext_proc deadline. Envoy's default (200 ms) is too tight for Python under load;
-    on expiry the request continues on Envoy's own balancing (failure_mode_allow)."""
+    on expiry the request is served as `failure_mode` says."""
+    failure_mode: Literal["auto", "open", "closed"] = "auto"
+    """What Envoy does with a request when no extproc process answers (all down, or a message past its deadline).
+    `open`: serve it on Envoy's own balancing, without Cortex (no cache-aware routing, no API-key check, no tenant
+    limit). `closed`: refuse it (503, `x-cortex-dropped-reason: extproc_unavailable`, Retry-After). `auto`: closed
+    when `auth.required` or any tenant is configured (a key or a limit must never be skipped), else open."""
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     """Largest request body accepted (Envoy buffers it for routing); larger gets 413."""
     max_tokenize_chars: int = Field(1 << 20, ge=4096)

@@ -147,6 +147,12 @@ class CortexConfig(Strict):
         wait = room.ttl_s if waiting_room and room.enabled else 0.0
         return int(max(longest + 10, self.extproc.message_timeout_ms / 1000 + 1) + wait)
 
+    def fails_closed(self) -> bool:
+        """Whether Envoy refuses a request no extproc process answers (extproc.failure_mode; `auto`: when an API
+        key or a tenant's limit would otherwise be skipped)."""
+        mode = self.extproc.failure_mode
+        return mode == "closed" or (mode == "auto" and (self.auth.required or bool(self.tenants)))
+
     def runtime_path(self) -> Path:
         return Path(self.runtime_dir or f"/tmp/cortex-{self.listen.port}")
 
