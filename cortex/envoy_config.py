@@ -102,6 +102,10 @@ def _rewrite(message: str, status: int | str, kind: str) -> dict[str, Any]:
         "content_type": "application/json"}}
 
 
+OTHER_HOST = {"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}
+"""A retry's host predicate: never a host this request already tried."""
+
 EXTPROC_DOWN = "extproc_unavailable"
 """The dropped reason of a request refused because no extproc process answered (extproc.failure_mode closed)."""
 
@@ -255,7 +259,14 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+            # A stream the extproc process refused or reset before answering (it died, the supervisor is
+            # restarting it) is started again on another process rather than failing open or closed; the health
+            # check would drop the dead one only up to a second later. GrpcService.retry_policy, not EnvoyGrpc's
+            # (that one is for xDS streams only: placed there, no ext_proc stream was ever retried).
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, "retry_policy": {
+                "retry_on": "connect-failure,refused-stream,unavailable,reset", "num_retries": 2,
+                "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+                "retry_host_predicate": [OTHER_HOST], "host_selection_retry_max_attempts": 3}},
             "message_timeout": f"{ep.message_timeout_ms / 1000:.3f}s",
             # extproc may extend one message's deadline up to this: a vLLM PD prefill leg runs inside it.
             "max_message_timeout": f"{max_message_timeout_s(cfg)}s",
@@ -293,11 +304,7 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     retry = {
         "retry_on": "connect-failure,refused-stream,reset,5xx",
         "num_retries": 1,
-        "retry_host_predicate": [{
-            "name": "envoy.retry_host_predicates.previous_hosts",
-            "typed_config": {"@type": "type.googleapis.com/"
-                             "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
-        }],
+        "retry_host_predicate": [OTHER_HOST],
         "host_selection_retry_max_attempts": 5,
     }
     # A PD decode leg carries its pair's room or transfer params: a decoder that never got the request (failed

@@ -43,6 +43,20 @@ def test_two_processes_share_the_ledger(gw: Gateway) -> None:
     assert {p.name for p in (gw.root / "rt" / "inflight").glob("*.bin")} == {"0.bin", "1.bin"}
 
 
+def test_a_killed_process_s_new_streams_are_retried_on_the_other(gw: Gateway) -> None:
+    """Envoy retries an ext_proc stream the dead process refused on the other one (cortex/envoy_config.py: the
+    gRPC service's retry policy), so requests sent before the health check drops it are still decided by
+    Cortex: not served without it (failing open) nor refused (failing closed)."""
+    messages = long_chat(200, seed=79)
+    chat(gw, messages)
+    victim = max(gw.child_pids("cortexctl.cli extproc"))
+    os.kill(victim, signal.SIGKILL)
+    for _ in range(8):
+        h, _ = chat(gw, messages)
+        assert h.get("x-cortex-assigned-worker") in {s.id for s in gw.sims}, dict(h)
+    wait_for(lambda: all(asyncio.run(_serving(gw))), what="both extproc processes serving")
+
+
 def test_inflight_upkeep_survives_a_restarted_peer(gw: Gateway) -> None:
     """Issue 11, defect 3: each upkeep re-maps peers' in-flight rows; it raised (mmap has no fileno()) and
     logged a traceback several times a second once a peer's row was mapped, and never followed a restart."""
