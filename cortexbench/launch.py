@@ -346,7 +346,9 @@ def start_cortex(procs: Procs, workers: list[Worker], *, events: bool, name: str
         _, health = http("GET", f"{url}/cortex/health")
         if not (isinstance(health, dict) and health.get("ledger_view")):
             return False
-        _, doc = http("GET", f"{ingest_url}/cortex/workers")
+        status, doc = http("GET", f"{ingest_url}/cortex/workers")
+        if status != 200 or not isinstance(doc, dict) or "workers" not in doc:
+            return False  # not this gateway's ingest yet (a CI run saw an answer without `workers` here)
         targets = [t for w in doc["workers"] for t in w["targets"]]
         return len(targets) == len(workers) and (not events or all(t["exact_kv"] for t in targets))
 
