@@ -58,8 +58,7 @@ class Resolved:
 class ModelRegistry:
     def __init__(self, cfg: CortexConfig, bundles: BundleCache | None = None) -> None:
         """`bundles`: the process's loaded bundles, so a reload loads only the models whose files changed."""
-        self.bundles: dict[str, ModelBundle] = (bundles or BundleCache()).load_all(
-            [(m.name, m.tokenizer_dir(), m.chat_template) for m in cfg.models])
+        self.bundles: dict[str, ModelBundle] = (bundles or BundleCache()).load_all(cfg.bundle_sources())
         self.aliases = {a.name: Alias([t.model for t in a.targets], [t.weight for t in a.targets], a.fallback,
                                       a.draw == "session") for a in cfg.aliases}
         self.engines = {m.name: engines.adapter(m.engine) for m in cfg.models}

@@ -138,7 +138,7 @@ class Ingest(ProbeLoops, Discovery):
     def _load_probes(cfg: CortexConfig, bundles: BundleCache) -> dict[str, list[Any]]:
         if cfg.ingest.token_parity == "off":
             return {}
-        loaded = bundles.load_all([(m.name, m.tokenizer_dir(), m.chat_template) for m in cfg.models])
+        loaded = bundles.load_all(cfg.bundle_sources())
         return {m.name: tokenizer_parity.expected(loaded[m.name], engines.adapter(m.engine).tool_style)
                 for m in cfg.models}
 

@@ -147,6 +147,19 @@ class CortexConfig(Strict):
         wait = room.ttl_s if waiting_room and room.enabled else 0.0
         return int(max(longest + 10, self.extproc.message_timeout_ms / 1000 + 1) + wait)
 
+    def bundle_sources(self) -> list[tuple[str, Path, str | None]]:
+        """(name, tokenizer path, chat template path) per model: what BundleCache.load_all loads. Raises
+        BundleError naming the model whose tokenizer cannot be found."""
+        from cortex.model_bundle import BundleError
+
+        sources = []
+        for m in self.models:
+            try:
+                sources.append((m.name, m.tokenizer_dir(), m.chat_template))
+            except BundleError as exc:
+                raise BundleError(f"model {m.name!r}: tokenizer {m.tokenizer}: {exc}") from None
+        return sources
+
     def fails_closed(self) -> bool:
         """Whether Envoy refuses a request no extproc process answers (extproc.failure_mode; `auto`: when an API
         key or a tenant's limit would otherwise be skipped)."""
@@ -201,15 +214,9 @@ def check_models(cfg: CortexConfig, bundles: BundleCache | None = None) -> dict[
     """Load and exercise every model's bundle (tokenizer files, chat template, page size); raises BundleError
     with one line naming the model and the path. `cortex check` and `cortex run` call it before anything starts,
     the config watcher on each edit, with the process's `bundles` so that only changed files load again."""
-    from cortex.model_bundle import BundleCache, BundleError, verify_bundle
+    from cortex.model_bundle import BundleCache, verify_bundle
 
-    sources = []
-    for m in cfg.models:
-        try:
-            sources.append((m.name, m.tokenizer_dir(), m.chat_template))
-        except BundleError as exc:
-            raise BundleError(f"model {m.name!r}: tokenizer {m.tokenizer}: {exc}") from None
-    loaded = (bundles or BundleCache()).load_all(sources)
+    loaded = (bundles or BundleCache()).load_all(cfg.bundle_sources())
     for m in cfg.models:
         verify_bundle(loaded[m.name], m.engine_page_size(), m.chat_template)
     return loaded
