@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from cortex import logs
+from cortex import grpc_runtime, logs
 from cortex.config import ConfigError, CortexConfig, dump_config, load_config
 
 USAGE = """cortex <command> [options]
@@ -86,6 +86,8 @@ def _main(argv: list[str] | None) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    # Before anything imports grpc: its C core reads these settings once (cortex/grpc_runtime.py).
+    grpc_runtime.configure()
     if command == "sim":
         from cortexsim.cli import main as sim_main
 

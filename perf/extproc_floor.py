@@ -10,9 +10,16 @@ time, on kept-alive connections; "added" is the p50 (p90) difference. Server sta
 
 - `aio-generator`: grpc.aio, the handler an async generator over the request iterator (Cortex's);
 - `aio-read-write`: grpc.aio, `context.read()` / `context.write()` in a plain coroutine;
-- `sync-threads`: grpcio's thread-pool server, a generator handler.
+- `sync-threads`: grpcio's thread-pool server, a generator handler;
+- `aio-uvloop`: `aio-generator` on uvloop, as extproc runs;
+- `grpclib`, `grpclib-uvloop`: grpclib's pure-Python HTTP/2 server on the asyncio loop, no gRPC threads (only when
+  grpclib is installed: it is not a Cortex dependency).
 
-    python perf/extproc_floor.py [--requests 400] [--stacks aio-generator,aio-read-write,sync-threads]
+gRPC's C-core settings are Cortex's (cortex/grpc_runtime.py) unless `GRPC_EXPERIMENTS` is set: run with
+`GRPC_EXPERIMENTS=` (empty) for grpcio's own defaults. `--gap-ms` pauses between requests, so that
+gRPC's threads sleep between messages as they do at a gateway's request rates rather than back to back.
+
+    python perf/extproc_floor.py [--requests 400] [--stacks aio-generator,aio-read-write,sync-threads] [--gap-ms 50]
 
 Loopback only; bounded (requests x 2 per stack), about 10 s per stack.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.client
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -44,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from procstat import cpu_seconds
 
+from cortex import grpc_runtime
 from cortex.envoy_config import envoy_binary
 from tests.harness import free_ports
 
@@ -103,11 +112,38 @@ def serve_extproc(stack: str, port: int) -> None:
 
     async def run() -> None:
         aserver = grpc.aio.server()
-        aserver.add_generic_rpc_handlers((_handler(aio_generator if stack == "aio-generator" else aio_read_write),))
+        aserver.add_generic_rpc_handlers((_handler(aio_read_write if stack == "aio-read-write" else aio_generator),))
         aserver.add_insecure_port(f"{HOST}:{port}")
         await aserver.start()
         await aserver.wait_for_termination()
 
+    if stack in ("grpclib", "grpclib-uvloop"):
+        from grpclib.const import Cardinality, Handler
+        from grpclib.server import Server
+
+        class Service:
+            def __mapping__(self) -> dict[str, Handler]:
+                return {f"/{SERVICE}/Process": Handler(self.process, Cardinality.STREAM_STREAM,
+                                                       pb.ProcessingRequest, pb.ProcessingResponse)}
+
+            async def process(self, stream: Any) -> None:
+                async for req in stream:
+                    if (a := answer(req)) is not None:
+                        await stream.send_message(a)
+
+        async def run_grpclib() -> None:
+            srv = Server([Service()])
+            await srv.start(HOST, port)
+            await srv.wait_closed()
+
+        if stack == "grpclib-uvloop":
+            import uvloop
+            uvloop.install()
+        asyncio.run(run_grpclib())
+        return
+    if stack == "aio-uvloop":
+        import uvloop
+        uvloop.install()
     asyncio.run(run())
 
 
@@ -176,7 +212,7 @@ def wait_port(port: int, deadline_s: float = 15.0) -> None:
     raise RuntimeError(f"nothing answers on {HOST}:{port}")
 
 
-def measure(stack: str, requests: int) -> dict[str, float]:
+def measure(stack: str, requests: int, gap_s: float = 0.0) -> dict[str, float]:
     plain, via, upstream, grpc_port, admin = free_ports(5)
     ctx = mp.get_context("spawn")
     up = ctx.Process(target=serve_upstream, args=(upstream,), daemon=True)
@@ -214,6 +250,8 @@ def measure(stack: str, requests: int) -> dict[str, float]:
             for _ in range(requests):
                 lat["via"].append(one("via"))
                 lat["plain"].append(one("plain"))
+                if gap_s:
+                    time.sleep(gap_s)
             cpu1, env1 = cpu_seconds(ep.pid), cpu_seconds(envoy.pid)
         finally:
             envoy.terminate()
@@ -231,13 +269,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=400, help="requests per path and stack (bounded)")
     ap.add_argument("--stacks", default="aio-generator,aio-read-write,sync-threads")
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="pause after each pair of requests: a request rate such as a gateway's, where gRPC's threads "
+                         "sleep between messages (default 0: back to back)")
     args = ap.parse_args()
-    print(f"ext_proc floor, ms (load average {os.getloadavg()[0]:.1f}); "
-          f"{args.requests} requests per path, one at a time")
+    grpc_runtime.configure()  # the servers start in spawned processes, which read it at their grpc's start
+    print(f"ext_proc floor, ms (load average {os.getloadavg()[0]:.1f}; "
+          f"GRPC_EXPERIMENTS={os.environ[grpc_runtime.ENV]!r}); {args.requests} requests per path, one at a time, "
+          f"{args.gap_ms:g} ms apart")
     print(f"{'stack':>15} | {'plain p50':>9} {'via p50':>8} | {'added p50':>9} {'added p90':>9} | "
           f"{'extproc CPU ms/req':>18} {'envoy CPU ms/req':>16}")
     for stack in args.stacks.split(","):
-        r = measure(stack, min(args.requests, 5000))
+        if stack.startswith("grpclib") and importlib.util.find_spec("grpclib") is None:
+            print(f"{stack:>15} | skipped: grpclib is not installed")
+            continue
+        r = measure(stack, min(args.requests, 5000), args.gap_ms / 1000)
         print(f"{stack:>15} | {r['plain_p50']:>9.3f} {r['via_p50']:>8.3f} | {r['added_p50']:>9.3f} "
               f"{r['added_p90']:>9.3f} | {r['extproc_cpu_ms']:>18.2f} {r['envoy_cpu_ms']:>16.2f}")
     print("envoy CPU is per request over both listeners (half the requests have no ext_proc)")

@@ -78,6 +78,8 @@ E2E: tuple[str, ...] = (
     "test_fallback_chain.py",
     "test_fuzz_gateway.py",
     "test_gateway.py",
+    "test_grpc_runtime.py::test_every_cortex_command_sets_it_before_grpc_is_imported",
+    "test_grpc_runtime.py::test_the_installed_grpcio_knows_every_experiment_named",
     "test_hit_rule.py::test_the_vectors_are_what_vllm_produces",
     "test_hot_prefix.py",
     "test_hot_reload.py",
