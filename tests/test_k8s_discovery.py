@@ -340,7 +340,8 @@ def test_discovered_workers_join_and_leave_through_membership(tmp_path: Path) ->
                 a = ingest.workers["pod-a"]
                 assert a.source == K8S and a.address == "10.9.0.1:8000" and not a.events_usable
                 assert ingest.workers["cfg-1"].cfg.url == "http://10.9.1.1:8000"  # the config's stays
-                assert "10.9.0.1" in eds(cfg) and "10.9.0.2" not in eds(cfg)
+                await until(lambda: "10.9.0.1" in eds(cfg), "the discovered worker in EDS")
+                assert "10.9.0.2" not in eds(cfg)
                 # The admin API may not remove a pod's worker: it would come back at the pod's next change.
                 with pytest.raises(MembershipError) as refused:
                     await ingest.remove_worker("pod-a")
@@ -408,7 +409,7 @@ def test_a_worker_hostname_is_resolved_again_and_moves(tmp_path: Path, monkeypat
             moved = ingest.workers["w"]
             assert moved is not first and moved.source == "config" and moved.cfg == first.cfg
             # Envoy's pool and the routing target name the new address (not a fresh resolution of the name).
-            assert "10.8.0.7" in eds(cfg) and "10.8.0.1" not in eds(cfg)
+            await until(lambda: "10.8.0.7" in eds(cfg) and "10.8.0.1" not in eds(cfg), "the move in EDS")
             assert moved.targets[0].routable_meta().address == "10.8.0.7:8000"
             answers["worker.cortex.test"] = ["10.8.0.8", "10.8.0.7"]  # reordered: stays
             await asyncio.sleep(3 * cfg.ingest.health_interval_s)
@@ -441,7 +442,8 @@ def test_a_worker_whose_name_does_not_resolve_yet_waits_outside_and_joins_once_i
             answers["later.cortex.test"] = ["10.8.1.5"]
             await until(lambda: getattr(ingest.workers.get("w"), "address", None) == "10.8.1.5:8000",
                         "the worker joining")
-            assert "10.8.1.5" in eds(cfg)
+            # Envoy's endpoints file is written a few awaits after the worker list changes.
+            await until(lambda: "10.8.1.5" in eds(cfg), "Envoy's endpoints naming the worker")
         finally:
             await ingest.stop()
 
