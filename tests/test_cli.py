@@ -165,7 +165,7 @@ def test_supervisor_starts_in_stages_behind_gates_and_stops_in_reverse(tmp_path:
                   f"def log(what): open({str(journal)!r}, 'a').write(what + ' {name}\\n')\n"
                   f"signal.signal(signal.SIGTERM, lambda *_: (log('stop'), sys.exit(0)))\n"
                   f"log('start')\n"
-                  f"time.sleep(60)\n")
+                  f"time.sleep(600)\n")  # stopped by the test long before
         return [sys.executable, "-c", script]
 
     gate_saw: list[str] = []
@@ -180,9 +180,9 @@ def test_supervisor_starts_in_stages_behind_gates_and_stops_in_reverse(tmp_path:
 
     async def scenario() -> int:
         task = asyncio.create_task(sup.run())
-        for _ in range(200):
-            if journal.exists() and "start second" in journal.read_text():
-                break
+        # Two Python start-ups, one after the other: seconds on a loaded machine (a CI run waited more than 10 s).
+        deadline = time.monotonic() + 120
+        while not (journal.exists() and "start second" in journal.read_text()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         pids = [sup.pid_of("first"), sup.pid_of("second")]
         # Own process groups: a terminal's Ctrl-C reaches the supervisor only, each child one SIGTERM.
