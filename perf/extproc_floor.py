@@ -117,7 +117,7 @@ def serve_extproc(stack: str, port: int) -> None:
         await aserver.start()
         await aserver.wait_for_termination()
 
-    if stack in ("grpclib", "grpclib-uvloop"):
+    async def run_grpclib() -> None:
         from grpclib.const import Cardinality, Handler
         from grpclib.server import Server
 
@@ -131,20 +131,14 @@ def serve_extproc(stack: str, port: int) -> None:
                     if (a := answer(req)) is not None:
                         await stream.send_message(a)
 
-        async def run_grpclib() -> None:
-            srv = Server([Service()])
-            await srv.start(HOST, port)
-            await srv.wait_closed()
+        srv = Server([Service()])
+        await srv.start(HOST, port)
+        await srv.wait_closed()
 
-        if stack == "grpclib-uvloop":
-            import uvloop
-            uvloop.install()
-        asyncio.run(run_grpclib())
-        return
-    if stack == "aio-uvloop":
+    if stack.endswith("uvloop"):
         import uvloop
         uvloop.install()
-    asyncio.run(run())
+    asyncio.run(run_grpclib() if stack.startswith("grpclib") else run())
 
 
 def serve_upstream(port: int) -> None:
