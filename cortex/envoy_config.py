@@ -42,6 +42,8 @@ from cortex.upstream_tls import SOCKET_MATCH_KEY, envoy_transport_socket, verify
 ANY_CLUSTER = "cortex_any"
 EXTPROC_CLUSTER = "cortex_extproc"
 OBSERVE_CLUSTER = "cortex_observe"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+"""The ext_proc filter's name in the chain, which also names its logging info in the request's filter state."""
 
 
 def envoy_binary() -> str:
@@ -217,6 +219,11 @@ def envoy_request_log(path: str) -> dict[str, Any]:
         "completion_tokens": meta(OBSERVED_NAMESPACE, "completion_tokens"),
         "stream": meta(OBSERVE_NAMESPACE, "stream"), "prompt_hash": meta(OBSERVE_NAMESPACE, "prompt_hash"),
         "e2e_ms": "%DURATION%",
+        # Envoy's own measure of each ext_proc message's round trip (its ext_proc filter's logging info): what
+        # Cortex's decision path added to this request, as the data plane saw it.
+        **{f"extproc_{name}_us": f"%FILTER_STATE({EXT_PROC_FILTER}:FIELD:{field})%" for name, field in (
+            ("request_headers", "request_header_latency_us"), ("request_body", "request_body_total_latency_us"),
+            ("response_headers", "response_header_latency_us"))},
     }
     return {"name": "envoy.access_loggers.file", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
@@ -256,7 +263,7 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     ep = cfg.extproc
     local_reply = {"mappers": local_reply_mappers(ep.max_body_bytes)}
     ext_proc = {
-        "name": "envoy.filters.http.ext_proc",
+        "name": EXT_PROC_FILTER,
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             # A stream the extproc process refused or reset before answering (it died, the supervisor is

@@ -54,37 +54,101 @@ engine's whole buffer (10 000 batches, tens of MB), which can take longer, and a
 before the live batches, so the ledger would start cold (docs/deployment.md)."""
 
 
-async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, timeout_s: float = REPLAY_TIMEOUT_S,
-                 max_s: float = REPLAY_MAX_S) -> tuple[list[tuple[int, bytes]], bool]:
-    """Ask a publisher's ROUTER for every buffered batch from start_seq. Returns (batches, complete);
-    incomplete after `timeout_s` without a message or `max_s` in all."""
+def _dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # A kept socket whose publisher went away retries with backoff, not every 100 ms until it is next used.
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 10_000)
+    sock.connect(endpoint)
+    return sock
+
+
+async def _exchange(sock: zmq.asyncio.Socket, start_seq: int, timeout_s: float,
+                    max_s: float) -> tuple[list[tuple[int, bytes]], bool]:
+    """One request on a DEALER and its answer, up to the end marker: (batches, complete)."""
     out: list[tuple[int, bytes]] = []
+    await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+    give_up = time.monotonic() + max_s
+    while True:
+        left = min(timeout_s, give_up - time.monotonic())
+        if left <= 0 or not await sock.poll(int(left * 1000)):
+            return out, False
+        frames = await sock.recv_multipart()
+        if frames and frames[0] == b"":
+            frames = frames[1:]
+        if len(frames) == 3:
+            _, seq_b, payload = frames
+        elif len(frames) == 2:
+            seq_b, payload = frames
+        else:
+            return out, False
+        if seq_b == END_SEQ or not payload:
+            return out, True
+        if len(seq_b) != 8:
+            return out, False
+        out.append((int.from_bytes(seq_b, "big"), payload))
+
+
+async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, timeout_s: float = REPLAY_TIMEOUT_S,
+                 max_s: float = REPLAY_MAX_S) -> tuple[list[tuple[int, bytes]], bool]:
+    """Ask a publisher's ROUTER for every buffered batch from start_seq, on a DEALER of its own. Returns
+    (batches, complete); incomplete after `timeout_s` without a message or `max_s` in all."""
+    sock = _dealer(ctx, endpoint)
     try:
-        sock.connect(endpoint)
-        await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
-        give_up = time.monotonic() + max_s
-        while True:
-            left = min(timeout_s, give_up - time.monotonic())
-            if left <= 0 or not await sock.poll(int(left * 1000)):
-                return out, False
-            frames = await sock.recv_multipart()
-            if frames and frames[0] == b"":
-                frames = frames[1:]
-            if len(frames) == 3:
-                _, seq_b, payload = frames
-            elif len(frames) == 2:
-                seq_b, payload = frames
-            else:
-                return out, False
-            if seq_b == END_SEQ or not payload:
-                return out, True
-            if len(seq_b) != 8:
-                return out, False
-            out.append((int.from_bytes(seq_b, "big"), payload))
+        return await _exchange(sock, start_seq, timeout_s, max_s)
     finally:
         sock.close(0)
+
+
+class ReplayLink:
+    """The DEALER a source's tail checks ask through, kept connected from one check to the next.
+
+    A tail check runs after every burst of batches and at every load reading of a busy worker: at 256 workers
+    that is hundreds a second per replica, and a DEALER opened and closed for each (a TCP connection and a ZMTP
+    handshake, on both ends) cost ~0.95 ms of ingest's CPU per check against 0.3-0.4 ms kept
+    (docs/performance.md, "Tail checks on a kept connection"). The socket is kept only between exchanges that
+    ended cleanly, at the publisher's end marker: one that timed out, failed or was cancelled (a fence) closes it,
+    so an answer still on its way is never read as the next check's."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        self._ctx = ctx
+        self._endpoint = endpoint
+        self._sock: zmq.asyncio.Socket | None = None
+        self._lock = asyncio.Lock()
+        self.opened = 0
+        """Connections opened so far (`tail_connections` in /cortex/workers: one per publisher incarnation while
+        every check is answered)."""
+
+    async def ask(self, start_seq: int, timeout_s: float,
+                  max_s: float = REPLAY_MAX_S) -> tuple[list[tuple[int, bytes]], bool]:
+        async with self._lock:  # one exchange at a time: answers carry no request id
+            if self._sock is None:
+                self._sock = _dealer(self._ctx, self._endpoint)
+                self.opened += 1
+            sock = self._sock
+            try:
+                got = await _exchange(sock, start_seq, timeout_s, max_s)
+            except BaseException:
+                self._drop(sock)
+                raise
+            if not got[1]:
+                self._drop(sock)
+            return got
+
+    def close(self) -> None:
+        """Closed now; the next exchange opens a new connection. A pending exchange on it ends in an error
+        (its task is being cancelled: the callers fence with both)."""
+        if self._sock is not None:
+            self._drop(self._sock)
+
+    def _drop(self, sock: zmq.asyncio.Socket) -> None:
+        sock.close(0)
+        if self._sock is sock:
+            self._sock = None
+
+    @property
+    def open(self) -> bool:
+        return self._sock is not None
 
 
 def rank_endpoint(base: str | None, rank: int | None) -> str | None:
@@ -134,6 +198,7 @@ class EventSource:
         """Set when its target is removed: a callback still in flight for it is fenced off."""
         self._replay_task: asyncio.Task[None] | None = None
         self._tail_task: asyncio.Task[None] | None = None
+        self._tail_link = None if replay_endpoint is None else ReplayLink(ctx, replay_endpoint)
         self._shown = False
         """Whether the view shows this target's keys: only while its stream is in sync (READY)."""
         self._told = sync.state
@@ -161,12 +226,21 @@ class EventSource:
         """A new layout's slots are not shown until extproc has read the target list that describes them."""
 
     @property
+    def tail_connections(self) -> int:
+        """Connections the tail checks opened to the replay socket (0 without one)."""
+        return 0 if self._tail_link is None else self._tail_link.opened
+
+    @property
     def received(self) -> int:
         """Batches that arrived (applied, undecodable or duplicate), live or replayed: counted, not timed."""
         return self.batches + self.decode_errors + self.sync.duplicates
 
     def close(self) -> None:
         self.closed = True
+        if self._tail_task is not None:
+            self._tail_task.cancel()
+        if self._tail_link is not None:
+            self._tail_link.close()
 
     def silent(self, reason: str, now: float) -> None:
         """The worker was busy but this stream stayed quiet too long: resync it, once per silent period."""
@@ -189,6 +263,8 @@ class EventSource:
             for task in pending:
                 if task is not current:
                     task.cancel()
+        if self._tail_link is not None:
+            self._tail_link.close()  # the next check starts on a new connection, to whoever publishes there now
 
     def _socket(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         assert self.endpoint is not None
@@ -257,6 +333,8 @@ class EventSource:
             for task in (self._replay_task, self._tail_task, self._diagnose_task):
                 if task is not None:
                     task.cancel()
+            if self._tail_link is not None:
+                self._tail_link.close()
             self._unwatch(loop, sock, monitor)
             self._close(sock, monitor)
 
@@ -347,10 +425,10 @@ class EventSource:
         sync = self.sync
         if sync.state is not SyncState.READY or sync.replay_pending or sync.last_applied is None:
             return
-        assert self.replay_endpoint is not None
         self.tail_checks += 1
         try:
-            batches, _ = await replay(self.ctx, self.replay_endpoint, sync.last_applied + 1, timeout_s=1.0)
+            assert self._tail_link is not None
+            batches, _ = await self._tail_link.ask(sync.last_applied + 1, timeout_s=1.0)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

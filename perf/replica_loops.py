@@ -7,7 +7,8 @@ waits until the simulated workers have served a few requests of the run, then re
   CPU milliseconds per wall second;
 * the `/metrics` reads the workers answered per second (the simulator counts its own requests: all replicas' load
   readings);
-* the first replica's event batches and blocks stored and removed per second (`/cortex/workers`);
+* the first replica's event batches, blocks stored and removed, and tail checks (the replay socket asked whether a
+  burst's last batch was lost) per second (`/cortex/workers`);
 * the load readings the replicas applied per second by source (`cortex_ingest_load_readings_total`: read
   themselves, or a peer's), and at the window's end each of the first replica's targets' poll interval and who
   read its latest reading;
@@ -108,12 +109,12 @@ def _served(workers: list[str]) -> tuple[int, int]:
     return reads, chats
 
 
-def _stream(port: int) -> tuple[int, int, int]:
-    """(batches, blocks stored, blocks removed) of one replica's targets so far."""
+def _stream(port: int) -> tuple[int, int, int, int]:
+    """(batches, blocks stored, blocks removed, tail checks) of one replica's targets so far."""
     doc = json.loads(_get(f"http://127.0.0.1:{port}/cortex/workers"))
     targets = [t for w in doc["workers"] for t in w["targets"]]
     return (sum(t["batches"] for t in targets), sum(t["blocks_stored"] for t in targets),
-            sum(t["blocks_removed"] for t in targets))
+            sum(t["blocks_removed"] for t in targets), sum(t["tail_checks"] for t in targets))
 
 
 def main() -> None:
@@ -152,7 +153,7 @@ def main() -> None:
         el = t1 - t0
         print(f"{len(ports)} replica(s), {len(workers)} workers, window {el:.1f} s; requests served "
               f"{(c1 - c0) / el:.2f}/s; /metrics reads {(r1 - r0) / el:.1f}/s (all replicas)")
-        print("replica 1: batches {:.1f}/s, blocks stored {:.1f}/s, removed {:.1f}/s".format(
+        print("replica 1: batches {:.1f}/s, blocks stored {:.1f}/s, removed {:.1f}/s, tail checks {:.1f}/s".format(
             *((b - a) / el for a, b in zip(s0, s1, strict=True))))
         if g1:
             print("load readings applied /s, all replicas: " + ", ".join(

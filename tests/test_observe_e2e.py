@@ -171,6 +171,9 @@ def test_twenty_requests_move_every_series_by_what_the_engines_did(gw: Gateway) 
         for key in ("method", "path", "status", "model", "worker", "mode", "reason", "claimed_hit_tokens",
                     "engine_cached_tokens", "prompt_tokens", "completion_tokens", "stream", "prompt_hash"):
             assert theirs[key] == ours[key], (i, key, theirs[key], ours[key])
+        # Envoy's round trip of each of the three ext_proc messages, in microseconds.
+        spent = [theirs[f"extproc_{m}_us"] for m in ("request_headers", "request_body", "response_headers")]
+        assert all(str(us).isdigit() and 0 < int(us) < 30_000_000 for us in spent), (i, spent)
 
     # The status page's source: the newest decision first, with the engine's figure beside the claim.
     doc = httpx.get(f"{gw.observe_url}/cortex/decisions?limit=5", timeout=5).json()

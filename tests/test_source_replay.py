@@ -21,7 +21,7 @@ from cortex.blockkeys import chain_keys, root_key
 from cortex.kv_events import END_SEQ, BlockStored, KVEventBatch, encode_batch
 from ingest.hash_parity import ParityCheck
 from ingest.ledger import Ledger
-from ingest.source import EventSource
+from ingest.source import EventSource, ReplayLink
 from ingest.sync import SourceSync, SyncState
 from tests.harness import free_ports
 from tests.test_ledger import SetSink
@@ -65,19 +65,25 @@ async def answer(router: zmq.asyncio.Socket, ident: bytes, batches: list[tuple[i
     await router.send_multipart([ident, b"", b"", END_SEQ, b""])
 
 
+def router_and_source(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socket, EventSource, SetSink]:
+    """A ROUTER standing in for the publisher's replay socket, and a source whose replays and tail checks ask it."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    (port,) = free_ports(1)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    sink, ledger = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
+    src = EventSource("t", ledger, ParityCheck(engine="vllm", page_size=16), SourceSync(has_replay=True), ctx,
+                      sink, endpoint=None, replay_endpoint=f"tcp://127.0.0.1:{port}")
+    return router, src, sink
+
+
 @pytest.mark.parametrize("old_answer_arrives", ["before_reconnect", "during_new_replay", "after_restart_by_seq"])
 def test_an_answer_from_a_gone_publisher_never_reaches_the_ledger(old_answer_arrives: str) -> None:
     """The publisher goes away while a tail check waits for its answer: the connection drops (an engine restart)
     and comes back, or, on the same connection, its numbering starts again (seen by the sequence alone)."""
     async def scenario() -> None:
         ctx = zmq.asyncio.Context()
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        (port,) = free_ports(1)
-        router.bind(f"tcp://127.0.0.1:{port}")
-        sink, ledger = SetSink(), Ledger(slot=0, engine="vllm", block_size=16)
-        src = EventSource("t", ledger, ParityCheck(engine="vllm", page_size=16), SourceSync(has_replay=True), ctx,
-                          sink, endpoint=None, replay_endpoint=f"tcp://127.0.0.1:{port}")
+        router, src, sink = router_and_source(ctx)
         try:
             # Connected: the first replay brings the old engine's batch 0.
             src.perform(src.sync.connected())
@@ -124,6 +130,94 @@ def test_an_answer_from_a_gone_publisher_never_reaches_the_ledger(old_answer_arr
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # their DEALERs close before the context ends
+            router.close(0)
+            ctx.term()
+
+    asyncio.run(scenario())
+
+
+def test_tail_checks_keep_one_connection_and_drop_it_after_an_unfinished_answer() -> None:
+    """Consecutive exchanges that end at the end marker share one DEALER (the ROUTER sees one identity); one that
+    times out closes it, so its late answer is never read as the next exchange's."""
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        (port,) = free_ports(1)
+        router.bind(f"tcp://127.0.0.1:{port}")
+        link = ReplayLink(ctx, f"tcp://127.0.0.1:{port}")
+        try:
+            asked = asyncio.create_task(link.ask(5, timeout_s=5.0))
+            first, start = await request(router)
+            assert start == 5
+            await answer(router, first, [(5, batch([1], OLD))])
+            got, complete = await asked
+            assert complete and [seq for seq, _ in got] == [5] and link.open
+
+            asked = asyncio.create_task(link.ask(6, timeout_s=5.0))
+            ident, start = await request(router)
+            assert (ident, start) == (first, 6), "the second check opened a new connection"
+            await answer(router, ident, [])
+            assert await asked == ([], True)
+
+            # Unanswered within its timeout: incomplete, and the socket is gone with anything still coming to it.
+            asked = asyncio.create_task(link.ask(7, timeout_s=0.2))
+            ident, start = await request(router)
+            assert (ident, start) == (first, 7)
+            assert await asked == ([], False)
+            assert not link.open
+            await answer(router, ident, [(7, batch([2], OLD2))])  # late
+
+            asked = asyncio.create_task(link.ask(7, timeout_s=5.0))
+            fresh, start = await request(router)
+            assert fresh != first and start == 7
+            await answer(router, fresh, [])
+            assert await asked == ([], True), "the late answer to the abandoned check was read"
+        finally:
+            link.close()
+            router.close(0)
+            ctx.term()
+
+    asyncio.run(scenario())
+
+
+def test_a_sources_tail_checks_reuse_its_connection_until_the_publisher_is_fenced() -> None:
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        router, src, _ = router_and_source(ctx)
+        try:
+            src.perform(src.sync.connected())
+            ident, _ = await request(router)
+            await answer(router, ident, [(0, batch([1], OLD))])
+            await until(lambda: src.sync.state is SyncState.READY, "the first sync")
+
+            idents = []
+            for _ in range(3):
+                src.check_tail()
+                ident, start = await request(router)
+                assert start == 1
+                idents.append(ident)
+                await answer(router, ident, [])
+                assert src._tail_task is not None
+                await src._tail_task
+            assert len(set(idents)) == 1 and src.tail_checks == 3 and src.tail_connections == 1
+
+            # The publisher restarts (seen by its numbering): the next check asks whoever publishes there now.
+            src.perform(src.sync.live(0, batch([9], NEW)))
+            assert src.sync.restarts == 1
+            if src.sync.replay_pending:  # the new publisher's buffer, asked on a DEALER of its own
+                ident, start = await request(router)
+                assert start == 0 and ident not in idents
+                await answer(router, ident, [(0, batch([9], NEW))])
+            await until(lambda: src.sync.state is SyncState.READY and not src.sync.replay_pending, "the resync")
+            src.check_tail()
+            ident, start = await request(router)
+            assert ident not in idents and start == 1
+            await answer(router, ident, [])
+        finally:
+            src.close()
+            tasks = [t for t in (src._replay_task, src._tail_task) if t is not None]
+            await asyncio.gather(*tasks, return_exceptions=True)
             router.close(0)
             ctx.term()
 
