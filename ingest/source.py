@@ -63,6 +63,23 @@ def _dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
     return sock
 
 
+def _reply(frames: list[bytes]) -> tuple[int, bytes] | bool:
+    """One frame set of a replay's answer: (seq, payload); True at the end marker; False when malformed."""
+    if frames and frames[0] == b"":
+        frames = frames[1:]
+    if len(frames) == 3:
+        _, seq_b, payload = frames
+    elif len(frames) == 2:
+        seq_b, payload = frames
+    else:
+        return False
+    if seq_b == END_SEQ or not payload:
+        return True
+    if len(seq_b) != 8:
+        return False
+    return int.from_bytes(seq_b, "big"), payload
+
+
 async def _exchange(sock: zmq.asyncio.Socket, start_seq: int, timeout_s: float,
                     max_s: float) -> tuple[list[tuple[int, bytes]], bool]:
     """One request on a DEALER and its answer, up to the end marker: (batches, complete)."""
@@ -73,20 +90,10 @@ async def _exchange(sock: zmq.asyncio.Socket, start_seq: int, timeout_s: float,
         left = min(timeout_s, give_up - time.monotonic())
         if left <= 0 or not await sock.poll(int(left * 1000)):
             return out, False
-        frames = await sock.recv_multipart()
-        if frames and frames[0] == b"":
-            frames = frames[1:]
-        if len(frames) == 3:
-            _, seq_b, payload = frames
-        elif len(frames) == 2:
-            seq_b, payload = frames
-        else:
-            return out, False
-        if seq_b == END_SEQ or not payload:
-            return out, True
-        if len(seq_b) != 8:
-            return out, False
-        out.append((int.from_bytes(seq_b, "big"), payload))
+        got = _reply(await sock.recv_multipart())
+        if isinstance(got, bool):
+            return out, got
+        out.append(got)
 
 
 async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, timeout_s: float = REPLAY_TIMEOUT_S,
@@ -105,15 +112,16 @@ class ReplayLink:
 
     A tail check runs after every burst of batches and at every load reading of a busy worker: at 256 workers
     that is hundreds a second per replica, and a DEALER opened and closed for each (a TCP connection and a ZMTP
-    handshake, on both ends) cost ~0.95 ms of ingest's CPU per check against 0.3-0.4 ms kept
+    handshake, on both ends) cost ~0.95 ms of ingest's CPU per check against ~0.2 ms kept
     (docs/performance.md, "Tail checks on a kept connection"). The socket is kept only between exchanges that
     ended cleanly, at the publisher's end marker: one that timed out, failed or was cancelled (a fence) closes it,
-    so an answer still on its way is never read as the next check's."""
+    so an answer still on its way is never read as the next check's. Its I/O goes through a synchronous shadow
+    whose FD the loop watches, as the event streams' does (`EventSource._watch`): no future per message."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
         self._ctx = ctx
         self._endpoint = endpoint
-        self._sock: zmq.asyncio.Socket | None = None
+        self._kept: _Kept | None = None
         self._lock = asyncio.Lock()
         self.opened = 0
         """Connections opened so far (`tail_connections` in /cortex/workers: one per publisher incarnation while
@@ -122,33 +130,79 @@ class ReplayLink:
     async def ask(self, start_seq: int, timeout_s: float,
                   max_s: float = REPLAY_MAX_S) -> tuple[list[tuple[int, bytes]], bool]:
         async with self._lock:  # one exchange at a time: answers carry no request id
-            if self._sock is None:
-                self._sock = _dealer(self._ctx, self._endpoint)
+            if self._kept is None:
+                self._kept = _Kept.open(self._ctx, self._endpoint)
                 self.opened += 1
-            sock = self._sock
+            kept = self._kept
             try:
-                got = await _exchange(sock, start_seq, timeout_s, max_s)
+                got = await kept.exchange(start_seq, timeout_s, max_s)
             except BaseException:
-                self._drop(sock)
+                self._drop(kept)
                 raise
             if not got[1]:
-                self._drop(sock)
+                self._drop(kept)
             return got
 
     def close(self) -> None:
         """Closed now; the next exchange opens a new connection. A pending exchange on it ends in an error
         (its task is being cancelled: the callers fence with both)."""
-        if self._sock is not None:
-            self._drop(self._sock)
+        if self._kept is not None:
+            self._drop(self._kept)
 
-    def _drop(self, sock: zmq.asyncio.Socket) -> None:
-        sock.close(0)
-        if self._sock is sock:
-            self._sock = None
+    def _drop(self, kept: _Kept) -> None:
+        kept.close()
+        if self._kept is kept:
+            self._kept = None
 
     @property
     def open(self) -> bool:
-        return self._sock is not None
+        return self._kept is not None
+
+
+class _Kept:
+    """One kept DEALER: the asyncio socket that owns it, its synchronous shadow, and the loop watching its FD."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock = sock
+        self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        self.loop = loop
+        self.fd = _fd(self.raw)
+        self.ready = asyncio.Event()
+        loop.add_reader(self.fd, self.ready.set)
+
+    @classmethod
+    def open(cls, ctx: zmq.asyncio.Context, endpoint: str) -> _Kept:
+        return cls(_dealer(ctx, endpoint), asyncio.get_running_loop())
+
+    async def exchange(self, start_seq: int, timeout_s: float, max_s: float) -> tuple[list[tuple[int, bytes]], bool]:
+        """As `_exchange`, on the shadow. The request is queued at once: a connecting DEALER holds it until the
+        connection is up (ZMQ_IMMEDIATE is off)."""
+        out: list[tuple[int, bytes]] = []
+        raw = self.raw
+        raw.send_multipart([b"", start_seq.to_bytes(8, "big")], zmq.NOBLOCK)
+        give_up = time.monotonic() + max_s
+        while True:
+            while _readable(raw):  # reading ZMQ_EVENTS also re-arms the edge-triggered FD
+                got = _reply(raw.recv_multipart(zmq.NOBLOCK))
+                if isinstance(got, bool):
+                    return out, got
+                out.append(got)
+            left = min(timeout_s, give_up - time.monotonic())
+            if left <= 0:
+                return out, False
+            self.ready.clear()
+            if _readable(raw):
+                continue  # arrived between the drain and the clear
+            try:
+                async with asyncio.timeout(left):
+                    await self.ready.wait()
+            except TimeoutError:
+                return out, False
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError, OSError, RuntimeError):  # RuntimeError: the loop is gone
+            self.loop.remove_reader(self.fd)
+        self.sock.close(0)
 
 
 def rank_endpoint(base: str | None, rank: int | None) -> str | None:

@@ -181,8 +181,11 @@ def test_supervisor_starts_in_stages_behind_gates_and_stops_in_reverse(tmp_path:
     async def scenario() -> int:
         task = asyncio.create_task(sup.run())
         # Two Python start-ups, one after the other: seconds on a loaded machine (a CI run waited more than 10 s).
+        # The child may also write its line before the supervisor's `await create_subprocess_exec` has resumed and
+        # recorded its pid (a CI run read the journal in between: pid None): wait for both.
         deadline = time.monotonic() + 120
-        while not (journal.exists() and "start second" in journal.read_text()) and time.monotonic() < deadline:
+        while not (journal.exists() and "start second" in journal.read_text()
+                   and sup.pid_of("second") is not None) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         pids = [sup.pid_of("first"), sup.pid_of("second")]
         # Own process groups: a terminal's Ctrl-C reaches the supervisor only, each child one SIGTERM.
