@@ -112,7 +112,7 @@ class ReplayLink:
 
     A tail check runs after every burst of batches and at every load reading of a busy worker: at 256 workers
     that is hundreds a second per replica, and a DEALER opened and closed for each (a TCP connection and a ZMTP
-    handshake, on both ends) cost ~0.95 ms of ingest's CPU per check against ~0.2 ms kept
+    handshake, on both ends) cost ~0.95 ms of ingest's CPU per check against 0.23-0.31 ms kept
     (docs/performance.md, "Tail checks on a kept connection"). The socket is kept only between exchanges that
     ended cleanly, at the publisher's end marker: one that timed out, failed or was cancelled (a fence) closes it,
     so an answer still on its way is never read as the next check's. Its I/O goes through a synchronous shadow
