@@ -168,6 +168,7 @@ class _Kept:
         self.loop = loop
         self.fd = _fd(self.raw)
         self.ready = asyncio.Event()
+        self.closed = False
         loop.add_reader(self.fd, self.ready.set)
 
     @classmethod
@@ -200,6 +201,11 @@ class _Kept:
                 return out, False
 
     def close(self) -> None:
+        """Once only: after the socket is closed its FD's number may be another socket's (the stream's new SUB),
+        whose reader a second remove_reader would take away."""
+        if self.closed:
+            return
+        self.closed = True
         with contextlib.suppress(ValueError, OSError, RuntimeError):  # RuntimeError: the loop is gone
             self.loop.remove_reader(self.fd)
         self.sock.close(0)

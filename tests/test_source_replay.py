@@ -222,3 +222,37 @@ def test_a_sources_tail_checks_reuse_its_connection_until_the_publisher_is_fence
             ctx.term()
 
     asyncio.run(scenario())
+
+
+def test_a_check_fenced_mid_exchange_gives_up_its_reader_once() -> None:
+    """The fence closes the kept socket, then the cancelled check closes it again on its way out. Only the first
+    may remove the loop's reader: by the second, the socket's FD number may be another socket's (the stream's new
+    SUB socket, created by the same fence), and a second remove took that one's reader away: the stream stopped
+    waking and its worker was judged silent (a CI run's fault suite)."""
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        (port,) = free_ports(1)  # nothing answers there: the check waits
+        link = ReplayLink(ctx, f"tcp://127.0.0.1:{port}")
+        loop = asyncio.get_running_loop()
+        removed: list[int] = []
+        real = loop.remove_reader
+
+        def counting(fd: int) -> bool:
+            removed.append(fd)
+            return real(fd)
+
+        loop.remove_reader = counting  # type: ignore[method-assign, assignment]
+        try:
+            check = asyncio.create_task(link.ask(1, timeout_s=5.0))
+            await until(lambda: link.open, "the check's socket")
+            await asyncio.sleep(0.05)
+            link.close()  # the fence's order: the socket, then the task
+            check.cancel()
+            await asyncio.gather(check, return_exceptions=True)
+            assert len(removed) == 1, removed
+        finally:
+            loop.remove_reader = real  # type: ignore[method-assign]
+            link.close()
+            ctx.term()
+
+    asyncio.run(scenario())
