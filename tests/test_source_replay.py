@@ -77,6 +77,25 @@ def router_and_source(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socket, Eve
     return router, src, sink
 
 
+async def first_sync(src: EventSource, router: zmq.asyncio.Socket) -> int:
+    """Connect the source and answer its first replay with the old engine's batch 0; returns the start it asked."""
+    src.perform(src.sync.connected())
+    ident, start = await request(router)
+    await answer(router, ident, [(0, batch([1], OLD))])
+    await until(lambda: src.sync.state is SyncState.READY, "the first sync")
+    return start
+
+
+async def shut(src: EventSource, router: zmq.asyncio.Socket, ctx: zmq.asyncio.Context) -> None:
+    src.close()
+    tasks = [t for t in (src._replay_task, src._tail_task) if t is not None]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)  # their DEALERs close before the context ends
+    router.close(0)
+    ctx.term()
+
+
 @pytest.mark.parametrize("old_answer_arrives", ["before_reconnect", "during_new_replay", "after_restart_by_seq"])
 def test_an_answer_from_a_gone_publisher_never_reaches_the_ledger(old_answer_arrives: str) -> None:
     """The publisher goes away while a tail check waits for its answer: the connection drops (an engine restart)
@@ -86,11 +105,7 @@ def test_an_answer_from_a_gone_publisher_never_reaches_the_ledger(old_answer_arr
         router, src, sink = router_and_source(ctx)
         try:
             # Connected: the first replay brings the old engine's batch 0.
-            src.perform(src.sync.connected())
-            ident, start = await request(router)
-            assert start == 0
-            await answer(router, ident, [(0, batch([1], OLD))])
-            await until(lambda: src.sync.state is SyncState.READY, "the first sync")
+            assert await first_sync(src, router) == 0
             assert sink.held[0] == {key(OLD)}
 
             # A tail check asks the old engine for anything after 0; the engine dies before its answer is read.
@@ -126,12 +141,7 @@ def test_an_answer_from_a_gone_publisher_never_reaches_the_ledger(old_answer_arr
             src.perform(src.sync.live(1, batch([10], NEW[:8] * 2, parent=9)))
             assert src.sync.last_applied == 1 and len(sink.held[0]) == 2
         finally:
-            tasks = [t for t in (src._replay_task, src._tail_task) if t is not None]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)  # their DEALERs close before the context ends
-            router.close(0)
-            ctx.term()
+            await shut(src, router, ctx)
 
     asyncio.run(scenario())
 
@@ -186,10 +196,7 @@ def test_a_sources_tail_checks_reuse_its_connection_until_the_publisher_is_fence
         ctx = zmq.asyncio.Context()
         router, src, _ = router_and_source(ctx)
         try:
-            src.perform(src.sync.connected())
-            ident, _ = await request(router)
-            await answer(router, ident, [(0, batch([1], OLD))])
-            await until(lambda: src.sync.state is SyncState.READY, "the first sync")
+            await first_sync(src, router)
 
             idents = []
             for _ in range(3):
@@ -215,11 +222,7 @@ def test_a_sources_tail_checks_reuse_its_connection_until_the_publisher_is_fence
             assert ident not in idents and start == 1
             await answer(router, ident, [])
         finally:
-            src.close()
-            tasks = [t for t in (src._replay_task, src._tail_task) if t is not None]
-            await asyncio.gather(*tasks, return_exceptions=True)
-            router.close(0)
-            ctx.term()
+            await shut(src, router, ctx)
 
     asyncio.run(scenario())
 
