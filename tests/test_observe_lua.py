@@ -122,7 +122,10 @@ class Upstream:
                        if line.lower().startswith(b"content-length:")), 0)
         await reader.readexactly(length)
         ctype, chunks, _, _ = CASES[path.strip("/").replace("_", " ")]
-        writer.write(f"HTTP/1.1 200 OK\r\ncontent-type: {ctype}\r\ntransfer-encoding: chunked\r\n\r\n".encode())
+        # `connection: close`: this server closes after each answer, and without the header Envoy keeps the
+        # connection pooled and may send the next case down it as it closes (a 503 in a CI run).
+        writer.write(f"HTTP/1.1 200 OK\r\ncontent-type: {ctype}\r\ntransfer-encoding: chunked\r\n"
+                     "connection: close\r\n\r\n".encode())
         await writer.drain()
         for c in chunks:
             data = c.encode()
