@@ -218,7 +218,8 @@ class Procs:
                 continue  # exited meanwhile
             if int(fields[3]) not in groups:  # fields[3] is the session id; utime, stime at 11, 12
                 continue
-            part = next((k for k in ("envoy", "extproc", "ingest", "router", "oracle") if k in cmd), "other")
+            part = next((k for k in ("envoy", "extproc", "event_shard", "ingest", "router", "oracle") if k in cmd),
+                        "other")
             out[part] = out.get(part, 0.0) + (int(fields[11]) + int(fields[12])) / tick
         return out
 

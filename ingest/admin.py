@@ -154,6 +154,15 @@ class IngestCollector(Collector):
         yield GaugeMetricFamily("cortex_ingest_view_lag_max_seconds",
                                 f"largest lag of the batches applied in the last {WINDOW_S:g}-{2 * WINDOW_S:g} s "
                                 "(0 when none)", value=VIEW_LAG.recent_max())
+        if self.ingest.shards is not None:
+            restarts = CounterMetricFamily("cortex_ingest_event_shard_restarts", "times an event shard's process "
+                                           "exited or hung and was replaced (ingest/shards.py)", labels=["shard"])
+            followed = GaugeMetricFamily("cortex_ingest_event_shard_targets", "targets each event shard follows",
+                                         labels=["shard"])
+            for shard in self.ingest.shards.shards:
+                restarts.add_metric([str(shard.index)], shard.restarts)
+                followed.add_metric([str(shard.index)], len(shard.sources))
+            yield from (restarts, followed)
         pauses = HistogramMetricFamily("cortex_ingest_gc_pause_seconds", "garbage-collector pauses of this ingest "
                                        "process, by generation (2: a full collection; cortex/gc_pauses.py)",
                                        labels=["generation"])

@@ -47,6 +47,8 @@ from ingest.peers import PeerLink
 from ingest.probe_loops import ProbeLoops
 from ingest.probes import LoadByRank
 from ingest.regret import Regret
+from ingest.shard_wire import Assign
+from ingest.shards import RemoteSource, ShardPool
 from ingest.source import EventSource, cancel_quietly, rank_endpoint
 from ingest.subscription import subscription
 from ingest.sync import SourceSync
@@ -107,11 +109,16 @@ class Ingest(ProbeLoops, Discovery):
         self._pool_tasks: list[asyncio.Task[None]] = []
         self._discovered: dict[int, dict[str, WorkerConfig]] = {}
         """Per discovery.kubernetes pool: the workers it added (their configs as added)."""
+        self.shards = None if cfg.ingest.event_shards == 0 else ShardPool(
+            cfg.ingest.event_shards, self.view, self.regret, self._spare_slot, self._changed)
+        """The event shards following the targets' streams (ingest/shards.py); None: followed here."""
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession()
+        if self.shards is not None:
+            self.shards.start()
         for wcfg, source in membership.restore(self.cfg, self.state_file):
             self._add(wcfg, source)
         self._sync_envoy()
@@ -130,6 +137,8 @@ class Ingest(ProbeLoops, Discovery):
         for task in [*self._background, *self._pool_tasks, *self._sources.values(),
                      *(t for ts in self._probe_tasks.values() for t in ts), *self._parity_tasks.values()]:
             await cancel_quietly(task)
+        if self.shards is not None:
+            await self.shards.stop()
         if self._session is not None:
             await self._session.close()
         self.view.close()
@@ -226,6 +235,8 @@ class Ingest(ProbeLoops, Discovery):
         # A target's own slot and those its ledger took for a hybrid model's other KV-cache specs and lower tiers.
         used = {t.slot for w in self.workers.values() for t in w.targets}
         used.update(s for w in self.workers.values() for t in w.targets for s in t.events.ledger.slots())
+        if self.shards is not None:
+            used.update(self.shards.reserved())  # given to a shard for its ledgers, not yet used
         return used
 
     def _free_slots(self, n: int) -> list[int]:
@@ -254,17 +265,27 @@ class Ingest(ProbeLoops, Discovery):
         if wcfg.kv_events is None:
             worker.events_usable, worker.events_reason = False, "no kv_events endpoint configured: routed by load"
         ranks: list[int | None] = [None] if wcfg.dp_size == 1 else list(range(wcfg.dp_size))
+        hash_algo = model.hash_algo or engines.adapter(wcfg.engine).default_hash_algo
         for rank, slot in zip(ranks, self._free_slots(len(ranks)), strict=True):
-            parity = ParityCheck(engine=wcfg.engine, page_size=model.engine_page_size(),
-                                 hash_algo=model.hash_algo or engines.adapter(wcfg.engine).default_hash_algo,
-                                 hash_seed=model.hash_seed)
             tid = target_id(wcfg.id, rank)
-            events = EventSource(
-                tid, Ledger(slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size, parity=parity,
-                            alloc=self._spare_slot), parity,
-                SourceSync(has_replay=wcfg.kv_replay is not None), self.zmq, self.regret,
-                endpoint=rank_endpoint(wcfg.kv_events, rank), replay_endpoint=rank_endpoint(wcfg.kv_replay, rank),
-                topic=wcfg.kv_topic, on_change=self._changed, on_events=partial(self._events_arrived, worker))
+            endpoint, replay_endpoint = rank_endpoint(wcfg.kv_events, rank), rank_endpoint(wcfg.kv_replay, rank)
+            on_events = partial(self._events_arrived, worker)
+            events: EventSource | RemoteSource
+            if self.shards is not None:
+                events = self.shards.source(Assign(
+                    tid=tid, gen=self.shards.next_gen(), slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size,
+                    page_size=model.engine_page_size(), hash_algo=hash_algo, hash_seed=model.hash_seed,
+                    endpoint=endpoint, replay_endpoint=replay_endpoint, topic=wcfg.kv_topic),
+                    on_change=self._changed, on_events=on_events)
+            else:
+                parity = ParityCheck(engine=wcfg.engine, page_size=model.engine_page_size(), hash_algo=hash_algo,
+                                     hash_seed=model.hash_seed)
+                events = EventSource(
+                    tid, Ledger(slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size, parity=parity,
+                                alloc=self._spare_slot), parity,
+                    SourceSync(has_replay=wcfg.kv_replay is not None), self.zmq, self.regret,
+                    endpoint=endpoint, replay_endpoint=replay_endpoint, topic=wcfg.kv_topic, on_change=self._changed,
+                    on_events=on_events)
             target = Target(worker=worker, rank=rank, slot=slot, events=events, regret=self.regret)
             # A slot may have been used by a removed target: start from a clean bitset and a clean count.
             self.view.clear_worker(slot)
@@ -348,7 +369,8 @@ class Ingest(ProbeLoops, Discovery):
                              "checks": w.token_parity.checks},
             "events": _worker_events(w),
             "targets": [{**t.status(now), "subscription": subscription(t)} for t in w.targets],
-        } for w in self.workers.values()], "pid": os.getpid()}
+        } for w in self.workers.values()], "pid": os.getpid(),
+            "event_shards": [] if self.shards is None else self.shards.status()}
 
 
 def _worker_events(w: Worker) -> str:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -52,6 +52,10 @@ REPLAY_MAX_S = 60.0
 """The longest a replay may stream. The limit above is for silence only: a replica started late replays the
 engine's whole buffer (10 000 batches, tens of MB), which can take longer, and a replay cut short leaves a hole
 before the live batches, so the ledger would start cold (docs/deployment.md)."""
+
+
+class LagSink(Protocol):
+    def observe(self, lag_s: float) -> None: ...
 
 
 def _dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
@@ -201,14 +205,17 @@ class _Kept:
                 return out, False
 
     def close(self) -> None:
-        """Once only: after the socket is closed its FD's number may be another socket's (the stream's new SUB),
-        whose reader a second remove_reader would take away."""
-        if self.closed:
-            return
-        self.closed = True
-        with contextlib.suppress(ValueError, OSError, RuntimeError):  # RuntimeError: the loop is gone
-            self.loop.remove_reader(self.fd)
-        self.sock.close(0)
+        if not self.closed:
+            self.closed = True
+            unwatch_and_close(self.loop, self.fd, self.sock)
+
+
+def unwatch_and_close(loop: asyncio.AbstractEventLoop, fd: int, sock: zmq.Socket[Any]) -> None:
+    """Stop the loop watching a socket's FD, and close the socket. Once only per socket: after the close its FD's
+    number may be another socket's (a stream's new SUB), whose reader a second remove_reader would take away."""
+    with contextlib.suppress(ValueError, OSError, RuntimeError):  # RuntimeError: the loop is gone
+        loop.remove_reader(fd)
+    sock.close(0)
 
 
 def rank_endpoint(base: str | None, rank: int | None) -> str | None:
@@ -240,7 +247,8 @@ class EventSource:
 
     def __init__(self, name: str, ledger: Ledger, parity: ParityCheck, sync: SourceSync, ctx: zmq.asyncio.Context,
                  sink: KeySink, *, endpoint: str | None, replay_endpoint: str | None, topic: str = "",
-                 on_change: Callable[[], None] = lambda: None, on_events: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] = lambda: None, on_events: Callable[[], None] | None = None,
+                 lag: LagSink = VIEW_LAG) -> None:
         self.name = name
         """The target's id, for the log."""
         self.ledger = ledger
@@ -254,6 +262,8 @@ class EventSource:
         self.on_change = on_change
         self.on_events = on_events
         """Called after each group of live batches (the engine is working: ingest polls its load faster)."""
+        self.lag = lag
+        """Where each applied batch's lag goes: the process's histogram, or an event shard's report."""
         self.closed = False
         """Set when its target is removed: a callback still in flight for it is fenced off."""
         self._replay_task: asyncio.Task[None] | None = None
@@ -567,7 +577,7 @@ class EventSource:
         if batch.ts > 0:
             # Engine clock to ingest clock: includes publish queueing, the network and any replay delay.
             self.lag_s = max(0.0, time.time() - batch.ts)
-            VIEW_LAG.observe(self.lag_s)
+            self.lag.observe(self.lag_s)
         was_failed = self.parity.failed
         self.ledger.apply(batch.events, self.sink)
         self.batches += 1

@@ -27,6 +27,7 @@ from cortex.engines import RankLoad
 from ingest import silence
 from ingest.probes import HealthReading, LoadByRank
 from ingest.regret import Regret
+from ingest.shards import RemoteSource
 from ingest.source import EventSource, rank_endpoint
 from ingest.sync import SyncState
 from ingest.tokenizer_parity import FAILED as TOKENS_FAILED
@@ -107,7 +108,8 @@ class Target:
     rank: int | None
     """Data-parallel rank, or None for a worker without DP."""
     slot: int
-    events: EventSource
+    events: EventSource | RemoteSource
+    """Its stream, followed here or in an event shard (ingest/shards.py): the same attributes either way."""
     load: Load = field(default_factory=Load)
     busy_since: float = 0.0
     activity: float = 0.0
@@ -336,6 +338,7 @@ class Target:
             "kv_layout_unsupported": ledger.unsupported or None,
             "unknown_events": dict(ev.unknown_events), "unknown_media": dict(ledger.unknown_media),
             "inactive_events": ledger.events_inactive,
+            "event_shard": ev.shard.index if isinstance(ev, RemoteSource) and ev.shard is not None else None,
         }
 
 

@@ -111,12 +111,12 @@ def start_fleet(procs: launch.Procs, n: int, processes: int = 1) -> list[dict[st
 
 def start_replica(procs: launch.Procs, workers: list[dict[str, str]], name: str,
                   load_poll_interval_s: float | None = None,
-                  load_reads_per_s: float | None = None) -> tuple[str, str, Path]:
+                  load_reads_per_s: float | None = None, event_shards: int = 0) -> tuple[str, str, Path]:
     port, admin, ingest, extproc, observe, observe_http = launch.free_ports(6)
     max_workers = max(64, -(-len(workers) // 64) * 64)
     cfg: dict[str, Any] = {
         "listen": {"host": HOST, "port": port}, "admin": {"host": HOST, "port": admin},
-        "ingest": {"host": HOST, "port": ingest, "max_workers": max_workers,
+        "ingest": {"host": HOST, "port": ingest, "max_workers": max_workers, "event_shards": event_shards,
                    **({"load_poll_interval_s": load_poll_interval_s} if load_poll_interval_s else {}),
                    # 0 on the command line: no budget (the cadence alone, as before the budget existed)
                    **({"load_reads_per_s": load_reads_per_s or None} if load_reads_per_s is not None else {})},
@@ -261,8 +261,8 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
         replicas = [launch.Procs(root) for _ in range(r)]
         try:
             workers = start_fleet(fleet, n, args.sim_processes)
-            started = [start_replica(p, workers, f"cortex-{i}", args.load_poll_interval_s, args.load_reads_per_s)
-                       for i, p in enumerate(replicas)]
+            started = [start_replica(p, workers, f"cortex-{i}", args.load_poll_interval_s, args.load_reads_per_s,
+                                     args.event_shards) for i, p in enumerate(replicas)]
             for i, (p, (url, ingest_url, _)) in enumerate(zip(replicas, started, strict=True)):
                 try:
                     wait_replica(p, f"cortex-{i}", url, ingest_url, n, timeout=args.ready_timeout_s or 120 + n)
@@ -293,7 +293,8 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
             print(f"idle ({wall:.0f} s): replica CPU mean {statistics.mean(totals):.3f} cores, worst "
                   f"{max(totals):.3f} (ingest {statistics.mean(row.get('ingest', 0) for row in rows):.3f}, "
                   f"envoy {statistics.mean(row.get('envoy', 0) for row in rows):.3f}, extproc "
-                  f"{statistics.mean(row.get('extproc', 0) for row in rows):.3f}) | fleet process "
+                  f"{statistics.mean(row.get('extproc', 0) for row in rows):.3f}, event shards "
+                  f"{statistics.mean(row.get('event_shard', 0) for row in rows):.3f}) | fleet process "
                   f"{fleet_cores:.3f} cores", flush=True)
             p50, p99, holders, c50, c99 = lookup(view_path, n, args.lookup_s)
             print(f"lookup 512 blocks on replica 0's view: p50 {p50:.1f} us, p99 {p99:.1f} us wall; CPU p50 "
@@ -331,13 +332,15 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
                     maxes.append(a.get("cortex_ingest_view_lag_max_seconds", 0.0))
                 totals = [row["total"] for row in rows]
                 ingest = [row.get("ingest", 0.0) for row in rows]
+                shards = [row.get("event_shard", 0.0) for row in rows]
                 # Where ingest's CPU went, replica 0: decoding and applying events vs polling busy workers' load.
                 split = " ".join(f"{k[5:]} {(after[0].get(k, 0.0) - before[0].get(k, 0.0)) / span:.3f}"
                                  for k in ("loop:events", "loop:load", "loop:health", "loop:other"))
                 print(f"events {rate:>5} req/s offered ({offered:6.0f} submitted/s): applied "
                       f"{statistics.mean(applied):6.0f} batches/s ({statistics.mean(events):6.0f} events/s) per "
                       f"replica | replica CPU mean "
-                      f"{statistics.mean(totals):.3f} cores (ingest {statistics.mean(ingest):.3f}: {split}), worst "
+                      f"{statistics.mean(totals):.3f} cores (ingest {statistics.mean(ingest):.3f}: {split}; event "
+                      f"shards {statistics.mean(shards):.3f}), worst "
                       f"{max(totals):.3f} | lag p99 <= {max(p99s):g} s, max {max(maxes):.3f} s | fleet process "
                       f"{fleet_cores:.2f} cores | load {loadavg()}", flush=True)
                 repairs = recoveries(started[0][1])
@@ -350,6 +353,10 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
                 print(f"  replica 0's ingest: {summary(*gc)} in the step (cortex/gc_pauses.py)", flush=True)
                 print(f"  ingest CPU {per_batch * 1e3:.2f} ms per applied batch -> one dedicated core would apply "
                       f"~{1 / per_batch:,.0f} batches/s here (load polls of busy workers included)", flush=True)
+                if args.event_shards:
+                    shard_batch = statistics.mean(shards) / max(statistics.mean(applied), 1e-9)
+                    print(f"  event shards' CPU {shard_batch * 1e3:.2f} ms per applied batch, together (each of the "
+                          f"{args.event_shards} follows 1/{args.event_shards} of the streams)", flush=True)
                 del sub0
                 time.sleep(2.0)
                 # Batches are not requests (one engine step's batch holds every request of the step), so the
@@ -377,6 +384,8 @@ def main() -> None:
                          "worker's load is read, the largest cost of a busy fleet")
     ap.add_argument("--load-reads-per-s", type=float, default=None,
                     help="ingest.load_reads_per_s of the replicas (default: Cortex's, 250; 0: no budget)")
+    ap.add_argument("--event-shards", type=int, default=0,
+                    help="ingest.event_shards of the replicas (default 0: ingest follows the streams itself)")
     ap.add_argument("--ready-timeout-s", type=float, default=None,
                     help="seconds each replica may take to be ready (default 120 + workers)")
     ap.add_argument("--sim-processes", type=int, default=1,

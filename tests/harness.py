@@ -265,6 +265,22 @@ def pd_cluster(root: Path, specs: Sequence[tuple[str, str, str, bool, tuple[str,
         yield gw
 
 
+def chat_once(gw: Gateway, messages: list[dict[str, str]]) -> tuple[str, str, int, int]:
+    """(assigned worker, match mode, claimed hit tokens, engine-reported cached tokens) of one real chat."""
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    cached = int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return (r.headers["x-cortex-assigned-worker"], r.headers["x-cortex-match-mode"],
+            int(r.headers["x-cortex-cache-hit-tokens"]), cached)
+
+
+def routed_to(gw: Gateway, messages: list[dict[str, str]], worker: str) -> bool:
+    """Route explain sends the prompt to `worker` on a cached prefix (its events reached the view)."""
+    d = httpx.post(gw.explain_url, json={"model": MODEL, "messages": messages}, timeout=30).json()
+    return bool(d["chosen"] == worker and d["mode"] == "exact_kv_events" and d["cache_hit_tokens"] > 0)
+
+
 def long_chat(n_words: int = 1500, seed: int = 0) -> list[dict[str, str]]:
     """A chat of roughly n_words * 1.3 tokens with the given seed making it unique."""
     words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]

@@ -34,6 +34,7 @@ from tests.harness import (
     PY,
     Gateway,
     Sim,
+    chat_once,
     free_ports,
     free_run,
     long_chat,
@@ -104,9 +105,9 @@ def test_demo_with_two_replicas(tmp_path: Path) -> None:
         a, b = (Gateway(root=runtime / f"replica-{r + 1}", sims=[], port=gw + r, admin_port=admin + r,
                         ingest_port=ingest + r, extproc_port=0) for r in range(2))
         messages = long_chat(300, seed=51)
-        holder, _, _, _ = send(a, messages)
+        holder, _, _, _ = chat_once(a, messages)
         wait_for(lambda: holds(b, messages, holder), timeout=30, what="replica-2 to see replica-1's prompt cached")
-        worker, mode, claimed, cached = send(b, messages)
+        worker, mode, claimed, cached = chat_once(b, messages)
         assert (worker, mode) == (holder, "exact_kv_events") and claimed == cached > 0
         # The replicas are peered (docs/replicas.md): each hears the other.
         wait_for(lambda: all(peers_heard(ingest + r) == 1 for r in range(2)), timeout=30, what="peering")
@@ -183,16 +184,6 @@ def route(gw: Gateway, messages: list[dict[str, str]]) -> dict[str, Any]:
     return r.json()
 
 
-def send(gw: Gateway, messages: list[dict[str, str]]) -> tuple[str, str, int, int]:
-    """(assigned worker, match mode, claimed hit tokens, engine-reported cached tokens) of one real chat."""
-    r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1},
-                   timeout=60)
-    assert r.status_code == 200, r.text
-    cached = int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-    return (r.headers["x-cortex-assigned-worker"], r.headers["x-cortex-match-mode"],
-            int(r.headers["x-cortex-cache-hit-tokens"]), cached)
-
-
 def holds(gw: Gateway, messages: list[dict[str, str]], worker: str) -> dict[str, Any] | None:
     """The replica's decision once its ledger shows `worker` holding the prompt (events take a moment)."""
     d = route(gw, messages)
@@ -204,15 +195,15 @@ def test_replica_routes_what_another_replica_cached(fleet: Fleet) -> None:
     that cached it and claims exactly what that worker then reports."""
     for seed in (11, 12, 13):
         messages = long_chat(400, seed=seed)
-        holder, mode, claimed, _ = send(fleet.a, messages)
+        holder, mode, claimed, _ = chat_once(fleet.a, messages)
         assert (mode, claimed) == ("load_aware", 0)  # new to the whole fleet
         decision = wait_for(lambda: holds(fleet.b, messages, holder), timeout=30,  # noqa: B023
                             what=f"replica B's ledger to show {holder} holding the prompt")
-        worker, mode, claimed, cached = send(fleet.b, messages)
+        worker, mode, claimed, cached = chat_once(fleet.b, messages)
         assert (worker, mode) == (holder, "exact_kv_events")
         assert claimed == cached == decision["cache_hit_tokens"] > 0
         # And back: A claims what B's repeat left behind, the same blocks.
-        worker, mode, claimed, cached = send(fleet.a, messages)
+        worker, mode, claimed, cached = chat_once(fleet.a, messages)
         assert (worker, mode) == (holder, "exact_kv_events") and claimed == cached > 0
 
 
@@ -224,7 +215,7 @@ def test_late_replica_catches_up_through_replay(fleet: Fleet) -> None:
     """A replica started after traffic went through A knows every block A knows, and got it all from the
     workers' replay buffers: nothing was published after it started."""
     prompts = [long_chat(350, seed=seed) for seed in range(21, 27)]
-    holders = [send(fleet.a, m)[0] for m in prompts]
+    holders = [chat_once(fleet.a, m)[0] for m in prompts]
     for m, h in zip(prompts, holders, strict=True):
         wait_for(lambda m=m, h=h: holds(fleet.a, m, h), timeout=30, what="A's ledger to show the prompt")
     before = by_id(fleet.a)
@@ -250,7 +241,7 @@ def test_late_replica_catches_up_through_replay(fleet: Fleet) -> None:
             decision = (mine["chosen"], mine["mode"], mine["cache_hit_tokens"])
             assert decision == (theirs["chosen"], theirs["mode"], theirs["cache_hit_tokens"])
             assert decision[:2] == (h, "exact_kv_events"), decision
-            worker, mode, claimed, cached = send(late, m)
+            worker, mode, claimed, cached = chat_once(late, m)
             assert (worker, mode) == (h, "exact_kv_events") and claimed == cached == theirs["cache_hit_tokens"] > 0
 
 
@@ -273,12 +264,12 @@ def test_late_replica_past_the_replay_buffer_under_claims(tmp_path: Path) -> Non
             assert t["reason"] == "replayed" and t["exact_kv"] and t["batches"] == 2 and t["last_seq"] >= 4, t
             oldest, newest = prompts[0], prompts[-1]
             assert route(late, oldest)["cache_hit_tokens"] == 0
-            _, mode, claimed, cached = send(late, oldest)
+            _, mode, claimed, cached = chat_once(late, oldest)
             assert claimed == 0 < cached  # the worker had it all along: an under-claim
-            _, mode, claimed, cached = send(late, newest)
+            _, mode, claimed, cached = chat_once(late, newest)
             assert mode == "exact_kv_events" and claimed == cached > 0  # the replayed batches are exact
             for m in prompts:
-                _, _, claimed, cached = send(late, m)
+                _, _, claimed, cached = chat_once(late, m)
                 assert claimed <= cached
     finally:
         stop(sim.proc)
@@ -324,7 +315,7 @@ def test_killed_replica_loses_nothing_for_the_others(fleet: Fleet) -> None:
     prompts = [long_chat(300, seed=seed) for seed in range(41, 47)]
     counters = ("gaps", "resyncs", "restarts", "decode_errors")
     with running(replica(fleet.root, "doomed", fleet.sims)) as doomed:
-        holders = [send(doomed, m)[0] for m in prompts]  # cached through the doomed replica only
+        holders = [chat_once(doomed, m)[0] for m in prompts]  # cached through the doomed replica only
         before = {tid: {k: t[k] for k in counters} for tid, t in by_id(fleet.a).items()}
         through_a = Traffic(fleet.a.url, total=40, threads=2, prompts=4, words=(200, 500), seed=5).start()
         through_doomed = Traffic(doomed.url, total=400, threads=3, prompts=4, words=(200, 500), seed=6,
@@ -345,7 +336,7 @@ def test_killed_replica_loses_nothing_for_the_others(fleet: Fleet) -> None:
     for _ in range(2):
         for m, h in zip(prompts, holders, strict=True):
             wait_for(lambda m=m, h=h: holds(fleet.a, m, h), timeout=30, what="A's ledger to show the prompt")
-            worker, mode, claimed, cached = send(fleet.a, m)
+            worker, mode, claimed, cached = chat_once(fleet.a, m)
             assert (worker, mode) == (h, "exact_kv_events") and claimed == cached > 0
     # Requests cut off by the kill do not linger as load on the workers (A would steer around them forever).
     wait_for(lambda: all(t["load"]["running"] == 0 and t["load"]["waiting"] == 0 for t in by_id(fleet.a).values()),
@@ -391,7 +382,7 @@ def test_front_envoy_from_the_docs(fleet: Fleet, tmp_path: Path) -> None:
                  what=f"the front Envoy to pass traffic ({log})")
         prompts = [long_chat(250, seed=seed) for seed in range(61, 69)]
         served = [envoy_requests(fleet.a), envoy_requests(fleet.b)]
-        holders = [send(front, m)[0] for m in prompts]
+        holders = [chat_once(front, m)[0] for m in prompts]
         served = [envoy_requests(fleet.a) - served[0], envoy_requests(fleet.b) - served[1]]
         for m, h in zip(prompts, holders, strict=True):
             for gw in (fleet.a, fleet.b):  # each replica has seen the events, whichever one routed the prompt
@@ -399,7 +390,7 @@ def test_front_envoy_from_the_docs(fleet: Fleet, tmp_path: Path) -> None:
         before = [envoy_requests(fleet.a), envoy_requests(fleet.b)]
         for _ in range(2):
             for m, h in zip(prompts, holders, strict=True):
-                worker, mode, claimed, cached = send(front, m)
+                worker, mode, claimed, cached = chat_once(front, m)
                 assert (worker, mode) == (h, "exact_kv_events") and claimed == cached > 0
         served = [served[0] + envoy_requests(fleet.a) - before[0], served[1] + envoy_requests(fleet.b) - before[1]]
         # 24 requests, each to either replica: both served some (least-request picks at random among idle ones).

@@ -25,9 +25,11 @@ from tests.harness import (
     PY,
     Gateway,
     Sim,
+    chat_once,
     free_ports,
     free_run,
     long_chat,
+    routed_to,
     start_gateway,
     stop,
     wait_for,
@@ -110,20 +112,6 @@ def test_one_process_announces_every_worker_with_its_own_ports(
     assert all(t["exact_kv"] for t in gw.targets().values())
 
 
-def send(gw: Gateway, messages: list[dict[str, str]]) -> tuple[str, str, int, int]:
-    r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1},
-                   timeout=60)
-    assert r.status_code == 200, r.text
-    cached = int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-    return (r.headers["x-cortex-assigned-worker"], r.headers["x-cortex-match-mode"],
-            int(r.headers["x-cortex-cache-hit-tokens"]), cached)
-
-
-def routed_to(gw: Gateway, messages: list[dict[str, str]], worker: str) -> bool:
-    d = httpx.post(gw.explain_url, json={"model": MODEL, "messages": messages}, timeout=30).json()
-    return bool(d["chosen"] == worker and d["mode"] == "exact_kv_events" and d["cache_hit_tokens"] > 0)
-
-
 def test_fleet_workers_are_routed_exactly(fleet: tuple[Gateway, subprocess.Popen[bytes], Path]) -> None:
     """Each worker's cache and event stream are its own: a repeat goes to the worker that cached the prompt,
     and Cortex claims exactly the tokens that worker then reports cached."""
@@ -131,11 +119,11 @@ def test_fleet_workers_are_routed_exactly(fleet: tuple[Gateway, subprocess.Popen
     holders = set()
     for seed in range(6):
         messages = long_chat(300, seed=100 + seed)
-        holder, mode, claimed, cached = send(gw, messages)
+        holder, mode, claimed, cached = chat_once(gw, messages)
         assert (mode, claimed, cached) == ("load_aware", 0, 0)
         wait_for(lambda: routed_to(gw, messages, holder), timeout=30,  # noqa: B023
                  what=f"the ledger to show {holder} holding the prompt")
-        worker, mode, claimed, cached = send(gw, messages)
+        worker, mode, claimed, cached = chat_once(gw, messages)
         assert (worker, mode) == (holder, "exact_kv_events")
         assert claimed == cached > 0
         holders.add(holder)

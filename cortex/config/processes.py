@@ -73,6 +73,12 @@ class IngestConfig(Strict):
     above the fleet (256 for 256 single-rank workers; each 64 adds 8 bytes per view slot and one word to every
     lookup's bitset rows; docs/performance.md, "Fleet scale"). The default stays 64 so small fleets do not pay
     for width they do not use."""
+    event_shards: int = Field(0, ge=0, le=32)
+    """Child processes that follow the workers' KV-event streams (the sockets, decoding, sequencing, ledgers, tail
+    checks and replays) and send ingest each batch's net key changes, so a busy fleet's events use more than the
+    one core ingest has (docs/ledger.md, "Event shards"). 0: ingest follows them itself, the right choice until
+    ingest's `cortex_ingest_loop_cpu_seconds_total{loop="events"}` nears a core or the view lags
+    (`cortex_ingest_view_lag_max_seconds`): a shard costs a process and a hop of ~0.1 ms per write section."""
     admin_token_file: str | None = None
     """File holding the admin token (at least 16 characters): every admin route (worker changes, the status page,
     the observer's recent decisions) then needs `Authorization: Bearer <token>` (or Basic auth with the token as
