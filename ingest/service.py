@@ -165,6 +165,10 @@ class Ingest(ProbeLoops, Discovery):
             # Read once per process (ingest, extproc and Envoy must agree): kept until the restart.
             log.warning("upstream_tls changed: it takes effect when the gateway restarts")
             cfg = cfg.model_copy(update={"upstream_tls": self.cfg.upstream_tls})
+        if cfg.ingest.event_shards != self.cfg.ingest.event_shards:
+            log.warning("ingest.event_shards changed: it takes effect when the gateway restarts")
+            cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(
+                update={"event_shards": self.cfg.ingest.event_shards})})
         if cfg.fails_closed() != self.cfg.fails_closed():
             # Envoy's bootstrap holds it (cortex/envoy_config.py): an edit that adds the first tenant must not
             # look as if keys and limits now held while extproc is down.

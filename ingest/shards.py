@@ -235,7 +235,7 @@ class ShardPool:
                  on_change: Callable[[], None]) -> None:
         self.count = count
         self.view = view
-        """The ViewWriter: each report is one write section."""
+        """The ViewWriter (a lost shard's slots are cleared in one write section)."""
         self.sink = sink
         self.spare_slot = spare_slot
         self.on_change = on_change
@@ -352,19 +352,20 @@ class ShardPool:
                 src.fence()
                 shard.send(src.assign)
             self._top_up(shard)
-        if report.ops:
-            sink = self.sink
-            with self.view.batch():
-                for op in report.ops:
-                    owner = shard.sources.get(op.tid)
-                    if owner is None or owner.gen != op.gen:
-                        continue  # an older generation's change (cleared, removed or reassigned since)
-                    if op.kind == ADD:
-                        sink.add(op.slot, op.keys)
-                    elif op.kind == REMOVE:
-                        sink.remove(op.slot, op.keys)
-                    elif op.kind == CLEAR:
-                        sink.clear_worker(op.slot)
+        # Each change is a write section of its own, as in-process (removals before additions within a ledger's
+        # section, so a reader between two sees a subset): a report holding a whole replay is not one long section
+        # that extproc's lookups would wait behind.
+        sink = self.sink
+        for op in report.ops:
+            owner = shard.sources.get(op.tid)
+            if owner is None or owner.gen != op.gen:
+                continue  # an older generation's change (cleared, removed or reassigned since)
+            if op.kind == ADD:
+                sink.add(op.slot, op.keys)
+            elif op.kind == REMOVE:
+                sink.remove(op.slot, op.keys)
+            elif op.kind == CLEAR:
+                sink.clear_worker(op.slot)
         now = time.time()
         for stamp in report.stamps:
             VIEW_LAG.observe(max(0.0, now - stamp))

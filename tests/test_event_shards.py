@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -33,13 +34,13 @@ UNCHECKED_ALGO = "not-reproduced"
 A, B, C = list(range(100, 132)), list(range(200, 216)), list(range(300, 316))
 
 
-def stored(hashes: list[int], tokens: list[int], parent: int | None = None) -> bytes:
+def stored(hashes: list[int | bytes], tokens: list[int], parent: int | None = None) -> bytes:
     return encode_batch(KVEventBatch(ts=time.time(), events=[BlockStored(
         block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=16, lora_id=None, medium="GPU",
         lora_name=None)]))
 
 
-def removed(hashes: list[int]) -> bytes:
+def removed(hashes: list[int | bytes]) -> bytes:
     return encode_batch(KVEventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=hashes, medium="GPU")]))
 
 
@@ -83,7 +84,7 @@ class Wired:
         self.ingest_end.bind("inproc://shard")
         self.shard_end = self.ctx.socket(zmq.PAIR)
         self.shard_end.connect("inproc://shard")
-        shard_out = zmq.Socket.shadow(self.shard_end.underlying)
+        shard_out: zmq.Socket[bytes] = zmq.Socket.shadow(self.shard_end.underlying)
         self.shard = Shard(self.ctx, shard_out.send)
         self.sink, self.view, self.changes = SetSink(), View(), 0
         spares = list(spare or [])
@@ -236,8 +237,29 @@ def test_only_news_reaches_ingest_as_a_change() -> None:
     assert len(changed) == 2 and len(arrived) == 1 and src.batches == 1
     # Layout news is passed on once per version, not at every write of the target list.
     sent: list[object] = []
-    src.send = sent.append  # type: ignore[method-assign]
+    src.send = sent.append  # type: ignore[method-assign,assignment]
     src.ledger.layout_version = 2
     src.layout_published(2)
     src.layout_published(2)
     assert sent == [Control("w", "layout_published", version=2)]
+
+
+def test_a_reload_that_changes_the_shard_count_waits_for_the_restart(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The shard processes are started with ingest: a config edit of their number is logged and kept for the next
+    start, never half-applied to a running pool."""
+    from ingest.service import Ingest
+    from tests.test_k8s_discovery import ingest_cfg
+
+    async def main() -> None:
+        ingest = Ingest(ingest_cfg(tmp_path))
+        await ingest.start()
+        try:
+            await ingest._apply_config(ingest_cfg(tmp_path, ingest={"event_shards": 2}), ingest._probes)
+            assert ingest.cfg.ingest.event_shards == 0 and ingest.shards is None
+        finally:
+            await ingest.stop()
+
+    with caplog.at_level("WARNING", logger="cortex.ingest"):
+        asyncio.run(main())
+    assert "ingest.event_shards changed: it takes effect when the gateway restarts" in caplog.text

@@ -105,14 +105,14 @@ def test_a_new_question_after_a_long_turn_is_not_claimed_where_the_window_moved_
     assert third["claim"] == third["cached"], third
 
 
-def test_a_multi_turn_mix_claims_exactly_what_the_engines_serve(gw: Gateway) -> None:
+def mix(gw: Gateway, seed: int, n: int, tag: str) -> None:
     """New conversations on shared system prompts, next turns, repeats and unrelated prompts, seeded: on every
     response the claim equals the engine's cached_tokens (so it is never above it)."""
-    rng = random.Random(25)
-    systems = [system_prompt(f"mix-{s}", rng.randrange(25, 45)) for s in range(3)]
+    rng = random.Random(seed)
+    systems = [system_prompt(f"{tag}-{s}", rng.randrange(25, 45)) for s in range(3)]
     convs: list[list[dict[str, str]]] = []
     rows = []
-    for i in range(48):
+    for i in range(n):
         roll = rng.random()
         if convs and roll < 0.4:
             msgs = [*rng.choice(convs), {"role": "user", "content": f"Follow-up {i}: and item {rng.randrange(999)}?"}]
@@ -121,7 +121,7 @@ def test_a_multi_turn_mix_claims_exactly_what_the_engines_serve(gw: Gateway) -> 
                     {"role": "user", "content": f"Question {i}: tell me about {rng.randrange(999)}."}]
         elif roll < 0.75:
             msgs = [{"role": "system", "content": rng.choice(systems)},
-                    {"role": "user", "content": long_question(str(i), rng.randrange(10, 40))}]
+                    {"role": "user", "content": long_question(f"{tag}{i}", rng.randrange(10, 40))}]
         elif convs and roll < 0.9:
             msgs = list(rng.choice(convs))
         else:
@@ -133,10 +133,31 @@ def test_a_multi_turn_mix_claims_exactly_what_the_engines_serve(gw: Gateway) -> 
     over = [r for r in rows if r["claim"] > r["cached"]]
     exact = [r for r in rows if r["claim"] == r["cached"]]
     hits = [r for r in rows if r["cached"] > 0]
-    print(f"\nhybrid mix: {len(rows)} requests, {sum(r['cached'] for r in rows)} cached tokens reported by the "
-          f"engines, {sum(r['claim'] for r in rows)} claimed, {len(over)} over-claims, {len(exact)} exact, "
+    print(f"\nhybrid mix ({tag}): {len(rows)} requests, {sum(r['cached'] for r in rows)} cached tokens reported by "
+          f"the engines, {sum(r['claim'] for r in rows)} claimed, {len(over)} over-claims, {len(exact)} exact, "
           f"{len(hits)} engine hits")
     assert not over, over
     assert len(exact) == len(rows), [r for r in rows if r["claim"] != r["cached"]]
     assert len(hits) >= len(rows) // 3  # the mix does exercise hits
     assert all(r["claim"] % BLOCK == 0 for r in rows)
+
+
+def test_a_multi_turn_mix_claims_exactly_what_the_engines_serve(gw: Gateway) -> None:
+    mix(gw, seed=25, n=48, tag="mix")
+
+
+def test_event_shards_learn_the_layout_and_claim_exactly(pair: list[VllmEngine],
+                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same engines behind a gateway whose streams run in an event shard (`ingest.event_shards`, docs/ledger.md):
+    the shard's ledgers take the window group's slots from the reserve ingest grants them, the target is shown once
+    ingest has published that layout, and the claims stay exact."""
+    with gateway(tmp_path_factory.mktemp("hybrid-shard-gw"), pair,
+                 extra_config={"extproc": {"prediction_ttl_s": 0}, "ingest": {"event_shards": 1}}) as g:
+        mix(g, seed=26, n=24, tag="shard-mix")
+        targets = g.targets().values()
+        assert all(t["event_shard"] == 0 and t["exact_kv"] for t in targets), [t["reason"] for t in targets]
+        served = [t for t in targets if t["kv_lanes"]]
+        assert served
+        for t in served:
+            assert sorted((grp["kind"], grp["need"]) for grp in t["groups"]) == [("full", 0), ("window", WINDOW_BLOCKS)]
+            assert len({grp["slot"] for grp in t["groups"]}) == 2  # the window's slot, from the shard's reserve
