@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -25,14 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cortex import logs
+from cortex.die_with_parent import die_with_parent
 
 log = logging.getLogger("cortex.supervisor")
-
-
-def _die_with_parent() -> None:
-    # Linux-only: deliver SIGTERM to the child when the supervisor thread that forked it exits.
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -104,7 +98,7 @@ class Supervisor:
             out = child.spec.log.open("ab")  # the child keeps its own descriptor; ours is closed below
         try:
             child.proc = await asyncio.create_subprocess_exec(
-                *child.spec.argv, env=env, process_group=0, preexec_fn=_die_with_parent,
+                *child.spec.argv, env=env, process_group=0, preexec_fn=die_with_parent,
                 stdout=out, stderr=asyncio.subprocess.STDOUT if out is not None else None)
         finally:
             if out is not None:

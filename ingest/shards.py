@@ -25,6 +25,7 @@ import zmq
 
 from cortex import logs
 from cortex.contract import GroupSlot, TierSlot
+from cortex.die_with_parent import die_with_parent
 from ingest.lag import VIEW_LAG
 from ingest.ledger_publish import KeySink
 from ingest.shard_pipe import Pipe
@@ -308,7 +309,7 @@ class ShardPool:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "ingest.event_shard", "--endpoint", f"tcp://127.0.0.1:{port}",
                 "--index", str(shard.index), *logs.child_args(),
-                env={**os.environ, logs.PROCESS_ENV: f"ingest-shard-{shard.index}"})
+                env={**os.environ, logs.PROCESS_ENV: f"ingest-shard-{shard.index}"}, preexec_fn=die_with_parent)
             shard.pid = proc.pid
             log.info("event shard %d started (pid %d)", shard.index, proc.pid)
             while True:

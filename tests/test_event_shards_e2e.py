@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -65,10 +66,9 @@ def test_a_killed_shard_hides_its_targets_and_a_new_one_rebuilds_them(gw: Gatewa
     before = {s["index"]: s for s in ingest_doc(gw)["event_shards"]}
     victim = next(i for i, s in before.items() if s["targets"] == 2)
     followed = {t["worker"] for t in gw.targets().values() if t["event_shard"] == victim}
-    # A prompt cached on one of the victim's workers before the kill.
-    kept = next(m for seed in range(200, 230)
-                if chat_once(gw, m := long_chat(300, seed=seed))[0] in followed)
-    holder = chat_once(gw, kept)[0]
+    # A prompt cached on one of the victim's workers before the kill (new prompts go where the load is lowest).
+    kept, holder = next((m, w) for seed in range(200, 230)
+                        if (w := chat_once(gw, m := long_chat(300, seed=seed))[0]) in followed)
     wait_for(lambda: routed_to(gw, kept, holder), timeout=30, what=f"the view to show {holder} holding it")
     os.kill(before[victim]["pid"], signal.SIGKILL)
 
@@ -91,3 +91,24 @@ def test_a_killed_shard_hides_its_targets_and_a_new_one_rebuilds_them(gw: Gatewa
     # The other shard was not touched.
     other = ingest_doc(gw)["event_shards"][1 - victim]
     assert (other["pid"], other["restarts"]) == (before[1 - victim]["pid"], 0)
+
+
+def test_shards_die_with_a_killed_ingest_and_its_successor_starts_its_own(gw: Gateway) -> None:
+    old = shard_pids(gw)
+    ingest = gw.child_pids("cortexctl.cli ingest")
+    assert len(old) == 2 and len(ingest) == 1
+    os.kill(ingest[0], signal.SIGKILL)  # the supervisor starts another ingest
+
+    def gone(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
+
+    wait_for(lambda: all(gone(p) for p in old), timeout=30, what="the dead ingest's shards gone")
+    wait_for(lambda: len(gw.child_pids("cortexctl.cli ingest")) == 1 and len(shard_pids(gw)) == 2, timeout=60,
+             what="a new ingest with two shards of its own")
+    assert not set(shard_pids(gw)) & set(old)
+    wait_for(lambda: all(t["exact_kv"] for t in gw.targets().values()), timeout=60,
+             what="every target back on exact routing")
+    repeat_is_exact(gw, seed=300)
