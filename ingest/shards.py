@@ -37,9 +37,10 @@ log = logging.getLogger("cortex.ingest")
 SPARES = 2
 """Free view slots each shard holds for its ledgers' other KV-cache specs and tiers, topped up as they are used."""
 RESTART_BACKOFF_S = (0.2, 1.0, 5.0)
-STALLED_S = 10.0
-"""A shard following targets reports every second at least (ingest/event_shard.py REFRESH_S); one silent this long
-is hung, and is replaced like one that died."""
+STALLED_S = 30.0
+"""A shard reports every second at least (ingest/event_shard.py REFRESH_S); one silent this long is hung, and is
+replaced like one that died. Generous: a shard replaying its engines' whole buffers at start applies each replay in
+one go (~1 s per 10,000 batches here), and a shard killed for that would only start the same replays again."""
 HELLO_S = 60.0
 """How long a new shard process may take to start and say hello (its imports, on a loaded machine)."""
 
@@ -314,15 +315,17 @@ class ShardPool:
             log.info("event shard %d started (pid %d)", shard.index, proc.pid)
             while True:
                 limit = STALLED_S if shard.connected else HELLO_S
+                left = shard.heard + limit - time.monotonic()
+                if left <= 0 and (shard.sources or not shard.connected):
+                    log.error("event shard %d sent nothing for %.0f s: killed; its targets are hidden and "
+                              "assigned again", shard.index, limit)
+                    return
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(max(0.1, shard.heard + limit - time.monotonic())):
+                    # A second at most: the limit changes when the hello arrives.
+                    async with asyncio.timeout(min(max(left, 0.1), 1.0)):
                         await proc.wait()
                     log.error("event shard %d exited (code %s): its targets are hidden and assigned again",
                               shard.index, proc.returncode)
-                    return
-                if time.monotonic() - shard.heard > limit and (shard.sources or not shard.connected):
-                    log.error("event shard %d sent nothing for %.0f s: killed; its targets are hidden and "
-                              "assigned again", shard.index, limit)
                     return
         finally:
             if proc is not None and proc.returncode is None:

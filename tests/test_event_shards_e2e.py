@@ -5,6 +5,7 @@ Every wait is a condition with a deadline; nothing is timed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -112,3 +113,42 @@ def test_shards_die_with_a_killed_ingest_and_its_successor_starts_its_own(gw: Ga
     wait_for(lambda: all(t["exact_kv"] for t in gw.targets().values()), timeout=60,
              what="every target back on exact routing")
     repeat_is_exact(gw, seed=300)
+
+
+def test_a_hung_shard_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard that stops reporting (SIGSTOP here) is killed and replaced as one that died: its targets are hidden
+    and assigned to the new process. The pool on its own, with a real shard process; the silence limit shortened."""
+    import asyncio
+
+    from ingest import shards
+    from tests.test_event_shards import View, assignment
+    from tests.test_ledger import SetSink
+
+    monkeypatch.setattr(shards, "STALLED_S", 2.0)
+
+    async def main() -> None:
+        changes: list[int] = []
+        pool = shards.ShardPool(1, View(), SetSink(), lambda: None, lambda: changes.append(1))
+        link = pool.shards[0]
+        pool.start()
+        src = pool.source(assignment(pool), on_change=lambda: None, on_events=None)
+        task = asyncio.create_task(src.run())
+        try:
+            deadline = asyncio.get_running_loop().time() + 60
+            while not (link.connected and src.sync.reason != "assigned to an event shard"):
+                assert asyncio.get_running_loop().time() < deadline, "the shard never reported the target"
+                await asyncio.sleep(0.05)
+            first, gen = link.pid, src.gen
+            assert first is not None
+            os.kill(first, signal.SIGSTOP)
+            while link.restarts == 0 or not link.connected:
+                assert asyncio.get_running_loop().time() < deadline + 30, "the hung shard was not replaced"
+                await asyncio.sleep(0.05)
+            assert link.pid not in (None, first) and src.gen > gen
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(first, signal.SIGCONT)  # killed by the pool: nothing left to resume
+        finally:
+            task.cancel()
+            await pool.stop()
+
+    asyncio.run(main())
