@@ -67,14 +67,30 @@ _share = (0, 1)
 _rng = random.SystemRandom()  # not the global generator, which tests may seed
 
 
+SHARE_ENV = "CORTEX_PORT_SHARE"
+"""`index/count`: the share of the process that started this one. A `cortex bench` a test starts picks its ports in
+that test's share, not in all of them (a bench run beside another xdist worker's gateway once took the port that
+gateway's extproc was about to bind)."""
+
+
 def share_ports(index: int, count: int) -> None:
     """This process is one of `count` that pick ports at once (pytest-xdist's workers): it takes only ports in the
     blocks `block % count == index`, so a port one of them handed out and closed is never handed out by another
-    before its new owner has bound it."""
+    before its new owner has bound it. Its children inherit the share (SHARE_ENV)."""
     global _share
     if not 0 <= index < count:
         raise ValueError(f"port share {index} of {count}")
     _share = (index, count)
+    os.environ[SHARE_ENV] = f"{index}/{count}"
+
+
+def _inherited_share() -> None:
+    index, _, count = os.environ.get(SHARE_ENV, "").partition("/")
+    if index.isdigit() and count.isdigit():
+        share_ports(int(index), int(count))
+
+
+_inherited_share()
 
 
 def _ephemeral_floor() -> int:

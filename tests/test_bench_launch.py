@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 
@@ -11,8 +12,10 @@ from cortexbench import launch
 
 
 @pytest.fixture
-def shared() -> Iterator[None]:
+def shared(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     before = launch._share
+    # share_ports also writes the variable its children read: restored with the share.
+    monkeypatch.setenv(launch.SHARE_ENV, os.environ.get(launch.SHARE_ENV, ""))
     yield
     launch._share = before
 
@@ -53,3 +56,18 @@ def test_a_port_handed_out_is_not_handed_out_again_while_its_owner_may_still_bin
 def test_a_share_outside_the_count_is_refused(shared: None) -> None:
     with pytest.raises(ValueError, match="port share 2 of 2"):
         launch.share_ports(2, 2)
+
+
+def test_a_child_process_picks_in_the_share_of_the_process_that_started_it(shared: None,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `cortex bench` that a test starts reads the test worker's share from its environment."""
+    launch.share_ports(2, 3)
+    assert os.environ[launch.SHARE_ENV] == "2/3"
+    launch._share = (0, 1)  # as a fresh process starts
+    launch._inherited_share()
+    assert launch._share == (2, 3)
+    assert {(p // launch.PORT_BLOCK) % 3 for p in launch.free_ports(20)} == {2}
+    monkeypatch.setenv(launch.SHARE_ENV, "not a share")
+    launch._share = (0, 1)
+    launch._inherited_share()
+    assert launch._share == (0, 1)

@@ -376,8 +376,10 @@ SGLANG_MIXED = [
 
 @pytest.fixture(scope="module")
 def sglang_mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    # Health probes every 30 s: the unreachable-prefill case kills p1 and must reach the PD attempt; probed every
+    # second, a loaded machine's slow test had p1 suspect before its request, which then went to m1 without any.
     with pd_cluster(tmp_path_factory.mktemp("pd-sglang-mixed"), SGLANG_MIXED,
-                    {"pd": {"bootstrap_timeout_s": 3.0}}) as gw:
+                    {"pd": {"bootstrap_timeout_s": 3.0}}, extra_config={"ingest": {"health_interval_s": 30.0}}) as gw:
         yield gw
 
 
