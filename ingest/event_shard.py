@@ -35,7 +35,7 @@ from ingest.shard_wire import (
     SourceState,
     Spares,
 )
-from ingest.source import EventSource, cancel_quietly
+from ingest.source import EventSource, cancel_quietly, streams_context
 from ingest.sync import SourceSync
 
 log = logging.getLogger("cortex.ingest")
@@ -248,7 +248,7 @@ def state_of(source: EventSource, gen: int) -> SourceState:
 
 
 async def serve(endpoint: str) -> None:
-    ctx = zmq.asyncio.Context()
+    ctx = streams_context()
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)

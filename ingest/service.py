@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import zmq.asyncio
 
 from cortex import breaker_status, engines, gc_pauses
 from cortex.config import UNRESOLVED, CortexConfig, WorkerConfig
@@ -49,7 +48,7 @@ from ingest.probes import LoadByRank
 from ingest.regret import Regret
 from ingest.shard_wire import Assign
 from ingest.shards import RemoteSource, ShardPool
-from ingest.source import EventSource, cancel_quietly, rank_endpoint
+from ingest.source import EventSource, cancel_quietly, rank_endpoint, streams_context
 from ingest.subscription import subscription
 from ingest.sync import SourceSync
 from ingest.workers import Target, Worker
@@ -74,7 +73,7 @@ class Ingest(ProbeLoops, Discovery):
                                capacity=cfg.ingest.view_capacity)
         self.regret = Regret(self.view, cfg.block_size)
         """The ledgers' key sink: the view's writer, counting the evictions that had to be computed again."""
-        self.zmq = zmq.asyncio.Context.instance()
+        self.zmq = streams_context()
         self.workers: dict[str, Worker] = {}
         self._sources: dict[str, asyncio.Task[None]] = {}
         """The running event sources' tasks, per target id (a worker without kv_events runs none)."""
@@ -142,6 +141,7 @@ class Ingest(ProbeLoops, Discovery):
         if self._session is not None:
             await self._session.close()
         self.view.close()
+        self.zmq.destroy(linger=0)  # its own context (ingest/source.py streams_context), not the process's shared one
 
     @staticmethod
     def _load_probes(cfg: CortexConfig, bundles: BundleCache) -> dict[str, list[Any]]:

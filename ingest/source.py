@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -52,6 +53,25 @@ REPLAY_MAX_S = 60.0
 """The longest a replay may stream. The limit above is for silence only: a replica started late replays the
 engine's whole buffer (10 000 batches, tens of MB), which can take longer, and a replay cut short leaves a hole
 before the live batches, so the ledger would start cold (docs/deployment.md)."""
+
+
+MAX_SOCKETS = 65536
+"""ZMQ sockets one context may hold (libzmq's default is 1023). A target holds up to six: its SUB, the two ends of its
+connection monitor, its kept tail-check DEALER and, at times, a replay's and a diagnosis's; at the default, a replica
+of a few hundred targets was refused sockets ("Too many open files") and those targets started without replay. The
+slot table this sizes costs 8 bytes a socket."""
+
+
+def streams_context() -> zmq.asyncio.Context:
+    """The ZMQ context for a process's event streams, sized for MAX_SOCKETS, with the process's open-file limit
+    raised to its hard limit (each socket and connection is a file descriptor)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    ctx = zmq.asyncio.Context()
+    ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+    return ctx
 
 
 class LagSink(Protocol):

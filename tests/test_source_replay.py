@@ -259,3 +259,24 @@ def test_a_check_fenced_mid_exchange_gives_up_its_reader_once() -> None:
             ctx.term()
 
     asyncio.run(scenario())
+
+
+def test_the_streams_context_holds_more_sockets_than_libzmqs_default() -> None:
+    """A replica of a few hundred targets holds more than libzmq's default 1023 sockets (a SUB, a monitor pair and a
+    kept DEALER each, and replays): at the default, 512 workers' replays failed with "Too many open files"."""
+    from ingest.source import streams_context
+
+    default = zmq.Context()
+    try:
+        assert default.get(zmq.MAX_SOCKETS) == 1023  # what the streams had before
+    finally:
+        default.term()
+    ctx = streams_context()
+    socks = []
+    try:
+        socks = [ctx.socket(zmq.SUB) for _ in range(1100)]
+        assert len(socks) == 1100
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
