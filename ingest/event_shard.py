@@ -18,8 +18,6 @@ import zmq
 import zmq.asyncio
 
 from cortex import gc_pauses, logs
-from ingest.hash_parity import ParityCheck
-from ingest.ledger import Ledger
 from ingest.shard_pipe import Pipe
 from ingest.shard_wire import (
     ADD,
@@ -35,8 +33,7 @@ from ingest.shard_wire import (
     SourceState,
     Spares,
 )
-from ingest.source import EventSource, cancel_quietly, streams_context
-from ingest.sync import SourceSync
+from ingest.source import EventSource, cancel_quietly, follow, streams_context
 
 log = logging.getLogger("cortex.ingest")
 
@@ -81,7 +78,7 @@ class _Followed:
     def __init__(self, source: EventSource, recorder: _Recorder, task: asyncio.Task[None] | None) -> None:
         self.source, self.recorder, self.task = source, recorder, task
         self.reported: tuple[object, ...] = ()
-        """The counters as last reported (`_moved`)."""
+        """`counters()` as last reported: the refresh reports a source whose counters moved since."""
 
     def counters(self) -> tuple[object, ...]:
         s = self.source
@@ -162,13 +159,9 @@ class Shard:
             self._control(msg)
 
     def _assign(self, a: Assign) -> None:
-        parity = ParityCheck(engine=a.engine, page_size=a.page_size, hash_algo=a.hash_algo, hash_seed=a.hash_seed)
         recorder = _Recorder(self, a.tid, a.gen)
-        source = EventSource(
-            a.tid, Ledger(slot=a.slot, engine=a.engine, block_size=a.block_size, parity=parity, alloc=self._spare),
-            parity, SourceSync(has_replay=a.replay_endpoint is not None), self.ctx, recorder,
-            endpoint=a.endpoint, replay_endpoint=a.replay_endpoint, topic=a.topic,
-            on_change=lambda: self.touched(a.tid), on_events=lambda: self.touched(a.tid), lag=self._lag)
+        source = follow(a, self.ctx, recorder, alloc=self._spare, on_change=lambda: self.touched(a.tid),
+                        on_events=lambda: self.touched(a.tid), lag=self._lag)
         task = None if a.endpoint is None else asyncio.get_running_loop().create_task(source.run(),
                                                                                    name=f"src-{a.tid}")
         self.followed[a.tid] = _Followed(source, recorder, task)

@@ -38,8 +38,6 @@ from cortex.peering import board_rows
 from cortex.upstream_tls import WorkerTls, verify_name
 from ingest import membership, silence, tokenizer_parity
 from ingest.discovery import Discovery
-from ingest.hash_parity import ParityCheck
-from ingest.ledger import Ledger
 from ingest.loop_cpu import timed
 from ingest.membership import MembershipError
 from ingest.peers import PeerLink
@@ -48,9 +46,8 @@ from ingest.probes import LoadByRank
 from ingest.regret import Regret
 from ingest.shard_wire import Assign
 from ingest.shards import RemoteSource, ShardPool
-from ingest.source import EventSource, cancel_quietly, rank_endpoint, streams_context
+from ingest.source import EventSource, cancel_quietly, follow, rank_endpoint, streams_context
 from ingest.subscription import subscription
-from ingest.sync import SourceSync
 from ingest.workers import Target, Worker
 
 log = logging.getLogger("cortex.ingest")
@@ -274,22 +271,14 @@ class Ingest(ProbeLoops, Discovery):
             tid = target_id(wcfg.id, rank)
             endpoint, replay_endpoint = rank_endpoint(wcfg.kv_events, rank), rank_endpoint(wcfg.kv_replay, rank)
             on_events = partial(self._events_arrived, worker)
-            events: EventSource | RemoteSource
-            if self.shards is not None:
-                events = self.shards.source(Assign(
-                    tid=tid, gen=self.shards.next_gen(), slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size,
-                    page_size=model.engine_page_size(), hash_algo=hash_algo, hash_seed=model.hash_seed,
-                    endpoint=endpoint, replay_endpoint=replay_endpoint, topic=wcfg.kv_topic),
-                    on_change=self._changed, on_events=on_events)
-            else:
-                parity = ParityCheck(engine=wcfg.engine, page_size=model.engine_page_size(), hash_algo=hash_algo,
-                                     hash_seed=model.hash_seed)
-                events = EventSource(
-                    tid, Ledger(slot=slot, engine=wcfg.engine, block_size=self.cfg.block_size, parity=parity,
-                                alloc=self._spare_slot), parity,
-                    SourceSync(has_replay=wcfg.kv_replay is not None), self.zmq, self.regret,
-                    endpoint=endpoint, replay_endpoint=replay_endpoint, topic=wcfg.kv_topic, on_change=self._changed,
-                    on_events=on_events)
+            assign = Assign(tid=tid, gen=0 if self.shards is None else self.shards.next_gen(), slot=slot,
+                            engine=wcfg.engine, block_size=self.cfg.block_size, page_size=model.engine_page_size(),
+                            hash_algo=hash_algo, hash_seed=model.hash_seed, endpoint=endpoint,
+                            replay_endpoint=replay_endpoint, topic=wcfg.kv_topic)
+            events: EventSource | RemoteSource = (
+                follow(assign, self.zmq, self.regret, alloc=self._spare_slot, on_change=self._changed,
+                       on_events=on_events) if self.shards is None
+                else self.shards.source(assign, on_change=self._changed, on_events=on_events))
             target = Target(worker=worker, rank=rank, slot=slot, events=events, regret=self.regret)
             # A slot may have been used by a removed target: start from a clean bitset and a clean count.
             self.view.clear_worker(slot)

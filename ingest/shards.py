@@ -170,11 +170,14 @@ class RemoteSource:
 
     # -- what the shard reports
 
+    def _news(self) -> tuple[object, ...]:
+        """What ingest's target list shows of a source: a report that moves it is a change (`on_change`)."""
+        return (self.sync.state, self.sync.reason, self.parity.status, self.ledger.unsupported,
+                self.ledger.layout_version, self.shown, self.diagnosis, self.link_up)
+
     def update(self, st: SourceState) -> None:
         s, p, led = self.sync, self.parity, self.ledger
-        before = (s.state, s.reason, p.status, led.unsupported, led.layout_version, self.shown, self.diagnosis,
-                  self.link_up)
-        received = self.received
+        before, received = self._news(), self.received
         s.state, s.reason, s.last_applied = SyncState(st.state), st.reason, st.last_applied
         s.gaps, s.replays, s.resyncs, s.restarts = st.gaps, st.replays, st.resyncs, st.restarts
         s.duplicates, s.tail_recoveries = st.duplicates, st.tail_recoveries
@@ -191,8 +194,7 @@ class RemoteSource:
         self.link_up, self.link_since, self.diagnosis = st.link_up, st.link_since, st.diagnosis
         self.last_event_at = max(self.last_event_at, st.last_event_at)
         self.unknown_events, self.shown = st.unknown_events, st.shown
-        if (s.state, s.reason, p.status, led.unsupported, led.layout_version, self.shown, self.diagnosis,
-                self.link_up) != before:
+        if self._news() != before:
             self.on_change()
         if self.received != received and self.on_events is not None:
             self.on_events()

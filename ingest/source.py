@@ -28,8 +28,9 @@ from ingest.events import DecodeError, decode_batch
 from ingest.hash_parity import ParityCheck
 from ingest.lag import VIEW_LAG
 from ingest.ledger import Ledger
-from ingest.ledger_publish import KeySink
+from ingest.ledger_publish import KeySink, SlotAllocator
 from ingest.loop_cpu import timed
+from ingest.shard_wire import Assign
 from ingest.sync import Action, Apply, Clear, RequestReplay, SourceSync, SyncState
 
 log = logging.getLogger("cortex.ingest")
@@ -664,6 +665,17 @@ class EventSource:
             self.perform(self.sync.replayed(seq, payload))
         self.perform(self.sync.replay_done(complete))
         self.on_change()
+
+
+def follow(a: Assign, ctx: zmq.asyncio.Context, sink: KeySink, *, alloc: SlotAllocator | None,
+           on_change: Callable[[], None], on_events: Callable[[], None] | None, lag: LagSink = VIEW_LAG) -> EventSource:
+    """The source of one assigned target, with its ledger and hash parity check: in ingest (`ingest.event_shards: 0`)
+    and in an event shard alike."""
+    parity = ParityCheck(engine=a.engine, page_size=a.page_size, hash_algo=a.hash_algo, hash_seed=a.hash_seed)
+    return EventSource(
+        a.tid, Ledger(slot=a.slot, engine=a.engine, block_size=a.block_size, parity=parity, alloc=alloc), parity,
+        SourceSync(has_replay=a.replay_endpoint is not None), ctx, sink, endpoint=a.endpoint,
+        replay_endpoint=a.replay_endpoint, topic=a.topic, on_change=on_change, on_events=on_events, lag=lag)
 
 
 async def cancel_quietly(task: asyncio.Task[None]) -> None:

@@ -34,13 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without
 from cortex.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from cortex.ledger_view import ViewWriter
 from ingest.event_shard import Shard
-from ingest.hash_parity import ParityCheck
-from ingest.ledger import Ledger
+from ingest.ledger_publish import KeySink
 from ingest.regret import Regret
 from ingest.shard_wire import TO_INGEST, Assign
 from ingest.shards import ShardPool
-from ingest.source import EventSource
-from ingest.sync import SourceSync
+from ingest.source import EventSource, follow
 
 ALGO = "not-reproduced"  # hash parity unchecked: the batches carry made-up hashes
 
@@ -66,10 +64,13 @@ def batches(targets: int, n: int, held: int) -> list[tuple[int, int, bytes]]:
     return out
 
 
-def source(ctx: zmq.asyncio.Context, t: int, sink: object) -> EventSource:
-    parity = ParityCheck(engine="vllm", page_size=16, hash_algo=ALGO)
-    ev = EventSource(f"w{t}", Ledger(slot=t, engine="vllm", block_size=16, parity=parity), parity,
-                     SourceSync(has_replay=False), ctx, sink, endpoint=None, replay_endpoint=None)  # type: ignore[arg-type]
+def target(t: int, gen: int) -> Assign:
+    return Assign(tid=f"w{t}", gen=gen, slot=t, engine="vllm", block_size=16, page_size=16, hash_algo=ALGO,
+                  hash_seed=None, endpoint=None, replay_endpoint=None, topic="")
+
+
+def source(ctx: zmq.asyncio.Context, t: int, sink: KeySink) -> EventSource:
+    ev = follow(target(t, 0), ctx, sink, alloc=None, on_change=lambda: None, on_events=None)
     ev.perform(ev.sync.connected())
     return ev
 
@@ -97,8 +98,7 @@ async def sharded(ctx: zmq.asyncio.Context, feed: list[tuple[int, int, bytes]], 
     link = pool.shards[0]
     link.connected = True  # past the incarnation's hello (its first report)
     for t in range(targets):
-        a = Assign(tid=f"w{t}", gen=pool.next_gen(), slot=t, engine="vllm", block_size=16, page_size=16,
-                   hash_algo=ALGO, hash_seed=None, endpoint=None, replay_endpoint=None, topic="")
+        a = target(t, pool.next_gen())
         shard.handle(a)
         src = pool.source(a, on_change=lambda: None, on_events=None)
         link.sources[src.name] = src

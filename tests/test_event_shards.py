@@ -18,12 +18,10 @@ import zmq.asyncio
 from cortex.blockkeys import chain_keys, root_key
 from cortex.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from ingest.event_shard import Shard, state_of
-from ingest.hash_parity import ParityCheck
-from ingest.ledger import Ledger
 from ingest.shard_wire import ENCODER, TO_INGEST, TO_SHARD, Assign, Control, KeyOp, Report, Spares
 from ingest.shards import RemoteSource, ShardPool
-from ingest.source import EventSource
-from ingest.sync import SourceSync, SyncState
+from ingest.source import EventSource, follow
+from ingest.sync import SyncState
 from tests.test_ledger import SetSink
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,18 +58,18 @@ class View:
         yield
 
 
+def target(gen: int) -> Assign:
+    return Assign(tid="w", gen=gen, slot=SLOT, engine="vllm", block_size=16, page_size=16, hash_algo=UNCHECKED_ALGO,
+                  hash_seed=None, endpoint=None, replay_endpoint=None, topic="")
+
+
 def assignment(pool: ShardPool) -> Assign:
-    return Assign(tid="w", gen=pool.next_gen(), slot=SLOT, engine="vllm", block_size=16, page_size=16,
-                  hash_algo=UNCHECKED_ALGO, hash_seed=None, endpoint=None,
-                  replay_endpoint=None, topic="")
+    return target(pool.next_gen())
 
 
 def in_process() -> tuple[EventSource, SetSink]:
     sink = SetSink()
-    parity = ParityCheck(engine="vllm", page_size=16, hash_algo=UNCHECKED_ALGO)
-    ev = EventSource("w", Ledger(slot=SLOT, engine="vllm", block_size=16, parity=parity), parity,
-                     SourceSync(has_replay=False), zmq.asyncio.Context.instance(), sink, endpoint=None,
-                     replay_endpoint=None)
+    ev = follow(target(0), zmq.asyncio.Context.instance(), sink, alloc=None, on_change=lambda: None, on_events=None)
     return ev, sink
 
 
