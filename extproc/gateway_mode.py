@@ -61,6 +61,15 @@ class GatewayMode(Protocol):
         """Anything the gateway wants on the answer's headers beside Cortex's claim headers."""
 
 
+LISTED = 8
+"""Endpoints Cortex's own Envoy is given per request. Its override_host policy takes the next listed endpoint at each
+attempt (the first, then one retry: cortex/envoy_config.py), skips those no longer in the pool, and falls back to
+least_request once the list is spent, so eight leave room for six workers removed since the decision. The whole
+pool was listed before: 8 KB of addresses on every request at 512 workers, over the simulated engine's 8,190-byte
+header limit (its requests were refused with 400), and without bound as fleets grow (uvicorn's limit is 16 KB,
+Envoy's own 60 KB)."""
+
+
 class EnvoyMode:
     """Cortex's own Envoy (`cortex run`)."""
 
@@ -73,7 +82,7 @@ class EnvoyMode:
         return False
 
     def destination(self, addresses: Sequence[str], cfg: CortexConfig) -> str:
-        return epp.destination(addresses, None)
+        return epp.destination(addresses, LISTED - 1)
 
     def removals(self, headers: Sequence[HeaderValueOption]) -> list[str]:
         return []  # Envoy's route reads only what extproc set

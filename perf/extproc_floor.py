@@ -13,7 +13,11 @@ time, on kept-alive connections; "added" is the p50 (p90) difference. Server sta
 - `sync-threads`: grpcio's thread-pool server, a generator handler;
 - `aio-uvloop`: `aio-generator` on uvloop, as extproc runs;
 - `grpclib`, `grpclib-uvloop`: grpclib's pure-Python HTTP/2 server on the asyncio loop, no gRPC threads (only when
-  grpclib is installed: it is not a Cortex dependency).
+  grpclib is installed: it is not a Cortex dependency);
+- `authz-http`: not ext_proc: Envoy's ext_authz filter with an HTTP service (the buffered body sent along, the
+  route cache cleared, one header taken from the answer onto the upstream request), answered by an aiohttp
+  server on uvloop: one HTTP/1.1 exchange per request and no gRPC at all;
+- `lua-http`: the same exchange made by a Lua filter (`httpCall` with the buffered body, then `clearRouteCache`).
 
 gRPC's C-core settings are Cortex's (cortex/grpc_runtime.py) unless `GRPC_EXPERIMENTS` is set: run with
 `GRPC_EXPERIMENTS=` (empty) for grpcio's own defaults. `--gap-ms` pauses between requests, so that
@@ -141,6 +145,20 @@ def serve_extproc(stack: str, port: int) -> None:
     asyncio.run(run_grpclib() if stack.startswith("grpclib") else run())
 
 
+def serve_callout(port: int) -> None:
+    """The HTTP stacks' decision server: reads the body (as a decision must) and names the worker."""
+    import uvloop
+
+    async def decide(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(headers={"x-worker": "w1", "x-cortex-worker": "w1"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", decide)
+    uvloop.install()
+    web.run_app(app, host=HOST, port=port, print=None, access_log=None)
+
+
 def serve_upstream(port: int) -> None:
     async def ok(request: web.Request) -> web.Response:
         await request.read()
@@ -151,7 +169,36 @@ def serve_upstream(port: int) -> None:
     web.run_app(app, host=HOST, port=port, print=None, access_log=None)
 
 
-def envoy_config(plain: int, extproc: int, upstream: int, grpc_port: int) -> dict[str, Any]:
+LUA = """
+function envoy_on_request(h)
+  local body = h:body()
+  local bytes = body and body:getBytes(0, body:length()) or ""
+  local answer = h:httpCall("extproc", {[":method"] = "POST", [":path"] = "/decide", [":authority"] = "decide",
+                                        ["content-type"] = "application/json"}, bytes, 5000)
+  h:headers():replace("x-worker", answer["x-worker"] or "")
+  h:clearRouteCache()
+end
+"""
+
+
+def _callout_filter(stack: str) -> dict[str, Any]:
+    if stack == "lua-http":
+        return {"name": "envoy.filters.http.lua", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+            "default_source_code": {"inline_string": LUA}}}
+    return {"name": "envoy.filters.http.ext_authz", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+        "transport_api_version": "V3", "clear_route_cache": True,
+        "with_request_body": {"max_request_bytes": 16 << 20, "allow_partial_message": False},
+        "http_service": {
+            "server_uri": {"uri": f"http://{HOST}/", "cluster": "extproc", "timeout": "5s"},
+            "path_prefix": "/decide",
+            "authorization_response": {
+                "allowed_upstream_headers": {"patterns": [{"exact": "x-worker"}]},
+                "allowed_client_headers_on_success": {"patterns": [{"exact": "x-cortex-worker"}]}}}}}
+
+
+def envoy_config(plain: int, extproc: int, upstream: int, grpc_port: int, stack: str = "") -> dict[str, Any]:
     def listener(name: str, port: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
         router = {"name": "envoy.filters.http.router", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
@@ -183,8 +230,12 @@ def envoy_config(plain: int, extproc: int, upstream: int, grpc_port: int) -> dic
         return c
 
     return {"static_resources": {
-        "listeners": [listener("plain", plain, []), listener("extproc", extproc, [ext_proc])],
-        "clusters": [cluster("upstream", upstream, False), cluster("extproc", grpc_port, True)]}}
+        "listeners": [listener("plain", plain, []),
+                      listener("extproc", extproc, [_callout_filter(stack) if stack in HTTP_STACKS else ext_proc])],
+        "clusters": [cluster("upstream", upstream, False), cluster("extproc", grpc_port, stack not in HTTP_STACKS)]}}
+
+
+HTTP_STACKS = ("authz-http", "lua-http")
 
 
 
@@ -206,15 +257,18 @@ def wait_port(port: int, deadline_s: float = 15.0) -> None:
     raise RuntimeError(f"nothing answers on {HOST}:{port}")
 
 
-def measure(stack: str, requests: int, gap_s: float = 0.0) -> dict[str, float]:
+def measure(stack: str, requests: int, gap_s: float = 0.0, prompt_chars: int = 0) -> dict[str, float]:
     plain, via, upstream, grpc_port, admin = free_ports(5)
     ctx = mp.get_context("spawn")
     up = ctx.Process(target=serve_upstream, args=(upstream,), daemon=True)
-    ep = ctx.Process(target=serve_extproc, args=(stack, grpc_port), daemon=True)
+    if stack in HTTP_STACKS:
+        ep = ctx.Process(target=serve_callout, args=(grpc_port,), daemon=True)
+    else:
+        ep = ctx.Process(target=serve_extproc, args=(stack, grpc_port), daemon=True)
     up.start()
     ep.start()
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = envoy_config(plain, via, upstream, grpc_port)
+        cfg = envoy_config(plain, via, upstream, grpc_port, stack)
         cfg["admin"] = {"address": {"socket_address": {"address": HOST, "port_value": admin}}}
         path = Path(tmp) / "envoy.yaml"
         path.write_text(yaml.safe_dump(cfg))
@@ -223,7 +277,8 @@ def measure(stack: str, requests: int, gap_s: float = 0.0) -> dict[str, float]:
         try:
             wait_port(plain)
             wait_port(via)
-            body = json.dumps({"model": "m", "prompt": list(range(21)), "max_tokens": 1}).encode()
+            prompt: Any = ("lorem ipsum " * (prompt_chars // 12 + 1))[:prompt_chars] or list(range(21))
+            body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
             conns = {"plain": http.client.HTTPConnection(HOST, plain), "via": http.client.HTTPConnection(HOST, via)}
             lat: dict[str, list[float]] = {"plain": [], "via": []}
 
@@ -266,18 +321,20 @@ def main() -> int:
     ap.add_argument("--gap-ms", type=float, default=0.0,
                     help="pause after each pair of requests: a request rate such as a gateway's, where gRPC's threads "
                          "sleep between messages (default 0: back to back)")
+    ap.add_argument("--prompt-chars", type=int, default=0,
+                    help="send a text prompt of this many characters (default: 21 token ids)")
     args = ap.parse_args()
     grpc_runtime.configure()  # the servers start in spawned processes, which read it at their grpc's start
-    print(f"ext_proc floor, ms (load average {os.getloadavg()[0]:.1f}; "
+    print(f"decision-exchange floor, ms (load average {os.getloadavg()[0]:.1f}; "
           f"GRPC_EXPERIMENTS={os.environ[grpc_runtime.ENV]!r}); {args.requests} requests per path, one at a time, "
-          f"{args.gap_ms:g} ms apart")
+          f"{args.gap_ms:g} ms apart, prompt {args.prompt_chars or '21 ids'} chars")
     print(f"{'stack':>15} | {'plain p50':>9} {'via p50':>8} | {'added p50':>9} {'added p90':>9} | "
           f"{'extproc CPU ms/req':>18} {'envoy CPU ms/req':>16}")
     for stack in args.stacks.split(","):
         if stack.startswith("grpclib") and importlib.util.find_spec("grpclib") is None:
             print(f"{stack:>15} | skipped: grpclib is not installed")
             continue
-        r = measure(stack, min(args.requests, 5000), args.gap_ms / 1000)
+        r = measure(stack, min(args.requests, 5000), args.gap_ms / 1000, args.prompt_chars)
         print(f"{stack:>15} | {r['plain_p50']:>9.3f} {r['via_p50']:>8.3f} | {r['added_p50']:>9.3f} "
               f"{r['added_p90']:>9.3f} | {r['extproc_cpu_ms']:>18.2f} {r['envoy_cpu_ms']:>16.2f}")
     print("envoy CPU is per request over both listeners (half the requests have no ext_proc)")

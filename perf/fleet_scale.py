@@ -236,6 +236,15 @@ def lookup(view_path: Path, n: int, seconds: float) -> tuple[float, float, int, 
             float(np.percentile(carr, 50)), float(np.percentile(carr, 99)))
 
 
+def first_chat(url: str) -> bool:
+    """A replica's first chat; what it answered, when not a completion, is the wait's last error."""
+    if launch.chat_ok(url):
+        return True
+    status, body = launch.http("POST", f"{url}/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]}, timeout=10)
+    raise ValueError(f"HTTP {status}: {str(body)[:300]}")
+
+
 def cpu_window(replicas: list[launch.Procs], fleet: launch.Procs, seconds: float
                ) -> tuple[list[dict[str, float]], float, float]:
     before = [r.cpu_seconds() for r in replicas]
@@ -271,7 +280,12 @@ def run(n: int, r: int, args: argparse.Namespace, root: Path) -> None:
                     print(f"cortex-{i} log tail:\n{tail}", flush=True)
                     raise
             for i, (p, (url, _, _)) in enumerate(zip(replicas, started, strict=True)):
-                p.wait(f"cortex-{i}", functools.partial(launch.chat_ok, url), timeout=60)
+                try:
+                    p.wait(f"cortex-{i}", functools.partial(first_chat, url), timeout=60)
+                except launch.LaunchError:
+                    tail = (root / f"cortex-{i}.log").read_text(errors="replace")[-1200:]
+                    print(f"cortex-{i} log tail:\n{tail}", flush=True)
+                    raise
             print(f"\n== N={n} workers, R={r} replicas (up in {time.monotonic() - t_start:.0f} s; "
                   f"load average {loadavg()})", flush=True)
 

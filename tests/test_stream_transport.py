@@ -22,7 +22,7 @@ from cortex.api_paths import HEALTH_PATH
 from cortex.config import parse_config
 from cortex.ledger_view import ViewWriter
 from cortex.tenancy.board import TenancyBoard
-from extproc import epp, inference_paths
+from extproc import epp, gateway_mode, inference_paths
 from extproc.admission import Admission
 from extproc.cluster_view import ClusterView
 from extproc.registry import ModelRegistry
@@ -103,6 +103,20 @@ def test_chat_is_routed_stamped_and_its_inflight_count_released(app: ExtProc) ->
     chosen = next(w.id for w in app.cfg.workers if w.address() == endpoints[0])
     assert stamped[H.ASSIGNED_WORKER] == chosen
     assert app.cluster.inflight.totals().sum() == 0  # the stream ended: nothing stays counted
+
+
+def test_a_large_pool_lists_a_bounded_prefix_of_its_order_for_envoy(tmp_path: Path) -> None:
+    """At 512 workers the whole order was 8 KB of addresses on every request (a worker refused it with 400): Envoy
+    is given the pick and the next candidates, enough for its attempts, and falls back to its own balancing after."""
+    workers = [{"id": f"w{i}", "url": f"http://127.0.0.1:{21101 + i}", "model": MODEL} for i in range(20)]
+    app = _app(tmp_path, workers=workers)[0]
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]})
+    out = _run(app, _chat(body))
+    endpoints = _set(out[1].request_body.response)[H.ENDPOINTS].split(",")
+    assert len(endpoints) == gateway_mode.LISTED < len(workers)
+    assert len(set(endpoints)) == len(endpoints) and set(endpoints) <= {w.address() for w in app.cfg.workers}
+    chosen = next(w.id for w in app.cfg.workers if w.address() == endpoints[0])
+    assert _set(out[2].response_headers.response)[H.ASSIGNED_WORKER] == chosen
 
 
 def test_a_finished_request_leaves_no_predicted_prefill_queued(tmp_path: Path) -> None:
