@@ -69,6 +69,7 @@ class ProbeLoops:
     _outbox: dict[str, tuple[float, LoadByRank]]
     """The readings this replica took since its last peer report, by worker id (the latest of each)."""
     _active_n = 0
+    _idle_n = 0
     _active_counted_at = -math.inf
 
     def _check_routed(self, tick: int) -> None:
@@ -123,7 +124,7 @@ class ProbeLoops:
                 worker.active_until = max(worker.active_until, now + self._active_hold_s())
             worker.idle = now >= worker.active_until
             every = load_poll_interval(not worker.idle, self._routed_here(worker, now, own), icfg,
-                                       self._active_workers(now))
+                                       *self._read_here(now))
             if every != worker.poll_every:
                 worker.poll_every = every
                 self._meta_dirty = True
@@ -180,13 +181,16 @@ class ProbeLoops:
                 self._wake(w, now)
             self._after_reading(w, now)
 
-    def _active_workers(self, now: float) -> int:
-        """Workers on an active cadence that this replica reads itself (the read budget's divisor: a worker a peer
-        reads costs nothing here), counted at most every 0.1 s: every load loop asks, and counting is O(workers)."""
+    def _read_here(self, now: float) -> tuple[int, int]:
+        """Workers this replica reads itself on an active cadence, and on the idle one (the read budgets' divisors:
+        a worker a peer reads costs nothing here), counted at most every 0.1 s: every load loop asks, and counting
+        is O(workers)."""
         if now - self._active_counted_at >= 0.1:
             self._active_counted_at = now
-            self._active_n = sum(1 for w in self.workers.values() if not w.idle and w.reads_here)
-        return self._active_n
+            here = [w.idle for w in self.workers.values() if w.reads_here]
+            self._idle_n = sum(here)
+            self._active_n = len(here) - self._idle_n
+        return self._active_n, self._idle_n
 
     def _own_inflight(self) -> np.ndarray | None:
         """This replica's requests in flight per slot, from its extproc processes' board (None: unreadable)."""

@@ -84,18 +84,22 @@ def _computed(readings: Iterable[RankLoad]) -> tuple[float, float] | None:
     return uncached, finished
 
 
-def load_poll_interval(active: bool, routed: bool, icfg: IngestConfig, active_workers: int = 1) -> float:
+def load_poll_interval(active: bool, routed: bool, icfg: IngestConfig, active_workers: int = 1,
+                       idle_workers: int = 1) -> float:
     """How often a worker's load is read. Idle: `idle_load_poll_interval_s`. Active and sent requests by this
     replica: `routed_load_poll_interval_s`, since extproc adds this replica's own in-flight change to the reading
     between two (cortex.contract LoadReading.inflight), so only the other replicas' and clients' share waits for
-    the next one. Active by others' traffic only: `load_poll_interval_s`. Either active cadence stretches so that
-    `active_workers` read at it stay within `load_reads_per_s` (a large fleet's reads cost what a mid-sized one's
-    do, each reading older in proportion)."""
+    the next one. Active by others' traffic only: `load_poll_interval_s`. Each cadence stretches so that the
+    workers read at it (`active_workers`, or `idle_workers`) stay within `load_reads_per_s`, a budget for each: a
+    large fleet's reads cost what a mid-sized one's do, each reading older in proportion. An idle worker's reading
+    may be older at no cost: a sign of work (its KV events, a request routed to it) reads it at once."""
     if not active:
-        return icfg.idle_load_poll_interval_s
-    every = icfg.routed_load_poll_interval_s if routed else icfg.load_poll_interval_s
+        every, workers = icfg.idle_load_poll_interval_s, idle_workers
+    else:
+        every = icfg.routed_load_poll_interval_s if routed else icfg.load_poll_interval_s
+        workers = active_workers
     if icfg.load_reads_per_s is not None:
-        every = max(every, active_workers / icfg.load_reads_per_s)
+        every = max(every, workers / icfg.load_reads_per_s)
     return every
 
 

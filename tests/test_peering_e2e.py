@@ -78,11 +78,21 @@ def queues(d: dict[str, Any]) -> dict[str, float]:
     return {w["id"]: float(w["time_model"]["queue_ms"]) for w in d["workers"]}
 
 
+def explain_timed(gw: Gateway, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """Route explain once every worker's load is known, so each has its time model: while peers hand the reading
+    of a worker's load over (one joined, or went silent), the worker's last reading may age out first, and the
+    decision is then made on load unknown, without the model."""
+    def timed() -> dict[str, Any] | None:
+        d = explain(gw, messages)
+        return d if all("time_model" in w for w in d["workers"]) else None
+    return wait_for(timed, timeout=15, what="every worker's load known to the replica")
+
+
 def test_a_peers_work_is_in_the_queue_at_once_and_leaves_with_the_peer(tmp_path: Path) -> None:
     with fleet(tmp_path) as (a, b):
         wait_for(lambda: metric(a, "cortex_peers") == 1 and metric(b, "cortex_peers") == 1, timeout=30,
                  what="each replica hearing the other")
-        assert queues(explain(b, long_chat(1000, seed=2))) == {"sim-1": 0.0, "sim-2": 0.0}
+        assert queues(explain_timed(b, long_chat(1000, seed=2))) == {"sim-1": 0.0, "sim-2": 0.0}
         # A sends one ~1 000-token chat whose first token its worker holds back for a minute: while it is in flight,
         # only A's report can tell B of the 20 s of prefill A predicts it queued there (a request that has ended
         # settles its queue, extproc/backlog.py).
@@ -106,7 +116,7 @@ def test_a_peers_work_is_in_the_queue_at_once_and_leaves_with_the_peer(tmp_path:
         # A goes away: B drops what A said once A is silent, long before A's predicted work would have drained.
         stop(a.proc)
         wait_for(lambda: metric(b, "cortex_peers") == 0, timeout=15, what="B noticing A gone")
-        assert queues(explain(b, long_chat(1000, seed=3)))[busy] == 0.0
+        assert queues(explain_timed(b, long_chat(1000, seed=3)))[busy] == 0.0
         # And B still routes.
         r = httpx.post(f"{b.url}/v1/chat/completions", json={"model": MODEL, "messages": long_chat(50, seed=4),
                                                               "max_tokens": 1}, timeout=60)

@@ -106,13 +106,17 @@ def test_poll_interval_by_who_keeps_the_worker_busy() -> None:
     (True, False, 256, 1.024),
     (True, True, 100, 0.5),       # the routed cadence is slower than the budget asks
     (True, True, 256, 1.024),
-    (False, False, 256, 1.0),     # idle workers are not budgeted
+    (False, False, 100, 1.0),     # 100 idle workers at 1 s: within the budget
+    (False, False, 512, 2.048),   # 512 idle workers: each read every ~2 s, 250 reads/s
 ])
-def test_active_reads_stay_within_the_budget(active: bool, routed: bool, workers: int, expected: float) -> None:
+def test_reads_stay_within_the_budget(active: bool, routed: bool, workers: int, expected: float) -> None:
+    """Active and idle workers each have the budget: 512 idle workers read every second cost a replica more than
+    half a core (docs/performance.md, "Fleet scale"). The other class's count does not change the cadence."""
     icfg = IngestConfig()
     assert icfg.load_reads_per_s == 250.0
-    assert load_poll_interval(active, routed, icfg, workers) == pytest.approx(expected)
-    assert load_poll_interval(active, routed, IngestConfig(load_reads_per_s=None), workers) == \
+    counts = (workers, 7) if active else (7, workers)
+    assert load_poll_interval(active, routed, icfg, *counts) == pytest.approx(expected)
+    assert load_poll_interval(active, routed, IngestConfig(load_reads_per_s=None), *counts) == \
         (0.5 if routed else 0.1) if active else 1.0
 
 

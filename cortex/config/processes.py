@@ -30,7 +30,8 @@ class IngestConfig(Strict):
     idle_load_poll_interval_s: float = Field(1.0, gt=0, le=60)
     """How often an idle worker's load is read (docs/performance.md, "What an idle replica costs"). A KV event
     from it or a request routed to it switches it back to `load_poll_interval_s` at once; traffic that reaches
-    it some other way without publishing events is seen within this interval. Extproc treats a reading as
+    it some other way without publishing events is seen within this interval (longer past `load_reads_per_s`
+    idle workers). Extproc treats a reading as
     unknown once older than max(2 s, 2 x the interval in force). Must not be below `load_poll_interval_s`
     (when not set, a larger `load_poll_interval_s` is used for both)."""
     routed_load_poll_interval_s: float = Field(0.5, gt=0, le=60)
@@ -43,11 +44,13 @@ class IngestConfig(Strict):
     `load_poll_interval_s`. Between `load_poll_interval_s` and `idle_load_poll_interval_s` (when not set, clamped
     into that range)."""
     load_reads_per_s: float | None = Field(250.0, gt=0)
-    """Most load reads per second this replica spends on its active workers: where more are active than this
-    allows at their cadence (`load_poll_interval_s`, `routed_load_poll_interval_s`), each is read every (active
-    workers / this) seconds instead, so a fleet of 256 busy workers costs a replica what 25 cost at 0.1 s
-    (docs/performance.md, "Fleet scale"). The readings are older in proportion (this replica's own traffic is
-    still seen at once); idle workers' reads are not counted. None: no bound."""
+    """Most load reads per second this replica spends on its active workers, and as many again on its idle ones:
+    where more are active than this allows at their cadence (`load_poll_interval_s`, `routed_load_poll_interval_s`),
+    each is read every (active workers / this) seconds instead, so a fleet of 256 busy workers costs a replica what
+    25 cost at 0.1 s; idle workers past this many are read every (idle workers / this) seconds instead of every
+    `idle_load_poll_interval_s` (docs/performance.md, "Fleet scale"). The readings are older in proportion (this
+    replica's own traffic is still seen at once, and an idle worker's events or a request routed to it read it at
+    once). None: no bound."""
     event_silence_s: float = Field(10.0, gt=0)
     """A worker busy with requests for this long without a single event batch is suspected of losing
     events: its ledger goes STALE and is re-checked through replay (idle workers publish nothing)."""
