@@ -70,7 +70,7 @@ class ProbeLoops:
     """The readings this replica took since its last peer report, by worker id (the latest of each)."""
     _active_n = 0
     _idle_n = 0
-    _active_counted_at = -math.inf
+    _counted_at = -math.inf
 
     def _check_routed(self, tick: int) -> None:
         """A worker with requests in flight from this replica's extproc processes, or its peers' (their rows of the
@@ -185,8 +185,8 @@ class ProbeLoops:
         """Workers this replica reads itself on an active cadence, and on the idle one (the read budgets' divisors:
         a worker a peer reads costs nothing here), counted at most every 0.1 s: every load loop asks, and counting
         is O(workers)."""
-        if now - self._active_counted_at >= 0.1:
-            self._active_counted_at = now
+        if now - self._counted_at >= 0.1:
+            self._counted_at = now
             here = [w.idle for w in self.workers.values() if w.reads_here]
             self._idle_n = sum(here)
             self._active_n = len(here) - self._idle_n
