@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
 
 import numpy as np
 
 from cortex.config import SchedulerConfig
 from extproc.cluster_view import TargetInfo
 from extproc.engine_hits import LowerHit
-from extproc.policies.base import Candidate, queue_ms, still_hot
+from extproc.policies.base import Candidate, still_hot, work_ahead_ms
 from extproc.predictions import Predictions
 
 
@@ -76,28 +75,30 @@ def build(workers: Sequence[TargetInfo], *, matches: np.ndarray | None, keys: Se
         n_inflight = int(inflight[w.slot])
         engine_load, waiting = w.load_now(n_inflight, alive)
         active = max(engine_load or 0.0, float(n_inflight))
-        c = Candidate(
+        backlog = float(backlog_ms[w.slot]) if backlog_ms is not None else 0.0
+        foreign = max(0.0, (engine_load or 0.0) - n_inflight) * left
+        by_requests = hysteresis.hot(w.slot, active, scoring)
+        # Both flags are carried every decision, so neither loses its hysteresis while the other is set. Decided
+        # before the candidate is built: one built and then copied with the flag (dataclasses.replace) cost more
+        # than the rest of the decision at 256 workers.
+        by_queue = hysteresis.queue_hot(w.slot, work_ahead_ms(backlog, foreign, waiting, typical), scoring) \
+            if by_work else None
+        cands.append(Candidate(
             id=w.id, slot=w.slot, address=w.address, ledger_trusted=trusted,
             matched_blocks=matched + (tier.claimed if tier else 0),
             tier_blocks=tier.blocks if tier else 0, tier_claimed=tier.claimed if tier else 0,
             tier_credit=tier.credit if tier else 0.0, tier_media=tuple(tier.by_medium.items()) if tier else (),
             predicted_blocks=predictions.extend(keys, w.slot, matched) if trusted else 0,
             engine_load=engine_load, engine_waiting=waiting, inflight=n_inflight,
-            hot=(by_requests := hysteresis.hot(w.slot, active, scoring)), hot_requests=by_requests, rank=w.rank,
-            engine=w.engine, suspect=w.suspect, new=w.age_s is not None and w.age_s < scoring.cold_start_s,
-            backlog_ms=float(backlog_ms[w.slot]) if backlog_ms is not None else 0.0,
-            foreign_ms=max(0.0, (engine_load or 0.0) - n_inflight) * left,
+            hot=by_requests or bool(by_queue), hot_requests=by_requests, hot_queue=by_queue, rank=w.rank,
+            engine=w.engine, suspect=w.suspect, new=w.added_at is not None and now - w.added_at < scoring.cold_start_s,
+            backlog_ms=backlog, foreign_ms=foreign,
             calibration=calibration.get(w.worker, 1.0) if calibration else 1.0,
             kv_usage=w.kv_usage if engine_load is not None else None, kv_capacity_tokens=w.kv_capacity_tokens,
             evicted_tokens_per_s=w.evicted_tokens_per_s if engine_load is not None else None,
             last_sent=sent, uncounted_s=max(0.0, now - w.load_at) if w.load_at else 0.0,
             regret_share=regret_share(w.evicted_tokens_per_s, w.regretted_tokens_per_s),
-        )
-        if by_work:
-            # Both flags are carried every decision, so neither loses its hysteresis while the other is set.
-            by_queue = hysteresis.queue_hot(w.slot, queue_ms(c, typical), scoring)
-            c = replace(c, hot=c.hot or by_queue, hot_queue=by_queue)
-        cands.append(c)
+        ))
     return cands
 
 

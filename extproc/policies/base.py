@@ -155,7 +155,12 @@ class Policy(Protocol):
 def queue_ms(c: Candidate, typical_ms: float) -> float:
     """The prefill work ahead of a new request on `c`: this replica's own plus the estimate of everyone else's,
     or what the engine's waiting count implies at the typical prefill, whichever is larger."""
-    return max(c.backlog_ms + c.foreign_ms, c.engine_waiting * typical_ms)
+    return work_ahead_ms(c.backlog_ms, c.foreign_ms, c.engine_waiting, typical_ms)
+
+
+def work_ahead_ms(backlog_ms: float, foreign_ms: float, engine_waiting: float, typical_ms: float) -> float:
+    """`queue_ms` from its parts, before the candidate is built."""
+    return max(backlog_ms + foreign_ms, engine_waiting * typical_ms)
 
 
 def still_hot(was_hot: bool, active: float, s: SchedulerConfig) -> bool:
