@@ -472,7 +472,15 @@ def _worker_cluster(name: str, cfg: CortexConfig, workers: Iterable[WorkerConfig
     }
     # Every cluster walks extproc's ordered endpoint list; without one (extproc down) it falls back to
     # least_request, which is power-of-two-choices on Envoy's own active-request counts.
-    cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+    cluster["load_balancing_policy"] = override_host_policy()
+    cluster.update(tls_socket_matches(cfg, workers))
+    return cluster
+
+
+def override_host_policy() -> dict[str, Any]:
+    """A pool's balancing: the endpoint list extproc answered (`x-gateway-destination-endpoint`), in order, then
+    least_request."""
+    return {"policies": [{"typed_extension_config": {
         "name": "envoy.load_balancing_policies.override_host",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3."
@@ -485,8 +493,6 @@ def _worker_cluster(name: str, cfg: CortexConfig, workers: Iterable[WorkerConfig
             }}]},
         },
     }}]}
-    cluster.update(tls_socket_matches(cfg, workers))
-    return cluster
 
 
 def tls_socket_matches(cfg: CortexConfig, workers: Iterable[WorkerConfig]) -> dict[str, Any]:

@@ -325,9 +325,17 @@ def flush_worker(worker: Worker, timeout: float = 10.0) -> bool:
 
 
 def chat_ok(url: str, api_key: str | None = None) -> bool:
-    status, body = http("POST", f"{url}/v1/chat/completions", {
+    return completed(*warm_up_chat(url, api_key))
+
+
+def warm_up_chat(url: str, api_key: str | None = None) -> tuple[int, Any]:
+    """One short chat: the answer's status and body."""
+    return http("POST", f"{url}/v1/chat/completions", {
         "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]}, timeout=10,
         api_key=api_key)
+
+
+def completed(status: int, body: Any) -> bool:
     return status == 200 and isinstance(body, dict) and bool(body.get("choices"))
 
 

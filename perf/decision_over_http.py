@@ -39,9 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decision import Text, conversation
 from bench_gateway import COMPLETIONS, PATH, SIM_ARGS, bodies_for, compare, pct, plain_envoy, plain_envoy_config
+from extproc_floor import authz_filter
 
 from cortex import headers as H
-from cortex.envoy_config import envoy_binary
+from cortex.envoy_config import envoy_binary, override_host_policy
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
 from tests.harness import MODEL, cluster, free_ports, stop, wait_for
 
@@ -138,24 +139,9 @@ def callout_envoy_config(port: int, worker_port: int, decide_port: int, max_body
     override_host on the endpoint list, as Cortex's pools are."""
     cfg = plain_envoy_config(port, worker_port)
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"].insert(1, {"name": "envoy.filters.http.ext_authz", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
-        "transport_api_version": "V3", "clear_route_cache": True,
-        "with_request_body": {"max_request_bytes": max_body, "allow_partial_message": False},
-        "http_service": {
-            "server_uri": {"uri": "http://127.0.0.1/", "cluster": "decide", "timeout": "10s"},
-            "path_prefix": DECIDE,
-            "authorization_response": {"allowed_upstream_headers": {"patterns": [{"exact": h} for h in PASSED]}}}}})
+    hcm["http_filters"].insert(1, authz_filter("decide", DECIDE, PASSED, max_body=max_body))
     clusters = cfg["static_resources"]["clusters"]
-    clusters[0]["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
-        "name": "envoy.load_balancing_policies.override_host",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-            "override_host_sources": [{"header": H.ENDPOINTS}],
-            "fallback_policy": {"policies": [{"typed_extension_config": {
-                "name": "envoy.load_balancing_policies.least_request",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
-                                          "least_request.v3.LeastRequest"}}}]}}}}]}
+    clusters[0]["load_balancing_policy"] = override_host_policy()
     clusters.append({"name": "decide", "type": "STATIC", "connect_timeout": "1s", "load_assignment": {
         "cluster_name": "decide", "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
             "address": "127.0.0.1", "port_value": decide_port}}}}]}]}})

@@ -181,21 +181,27 @@ end
 """
 
 
+def authz_filter(cluster: str, path_prefix: str, upstream: tuple[str, ...], client: tuple[str, ...] = (),
+                 max_body: int = 16 << 20) -> dict[str, Any]:
+    """Envoy's ext_authz asking `cluster` over HTTP with the buffered body; the answer's `upstream` headers go onto
+    the upstream request (the route cache cleared, so they can route it), its `client` headers onto the response."""
+    response: dict[str, Any] = {"allowed_upstream_headers": {"patterns": [{"exact": h} for h in upstream]}}
+    if client:
+        response["allowed_client_headers_on_success"] = {"patterns": [{"exact": h} for h in client]}
+    return {"name": "envoy.filters.http.ext_authz", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+        "transport_api_version": "V3", "clear_route_cache": True,
+        "with_request_body": {"max_request_bytes": max_body, "allow_partial_message": False},
+        "http_service": {"server_uri": {"uri": f"http://{HOST}/", "cluster": cluster, "timeout": "10s"},
+                         "path_prefix": path_prefix, "authorization_response": response}}}
+
+
 def _callout_filter(stack: str) -> dict[str, Any]:
     if stack == "lua-http":
         return {"name": "envoy.filters.http.lua", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
             "default_source_code": {"inline_string": LUA}}}
-    return {"name": "envoy.filters.http.ext_authz", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
-        "transport_api_version": "V3", "clear_route_cache": True,
-        "with_request_body": {"max_request_bytes": 16 << 20, "allow_partial_message": False},
-        "http_service": {
-            "server_uri": {"uri": f"http://{HOST}/", "cluster": "extproc", "timeout": "5s"},
-            "path_prefix": "/decide",
-            "authorization_response": {
-                "allowed_upstream_headers": {"patterns": [{"exact": "x-worker"}]},
-                "allowed_client_headers_on_success": {"patterns": [{"exact": "x-cortex-worker"}]}}}}}
+    return authz_filter("extproc", "/decide", ("x-worker",), ("x-cortex-worker",))
 
 
 def envoy_config(plain: int, extproc: int, upstream: int, grpc_port: int, stack: str = "") -> dict[str, Any]:

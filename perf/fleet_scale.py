@@ -238,10 +238,9 @@ def lookup(view_path: Path, n: int, seconds: float) -> tuple[float, float, int, 
 
 def first_chat(url: str) -> bool:
     """A replica's first chat; what it answered, when not a completion, is the wait's last error."""
-    if launch.chat_ok(url):
+    status, body = launch.warm_up_chat(url)
+    if launch.completed(status, body):
         return True
-    status, body = launch.http("POST", f"{url}/v1/chat/completions", {
-        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]}, timeout=10)
     raise ValueError(f"HTTP {status}: {str(body)[:300]}")
 
 
