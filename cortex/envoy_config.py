@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from cortex import headers
-from cortex.api_paths import EXPLAIN_PATH, HEALTH_PATH, RESPONSES, STORED_RESPONSE
+from cortex.api_paths import DECIDE_PATH, END_PATH, EXPLAIN_PATH, HEALTH_PATH, RESPONSES, STORED_RESPONSE
 from cortex.config import UNRESOLVED, CortexConfig, WorkerConfig
 from cortex.errors import error_body
 from cortex.observation import NAMESPACE as OBSERVE_NAMESPACE
@@ -41,6 +41,11 @@ from cortex.upstream_tls import SOCKET_MATCH_KEY, envoy_transport_socket, verify
 
 ANY_CLUSTER = "cortex_any"
 EXTPROC_CLUSTER = "cortex_extproc"
+DECIDE_CLUSTER = "cortex_decide_"
+"""`extproc.transport: http`: process i's decisions (HTTP/1.1), and its access-log stream (`END_CLUSTER`, gRPC)."""
+END_CLUSTER = "cortex_end_"
+DECIDE_FILTER = "cortex.decide"
+
 OBSERVE_CLUSTER = "cortex_observe"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 """The ext_proc filter's name in the chain, which also names its logging info in the request's filter state."""
@@ -252,6 +257,92 @@ def observe_clusters(cfg: CortexConfig) -> list[dict[str, Any]]:
     }]
 
 
+def decide_filter(cfg: CortexConfig) -> dict[str, Any]:
+    """`extproc.transport: http`: the Lua caller (cortex/decide.lua) in ext_proc's place, its settings prepended."""
+    settings = {
+        "processes": cfg.extproc.process_count(), "cluster_prefix": DECIDE_CLUSTER, "path": DECIDE_PATH,
+        "end_path": END_PATH,
+        "timeout_ms": decide_timeout_ms(cfg), "fail_closed": cfg.fails_closed(),
+        "facts_ns": OBSERVE_NAMESPACE, "served_header": headers.SERVED, "served_worker_header": headers.SERVED_WORKER,
+        "call_method": headers.CALL_METHOD, "call_path": headers.CALL_PATH, "call_authority": headers.CALL_AUTHORITY,
+        "worker_header": headers.ASSIGNED_WORKER,
+        "dropped_headers": [headers.DROPPED_REASON, headers.LLMD_DROPPED_REASON], "down_reason": EXTPROC_DOWN,
+        "down_body": error_body(503, "the gateway's routing service (Cortex extproc) did not answer; retry "
+                                     "shortly").decode()}
+    prologue = "CORTEX = " + _lua_table(settings) + "\n"
+    source = Path(__file__).with_name("decide.lua").read_text()
+    return {"name": DECIDE_FILTER, "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+        "default_source_code": {"inline_string": prologue + source}}}
+
+
+def decide_timeout_ms(cfg: CortexConfig) -> int:
+    """How long the Lua caller waits for a decision: ext_proc's message deadline, plus the waiting room's time-to-live
+    when it is on (an HTTP answer cannot be extended as an ext_proc message's deadline is). A process that hangs
+    holds the calls already made to it that long; Envoy's health check takes it out of the next within seconds."""
+    room = cfg.admission.waiting_room
+    return int(cfg.extproc.message_timeout_ms + (room.ttl_s * 1000 if room.enabled else 0))
+
+
+def _lua_table(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return "\"" + "".join(c if c.isalnum() or c in " _-.:/,()'{}[]" else f"\\{ord(c):03d}" for c in value) + "\""
+    if isinstance(value, list):
+        return "{" + ", ".join(_lua_table(v) for v in value) + "}"
+    return "{" + ", ".join(f"{k} = {_lua_table(v)}" for k, v in value.items()) + "}"
+
+
+def decide_clusters(cfg: CortexConfig) -> list[dict[str, Any]]:
+    """`transport: http`: per extproc process, its decision endpoint and its access-log endpoint (the requests it
+    decided end there), each its own cluster so a request's end reaches the process that holds it."""
+    ep, t = cfg.extproc, cfg.timeouts
+    h2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}}}}
+    out = []
+    for i in range(ep.process_count()):
+        out.append({
+            "name": f"{DECIDE_CLUSTER}{i}", "type": "STATIC", "connect_timeout": _seconds(t.extproc_connect_s),
+            # As the ext_proc cluster's check (bootstrap): out until it read ingest's view, a second to notice.
+            "health_checks": [{"timeout": "3s", "interval": "1s", "unhealthy_threshold": 1, "healthy_threshold": 1,
+                               "no_traffic_interval": "1s", "http_health_check": {"path": HEALTH_PATH}}],
+            "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+            "load_assignment": {"cluster_name": f"{DECIDE_CLUSTER}{i}", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": _addr(ep.host, ep.http_base_port + i)}}]}]}})
+        out.append({
+            "name": f"{END_CLUSTER}{i}", "type": "STATIC", "connect_timeout": _seconds(t.extproc_connect_s),
+            "typed_extension_protocol_options": h2,
+            "load_assignment": {"cluster_name": f"{END_CLUSTER}{i}", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": _addr(ep.host, ep.base_port + i)}}]}]}})
+    return out
+
+
+def _access_logs(cfg: CortexConfig, http: bool) -> dict[str, Any]:
+    logs = observe_access_log(cfg).get("access_log", [])
+    if http:
+        for i in range(cfg.extproc.process_count()):
+            logs.append({
+                "name": "envoy.access_loggers.http_grpc",
+                # Only the requests process i decided (the Lua caller wrote its index).
+                "filter": {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                    "expression": f"metadata.filter_metadata['{DECIDE_FILTER}']['owner'] == '{i}'"}}},
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+                    "common_config": {
+                        "log_name": f"cortex-end-{i}", "transport_api_version": "V3",
+                        "grpc_service": {"envoy_grpc": {"cluster_name": f"{END_CLUSTER}{i}"}},
+                        # The Lua caller tells a request's end at once; this is for the requests whose client left
+                        # before the answer's end (their slot is freed within 50 ms): batched, as an entry per
+                        # request costs the process a gRPC message (~1 ms of added latency back to back).
+                        "buffer_size_bytes": 16384, "buffer_flush_interval": "0.050s"}}})
+    return {"access_log": logs} if logs else {}
+
+
 def public_paths(cfg: CortexConfig) -> list[str]:
     """What the public listener serves: the configured engine paths and Cortex's own."""
     own = [HEALTH_PATH, *([EXPLAIN_PATH] if cfg.extproc.public_route_explain else [])]
@@ -261,6 +352,7 @@ def public_paths(cfg: CortexConfig) -> list[str]:
 def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     xds = xds_dir(cfg)
     ep = cfg.extproc
+    http = ep.transport == "http"
     local_reply = {"mappers": local_reply_mappers(ep.max_body_bytes)}
     ext_proc = {
         "name": EXT_PROC_FILTER,
@@ -327,14 +419,19 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
     if RESPONSES in cfg.listen.paths:
         patterns.append(STORED_RESPONSE)
     public = {"safe_regex": {"regex": "^(?:" + "|".join(patterns) + ")$"}}
+    # transport http: the Lua caller learns which worker answered (ext_proc's upstream.address attribute).
+    served = {"response_headers_to_add": [
+        {"header": {"key": headers.SERVED, "value": "%UPSTREAM_HOST%"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
+        {"header": {"key": headers.SERVED_WORKER, "value": '%UPSTREAM_METADATA(["cortex", "worker"])%'},
+         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]} if http else {}
     routes = [
         {"match": {**public, "headers": [{"name": headers.POOL, "present_match": True},
                                          {"name": headers.PD_ROUTE, "present_match": True}]},
          "route": {"cluster_header": headers.POOL, **routed, "retry_policy": pd_retry}},
         {"match": {**public, "headers": [{"name": headers.POOL, "present_match": True}]},
-         "route": {"cluster_header": headers.POOL, **routed, "retry_policy": retry}},
+         "route": {"cluster_header": headers.POOL, **routed, "retry_policy": retry}, **served},
         {"match": public,
-         "route": {"cluster": ANY_CLUSTER, **routed, "retry_policy": retry}},
+         "route": {"cluster": ANY_CLUSTER, **routed, "retry_policy": retry}, **served},
         {"match": {"prefix": "/"},
          "direct_response": {"status": 404, "body": {"inline_string": error_body(
              404, "Not found: this gateway serves the OpenAI API (listen.paths).").decode()}},
@@ -342,7 +439,9 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
                                       "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"},
                                      *dropped_reason_headers("path_not_served")],
          # A refused path costs no extproc call.
-         "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
+         "typed_per_filter_config": {DECIDE_FILTER: {
+             "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.LuaPerRoute", "disabled": True}}
+         if http else {"envoy.filters.http.ext_proc": {
              "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
              "disabled": True}}},
     ]
@@ -359,12 +458,12 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
             "request_timeout": _seconds(t.request_receive_s),
             "route_config": {"name": "cortex", "validate_clusters": False, "virtual_hosts": [
                 {"name": "all", "domains": ["*"], "routes": routes}]},
-            "http_filters": [*observe_filters(cfg), strip, ext_proc, {
+            "http_filters": [*observe_filters(cfg), strip, decide_filter(cfg) if http else ext_proc, {
                 "name": "envoy.filters.http.router",
                 "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
             }],
             "local_reply_config": local_reply,
-            **observe_access_log(cfg),
+            **_access_logs(cfg, http),
         },
     }
     extproc_cluster = {
@@ -404,7 +503,7 @@ def bootstrap(cfg: CortexConfig) -> dict[str, Any]:
                 "socket_options": client_keepalive(cfg),
                 "filter_chains": [{"filters": [hcm]}],
             }],
-            "clusters": [extproc_cluster, *observe_clusters(cfg)],
+            "clusters": [*(decide_clusters(cfg) if http else [extproc_cluster]), *observe_clusters(cfg)],
         },
         "dynamic_resources": {"cds_config": {
             "resource_api_version": "V3",

@@ -34,7 +34,17 @@ DROPPED_REASON = "x-cortex-dropped-reason"
 LLMD_DROPPED_REASON = "x-llm-d-request-dropped-reason"
 """The same reason under llm-d's name, for clients written against it."""
 
+CALL_METHOD = "x-cortex-method"
+CALL_PATH = "x-cortex-path"
+CALL_AUTHORITY = "x-cortex-authority"
+"""`extproc.transport: http`: the request's pseudo-headers, as the Lua caller hands them to extproc (its own call has
+its own)."""
+SERVED = "x-cortex-served"
+SERVED_WORKER = "x-cortex-served-worker"
+"""`extproc.transport: http`: the address and the id (its endpoint's metadata) of the worker that answered, put on
+the response by the route for the Lua caller, which removes them."""
+
 RESERVED_REQUEST = (POOL, ENDPOINTS, WORKER, MATCH_MODE, CACHE_HIT_TOKENS, ASSIGNED_WORKER, ROUTE_REASON, DP_RANK,
-                    PD_ROUTE, PD)
+                    PD_ROUTE, PD, CALL_METHOD, CALL_PATH, CALL_AUTHORITY)
 """Headers only Cortex may set on the request path. DP_RANK pins a vLLM DP rank: Cortex's cache claims assume
-the rank it chose."""
+the rank it chose. A client's CALL_PATH would make extproc judge another path than Envoy routes."""

@@ -16,6 +16,8 @@ from extproc.plan import RoutePlan
 # dashboard's model variable and CortexFallbackRateHigh group by.
 DECISIONS = Counter("cortex_route_decisions", "routing decisions by model, match mode and reason",
                     ["model", "mode", "reason"])
+HTTP_ENDS = Counter("cortex_http_decision_ends",
+                    "extproc.transport http: requests released, by what told their end", ["source"])
 CLIENT_ERRORS = Counter("cortex_client_errors", "requests refused by Cortex with a 4xx/5xx", ["status"])
 INTERNAL_ERRORS = Counter("cortex_extproc_internal_errors",
                           "requests sent to the fallback route because routing raised")

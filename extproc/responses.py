@@ -21,12 +21,24 @@ from extproc.stream_state import DecodeFallback, HoldHeaders, StreamState
 def on_response_headers(act: Acting, st: StreamState,
                         req: Any) -> pb.ProcessingResponse | DecodeFallback | HoldHeaders:
     served = epp.served(req)
-    headers = []
     d = st.decision
     if not served and d is not None and st.sent == 1:
         served = d.chosen.address  # the only endpoint named: a retry can go nowhere else
     if st.pd is None:
         answered(act, st, req, served)
+    elif d is not None:
+        return pd_act.response_headers(act, st, req, served)
+    if d is not None and served and served != d.chosen.address and not act.mode.unconfirmed(served):
+        worker = next((c for c in d.order if c.address == served), d.chosen)
+        if worker is not d.chosen:
+            act.count(st, worker.slot)  # Envoy retried on the next worker of the list
+    return answer_headers(act, st, req, claim_headers(act, st, served), served)
+
+
+def claim_headers(act: Acting, st: StreamState, served: str) -> list[HeaderValueOption]:
+    """The x-cortex-* claim headers for a request (not a PD pair's) that `served` answered ('' when not known)."""
+    headers = []
+    d = st.decision
     if d is None:
         info = act.cluster.by_address.get(served)
         mode = "fallback_p2c"
@@ -34,22 +46,17 @@ def on_response_headers(act: Acting, st: StreamState,
         headers.append(header(H.CACHE_HIT_TOKENS, "0"))
         if info is not None:
             headers.append(header(H.ASSIGNED_WORKER, info.id))
-    elif st.pd is not None:
-        return pd_act.response_headers(act, st, req, served)
     else:
         chosen = d.chosen
         worker = chosen
         if act.mode.unconfirmed(served):
             # A gateway that says neither which endpoint served nor sends one endpoint only: the hit is not
             # proven.
-            headers += [header(H.ASSIGNED_WORKER, chosen.id), header(H.CACHE_HIT_TOKENS, "0"),
-                        header(H.MATCH_MODE, d.mode), header(H.ROUTE_REASON, f"unconfirmed:{d.reason}")]
-            return answer_headers(act, st, req, headers, served)
+            return [header(H.ASSIGNED_WORKER, chosen.id), header(H.CACHE_HIT_TOKENS, "0"),
+                    header(H.MATCH_MODE, d.mode), header(H.ROUTE_REASON, f"unconfirmed:{d.reason}")]
         if served and served != chosen.address:
             # Envoy retried on the next worker of the list: report what really happened.
             worker = next((c for c in d.order if c.address == served), chosen)
-            if worker is not chosen:
-                act.count(st, worker.slot)
         mode, reason = d.mode, d.reason
         hit = d.hit_tokens if worker is chosen else 0
         if worker is not chosen:
@@ -59,7 +66,7 @@ def on_response_headers(act: Acting, st: StreamState,
     headers += [header(H.MATCH_MODE, mode), header(H.ROUTE_REASON, reason)]
     if st.pd_note:
         headers.append(header(H.PD, st.pd_note))
-    return answer_headers(act, st, req, headers, served)
+    return headers
 
 
 def answered(act: Acting, st: StreamState, req: Any, served: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 from aiohttp import web
+from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from cortex import breaker_status, extproc_tls, gc_pauses, grpc_health
@@ -26,6 +27,7 @@ from extproc import metrics
 from extproc.admission import Admission
 from extproc.breaker import State as BreakerState
 from extproc.cluster_view import ClusterView
+from extproc.http_transport import HttpDecisions
 from extproc.registry import ModelRegistry
 from extproc.router import Router
 from extproc.server import UPKEEP_S, ExtProc
@@ -93,7 +95,15 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
             return grpc_health.SERVING if cluster.synced else grpc_health.NOT_SERVING
         return None
 
-    server.add_generic_rpc_handlers((handler, grpc_health.handler(health)))
+    handlers = [handler, grpc_health.handler(health)]
+    decisions = HttpDecisions(app) if cfg.extproc.transport == "http" and not picker else None
+    if decisions is not None:
+        # The ends of the requests this process decided over HTTP: Envoy's access log (extproc/http_transport.py).
+        handlers.append(grpc.method_handlers_generic_handler("envoy.service.accesslog.v3.AccessLogService", {
+            "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
+                decisions.access_log, request_deserializer=als_pb2.StreamAccessLogsMessage.FromString,
+                response_serializer=als_pb2.StreamAccessLogsResponse.SerializeToString)}))
+    server.add_generic_rpc_handlers(tuple(handlers))
     port = cfg.extproc.base_port + index
     if cfg.extproc.tls is None:
         server.add_insecure_port(f"{cfg.extproc.host}:{port}")
@@ -110,6 +120,11 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
     # What start-up loaded, out of every full collection's walk (cortex/gc_pauses.py).
     metrics.GC_FROZEN_OBJECTS.set(gc_pauses.settle())
     await server.start()
+    decide_site = None
+    if decisions is not None:
+        decide_site = decisions.runner(lambda: served)
+        await decide_site.setup()
+        await web.TCPSite(decide_site, cfg.extproc.host, cfg.extproc.http_base_port + index).start()
     # A restarted process finds ingest's view at once: it serves from here, and says so as a first start does.
     (log.info if served else log.debug)("extproc %d %s on %s:%d (%d models)", index,
                                         "serving" if served else "listening", cfg.extproc.host, port,
@@ -129,6 +144,8 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
                     log.info("extproc %d serving on %s:%d (%d models)", index, cfg.extproc.host, port,
                              len(registry.bundles))
                 router.upkeep()
+                if decisions is not None:
+                    decisions.upkeep()
                 app.wake()  # released as loads fall; expired at their time-to-live
                 if time.monotonic() - polled_at >= 1.0:
                     polled_at = time.monotonic()
@@ -162,6 +179,8 @@ async def serve(cfg: CortexConfig, index: int, config_path: Path | None = None, 
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await server.stop(grace=2)
+    if decide_site is not None:
+        await decide_site.cleanup()
     if explain_site is not None:
         await explain_site.cleanup()
     await app.pd.close()

@@ -120,10 +120,12 @@ class ExtProc:
 
     # -- the gRPC method ----------------------------------------------------------------------------------
 
-    async def process(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def process(self, requests: Any, context: grpc.aio.ServicerContext | None,
+                      st: StreamState | None = None) -> Any:
         """The transport of one stream: each ProcessingRequest becomes an event for its machine
-        (extproc/stream.py), each action it returns is performed here; what came of an action goes back in."""
-        st = StreamState(gen=self.source.current)
+        (extproc/stream.py), each action it returns is performed here; what came of an action goes back in. `st`:
+        the stream's state, for a caller that reads it (the HTTP exchange, extproc/http_transport.py)."""
+        st = st if st is not None else StreamState(gen=self.source.current)
         now = time.monotonic()
         self.last_stream_at = now
         if now - self.cluster.refreshed_at > UPKEEP_S:

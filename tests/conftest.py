@@ -83,6 +83,7 @@ E2E: tuple[str, ...] = (
     "test_hit_rule.py::test_the_vectors_are_what_vllm_produces",
     "test_hot_prefix.py",
     "test_hot_reload.py",
+    "test_http_transport.py::test_envoy_loads_the_http_transport_and_calls_each_process_and_hears_its_ends",
     "test_inflight.py::test_restart_of_a_real_peer_process",
     "test_k8s_manifests.py",
     "test_logs.py::test_a_real_gateway_writes_only_json_lines_from_every_process",
@@ -170,3 +171,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         subprocess.Popen = popen  # type: ignore[misc]
         multiprocessing.process.BaseProcess.start = start  # type: ignore[method-assign]
         _running.pop()
+
+
+@pytest.fixture(scope="module", params=["grpc", "http"])
+def transport(request: pytest.FixtureRequest) -> Generator[str, None, None]:
+    """Both decision transports (extproc.transport) for the suites whose gateway fixture asks for this: the gateway
+    is built once per transport and every test of the suite runs on each (tests/harness.py reads the variable)."""
+    before = os.environ.get("CORTEX_TEST_TRANSPORT")
+    os.environ["CORTEX_TEST_TRANSPORT"] = request.param
+    try:
+        yield request.param
+    finally:
+        if before is None:
+            os.environ.pop("CORTEX_TEST_TRANSPORT", None)
+        else:
+            os.environ["CORTEX_TEST_TRANSPORT"] = before

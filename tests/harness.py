@@ -126,6 +126,12 @@ class Gateway:
             "models": self.models(),
             "workers": [s.worker_config() for s in self.sims],
         }
+        if (os.environ.get("CORTEX_TEST_TRANSPORT") == "http" and not self.extra_config.get("extproc", {}).get(
+                "transport") and all(s.role == "both" for s in self.sims)
+                and not self.extra_config.get("structured_output", {}).get("validate_responses")):
+            # The suites run again over the HTTP decision transport (extproc.transport: http).
+            cfg["extproc"]["transport"] = "http"
+            cfg["extproc"]["http_base_port"] = free_run(self.extproc_processes)
         # A section given in extra_config adds to the one above: replacing it would drop the free ports this
         # test was given (an `extproc` override fell back to the fixed default 50051-50052, which another
         # process on the machine may hold).

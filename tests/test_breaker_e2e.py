@@ -25,7 +25,7 @@ OPEN_S = 15.0
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gw(tmp_path_factory: pytest.TempPathFactory, transport: str) -> Iterator[Gateway]:
     breaker = {"failure_threshold": THRESHOLD, "open_s": OPEN_S, "half_open_trials": 1, "success_threshold": 2}
     with cluster(tmp_path_factory.mktemp("breaker"),
                  extra_config={"breaker": breaker, "extproc": {"public_route_explain": True}}) as g:

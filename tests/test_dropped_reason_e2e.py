@@ -22,7 +22,7 @@ KEY = "sk-dropped-rate-1"
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gw(tmp_path_factory: pytest.TempPathFactory, transport: str) -> Iterator[Gateway]:
     extra = {
         # No waiting room: a model without a healthy worker is refused at once rather than held for a worker.
         "admission": {"waiting_room": {"enabled": False}},

@@ -28,7 +28,7 @@ KEY = "sk-failure-mode-1"
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gw(tmp_path_factory: pytest.TempPathFactory, transport: str) -> Iterator[Gateway]:
     # One process, so stopping it leaves Envoy none; the shortest message deadline, so a stream sent to the
     # stopped process before its health check fails ends soon.
     with cluster(tmp_path_factory.mktemp("failclosed"), extra_config={
@@ -77,7 +77,8 @@ def test_a_stopped_extproc_refuses_every_request_and_recovers(gw: Gateway) -> No
 
 def _marked_down(gw: Gateway) -> bool:
     clusters = httpx.get(f"http://127.0.0.1:{gw.admin_port}/clusters", timeout=10).text
-    return "cortex_extproc::" in clusters and "failed_active_hc" in clusters
+    # Under extproc.transport: http, the process's decision cluster (cortex_decide_0) is the one checked.
+    return ("cortex_extproc::" in clusters or "cortex_decide_0::" in clusters) and "failed_active_hc" in clusters
 
 
 # -- the configuration, without a gateway --------------------------------------------------------------------

@@ -102,7 +102,7 @@ def body(path: str, text: str = "Summarise the repository layout in one line.", 
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gw(tmp_path_factory: pytest.TempPathFactory, transport: str) -> Iterator[Gateway]:
     root = tmp_path_factory.mktemp("paths")
     ports = free_ports(15)
     sims = [Sim(id="sim-1", port=ports[0], kv_port=ports[1]), Sim(id="sim-2", port=ports[2], kv_port=ports[3]),

@@ -35,7 +35,7 @@ _ids = itertools.count()
 
 
 @pytest.fixture(scope="module", params=["vllm", "sglang"])
-def gw(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gw(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, transport: str) -> Iterator[Gateway]:
     engine = request.param
     # Route explain on the public listener too (for trusted tenants only): what is checked here.
     # A pool the module's chats never fill: what is checked here is the salts, not claims under eviction pressure

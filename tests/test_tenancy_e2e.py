@@ -32,7 +32,7 @@ TENANTS = [
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def gw(tmp_path_factory: pytest.TempPathFactory, transport: str) -> Any:
     root = tmp_path_factory.mktemp("tenancy")
     with cluster(root, n_sims=2, sim_args=("--decode-ms-per-token", "40"),
                  extra_config={"auth": {"required": True}, "tenants": TENANTS,

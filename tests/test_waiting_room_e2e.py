@@ -134,7 +134,7 @@ class PeakWatch:
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gw(tmp_path_factory: pytest.TempPathFactory, transport: str) -> Iterator[Gateway]:
     root = tmp_path_factory.mktemp("waiting-room")
     extra = {"scheduler": {"high_watermark": HIGH, "low_watermark": 1},
              "tenants": TENANTS,

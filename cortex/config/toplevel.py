@@ -130,6 +130,12 @@ class CortexConfig(Strict):
             if by_name[pool.model].engine != pool.engine:
                 raise ValueError(f"discovery.kubernetes[{i}].engine: {pool.engine!r} but model {pool.model!r} is "
                                  f"served by {by_name[pool.model].engine!r}")
+        if self.extproc.transport == "http":
+            pd = sorted({w.id for w in self.workers if w.role != "both"})
+            if pd or self.structured_output.validate_responses:
+                raise ValueError("extproc.transport: http cannot serve " + (
+                    f"PD workers ({', '.join(pd)})" if pd else "structured_output.validate_responses") +
+                    ": both need the response phase only ext_proc's gRPC stream gives; use transport: grpc")
         targets = sum(w.dp_size for w in self.workers)
         if targets > self.ingest.max_workers:
             raise ValueError(f"workers: {targets} routing targets (workers x dp ranks) but ingest.max_workers is "
