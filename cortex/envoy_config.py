@@ -188,20 +188,25 @@ def observe_access_log(cfg: CortexConfig) -> dict[str, Any]:
     logs: list[dict[str, Any]] = []
     if cfg.observe.envoy_access_log_path:
         logs.append(envoy_request_log(cfg.observe.envoy_access_log_path))
-    return {"access_log": [*logs, {
+    # Flushed at 16 KiB or every 100 ms: the status page and the per-worker TTFT lag by no more.
+    return {"access_log": [*logs, grpc_access_log("cortex", OBSERVE_CLUSTER, "0.100s")]}
+
+
+def grpc_access_log(name: str, cluster: str, flush: str) -> dict[str, Any]:
+    """Envoy's gRPC access-log stream to `cluster`, flushed at 16 KiB or every `flush`."""
+    return {
         "name": "envoy.access_loggers.http_grpc",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {
-                "log_name": "cortex",
+                "log_name": name,
                 "transport_api_version": "V3",
-                "grpc_service": {"envoy_grpc": {"cluster_name": OBSERVE_CLUSTER}},
-                # Flushed at 16 KiB or every 100 ms: the status page and the per-worker TTFT lag by no more.
-                "buffer_flush_interval": "0.100s",
+                "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
+                "buffer_flush_interval": flush,
                 "buffer_size_bytes": 16384,
             },
         },
-    }]}
+    }
 
 
 def envoy_request_log(path: str) -> dict[str, Any]:
@@ -325,21 +330,16 @@ def _access_logs(cfg: CortexConfig, http: bool) -> dict[str, Any]:
     logs = observe_access_log(cfg).get("access_log", [])
     if http:
         for i in range(cfg.extproc.process_count()):
-            logs.append({
-                "name": "envoy.access_loggers.http_grpc",
-                # Only the requests process i decided (the Lua caller wrote its index).
-                "filter": {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
-                    "expression": f"metadata.filter_metadata['{DECIDE_FILTER}']['owner'] == '{i}'"}}},
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
-                    "common_config": {
-                        "log_name": f"cortex-end-{i}", "transport_api_version": "V3",
-                        "grpc_service": {"envoy_grpc": {"cluster_name": f"{END_CLUSTER}{i}"}},
-                        # The Lua caller tells a request's end at once; this is for the requests whose client left
-                        # before the answer's end (their slot is freed within 50 ms): batched, as an entry per
-                        # request costs the process a gRPC message (~1 ms of added latency back to back).
-                        "buffer_size_bytes": 16384, "buffer_flush_interval": "0.050s"}}})
+            # The Lua caller tells a request's end at once; this is for the requests whose client left before the
+            # answer's end (their slot is freed within 50 ms): batched, as an entry per request costs the process a
+            # gRPC message (~1 ms of added latency back to back). Only the requests process i decided (the Lua
+            # caller wrote its index).
+            logs.append({**grpc_access_log(f"cortex-end-{i}", f"{END_CLUSTER}{i}", "0.050s"),
+                         "filter": {"extension_filter": {
+                             "name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+                                 "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3."
+                                          "ExpressionFilter",
+                                 "expression": f"metadata.filter_metadata['{DECIDE_FILTER}']['owner'] == '{i}'"}}}})
     return {"access_log": logs} if logs else {}
 
 

@@ -99,18 +99,11 @@ class HttpDecisions:
                     if a.WhichOneof("response") in ("request_body", "immediate_response"):
                         break
         except BaseException:
-            feed.put_nowait(None)
-            with contextlib.suppress(StopAsyncIteration, Exception):
-                await anext(answers)
-            await answers.aclose()
+            await _close(feed, answers)
             raise
         out = http_exchange.answer(got, **self._claims(st))
         if got[-1].HasField("immediate_response"):
-            # Refused: nothing is held past the answer (a gRPC stream ends there too).
-            feed.put_nowait(None)
-            with contextlib.suppress(StopAsyncIteration):
-                await anext(answers)
-            await answers.aclose()
+            await _close(feed, answers)  # refused: nothing is held past the answer (a gRPC stream ends there too)
         else:
             self._hold(rid, feed, answers)
         return web.Response(status=out.status, headers=CIMultiDict(out.headers), body=out.body)
@@ -227,3 +220,11 @@ class HttpDecisions:
 
 def _pairs(headers: list[HeaderValueOption]) -> list[tuple[str, str]]:
     return [(h.header.key, h.header.raw_value.decode("latin-1")) for h in headers]
+
+
+async def _close(feed: asyncio.Queue[pb.ProcessingRequest | None], answers: Any) -> None:
+    """End a request's stream now: its machine sees the stream close and releases what it held."""
+    feed.put_nowait(None)
+    with contextlib.suppress(StopAsyncIteration, Exception):
+        await anext(answers)
+    await answers.aclose()
